@@ -1,0 +1,47 @@
+"""The attention-backend contract and the per-step metadata the runner builds for it.
+
+Token layout of one step: the `num_decode` single-token rows come first, then each
+prefill chunk's tokens contiguously (`PrefillSpan`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    """One multi-token chunk: rows [begin, end) of the step, at positions [context_start, ...)."""
+
+    begin: int
+    end: int
+    context_start: int  # tokens of this sequence already in the cache before the chunk
+    gather_index: torch.Tensor | None  # [context_start + n] cache slots; None when context_start == 0
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
+    num_decode: int
+    decode_gather: torch.Tensor | None  # [B, Lmax] int64 cache slots of each decode row's context
+    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] bool: True where a slot is real context
+    prefills: tuple[PrefillSpan, ...]
+
+
+class AttentionBackend(Protocol):
+    """Writes the step's new K/V into the paged cache and attends over each row's context."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+        v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        ...

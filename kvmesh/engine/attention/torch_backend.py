@@ -1,0 +1,68 @@
+"""Reference CPU backend: torch SDPA with native GQA over gathered pages.
+
+Decode rows are attended as one padded batch (no per-sequence Python loop); prefill chunks,
+which are few per step, one SDPA call each.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvmesh.engine.attention.base import AttentionMetadata, PrefillSpan
+
+
+class TorchAttention:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.num_decode:
+            out[: meta.num_decode] = self._decode(q[: meta.num_decode], k_cache, v_cache, meta, scale)
+        for span in meta.prefills:
+            out[span.begin:span.end] = self._prefill(q, k, v, k_cache, v_cache, span, scale)
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        keys = k_cache[meta.decode_gather].transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_cache[meta.decode_gather].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        return out.squeeze(2)
+
+    @staticmethod
+    def _prefill(q, k, v, k_cache, v_cache, span: PrefillSpan, scale: float) -> torch.Tensor:
+        query = q[span.begin:span.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if span.gather_index is None:
+            keys, values, mask, causal = k[span.begin:span.end], v[span.begin:span.end], None, True
+        else:
+            keys, values = k_cache[span.gather_index], v_cache[span.gather_index]
+            mask, causal = _offset_causal_mask(span.end - span.begin, span.context_start, q.device), False
+        out = F.scaled_dot_product_attention(
+            query,
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(0).transpose(0, 1)
+
+
+def _offset_causal_mask(n: int, offset: int, device: torch.device) -> torch.Tensor:
+    """Query i (at position offset + i) sees keys 0..offset + i."""
+    rows = torch.arange(n, device=device).unsqueeze(1) + offset
+    cols = torch.arange(offset + n, device=device).unsqueeze(0)
+    return cols <= rows

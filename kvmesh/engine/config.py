@@ -1,0 +1,77 @@
+"""Frozen, validated configs of the engine's components."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvmesh.errors import InvalidRequestError, ModelFormatError
+
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling (HF `rope_scaling`); kind is default, linear or llama3."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters, in HF Llama terms."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelFormatError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if min(self.vocab_size, self.hidden_size, self.num_layers, self.head_dim) <= 0:
+            raise ModelFormatError("model config has a non-positive dimension")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine needs beyond the model: dtype, KV pool and batching limits."""
+
+    model: str
+    dtype: str = "fp32"
+    page_size: int = 16
+    num_pages: int | None = None  # None: derived from kv_cache_bytes
+    kv_cache_bytes: int = 512 << 20
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None  # None: the model's context length
+    enable_prefix_caching: bool = True
+    attention_backend: str = "torch"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise InvalidRequestError(f"page_size must be a power of two, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise InvalidRequestError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be >= 1")

@@ -1,0 +1,82 @@
+"""Incremental detokenization with stop strings, usable by the engine and the gateway."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvmesh.engine.tokenizer import Tokenizer
+
+_REPLACEMENT = "\ufffd"
+_WINDOW = 6  # tokens of left context re-decoded so merges across tokens render right
+
+
+@dataclass(frozen=True)
+class DetokenizeResult:
+    """Text newly safe to show, and whether a stop string ended the output."""
+
+    delta: str
+    stopped_on: str | None = None
+
+
+class IncrementalDetokenizer:
+    """Turns output token ids into text deltas; holds back a possible partial stop string."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: Sequence[str] = (),
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+        prompt_ids: Sequence[int] = (),
+    ) -> None:
+        self._tok = tokenizer
+        self._stop = tuple(stop)
+        self._include_stop = include_stop
+        self._skip = skip_special_tokens
+        # A few prompt tokens of left context, so the first output token renders as it would inline.
+        self._ids: list[int] = list(prompt_ids[-_WINDOW:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""  # everything decoded so far (truncated at a stop string)
+        self._emitted = 0
+        self.stopped_on: str | None = None
+
+    def push(self, token_ids: Sequence[int], final: bool = False) -> DetokenizeResult:
+        if self.stopped_on is not None:
+            return DetokenizeResult("", self.stopped_on)
+        for token_id in token_ids:
+            self._ids.append(token_id)
+            self.text += self._decode_new()
+            if self._stop and self._check_stop():
+                break
+        return DetokenizeResult(self._take(final or self.stopped_on is not None), self.stopped_on)
+
+    def _decode_new(self) -> str:
+        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
+        full = self._tok.decode(self._ids[self._prefix_offset:], self._skip)
+        if full.endswith(_REPLACEMENT) or len(full) <= len(prefix):
+            return ""  # an incomplete UTF-8 sequence: wait for more tokens
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return full[len(prefix):]
+
+    def _check_stop(self) -> bool:
+        longest = max(len(s) for s in self._stop)
+        start = max(0, len(self.text) - longest - 32)
+        hits = [(self.text.find(s, start), s) for s in self._stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        self.text = self.text[: index + (len(stop) if self._include_stop else 0)]
+        self.stopped_on = stop
+        return True
+
+    def _take(self, final: bool) -> str:
+        end = len(self.text)
+        if not final and self._stop:
+            end = max(self._emitted, end - max(len(s) for s in self._stop) + 1)
+        delta = self.text[self._emitted:end]
+        self._emitted = end
+        return delta

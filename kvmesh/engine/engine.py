@@ -1,0 +1,136 @@
+"""The token-level engine: add requests, step, abort. generate -> step -> schedule -> run -> update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from kvmesh import env
+from kvmesh.engine.attention import get_backend
+from kvmesh.engine.config import EngineConfig, ModelConfig
+from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig, salt_root
+from kvmesh.engine.kv_cache import KVCacheSpec, PagedKVCache
+from kvmesh.engine.loader import load_weights, resolve_model
+from kvmesh.engine.models import build_model
+from kvmesh.engine.runner import ModelRunner
+from kvmesh.engine.sampler import Sampler, TokenLogprob
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
+from kvmesh.engine.sequence import FinishReason, Sequence
+from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.errors import ContextLengthError, InvalidRequestError
+
+log = structlog.get_logger(__name__)
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob | None]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        if env.num_threads():
+            torch.set_num_threads(env.num_threads())
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.source = resolve_model(config.model)
+        model_config, weights = load_weights(self.source)
+        self.model_config: ModelConfig = model_config
+        self.tokenizer = Tokenizer.from_source(self.source, model_config.eos_token_ids)
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        dtype = TORCH_DTYPES[config.dtype]
+        model = build_model(model_config, weights, dtype, self.max_model_len)
+        spec = KVCacheSpec.for_model(model_config, config.page_size, dtype)
+        num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
+        self.kv_cache = PagedKVCache(spec, num_pages)
+        # A sequence longer than the whole pool could never be rescheduled after preemption.
+        self.max_model_len = min(self.max_model_len, self.kv_cache.capacity_tokens)
+        self.kv_dtype = config.dtype
+        self.block_manager = BlockManager(
+            BlockManagerConfig(num_pages, config.page_size, config.enable_prefix_caching),
+            BlockHasher(config.page_size, salt_root(self.source.name, config.page_size, self.kv_dtype)),
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            self.block_manager,
+            self.tokenizer.eos_token_ids,
+        )
+        self.runner = ModelRunner(model, self.kv_cache, get_backend(config.attention_backend))
+        self.sampler = Sampler()
+        log.info("engine.ready", model=self.source.name, dtype=config.dtype, pages=num_pages,
+                 capacity_tokens=self.kv_cache.capacity_tokens)
+
+    @property
+    def model_name(self) -> str:
+        return self.source.name
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._validate(prompt_token_ids)
+        if self.scheduler.get(request_id) is not None:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params))
+
+    def _validate(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        if len(prompt) >= self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt)} tokens; this model's context length is "
+                f"{self.max_model_len} tokens, leaving no room to generate"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.scheduler.abort(request_id)
+        self.sampler.release(request_id)
+        return seq is not None
+
+    def finish(self, request_id: str, reason: FinishReason) -> None:
+        """End a request early (e.g. a stop string found by the detokenizer)."""
+        self.scheduler.finish(request_id, reason)
+        self.sampler.release(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[TokenOutput]:
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        result = self.runner.run(output.chunks)
+        sampled = self.sampler(result.logits, result.seqs) if result.seqs else None
+        tokens = dict(zip((s.seq_id for s in result.seqs), sampled.token_ids, strict=True)) if sampled else {}
+        logprobs = dict(zip((s.seq_id for s in result.seqs), sampled.logprobs, strict=True)) if sampled else {}
+        finished = {s.seq_id for s in self.scheduler.update(output, tokens)}
+        for seq_id in finished:
+            self.sampler.release(seq_id)
+        return [self._output(s, tokens, logprobs, finished) for s in result.seqs]
+
+    @staticmethod
+    def _output(seq: Sequence, tokens, logprobs, finished) -> TokenOutput:
+        done = seq.seq_id in finished
+        return TokenOutput(
+            request_id=seq.seq_id,
+            new_token_ids=[tokens[seq.seq_id]],
+            new_logprobs=[logprobs[seq.seq_id]],
+            finished=done,
+            finish_reason=seq.finish_reason if done else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )

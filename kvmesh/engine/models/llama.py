@@ -1,0 +1,113 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral) on paged KV.
+
+Plain tensors instead of nn.Modules keep per-layer Python overhead low on the decode path.
+Q/K/V and gate/up projections are fused at load time into one matmul each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvmesh.engine.attention import AttentionBackend, AttentionMetadata
+from kvmesh.engine.config import ModelConfig
+from kvmesh.engine.models.rope import RotaryEmbedding, apply_rotary, inv_frequencies
+from kvmesh.errors import ModelFormatError
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 I, H]
+    down: torch.Tensor
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 max_positions: int) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim ** -0.5
+        take = _Taker(weights, dtype)
+        self.embed = take("model.embed_tokens.weight")
+        self.layers = [self._layer(take, i) for i in range(config.num_layers)]
+        self.norm = take("model.norm.weight")
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = self.embed if tied else take("lm_head.weight")
+        rope_freqs = weights.get("rope_freqs")
+        self.rope = RotaryEmbedding(inv_frequencies(config, rope_freqs), max_positions, dtype)
+
+    def _layer(self, take: _Taker, i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        bias = None
+        if self.config.attention_bias:
+            bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        return LayerWeights(
+            input_norm=take(p + "input_layernorm.weight"),
+            qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            qkv_bias=bias,
+            o_proj=take(p + "self_attn.o_proj.weight"),
+            post_norm=take(p + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+            down=take(p + "mlp.down_proj.weight"),
+        )
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                attention: AttentionBackend) -> torch.Tensor:
+        """Hidden states [T, H] after the final norm's input (call `logits` on chosen rows)."""
+        cos, sin = self.rope.tables(positions)
+        h = F.embedding(input_ids, self.embed)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            h = h + self._attention(layer, self._norm(h, layer.input_norm), cos, sin, meta,
+                                    k_cache, v_cache, attention)
+            h = h + self._mlp(layer, self._norm(h, layer.post_norm))
+        return h
+
+    def _attention(self, w: LayerWeights, x, cos, sin, meta, k_cache, v_cache, attention):
+        c = self.config
+        qkv = F.linear(x, w.qkv, w.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        v = v.reshape(-1, c.num_kv_heads, c.head_dim)
+        out = attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return F.linear(out.reshape(-1, self.q_size), w.o_proj)
+
+    @staticmethod
+    def _mlp(w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w.down)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
+        normed = F.rms_norm(x.float(), weight.shape, None, self.config.rms_norm_eps)
+        return weight * normed.to(x.dtype)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, V] for the given rows of `forward`'s output."""
+        return F.linear(self._norm(hidden, self.norm), self.lm_head).float()
+
+
+class _Taker:
+    """Pops named tensors from the state dict, cast to the model dtype, with clear errors."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.weights = weights
+        self.dtype = dtype
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            raise ModelFormatError(f"weights lack tensor {name!r}")
+        return self.weights[name].to(self.dtype).contiguous()

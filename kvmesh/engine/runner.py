@@ -1,0 +1,89 @@
+"""Turns a scheduler step into tensors, runs the model and returns logits of the rows to sample."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.engine.attention import AttentionBackend, AttentionMetadata, PrefillSpan
+from kvmesh.engine.kv_cache import PagedKVCache
+from kvmesh.engine.models.llama import LlamaModel
+from kvmesh.engine.scheduler import ScheduledChunk
+from kvmesh.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Logits [N, V] (float32) for the N chunks that sample this step, in `seqs` order."""
+
+    logits: torch.Tensor
+    seqs: list[Sequence]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: PagedKVCache, attention: AttentionBackend) -> None:
+        self.model = model
+        self.kv = kv
+        self.attention = attention
+        self.page_size = kv.spec.page_size
+        self._page_offsets = torch.arange(self.page_size)
+
+    def run(self, chunks: Seq[ScheduledChunk]) -> StepResult:
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        prefills = [c for c in chunks if c.num_tokens > 1]
+        ids, positions, slots, sample_rows, seqs = [], [], [], [], []
+        decode_gather = decode_mask = None
+        if decodes:
+            decode_gather, decode_mask, decode_slots = self._decode_inputs(decodes)
+            ids.append(torch.tensor([c.seq.token_ids[c.start] for c in decodes]))
+            positions.append(torch.tensor([c.start for c in decodes]))
+            slots.append(decode_slots)
+        spans, row = [], len(decodes)
+        for chunk in prefills:
+            span, chunk_slots = self._prefill_inputs(chunk, row)
+            spans.append(span)
+            ids.append(torch.tensor(chunk.seq.token_ids[chunk.start:chunk.start + chunk.num_tokens]))
+            positions.append(torch.arange(chunk.start, chunk.start + chunk.num_tokens))
+            slots.append(chunk_slots)
+            row = span.end
+        for i, chunk in enumerate(decodes):
+            if chunk.sample:
+                sample_rows.append(i)
+                seqs.append(chunk.seq)
+        for chunk, span in zip(prefills, spans, strict=True):
+            if chunk.sample:
+                sample_rows.append(span.end - 1)
+                seqs.append(chunk.seq)
+        meta = AttentionMetadata(torch.cat(slots), len(decodes), decode_gather, decode_mask, tuple(spans))
+        hidden = self.model.forward(torch.cat(ids), torch.cat(positions), meta, self.kv.layers,
+                                    self.attention)
+        logits = self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long)])
+        return StepResult(logits, seqs)
+
+    def _slots_of(self, block_table: list[int], length: int) -> torch.Tensor:
+        pages = torch.tensor(block_table[: (length + self.page_size - 1) // self.page_size])
+        return (pages.unsqueeze(1) * self.page_size + self._page_offsets).flatten()[:length]
+
+    def _decode_inputs(self, decodes: list[ScheduledChunk]):
+        lengths = torch.tensor([c.start + 1 for c in decodes])
+        max_pages = (int(lengths.max()) + self.page_size - 1) // self.page_size
+        tables = torch.tensor([_padded(c.seq.block_table, max_pages) for c in decodes])
+        gather = (tables.unsqueeze(-1) * self.page_size + self._page_offsets).flatten(1)
+        gather = gather[:, : int(lengths.max())]
+        mask = torch.arange(gather.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+        new_slots = gather.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
+        return gather, mask[:, None, None, :], new_slots
+
+    def _prefill_inputs(self, chunk: ScheduledChunk, row: int) -> tuple[PrefillSpan, torch.Tensor]:
+        end = chunk.start + chunk.num_tokens
+        all_slots = self._slots_of(chunk.seq.block_table, end)
+        gather = all_slots if chunk.start > 0 else None
+        span = PrefillSpan(row, row + chunk.num_tokens, chunk.start, gather)
+        return span, all_slots[chunk.start:]
+
+
+def _padded(table: list[int], width: int) -> list[int]:
+    table = table[:width]
+    return table + [0] * (width - len(table))

@@ -1,0 +1,184 @@
+"""Turns a batch of logits into next tokens: penalties, temperature, top-k/p, min-p, seeded draws.
+
+Order per row, as in vLLM: penalties -> (greedy: argmax) -> temperature -> top-k -> top-p -> min-p
+-> random draw. Logprobs always describe the raw model distribution.
+"""
+
+from __future__ import annotations
+
+from collections import abc
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.sequence import Sequence
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token's log-probability under the raw model distribution."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1-based rank of token_id in the raw distribution
+    top: tuple[tuple[int, float], ...]  # the params.logprobs most likely (token_id, logprob)
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]  # None where the row did not ask for logprobs
+
+
+class Sampler:
+    """Stateless but for the per-request generators of seeded requests."""
+
+    def __init__(self) -> None:
+        self._generators: dict[str, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, seqs: abc.Sequence[Sequence]) -> SamplerOutput:
+        """Pick one token per row of `logits` [B, V]; row i belongs to seqs[i]."""
+        if all(s.params.greedy and not s.params.needs_penalties for s in seqs):
+            token_ids = logits.argmax(dim=-1).tolist()  # hot path: one op, any dtype
+        else:
+            token_ids = self._sample(logits.float(), seqs).tolist()
+        return SamplerOutput(token_ids, compute_logprobs(logits, token_ids, seqs))
+
+    def release(self, seq_id: str) -> None:
+        """Forget the request's generator; a later request with the same seed replays."""
+        self._generators.pop(seq_id, None)
+
+    def _sample(self, logits: torch.Tensor, seqs: abc.Sequence[Sequence]) -> torch.Tensor:
+        if any(s.params.needs_penalties for s in seqs):
+            logits = apply_penalties(logits, seqs)
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            token_ids[rows] = self._draw(logits[rows], [seqs[i] for i in random_rows])
+        return token_ids
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        logits = logits / _column([p.temperature for p in params], logits)
+        if any(_truncates(p) for p in params):
+            logits = filter_logits(logits, params)
+        probs = logits.softmax(dim=-1)
+        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is a draw from p.
+        return (probs / self._noise(probs, seqs)).argmax(dim=-1)
+
+    def _noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        if any(s.params.seed is None for s in seqs):
+            noise.exponential_()
+        for row, seq in enumerate(seqs):
+            if seq.params.seed is not None:
+                noise[row].exponential_(generator=self._generator(seq, probs.device))
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # never 0 / 0
+
+    def _generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(seq.seq_id)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(seq.params.seed)
+            self._generators[seq.seq_id] = generator
+        return generator
+
+
+def apply_penalties(logits: torch.Tensor, seqs: abc.Sequence[Sequence]) -> torch.Tensor:
+    """Repetition (HF, prompt + output) then presence / frequency (OpenAI, output only).
+
+    Returns a new tensor; rows whose penalties are neutral come back unchanged.
+    """
+    params = [s.params for s in seqs]
+    vocab = logits.shape[-1]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        ids = [s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs]
+        seen = _token_counts(ids, vocab, logits.device) > 0
+        penalty = _column([p.repetition_penalty for p in params], logits)
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    if any(_counts_output(p) for p in params):
+        ids = [s.output_token_ids if _counts_output(s.params) else [] for s in seqs]
+        counts = _token_counts(ids, vocab, logits.device)
+        presence = _column([p.presence_penalty for p in params], logits)
+        frequency = _column([p.frequency_penalty for p in params], logits)
+        logits = logits - presence * (counts > 0) - frequency * counts
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: abc.Sequence[SamplingParams]) -> torch.Tensor:
+    """Set to -inf every token that top-k, top-p or min-p excludes (one sort for all three)."""
+    vocab = logits.shape[-1]
+    top_k = _column([p.top_k if p.top_k > 0 else vocab for p in params], logits, torch.int64)
+    # top_p == 1 disables the cut exactly, whatever rounding the cumulative sum suffers.
+    top_p = _column([p.top_p if p.top_p < 1.0 else 2.0 for p in params], logits)
+    log_min_p = _column([p.min_p for p in params], logits).log()  # log(0) = -inf: no cut
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    positions = torch.arange(vocab, device=logits.device)
+    drop = positions >= top_k
+    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix reaching top_p: drop a token once the mass before it is >= top_p.
+    # The top token has 0 mass before it, so it is always kept.
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p
+    # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p); ratios survive renormalisation.
+    drop |= sorted_logits < sorted_logits[:, :1] + log_min_p
+    kept = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.full_like(logits, _NEG_INF).scatter(1, order, kept)
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: list[int], seqs: abc.Sequence[Sequence]
+) -> list[TokenLogprob | None]:
+    """Logprobs of the sampled tokens under log_softmax(raw logits), for rows that ask."""
+    out: list[TokenLogprob | None] = [None] * len(seqs)
+    rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = logits[index].float().log_softmax(dim=-1)
+    chosen = torch.tensor([token_ids[i] for i in rows], device=logits.device).unsqueeze(1)
+    chosen_lp = logprobs.gather(1, chosen)
+    ranks = ((logprobs > chosen_lp).sum(dim=-1) + 1).tolist()
+    k = min(max(seqs[i].params.logprobs or 0 for i in rows), logits.shape[-1])
+    top_lp, top_ids = logprobs.topk(k, dim=-1)
+    chosen_list, top_lp_list, top_ids_list = (
+        chosen_lp.squeeze(1).tolist(),
+        top_lp.tolist(),
+        top_ids.tolist(),
+    )
+    for j, i in enumerate(rows):
+        n = seqs[i].params.logprobs or 0
+        top = tuple(zip(top_ids_list[j][:n], top_lp_list[j][:n], strict=True))
+        out[i] = TokenLogprob(token_ids[i], chosen_list[j], ranks[j], top)
+    return out
+
+
+def _counts_output(params: SamplingParams) -> bool:
+    return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+def _truncates(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
+
+
+def _column(
+    values: list[float] | list[int], like: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A [B, 1] tensor on like's device, to broadcast one value per row."""
+    return torch.tensor(values, dtype=dtype or like.dtype, device=like.device).unsqueeze(1)
+
+
+def _token_counts(ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[B, V] float32 occurrence counts, from one padded id tensor (pad = an extra column V)."""
+    width = max(map(len, ids), default=0)
+    padded = torch.tensor(
+        [row + [vocab] * (width - len(row)) for row in ids], dtype=torch.int64, device=device
+    ).reshape(len(ids), width)
+    counts = torch.zeros(len(ids), vocab + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab]

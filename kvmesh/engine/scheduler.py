@@ -1,0 +1,217 @@
+"""Continuous batching with chunked prefill (vLLM v1 style, pure Python).
+
+Each step has one token budget shared by running sequences (decodes and unfinished prefills,
+in order) and then newly admitted ones (FIFO). When pages run out the last running sequence
+is preempted by recompute: its pages are freed and it goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvmesh.engine.kv.block_manager import BlockManager
+from kvmesh.engine.sequence import FinishReason, SeqStatus, Sequence
+from kvmesh.errors import CapacityError, ContextLengthError
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits: sequences in flight, tokens per forward pass, context length."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must leave room for a prompt token and an output")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens [start, start + num_tokens) of seq run this step; `sample` when they reach the end."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's work: chunks in batch order and the ids preempted while planning it."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[str, ...]
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Decides which tokens of which sequences run each step; owns the waiting/running queues."""
+
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: frozenset[int]
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._seqs: dict[str, Sequence] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def get(self, seq_id: str) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; reject one that could never run."""
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"duplicate seq_id {seq.seq_id!r}")
+        if seq.num_tokens >= self.config.max_model_len:
+            raise ContextLengthError(
+                f"prompt has {seq.num_tokens} tokens; max_model_len is "
+                f"{self.config.max_model_len}, which leaves no room for output"
+            )
+        pool = self.block_manager.config
+        needed = self.block_manager.pages_needed(seq.num_tokens + 1)
+        if needed > pool.num_pages:
+            raise CapacityError(
+                f"prompt of {seq.num_tokens} tokens needs {needed} KV pages of "
+                f"{pool.page_size} tokens, but the pool only has {pool.num_pages}"
+            )
+        seq.status = SeqStatus.WAITING
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Stop a waiting or running sequence and free its pages; None if unknown or done."""
+        return self.finish(seq_id, FinishReason.ABORT)
+
+    def finish(self, seq_id: str, reason: FinishReason) -> Sequence | None:
+        """Finish a sequence from outside (e.g. a stop string matched); None if unknown."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return None
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        self._retire(seq, reason)
+        return seq
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running sequences first, then admit waiting ones while room remains."""
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        budget = self._schedule_running(self.config.max_num_batched_tokens, chunks, preempted)
+        if not preempted:  # as vLLM v1: no admissions in a step that had to preempt
+            budget = self._schedule_waiting(budget, chunks)
+        return SchedulerOutput(
+            tuple(chunks), tuple(preempted), self.config.max_num_batched_tokens - budget
+        )
+
+    def _schedule_running(
+        self, budget: int, chunks: list[ScheduledChunk], preempted: list[str]
+    ) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_tokens <= 0:  # nothing left to compute (update() not applied yet)
+                index += 1
+                continue
+            while not self.block_manager.allocate(seq, num_tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+                if victim is seq:
+                    return budget
+            chunks.append(self._chunk(seq, num_tokens))
+            budget -= num_tokens
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = self.block_manager.match_prefix(seq)
+            num_tokens = min(seq.num_tokens - prefix.num_tokens, budget)
+            if not self.block_manager.allocate(seq, num_tokens, prefix):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, num_tokens))
+            budget -= num_tokens
+        return budget
+
+    @staticmethod
+    def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return ScheduledChunk(seq, start, num_tokens, sample=start + num_tokens == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Sequence]:
+        """Apply a step's results: advance KV progress, append samples, retire finished seqs."""
+        finished: list[Sequence] = []
+        for chunk in output.chunks:
+            seq = chunk.seq
+            if seq.is_finished:
+                continue  # aborted or finished from outside since schedule()
+            seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.cache_full_pages(seq, seq.num_computed_tokens)
+            if not chunk.sample:
+                continue
+            token_id = sampled[seq.seq_id]
+            seq.append_token(token_id)
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                self.running.remove(seq)
+                self._retire(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.params
+        if token_id in params.stop_token_ids or (
+            token_id in self.eos_token_ids and not params.ignore_eos
+        ):
+            return FinishReason.STOP
+        if (
+            seq.num_output_tokens >= params.max_tokens
+            or seq.num_tokens >= self.config.max_model_len
+        ):
+            return FinishReason.LENGTH
+        return None
+
+    def _retire(self, seq: Sequence, reason: FinishReason) -> None:
+        self.block_manager.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        del self._seqs[seq.seq_id]

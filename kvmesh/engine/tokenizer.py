@@ -1,0 +1,71 @@
+"""Tokenizer and chat template, built by transformers from GGUF metadata or tokenizer.json."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvmesh.engine.loader.resolve import ModelSource
+from kvmesh.errors import InvalidRequestError, ModelFormatError
+
+
+class Tokenizer:
+    """A thin, typed face over an HF fast tokenizer."""
+
+    def __init__(self, hf: Any, extra_eos: Sequence[int] = ()) -> None:
+        self.hf = hf
+        eos = {i for i in (hf.eos_token_id,) if i is not None} | set(extra_eos)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.all_special_ids: frozenset[int] = frozenset(hf.all_special_ids)
+
+    @classmethod
+    def from_source(cls, source: ModelSource, extra_eos: Sequence[int] = ()) -> Tokenizer:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        try:
+            if source.gguf_file is not None:
+                hf = AutoTokenizer.from_pretrained(
+                    str(source.gguf_file.parent), gguf_file=source.gguf_file.name
+                )
+            else:
+                hf = AutoTokenizer.from_pretrained(str(source.hf_dir))
+        except Exception as exc:
+            raise ModelFormatError(f"cannot build a tokenizer for {source.name}: {exc}") from exc
+        return cls(hf, extra_eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        return self.hf.convert_ids_to_tokens(list(token_ids))
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.hf.chat_template:
+            raise InvalidRequestError("this model has no chat template; use a plain prompt")
+        _check_messages(messages)
+        return self.hf.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Render the chat template and tokenize it; the template adds special tokens itself."""
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+def _check_messages(messages: Sequence[dict[str, Any]]) -> None:
+    if not messages:
+        raise InvalidRequestError("messages must be a non-empty list")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequestError(f"messages[{i}] must be an object with a string 'role'")
+        if message["role"] not in ("system", "user", "assistant", "tool", "developer"):
+            raise InvalidRequestError(f"messages[{i}].role {message['role']!r} is not supported")

@@ -1,0 +1,25 @@
+"""Every environment knob kvmesh reads, typed, in one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def kvmesh_home() -> Path:
+    """Cache root for fetched models (`$KVMESH_HOME`, default `~/.cache/kvmesh`)."""
+    return Path(os.environ.get("KVMESH_HOME", Path.home() / ".cache" / "kvmesh")).expanduser()
+
+
+def num_threads() -> int | None:
+    """Torch intra-op threads (`KVMESH_NUM_THREADS`); None keeps torch's default."""
+    value = os.environ.get("KVMESH_NUM_THREADS")
+    return int(value) if value else None
+
+
+def log_level() -> str:
+    return os.environ.get("KVMESH_LOG_LEVEL", "WARNING").upper()
+
+
+def log_json() -> bool:
+    return os.environ.get("KVMESH_LOG_JSON", "1") not in ("0", "false", "")

@@ -1,0 +1,29 @@
+"""structlog setup: JSON lines on stderr, with contextvars (request_id, service, worker_id)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+from kvmesh import env
+
+
+def configure_logging(service: str = "kvmesh", level: str | None = None) -> None:
+    level_no = getattr(logging, (level or env.log_level()), logging.WARNING)
+    renderer = (structlog.processors.JSONRenderer(sort_keys=True) if env.log_json()
+                else structlog.dev.ConsoleRenderer(colors=False))
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level_no),
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    structlog.contextvars.bind_contextvars(service=service)

@@ -1,0 +1,222 @@
+"""Scheduler: chunked prefill under one token budget, preemption, stops, aborts (no model)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvmesh.engine.sequence import FinishReason, SeqStatus, Sequence
+from kvmesh.errors import CapacityError, ContextLengthError
+
+PS = 4
+EOS = 2
+
+
+def make_sched(
+    num_pages: int = 64,
+    budget: int = 2048,
+    max_seqs: int = 64,
+    max_model_len: int = 8192,
+    caching: bool = True,
+) -> Scheduler:
+    bm = BlockManager(BlockManagerConfig(num_pages, PS, caching), BlockHasher(PS, 99))
+    config = SchedulerConfig(max_seqs, budget, max_model_len)
+    return Scheduler(config, bm, frozenset({EOS}))
+
+
+def make_seq(seq_id: str, num_prompt: int, **params: object) -> Sequence:
+    base = 1000 * (1 + sum(map(ord, seq_id)))  # distinct prompts: no accidental prefix hits
+    prompt = [base + i for i in range(num_prompt)]
+    return Sequence(seq_id, prompt, SamplingParams(**params))
+
+
+_tokens = itertools.count(500)
+
+
+def step(sched: Scheduler, tokens: dict[str, int] | None = None) -> tuple[SchedulerOutput, list]:
+    """One engine step with fake sampling; checks pool invariants afterwards."""
+    out = sched.schedule()
+    sampled = {c.seq.seq_id: next(_tokens) for c in out.chunks if c.sample}
+    sampled.update(tokens or {})
+    finished = sched.update(out, sampled)
+    sched.block_manager.check_integrity(sched.running)
+    assert all(not s.block_table for s in sched.waiting)
+    return out, finished
+
+
+def plan(out: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
+    return [(c.seq.seq_id, c.start, c.num_tokens, c.sample) for c in out.chunks]
+
+
+def test_config_validated() -> None:
+    for bad in ({"max_num_seqs": 0}, {"max_num_batched_tokens": 0}, {"max_model_len": 1}):
+        with pytest.raises(ValueError):
+            SchedulerConfig(**bad)
+
+
+def test_chunked_prefill_exact_chunks() -> None:
+    sched = make_sched(budget=8)
+    sched.add(make_seq("a", 20, max_tokens=2))
+    assert plan(step(sched)[0]) == [("a", 0, 8, False)]
+    assert plan(step(sched)[0]) == [("a", 8, 8, False)]
+    out, _ = step(sched)
+    assert plan(out) == [("a", 16, 4, True)] and out.num_batched_tokens == 4
+    seq = sched.get("a")
+    assert seq is not None and seq.num_output_tokens == 1 and seq.block_table == [0, 1, 2, 3, 4]
+    out, finished = step(sched)
+    assert plan(out) == [("a", 20, 1, True)] and finished == [seq]
+    assert seq.finish_reason is FinishReason.LENGTH and not sched.has_unfinished()
+    assert sched.schedule().is_empty
+
+
+def test_decodes_share_the_step_with_a_prefill() -> None:
+    sched = make_sched(budget=8)
+    sched.add(make_seq("a", 4, max_tokens=10))
+    assert plan(step(sched)[0]) == [("a", 0, 4, True)]
+    sched.add(make_seq("b", 20, max_tokens=10))
+    out, _ = step(sched)
+    assert plan(out) == [("a", 4, 1, True), ("b", 0, 7, False)] and out.num_batched_tokens == 8
+    assert plan(step(sched)[0]) == [("a", 5, 1, True), ("b", 7, 7, False)]
+    assert plan(step(sched)[0]) == [("a", 6, 1, True), ("b", 14, 6, True)]
+    assert plan(step(sched)[0]) == [("a", 7, 1, True), ("b", 20, 1, True)]
+
+
+def test_max_num_seqs_respected() -> None:
+    sched = make_sched(max_seqs=2)
+    for name in "abc":
+        sched.add(make_seq(name, 3, max_tokens=2))
+    out, _ = step(sched)
+    assert [c.seq.seq_id for c in out.chunks] == ["a", "b"]
+    assert (sched.num_running, sched.num_waiting) == (2, 1)
+    out, finished = step(sched)
+    assert [s.seq_id for s in finished] == ["a", "b"]
+    assert plan(step(sched)[0]) == [("c", 0, 3, True)]
+
+
+def test_preemption_recomputes_the_last_sequence() -> None:
+    sched = make_sched(num_pages=4, caching=False)
+    sched.add(make_seq("a", 7, max_tokens=4))
+    sched.add(make_seq("b", 7, max_tokens=4))
+    assert plan(step(sched)[0]) == [("a", 0, 7, True), ("b", 0, 7, True)]
+    assert plan(step(sched)[0]) == [("a", 7, 1, True), ("b", 7, 1, True)]
+    b = sched.get("b")
+    assert b is not None
+    b_tokens = list(b.token_ids)
+    out, _ = step(sched)  # a needs a 3rd page: b (last) is preempted, nothing admitted
+    assert plan(out) == [("a", 8, 1, True)] and out.preempted == ("b",)
+    assert (b.status, b.num_computed_tokens, b.num_preemptions, b.block_table) == (
+        SeqStatus.WAITING,
+        0,
+        1,
+        [],
+    )
+    assert sched.waiting[0] is b and sched.get("a").block_table == [0, 1, 2]
+    out, finished = step(sched)  # b (9 tokens, 3 pages) does not fit yet
+    assert plan(out) == [("a", 9, 1, True)] and [s.seq_id for s in finished] == ["a"]
+    out, _ = step(sched)
+    assert plan(out) == [("b", 0, 9, True)] and b.token_ids[:9] == b_tokens
+    assert b.status is SeqStatus.RUNNING
+    out, finished = step(sched)
+    assert plan(out) == [("b", 9, 1, True)] and finished == [b] and b.num_output_tokens == 4
+
+
+def test_preempting_the_sequence_being_scheduled_stops() -> None:
+    sched = make_sched(num_pages=4, caching=False)
+    sched.add(make_seq("a", 9, max_tokens=8))
+    sched.add(make_seq("b", 3, max_tokens=8))
+    sched.add(make_seq("c", 1, max_tokens=8))
+    step(sched)  # a: pages 0-2, b: page 3, c cannot be admitted
+    assert plan(step(sched)[0]) == [("a", 9, 1, True), ("b", 3, 1, True)]
+    out, _ = step(sched)  # b needs a 2nd page and is itself the last running seq
+    assert plan(out) == [("a", 10, 1, True)] and out.preempted == ("b",)
+    assert [s.seq_id for s in sched.waiting] == ["b", "c"]
+
+
+def test_abort_waiting_and_running_frees_pages() -> None:
+    sched = make_sched(num_pages=8, max_seqs=1)
+    sched.add(make_seq("a", 10))
+    sched.add(make_seq("b", 10))
+    out = sched.schedule()
+    bm = sched.block_manager
+    assert bm.num_used_pages == 3
+    running = sched.abort("a")
+    assert running is not None and running.finish_reason is FinishReason.ABORT
+    assert running.status is SeqStatus.FINISHED and running.block_table == []
+    assert sched.update(out, {}) == []  # the aborted seq's chunk is skipped
+    waiting = sched.abort("b")
+    assert waiting is not None and waiting.status is SeqStatus.FINISHED
+    assert sched.abort("b") is None and sched.abort("zzz") is None
+    assert bm.num_used_pages == 0 and not sched.has_unfinished()
+    bm.check_integrity([])
+
+
+def test_finish_from_outside() -> None:
+    sched = make_sched()
+    sched.add(make_seq("a", 5))
+    step(sched)
+    seq = sched.finish("a", FinishReason.STOP)
+    assert seq is not None and seq.finish_reason is FinishReason.STOP
+    assert sched.num_running == 0 and sched.block_manager.num_used_pages == 0
+
+
+@pytest.mark.parametrize(
+    ("params", "token", "reason"),
+    [
+        ({}, EOS, FinishReason.STOP),
+        ({"stop_token_ids": (77,)}, 77, FinishReason.STOP),
+        ({"ignore_eos": True, "stop_token_ids": (EOS,)}, EOS, FinishReason.STOP),
+    ],
+)
+def test_stop_tokens(params: dict, token: int, reason: FinishReason) -> None:
+    sched = make_sched()
+    sched.add(make_seq("a", 5, max_tokens=50, **params))
+    step(sched, {"a": 7})
+    _, finished = step(sched, {"a": token})
+    assert [s.finish_reason for s in finished] == [reason]
+    assert finished[0].output_token_ids == [7, token]
+
+
+def test_ignore_eos_keeps_going() -> None:
+    sched = make_sched()
+    sched.add(make_seq("a", 5, max_tokens=3, ignore_eos=True))
+    assert step(sched, {"a": EOS})[1] == [] and step(sched, {"a": EOS})[1] == []
+    assert [s.finish_reason for s in step(sched, {"a": EOS})[1]] == [FinishReason.LENGTH]
+
+
+def test_max_model_len_stops() -> None:
+    sched = make_sched(max_model_len=8)
+    sched.add(make_seq("a", 6, max_tokens=100))
+    assert step(sched)[1] == []
+    _, finished = step(sched)
+    assert [s.finish_reason for s in finished] == [FinishReason.LENGTH]
+    assert finished[0].num_tokens == 8
+    with pytest.raises(ContextLengthError):
+        sched.add(make_seq("b", 8))
+
+
+def test_prefix_hit_sets_cached_tokens() -> None:
+    sched = make_sched()
+    a = make_seq("a", 12, max_tokens=1)
+    sched.add(a)
+    step(sched)
+    b = Sequence("b", a.prompt_token_ids[:8] + [5, 6, 7], SamplingParams(max_tokens=1))
+    sched.add(b)
+    out = sched.schedule()
+    assert plan(out) == [("b", 8, 3, True)]
+    assert b.num_cached_tokens == 8 and b.block_table == [0, 1, 3]
+    assert sched.update(out, {"b": 9}) == [b]
+    sched.block_manager.check_integrity([])
+
+
+def test_capacity_error_for_a_prompt_that_can_never_fit() -> None:
+    sched = make_sched(num_pages=4)
+    with pytest.raises(CapacityError, match="4"):
+        sched.add(make_seq("big", 16))  # 16 + 1 tokens need 5 pages
+    sched.add(make_seq("ok", 15))
+    assert sched.num_waiting == 1
+    with pytest.raises(ValueError):
+        sched.add(make_seq("ok", 3))
