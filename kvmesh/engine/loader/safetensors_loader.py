@@ -31,7 +31,10 @@ def load_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelFormatError(f"{index} is invalid: {exc!r}") from exc
         files = [folder / name for name in names]
     else:
         files = sorted(folder.glob("*.safetensors"))

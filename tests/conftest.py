@@ -1,0 +1,33 @@
+"""Shared fixtures. The real default model is fetched once (make test does it before pytest)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_model_source():
+    from kvmesh.engine.loader import DEFAULT_MODEL, resolve_model
+
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """One fp32 engine on the default model, shared by the tests that only read from it."""
+    from kvmesh import LLM
+
+    return LLM(dtype="fp32", max_num_seqs=32)
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_model_source):
+    """transformers' LlamaForCausalLM on the same GGUF (dequantized to fp32 by transformers)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    gguf = default_model_source.gguf_file
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    return model.eval()
