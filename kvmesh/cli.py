@@ -11,7 +11,9 @@ from kvmesh.errors import KvmeshError
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or HF safetensors folder")
+    p.add_argument(
+        "--model", default="smollm2-135m", help="alias, .gguf file or HF safetensors folder"
+    )
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--kv-cache-mib", type=int, default=512, help="KV page pool budget in MiB")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -83,11 +85,19 @@ def _generate(args: argparse.Namespace) -> int:
     from kvmesh import LLM, SamplingParams
 
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
     )
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mib << 20,
-              max_model_len=args.max_model_len)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_mib << 20,
+        max_model_len=args.max_model_len,
+    )
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:
@@ -95,17 +105,21 @@ def _generate(args: argparse.Namespace) -> int:
     if not args.json:
         print(out.text)
         return 0
-    print(json.dumps({
-        "text": out.text,
-        "token_ids": out.token_ids,
-        "prompt_tokens": len(out.prompt_token_ids),
-        "completion_tokens": len(out.token_ids),
-        "cached_tokens": out.num_cached_tokens,
-        "finish_reason": out.finish_reason,
-        "ttft_s": round(out.ttft_s, 4),
-        "decode_tokens_per_s": round(out.decode_tokens_per_s, 2),
-        "model": llm.engine.model_name,
-    }))
+    print(
+        json.dumps(
+            {
+                "text": out.text,
+                "token_ids": out.token_ids,
+                "prompt_tokens": len(out.prompt_token_ids),
+                "completion_tokens": len(out.token_ids),
+                "cached_tokens": out.num_cached_tokens,
+                "finish_reason": out.finish_reason,
+                "ttft_s": round(out.ttft_s, 4),
+                "decode_tokens_per_s": round(out.decode_tokens_per_s, 2),
+                "model": llm.engine.model_name,
+            }
+        )
+    )
     return 0
 
 

@@ -12,8 +12,11 @@ from kvmesh import env
 
 def configure_logging(service: str = "kvmesh", level: str | None = None) -> None:
     level_no = getattr(logging, (level or env.log_level()), logging.WARNING)
-    renderer = (structlog.processors.JSONRenderer(sort_keys=True) if env.log_json()
-                else structlog.dev.ConsoleRenderer(colors=False))
+    renderer = (
+        structlog.processors.JSONRenderer(sort_keys=True)
+        if env.log_json()
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

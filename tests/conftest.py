@@ -29,5 +29,7 @@ def hf_reference(default_model_source):
 
     hf_logging.set_verbosity_error()
     gguf = default_model_source.gguf_file
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
     return model.eval()

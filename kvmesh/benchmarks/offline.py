@@ -12,13 +12,30 @@ import platform
 import time
 from datetime import UTC, datetime
 
-TOPICS = ("the ocean", "a small robot", "the history of bread", "mountains", "a city at night",
-          "learning to code", "the moon", "coffee", "trains", "a library")
+TOPICS = (
+    "the ocean",
+    "a small robot",
+    "the history of bread",
+    "mountains",
+    "a city at night",
+    "learning to code",
+    "the moon",
+    "coffee",
+    "trains",
+    "a library",
+)
 
 
 def chat_prompts(n: int) -> list[list[dict]]:
-    return [[{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]}, "
-                                         f"part {i}."}] for i in range(n)]
+    return [
+        [
+            {
+                "role": "user",
+                "content": f"Write a short story about {TOPICS[i % len(TOPICS)]}, part {i}.",
+            }
+        ]
+        for i in range(n)
+    ]
 
 
 def bench_kvmesh(llm, conversations, max_tokens: int) -> float:
@@ -40,7 +57,8 @@ def load_transformers(llm, dtype: str):
     torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
     if source.gguf_file is not None:
         return AutoModelForCausalLM.from_pretrained(
-            str(source.gguf_file.parent), gguf_file=source.gguf_file.name, dtype=torch_dtype)
+            str(source.gguf_file.parent), gguf_file=source.gguf_file.name, dtype=torch_dtype
+        )
     return AutoModelForCausalLM.from_pretrained(str(source.hf_dir), dtype=torch_dtype)
 
 
@@ -53,8 +71,13 @@ def bench_transformers(model, tokenizer, conversations, max_tokens: int) -> floa
     batch = hf(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(**batch, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                             do_sample=False, pad_token_id=hf.pad_token_id)
+        out = model.generate(
+            **batch,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=hf.pad_token_id,
+        )
     elapsed = time.perf_counter() - start
     return (out.shape[1] - batch["input_ids"].shape[1]) * len(texts) / elapsed
 
@@ -70,14 +93,28 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     for c in levels:
         convs = chat_prompts(c)
         ours = bench_kvmesh(llm, convs, args.max_tokens)
-        theirs = bench_transformers(hf_model, llm.tokenizer, convs, args.max_tokens) if hf_model else None
-        rows.append({"concurrency": c, "kvmesh_tok_s": round(ours, 1),
-                     "transformers_tok_s": round(theirs, 1) if theirs else None,
-                     "ratio": round(ours / theirs, 2) if theirs else None})
+        theirs = (
+            bench_transformers(hf_model, llm.tokenizer, convs, args.max_tokens)
+            if hf_model
+            else None
+        )
+        rows.append(
+            {
+                "concurrency": c,
+                "kvmesh_tok_s": round(ours, 1),
+                "transformers_tok_s": round(theirs, 1) if theirs else None,
+                "ratio": round(ours / theirs, 2) if theirs else None,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
-    report = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.node(),
-              "model": llm.engine.model_name, "dtype": args.dtype, "max_tokens": args.max_tokens,
-              "rows": rows}
+    report = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": platform.node(),
+        "model": llm.engine.model_name,
+        "dtype": args.dtype,
+        "max_tokens": args.max_tokens,
+        "rows": rows,
+    }
     print(_markdown(report))
     if args.output:
         with open(args.output, "w") as f:
@@ -86,8 +123,13 @@ def run_offline_bench(args: argparse.Namespace) -> int:
 
 
 def _markdown(report: dict) -> str:
-    lines = [f"model {report['model']} {report['dtype']}, {report['max_tokens']} tokens per request",
-             "| concurrency | kvmesh tok/s | transformers tok/s | ratio |", "|---|---|---|---|"]
+    lines = [
+        f"model {report['model']} {report['dtype']}, {report['max_tokens']} tokens per request",
+        "| concurrency | kvmesh tok/s | transformers tok/s | ratio |",
+        "|---|---|---|---|",
+    ]
     for r in report["rows"]:
-        lines.append(f"| {r['concurrency']} | {r['kvmesh_tok_s']} | {r['transformers_tok_s']} | {r['ratio']} |")
+        lines.append(
+            f"| {r['concurrency']} | {r['kvmesh_tok_s']} | {r['transformers_tok_s']} | {r['ratio']} |"
+        )
     return "\n".join(lines)

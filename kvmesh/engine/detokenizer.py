@@ -60,13 +60,13 @@ class IncrementalDetokenizer:
         return bool(new and self._stop) and self._check_stop(searched)
 
     def _decode_new(self, flush: bool = False) -> str:
-        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
-        full = self._tok.decode(self._ids[self._prefix_offset:], self._skip)
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
         if len(full) <= len(prefix) or (full.endswith(_REPLACEMENT) and not flush):
             return ""  # an incomplete UTF-8 sequence: wait for more tokens
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        return full[len(prefix):]
+        return full[len(prefix) :]
 
     def _check_stop(self, searched: int) -> bool:
         # Text before `searched` held no stop string, so a new hit must end after it.
@@ -84,6 +84,6 @@ class IncrementalDetokenizer:
         end = len(self.text)
         if not final and self._stop:
             end = max(self._emitted, end - max(len(s) for s in self._stop) + 1)
-        delta = self.text[self._emitted:end]
+        delta = self.text[self._emitted : end]
         self._emitted = end
         return delta

@@ -51,8 +51,10 @@ class Engine:
         model_config, weights = load_weights(self.source)
         self.model_config: ModelConfig = model_config
         self.tokenizer = Tokenizer.from_source(self.source, model_config.eos_token_ids)
-        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                                 model_config.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings,
+            model_config.max_position_embeddings,
+        )
         dtype = TORCH_DTYPES[config.dtype]
         model = build_model(model_config, weights, dtype, self.max_model_len)
         spec = KVCacheSpec.for_model(model_config, config.page_size, dtype)
@@ -63,7 +65,9 @@ class Engine:
         self.kv_dtype = config.dtype
         self.block_manager = BlockManager(
             BlockManagerConfig(num_pages, config.page_size, config.enable_prefix_caching),
-            BlockHasher(config.page_size, salt_root(self.source.name, config.page_size, self.kv_dtype)),
+            BlockHasher(
+                config.page_size, salt_root(self.source.name, config.page_size, self.kv_dtype)
+            ),
         )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
@@ -72,14 +76,21 @@ class Engine:
         )
         self.runner = ModelRunner(model, self.kv_cache, get_backend(config.attention_backend))
         self.sampler = Sampler()
-        log.info("engine.ready", model=self.source.name, dtype=config.dtype, pages=num_pages,
-                 capacity_tokens=self.kv_cache.capacity_tokens)
+        log.info(
+            "engine.ready",
+            model=self.source.name,
+            dtype=config.dtype,
+            pages=num_pages,
+            capacity_tokens=self.kv_cache.capacity_tokens,
+        )
 
     @property
     def model_name(self) -> str:
         return self.source.name
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
         self._validate(prompt_token_ids)
         if self.scheduler.get(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
@@ -128,8 +139,16 @@ class Engine:
             return []
         result = self.runner.run(output.chunks)
         sampled = self.sampler(result.logits, result.seqs) if result.seqs else None
-        tokens = dict(zip((s.seq_id for s in result.seqs), sampled.token_ids, strict=True)) if sampled else {}
-        logprobs = dict(zip((s.seq_id for s in result.seqs), sampled.logprobs, strict=True)) if sampled else {}
+        tokens = (
+            dict(zip((s.seq_id for s in result.seqs), sampled.token_ids, strict=True))
+            if sampled
+            else {}
+        )
+        logprobs = (
+            dict(zip((s.seq_id for s in result.seqs), sampled.logprobs, strict=True))
+            if sampled
+            else {}
+        )
         finished = {s.seq_id for s in self.scheduler.update(output, tokens)}
         for seq_id in finished:
             self.sampler.release(seq_id)

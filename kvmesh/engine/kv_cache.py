@@ -39,7 +39,11 @@ class PagedKVCache:
         self.spec = spec
         self.num_pages = num_pages
         self.pool = torch.zeros(
-            spec.num_layers, 2, num_pages * spec.page_size, spec.num_kv_heads, spec.head_dim,
+            spec.num_layers,
+            2,
+            num_pages * spec.page_size,
+            spec.num_kv_heads,
+            spec.head_dim,
             dtype=spec.dtype,
         )
         self.layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(spec.num_layers)]

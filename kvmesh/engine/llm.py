@@ -38,7 +38,11 @@ class CompletionOutput:
     @property
     def decode_tokens_per_s(self) -> float:
         decode_time = self.total_s - self.ttft_s
-        return (len(self.token_ids) - 1) / decode_time if decode_time > 0 and len(self.token_ids) > 1 else 0.0
+        return (
+            (len(self.token_ids) - 1) / decode_time
+            if decode_time > 0 and len(self.token_ids) > 1
+            else 0.0
+        )
 
 
 class LLM:
@@ -49,20 +53,26 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None) -> list[CompletionOutput]:
+    def generate(
+        self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None
+    ) -> list[CompletionOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         token_lists = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
         return self.generate_ids(token_lists, params or SamplingParams())
 
-    def chat(self, messages: Messages | Seq[Messages], params: SamplingParams | None = None) -> list[CompletionOutput]:
+    def chat(
+        self, messages: Messages | Seq[Messages], params: SamplingParams | None = None
+    ) -> list[CompletionOutput]:
         if not messages:
             raise InvalidRequestError("messages must be a non-empty list")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         token_lists = [self.tokenizer.encode_chat(c) for c in conversations]
         return self.generate_ids(token_lists, params or SamplingParams())
 
-    def generate_ids(self, prompts: Seq[list[int]], params: SamplingParams) -> list[CompletionOutput]:
+    def generate_ids(
+        self, prompts: Seq[list[int]], params: SamplingParams
+    ) -> list[CompletionOutput]:
         """Run every prompt to completion with continuous batching; outputs in prompt order."""
         start = time.perf_counter()
         outputs: dict[str, CompletionOutput] = {}
@@ -71,10 +81,15 @@ class LLM:
             for prompt in prompts:
                 rid = f"req-{next(self._ids)}"
                 self.engine.add_request(rid, prompt, params)
-                outputs[rid] = CompletionOutput(rid, list(prompt), logprobs=[] if params.logprobs is not None else None)
+                outputs[rid] = CompletionOutput(
+                    rid, list(prompt), logprobs=[] if params.logprobs is not None else None
+                )
                 detoks[rid] = IncrementalDetokenizer(
-                    self.tokenizer, params.stop, params.include_stop_str_in_output,
-                    params.skip_special_tokens, prompt,
+                    self.tokenizer,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                    params.skip_special_tokens,
+                    prompt,
                 )
             while self.engine.has_unfinished():
                 for step in self.engine.step():
@@ -85,7 +100,9 @@ class LLM:
             raise
         return list(outputs.values())
 
-    def _absorb(self, out: CompletionOutput, detok: IncrementalDetokenizer, step: TokenOutput, start: float) -> None:
+    def _absorb(
+        self, out: CompletionOutput, detok: IncrementalDetokenizer, step: TokenOutput, start: float
+    ) -> None:
         now = time.perf_counter() - start
         if not out.token_ids:
             out.ttft_s = now

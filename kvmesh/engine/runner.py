@@ -30,7 +30,9 @@ class ModelRunner:
         self.page_size = kv.spec.page_size
         self._page_offsets = torch.arange(self.page_size)
 
-    def _forward(self, chunks: Seq[ScheduledChunk]) -> tuple[torch.Tensor, list[int], list[Sequence]]:
+    def _forward(
+        self, chunks: Seq[ScheduledChunk]
+    ) -> tuple[torch.Tensor, list[int], list[Sequence]]:
         decodes = [c for c in chunks if c.num_tokens == 1]
         prefills = [c for c in chunks if c.num_tokens > 1]
         ids, positions, slots, sample_rows, seqs = [], [], [], [], []
@@ -44,7 +46,9 @@ class ModelRunner:
         for chunk in prefills:
             span, chunk_slots = self._prefill_inputs(chunk, row)
             spans.append(span)
-            ids.append(torch.tensor(chunk.seq.token_ids[chunk.start:chunk.start + chunk.num_tokens]))
+            ids.append(
+                torch.tensor(chunk.seq.token_ids[chunk.start : chunk.start + chunk.num_tokens])
+            )
             positions.append(torch.arange(chunk.start, chunk.start + chunk.num_tokens))
             slots.append(chunk_slots)
             row = span.end
@@ -56,9 +60,12 @@ class ModelRunner:
             if chunk.sample:
                 sample_rows.append(span.end - 1)
                 seqs.append(chunk.seq)
-        meta = AttentionMetadata(torch.cat(slots), len(decodes), decode_gather, decode_mask, tuple(spans))
-        hidden = self.model.forward(torch.cat(ids), torch.cat(positions), meta, self.kv.layers,
-                                    self.attention)
+        meta = AttentionMetadata(
+            torch.cat(slots), len(decodes), decode_gather, decode_mask, tuple(spans)
+        )
+        hidden = self.model.forward(
+            torch.cat(ids), torch.cat(positions), meta, self.kv.layers, self.attention
+        )
         return hidden, sample_rows, seqs
 
     def run(self, chunks: Seq[ScheduledChunk]) -> StepResult:
@@ -90,7 +97,7 @@ class ModelRunner:
         all_slots = self._slots_of(chunk.seq.block_table, end)
         gather = all_slots if chunk.start > 0 else None
         span = PrefillSpan(row, row + chunk.num_tokens, chunk.start, gather)
-        return span, all_slots[chunk.start:]
+        return span, all_slots[chunk.start :]
 
 
 def _padded(table: list[int], width: int) -> list[int]:

@@ -37,20 +37,32 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(0.0 <= self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}")
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            0.0 <= self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}"
+        )
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0.0,
-               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check(-2.0 <= self.presence_penalty <= 2.0,
-               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        _check(-2.0 <= self.frequency_penalty <= 2.0,
-               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20,
-               f"logprobs must be in [0, 20], got {self.logprobs}")
+        _check(
+            self.repetition_penalty > 0.0,
+            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+        )
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= 20,
+            f"logprobs must be in [0, 20], got {self.logprobs}",
+        )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
         _check(len(self.stop) <= 16, "at most 16 stop strings")
 
@@ -60,8 +72,11 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 def _check(ok: bool, message: str) -> None:

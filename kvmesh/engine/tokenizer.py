@@ -48,7 +48,9 @@ class Tokenizer:
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(list(token_ids))
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         if not self.hf.chat_template:
             raise InvalidRequestError("this model has no chat template; use a plain prompt")
         _check_messages(messages)

@@ -9,13 +9,16 @@ from kvmesh import LLM, SamplingParams
 from kvmesh.errors import ContextLengthError, InvalidRequestError
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-SYSTEM = ("You are a meticulous assistant for a logistics company. Answer with short, precise "
-          "sentences, cite the relevant policy section, and never invent shipment numbers. ") * 2
+SYSTEM = (
+    "You are a meticulous assistant for a logistics company. Answer with short, precise "
+    "sentences, cite the relevant policy section, and never invent shipment numbers. "
+) * 2
 
 
 def _chat(llm, question: str, system: str = SYSTEM) -> list[int]:
-    return llm.tokenizer.encode_chat([{"role": "system", "content": system},
-                                      {"role": "user", "content": question}])
+    return llm.tokenizer.encode_chat(
+        [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    )
 
 
 def test_prefix_cache_hit_gives_the_cold_tokens(llm):
@@ -75,21 +78,28 @@ def test_seeded_sampling_is_reproducible(llm):
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
     first = llm.generate_ids([prompt], params)[0]
     crowd = llm.generate_ids([_chat(llm, "Other"), prompt], params)[1]
-    other_seed = llm.generate_ids([prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=99))[0]
+    other_seed = llm.generate_ids(
+        [prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=99)
+    )[0]
     assert first.token_ids == crowd.token_ids
     assert other_seed.token_ids != first.token_ids
 
 
 def test_stop_string_and_stop_token(llm):
-    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "Count from 1 to 10, comma separated."}])
+    prompt = llm.tokenizer.encode_chat(
+        [{"role": "user", "content": "Count from 1 to 10, comma separated."}]
+    )
     free = llm.generate_ids([prompt], SamplingParams(max_tokens=40, temperature=0.0))[0]
     assert "4" in free.text
-    stopped = llm.generate_ids([prompt], SamplingParams(max_tokens=40, temperature=0.0, stop=["4"]))[0]
+    stopped = llm.generate_ids(
+        [prompt], SamplingParams(max_tokens=40, temperature=0.0, stop=["4"])
+    )[0]
     assert stopped.finish_reason == "stop"
     assert stopped.text == free.text[: free.text.index("4")]
     token = free.token_ids[3]
-    by_id = llm.generate_ids([prompt], SamplingParams(max_tokens=40, temperature=0.0,
-                                                      stop_token_ids=[token]))[0]
+    by_id = llm.generate_ids(
+        [prompt], SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[token])
+    )[0]
     assert by_id.token_ids == free.token_ids[: free.token_ids.index(token) + 1]
     assert by_id.finish_reason == "stop"
     assert free.finish_reason == "stop" and free.token_ids[-1] in llm.tokenizer.eos_token_ids
@@ -99,7 +109,9 @@ def test_max_tokens_and_logprobs(llm):
     out = llm.generate("The sky is", SamplingParams(max_tokens=5, temperature=0.0, logprobs=2))[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
     assert [lp.token_id for lp in out.logprobs] == out.token_ids
-    assert all(lp.rank == 1 and len(lp.top) == 2 and lp.top[0][0] == lp.token_id for lp in out.logprobs)
+    assert all(
+        lp.rank == 1 and len(lp.top) == 2 and lp.top[0][0] == lp.token_id for lp in out.logprobs
+    )
 
 
 def test_bad_requests_raise_typed_errors(llm):

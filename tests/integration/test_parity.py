@@ -30,7 +30,7 @@ def test_greedy_64_tokens_match_transformers(llm, hf_reference, question):
     ours = llm.generate_ids([ids], SamplingParams(max_tokens=64, temperature=0.0))[0]
     with torch.no_grad():
         ref = hf_reference.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
-    assert ours.token_ids == ref[0, len(ids):].tolist()
+    assert ours.token_ids == ref[0, len(ids) :].tolist()
     assert ours.text.strip()
 
 
@@ -51,12 +51,21 @@ def _save_tiny(tmp_path, default_model_source, config) -> str:
 
 TINY = {
     "llama-gqa-llama3-rope": dict(
-        model_type="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        model_type="llama",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
-    "qwen2-bias-tied": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=1,
-                            tie_word_embeddings=True),
+    "qwen2-bias-tied": dict(
+        model_type="qwen2", num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True
+    ),
 }
 
 
@@ -66,8 +75,14 @@ def test_tiny_random_safetensors_match_transformers(tmp_path, default_model_sour
 
     extra = dict(TINY[name])
     config = AutoConfig.for_model(
-        extra.pop("model_type"), vocab_size=49152, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, max_position_embeddings=512, rope_theta=10000.0, **extra,
+        extra.pop("model_type"),
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        **extra,
     )
     path = _save_tiny(tmp_path, default_model_source, config)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -75,8 +90,9 @@ def test_tiny_random_safetensors_match_transformers(tmp_path, default_model_sour
     ids = list(range(100, 300, 3))  # 67 tokens: several pages, crosses the llama3 boundary
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
-        greedy = ref.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
-                              eos_token_id=None)[0, len(ids):].tolist()
+        greedy = ref.generate(
+            torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=None
+        )[0, len(ids) :].tolist()
     torch.testing.assert_close(llm.engine.score(ids), expected, atol=1e-4, rtol=1e-4)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     assert llm.generate_ids([ids], params)[0].token_ids == greedy

@@ -19,7 +19,9 @@ class PrefillSpan:
     begin: int
     end: int
     context_start: int  # tokens of this sequence already in the cache before the chunk
-    gather_index: torch.Tensor | None  # [context_start + n] cache slots; None when context_start == 0
+    gather_index: (
+        torch.Tensor | None
+    )  # [context_start + n] cache slots; None when context_start == 0
 
 
 @dataclass(frozen=True)

@@ -27,15 +27,19 @@ class TorchAttention:
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         if meta.num_decode:
-            out[: meta.num_decode] = self._decode(q[: meta.num_decode], k_cache, v_cache, meta, scale)
+            out[: meta.num_decode] = self._decode(
+                q[: meta.num_decode], k_cache, v_cache, meta, scale
+            )
         for span in meta.prefills:
-            out[span.begin:span.end] = self._prefill(q, k, v, k_cache, v_cache, span, scale)
+            out[span.begin : span.end] = self._prefill(q, k, v, k_cache, v_cache, span, scale)
         return out
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         keys = k_cache[meta.decode_gather].transpose(1, 2)  # [B, Hkv, L, D]
         values = v_cache[meta.decode_gather].transpose(1, 2)
+        if q.dtype != torch.float32:  # CPU SDPA with a mask falls back to a slow path off fp32
+            return _grouped_decode(q, keys, values, meta.decode_mask, scale)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
         )
@@ -43,12 +47,20 @@ class TorchAttention:
 
     @staticmethod
     def _prefill(q, k, v, k_cache, v_cache, span: PrefillSpan, scale: float) -> torch.Tensor:
-        query = q[span.begin:span.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        query = q[span.begin : span.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if span.gather_index is None:
-            keys, values, mask, causal = k[span.begin:span.end], v[span.begin:span.end], None, True
+            keys, values, mask, causal = (
+                k[span.begin : span.end],
+                v[span.begin : span.end],
+                None,
+                True,
+            )
         else:
             keys, values = k_cache[span.gather_index], v_cache[span.gather_index]
-            mask, causal = _offset_causal_mask(span.end - span.begin, span.context_start, q.device), False
+            mask, causal = (
+                _offset_causal_mask(span.end - span.begin, span.context_start, q.device),
+                False,
+            )
         out = F.scaled_dot_product_attention(
             query,
             keys.transpose(0, 1).unsqueeze(0),
@@ -66,3 +78,13 @@ def _offset_causal_mask(n: int, offset: int, device: torch.device) -> torch.Tens
     rows = torch.arange(n, device=device).unsqueeze(1) + offset
     cols = torch.arange(offset + n, device=device).unsqueeze(0)
     return cols <= rows
+
+
+def _grouped_decode(q, keys, values, mask, scale: float) -> torch.Tensor:
+    """One query per row, GQA by grouping query heads per KV head; softmax in fp32."""
+    batch, num_heads, dim = q.shape
+    num_kv = keys.shape[1]
+    grouped = q.view(batch, num_kv, num_heads // num_kv, dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale
+    probs = scores.masked_fill(~mask.view(batch, 1, 1, -1), float("-inf")).softmax(-1)
+    return torch.matmul(probs.to(q.dtype), values).view(batch, num_heads, dim)

@@ -17,7 +17,19 @@ from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.loader.hf_config import config_from_gguf
 from kvmesh.errors import ModelFormatError
 
-SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+SUPPORTED_TYPES = {
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -50,7 +62,9 @@ def open_gguf(path: Path) -> Any:
 def gguf_metadata(reader: Any) -> dict[str, Any]:
     meta: dict[str, Any] = {}
     for name, field in reader.fields.items():
-        if name.startswith("tokenizer.ggml.") and name.endswith(("tokens", "merges", "token_type", "scores")):
+        if name.startswith("tokenizer.ggml.") and name.endswith(
+            ("tokens", "merges", "token_type", "scores")
+        ):
             continue
         try:
             meta[name] = field.contents()
@@ -62,7 +76,11 @@ def gguf_metadata(reader: Any) -> dict[str, Any]:
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
+    vocab = (
+        len(reader.fields["tokenizer.ggml.tokens"].data)
+        if "tokenizer.ggml.tokens" in reader.fields
+        else 0
+    )
     config = config_from_gguf(meta, vocab)
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:

@@ -65,7 +65,9 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling:
 def config_from_gguf(meta: dict[str, Any], vocab_size: int) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise ModelFormatError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHS)}")
+        raise ModelFormatError(
+            f"unsupported GGUF architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHS)}"
+        )
 
     def key(name: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{name}", default)
@@ -93,7 +95,8 @@ def config_from_gguf(meta: dict[str, Any], vocab_size: int) -> ModelConfig:
         attention_bias=arch == "qwen2",
         rope_scaling=_rope_scaling(
             {"type": scaling, "factor": meta.get(f"{arch}.rope.scaling.factor", 1.0)}
-            if scaling in ("linear",) else None
+            if scaling in ("linear",)
+            else None
         ),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),

