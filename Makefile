@@ -33,7 +33,7 @@ test: model lint
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
 
 bench: model
-	$(BIN)/kvmesh bench offline --concurrency 1,8,32 --output bench/results/offline.json
+	$(BIN)/kvmesh bench offline --concurrency 1,8,32 --dtype fp32,bf16 --output bench/results/offline.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

