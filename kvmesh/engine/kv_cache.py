@@ -1,7 +1,9 @@
 """The worker's KV page pool: one contiguous tensor, viewed per layer as flat slots.
 
-Layout (fixed here, relied upon by transfer code later): [layer, k|v, page, slot_in_page, head, dim].
-Slot index of token position p of a sequence = block_table[p // page_size] * page_size + p % page_size.
+Layout (fixed here; transfer code relies on it): [page, layer, k|v, slot_in_page, head, dim], so one
+physical page — K and V of `page_size` tokens for every layer — is one contiguous byte range that
+the transfer engine can move in a single segment. Token position p of a sequence lives in page
+block_table[p // page_size] at offset p % page_size.
 """
 
 from __future__ import annotations
@@ -39,18 +41,24 @@ class PagedKVCache:
         self.spec = spec
         self.num_pages = num_pages
         self.pool = torch.zeros(
+            num_pages,
             spec.num_layers,
             2,
-            num_pages * spec.page_size,
+            spec.page_size,
             spec.num_kv_heads,
             spec.head_dim,
             dtype=spec.dtype,
         )
-        self.layers = [(self.pool[i, 0], self.pool[i, 1]) for i in range(spec.num_layers)]
+        # Per-layer [num_pages, page_size, heads, dim] strided views for the attention backend.
+        self.layers = [(self.pool[:, i, 0], self.pool[:, i, 1]) for i in range(spec.num_layers)]
 
     @property
     def capacity_tokens(self) -> int:
         return self.num_pages * self.spec.page_size
+
+    def page_address(self, page_id: int) -> int:
+        """Byte address of one page (for registering with / writing through a transfer engine)."""
+        return self.pool.data_ptr() + page_id * self.spec.page_bytes
 
     @property
     def nbytes(self) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.engine.attention import AttentionBackend, AttentionMetadata, PrefillSpan
+from kvmesh.engine.attention import AttentionBackend, AttentionMetadata, PrefillSpan, Slots
 from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.models.llama import LlamaModel
 from kvmesh.engine.scheduler import ScheduledChunk
@@ -61,7 +61,11 @@ class ModelRunner:
                 sample_rows.append(span.end - 1)
                 seqs.append(chunk.seq)
         meta = AttentionMetadata(
-            torch.cat(slots), len(decodes), decode_gather, decode_mask, tuple(spans)
+            Slots.of(torch.cat(slots), self.page_size),
+            len(decodes),
+            decode_gather,
+            decode_mask,
+            tuple(spans),
         )
         hidden = self.model.forward(
             torch.cat(ids), torch.cat(positions), meta, self.kv.layers, self.attention
@@ -90,12 +94,12 @@ class ModelRunner:
         gather = gather[:, : int(lengths.max())]
         mask = torch.arange(gather.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
         new_slots = gather.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
-        return gather, mask[:, None, None, :], new_slots
+        return Slots.of(gather, self.page_size), mask[:, None, None, :], new_slots
 
     def _prefill_inputs(self, chunk: ScheduledChunk, row: int) -> tuple[PrefillSpan, torch.Tensor]:
         end = chunk.start + chunk.num_tokens
         all_slots = self._slots_of(chunk.seq.block_table, end)
-        gather = all_slots if chunk.start > 0 else None
+        gather = Slots.of(all_slots, self.page_size) if chunk.start > 0 else None
         span = PrefillSpan(row, row + chunk.num_tokens, chunk.start, gather)
         return span, all_slots[chunk.start :]
 

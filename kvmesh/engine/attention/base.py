@@ -13,6 +13,19 @@ import torch
 
 
 @dataclass(frozen=True)
+class Slots:
+    """Cache slots as (page, offset-in-page) index tensors of the same shape."""
+
+    page: torch.Tensor
+    offset: torch.Tensor
+
+    @classmethod
+    def of(cls, flat: torch.Tensor, page_size: int) -> Slots:
+        """From flat slot numbers `page * page_size + offset`."""
+        return cls(torch.div(flat, page_size, rounding_mode="floor"), flat % page_size)
+
+
+@dataclass(frozen=True)
 class PrefillSpan:
     """One multi-token chunk: rows [begin, end) of the step, at positions [context_start, ...)."""
 
@@ -26,9 +39,9 @@ class PrefillSpan:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
+    slot_mapping: Slots  # [T]: cache slot each new token's K/V is written to
     num_decode: int
-    decode_gather: torch.Tensor | None  # [B, Lmax] int64 cache slots of each decode row's context
+    decode_gather: Slots | None  # [B, Lmax]: cache slots of each decode row's context
     decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] bool: True where a slot is real context
     prefills: tuple[PrefillSpan, ...]
 
@@ -41,8 +54,8 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, Hq, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
-        k_cache: torch.Tensor,  # [num_slots, Hkv, D]
-        v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+        k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D] (a strided view of the pool)
+        v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]

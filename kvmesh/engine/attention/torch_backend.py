@@ -23,8 +23,9 @@ class TorchAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        slots = meta.slot_mapping
+        k_cache[slots.page, slots.offset] = k
+        v_cache[slots.page, slots.offset] = v
         out = torch.empty_like(q)
         if meta.num_decode:
             out[: meta.num_decode] = self._decode(
@@ -36,8 +37,9 @@ class TorchAttention:
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        keys = k_cache[meta.decode_gather].transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_cache[meta.decode_gather].transpose(1, 2)
+        gather = meta.decode_gather
+        keys = k_cache[gather.page, gather.offset].transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_cache[gather.page, gather.offset].transpose(1, 2)
         if q.dtype != torch.float32:  # CPU SDPA with a mask falls back to a slow path off fp32
             return _grouped_decode(q, keys, values, meta.decode_mask, scale)
         out = F.scaled_dot_product_attention(
@@ -56,7 +58,8 @@ class TorchAttention:
                 True,
             )
         else:
-            keys, values = k_cache[span.gather_index], v_cache[span.gather_index]
+            index = (span.gather_index.page, span.gather_index.offset)
+            keys, values = k_cache[index], v_cache[index]
             mask, causal = (
                 _offset_causal_mask(span.end - span.begin, span.context_start, q.device),
                 False,
