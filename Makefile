@@ -5,9 +5,17 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 export MC_TCP_BIND_ADDRESS ?= 127.0.0.1
 
-.PHONY: install model up test lint bench clean
+.PHONY: install sysdeps model up test lint bench protos clean
 
-$(STAMP): pyproject.toml
+# Mooncake's engine links libibverbs/librdmacm even for TCP: install them when missing (root).
+sysdeps:
+	@if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q librdmacm.so.1; then \
+	  echo "installing libibverbs1 librdmacm1 libnuma1"; \
+	  apt-get install -y -q libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 librdmacm1 libnuma1 >/dev/null; }; \
+	fi
+
+$(STAMP): pyproject.toml | sysdeps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -U pip
 	$(BIN)/python -m pip install -q torch==2.13.0
@@ -24,8 +32,8 @@ up: model
 	$(BIN)/kvmesh up
 
 lint: install
-	$(BIN)/ruff check kvmesh tests
-	$(BIN)/ruff format --check kvmesh tests
+	$(BIN)/ruff check kvmesh services tests scripts
+	$(BIN)/ruff format --check kvmesh services tests scripts
 
 # pytest exits 5 when it collects nothing: that is a failure here, as is any other non-zero code.
 test: model lint
@@ -34,6 +42,9 @@ test: model lint
 
 bench: model
 	$(BIN)/kvmesh bench offline --concurrency 1,8,32 --dtype fp32,bf16 --output bench/results/offline.json
+
+protos: install
+	$(BIN)/python scripts/gen_protos.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

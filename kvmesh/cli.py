@@ -19,6 +19,27 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
 
 
+def _mesh_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--etcd", required=True, help="etcd endpoint host:port")
+    p.add_argument("--cluster", default="default")
+    p.add_argument("--host", default="127.0.0.1")
+
+
+def _worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--kv-cache-mib", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--protocol", default="tcp", choices=["tcp", "rdma"], help="transfer engine protocol"
+    )
+    p.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=0,
+        help="decode prefills prompts up to this many tokens itself",
+    )
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -37,8 +58,38 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _engine_args(gen)
     _sampling_args(gen)
-    up = sub.add_parser("up", help="run the local demo (offline engine on a demo chat)")
-    _engine_args(up)
+    up = sub.add_parser("up", help="run the local mesh: etcd, gateway, prefill and decode workers")
+    up.add_argument("--model", default="smollm2-135m")
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    up.add_argument("--decode", type=int, default=1, help="decode workers")
+    up.add_argument("--http-port", type=int, default=None)
+    up.add_argument("--grpc-port", type=int, default=None)
+    up.add_argument("--cluster", default="default")
+    up.add_argument(
+        "--demo", action="store_true", help="run the offline engine on a demo chat instead"
+    )
+    _worker_args(up)
+    serve = sub.add_parser("serve", help="run one service of the mesh")
+    serve_sub = serve.add_subparsers(dest="service", required=True)
+    for role in ("prefill", "decode"):
+        worker = serve_sub.add_parser(role)
+        _mesh_args(worker)
+        worker.add_argument("--model", default="smollm2-135m")
+        worker.add_argument("--worker-id", default="")
+        worker.add_argument("--port", type=int, default=0)
+        worker.add_argument("--metrics-port", type=int, default=0)
+        _worker_args(worker)
+    gateway = serve_sub.add_parser("gateway")
+    _mesh_args(gateway)
+    gateway.add_argument("--model", default="smollm2-135m")
+    gateway.add_argument("--http-port", type=int, default=8000)
+    gateway.add_argument("--grpc-port", type=int, default=0)
+    status = sub.add_parser("status", help="list the mesh's workers and their load")
+    status.add_argument(
+        "--etcd", default=None, help="host:port (default: the one `kvmesh up` started)"
+    )
+    status.add_argument("--cluster", default=None)
+    status.add_argument("--json", action="store_true")
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     off = bench_sub.add_parser("offline", help="kvmesh vs transformers tokens/s, same weights")
@@ -71,14 +122,87 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "generate":
         return _generate(args)
     if args.command == "up":
-        from kvmesh.demo import run_demo
+        return _up(args)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "status":
+        from kvmesh.mesh.status import run_status
 
-        return run_demo(args.model, args.dtype)
+        return run_status(args.etcd, args.cluster, args.json)
     if args.command == "bench":
         from kvmesh.benchmarks.offline import run_offline_bench
 
         return run_offline_bench(args)
     return 1
+
+
+_WORKER_FLAGS = ("dtype", "kv_cache_mib", "max_num_seqs", "protocol", "local_prefill_tokens")
+
+
+def _up(args: argparse.Namespace) -> int:
+    if args.demo:
+        from kvmesh.demo import run_demo
+
+        return run_demo(args.model, args.dtype)
+    from kvmesh.mesh.launcher import UpOptions, run_up
+
+    passthrough: list[str] = []
+    for name in _WORKER_FLAGS:
+        passthrough += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return run_up(
+        UpOptions(
+            model=args.model,
+            prefill=args.prefill,
+            decode=args.decode,
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            cluster=args.cluster,
+            worker_args=tuple(passthrough),
+        )
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvmesh.log import configure_logging
+
+    configure_logging(args.service, "INFO")
+    if args.service == "gateway":
+        from services.gateway.main import GatewayOptions, serve_gateway
+
+        asyncio.run(
+            serve_gateway(
+                GatewayOptions(
+                    etcd=args.etcd,
+                    cluster=args.cluster,
+                    model=args.model,
+                    host=args.host,
+                    http_port=args.http_port,
+                    grpc_port=args.grpc_port,
+                )
+            )
+        )
+        return 0
+    from kvmesh.mesh.worker_runtime import WorkerOptions
+
+    options = WorkerOptions(
+        role=args.service,
+        etcd=args.etcd,
+        cluster=args.cluster,
+        worker_id=args.worker_id,
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        model=args.model,
+        **{name: getattr(args, name) for name in _WORKER_FLAGS},
+    )
+    if args.service == "prefill":
+        from services.prefill.main import serve_prefill as serve
+    else:
+        from services.decode.main import serve_decode as serve
+    asyncio.run(serve(options))
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -29,6 +29,15 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
+class Reservation:
+    """Pages reserved for a prompt; the first `cached_pages` already hold its KV (prefix hit)."""
+
+    page_ids: list[int]
+    cached_pages: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
 class TokenOutput:
     """What one step produced for one request."""
 
@@ -76,6 +85,8 @@ class Engine:
         )
         self.runner = ModelRunner(model, self.kv_cache, get_backend(config.attention_backend))
         self.sampler = Sampler()
+        self._reserved: dict[str, Sequence] = {}  # decode: pages awaiting a prefill worker
+        self._kept: dict[str, Sequence] = {}  # prefill: keep_pages requests
         log.info(
             "engine.ready",
             model=self.source.name,
@@ -89,12 +100,68 @@ class Engine:
         return self.source.name
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        keep_pages: bool = False,
     ) -> None:
+        """Queue a request. With keep_pages its pages outlive it until `release` (prefill)."""
         self._validate(prompt_token_ids)
-        if self.scheduler.get(request_id) is not None:
+        if self.scheduler.get(request_id) is not None or request_id in self._reserved:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params))
+        seq = Sequence(request_id, list(prompt_token_ids), params, keep_pages=keep_pages)
+        self.scheduler.add(seq)
+        if keep_pages:
+            self._kept[request_id] = seq
+
+    def pages_of(self, request_id: str) -> list[int]:
+        """Block table of a running, reserved or kept request."""
+        seq = self._reserved.get(request_id) or self._kept.get(request_id)
+        seq = seq or self.scheduler.get(request_id)
+        return list(seq.block_table) if seq else []
+
+    def release(self, request_id: str) -> None:
+        """Free the pages a finished keep_pages request still holds."""
+        self._kept.pop(request_id, None)
+        self.scheduler.release(request_id)
+
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Reservation | None:
+        """Allocate pages for a prompt another worker will fill; None when the pool is full now."""
+        self._validate(prompt_token_ids)
+        if self.scheduler.get(request_id) is not None or request_id in self._reserved:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        prefix = self.block_manager.match_prefix(seq)
+        if not self.block_manager.allocate(seq, seq.num_tokens - prefix.num_tokens, prefix):
+            return None
+        self._reserved[request_id] = seq
+        return Reservation(list(seq.block_table), len(prefix.page_ids), prefix.num_tokens)
+
+    def commit_prefilled(
+        self, request_id: str, first_token: int, logprob: TokenLogprob | None, cached_tokens: int
+    ) -> TokenOutput:
+        """The reserved pages now hold the prompt's KV: join the batch with the first token."""
+        seq = self._reserved.pop(request_id)
+        seq.num_cached_tokens = max(seq.num_cached_tokens, cached_tokens)
+        reason = self.scheduler.add_prefilled(seq, first_token)
+        return TokenOutput(
+            request_id,
+            [first_token],
+            [logprob],
+            reason is not None,
+            reason,
+            seq.num_prompt_tokens,
+            seq.num_cached_tokens,
+        )
+
+    def cancel_reservation(self, request_id: str) -> None:
+        """Free reserved pages; only once no transfer into them can still land."""
+        seq = self._reserved.pop(request_id, None)
+        if seq is not None:
+            self.block_manager.free(seq)
 
     def _validate(self, prompt: list[int]) -> None:
         if not prompt:

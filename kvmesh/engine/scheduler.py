@@ -68,6 +68,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._seqs: dict[str, Sequence] = {}
+        self._held: dict[str, Sequence] = {}  # finished with keep_pages: pages await release()
 
     @property
     def num_waiting(self) -> int:
@@ -102,6 +103,31 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self._seqs[seq.seq_id] = seq
         self.waiting.append(seq)
+
+    def add_prefilled(self, seq: Sequence, first_token: int) -> FinishReason | None:
+        """Join a sequence whose prompt KV another worker wrote into its (allocated) pages.
+
+        Returns the finish reason when the first token already ends it (pages freed then).
+        """
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.cache_full_pages(seq, seq.num_computed_tokens)
+        seq.append_token(first_token)
+        self._seqs[seq.seq_id] = seq
+        reason = self._stop_reason(seq, first_token)
+        if reason is not None:
+            self._retire(seq, reason)
+            return reason
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return None
+
+    def release(self, seq_id: str) -> bool:
+        """Free the pages of a finished `keep_pages` sequence (e.g. after its KV was sent)."""
+        seq = self._held.pop(seq_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free(seq)
+        return True
 
     def abort(self, seq_id: str) -> Sequence | None:
         """Stop a waiting or running sequence and free its pages; None if unknown or done."""
@@ -211,7 +237,10 @@ class Scheduler:
         return None
 
     def _retire(self, seq: Sequence, reason: FinishReason) -> None:
-        self.block_manager.free(seq)
+        if seq.keep_pages and reason is not FinishReason.ABORT:
+            self._held[seq.seq_id] = seq
+        else:
+            self.block_manager.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         del self._seqs[seq.seq_id]

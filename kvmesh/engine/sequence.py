@@ -39,6 +39,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # hashes of this seq's full pages so far
     num_preemptions: int = 0
     cache_salt: str = ""
+    keep_pages: bool = False  # on finish, hold the pages until Scheduler.release (prefill workers)
     arrival: int = field(default_factory=lambda: next(_arrival))
 
     def __post_init__(self) -> None:

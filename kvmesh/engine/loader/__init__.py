@@ -9,7 +9,7 @@ from kvmesh.engine.loader.gguf_loader import load_gguf
 from kvmesh.engine.loader.resolve import DEFAULT_MODEL, ModelSource, resolve_model
 from kvmesh.engine.loader.safetensors_loader import load_hf_folder
 
-__all__ = ["DEFAULT_MODEL", "ModelSource", "load_weights", "resolve_model"]
+__all__ = ["DEFAULT_MODEL", "ModelSource", "load_weights", "read_config", "resolve_model"]
 
 
 def load_weights(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -18,3 +18,20 @@ def load_weights(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tens
         return load_gguf(source.gguf_file)
     assert source.hf_dir is not None
     return load_hf_folder(source.hf_dir)
+
+
+def read_config(source: ModelSource) -> ModelConfig:
+    """The model's config without loading weights (for processes that only tokenize)."""
+    if source.gguf_file is not None:
+        from kvmesh.engine.loader.gguf_loader import gguf_metadata, open_gguf
+        from kvmesh.engine.loader.hf_config import config_from_gguf
+
+        reader = open_gguf(source.gguf_file)
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        return config_from_gguf(gguf_metadata(reader), len(tokens.data) if tokens else 0)
+    import json
+
+    from kvmesh.engine.loader.hf_config import config_from_hf
+
+    assert source.hf_dir is not None
+    return config_from_hf(json.loads((source.hf_dir / "config.json").read_text()))

@@ -1,0 +1,192 @@
+"""The engine in a worker process: one thread runs `Engine.step`; asyncio callers stream outputs.
+
+Every engine call happens under one lock (taken off the event loop with `asyncio.to_thread`),
+so the step loop and RPC handlers never touch the scheduler or the page pool at the same time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import structlog
+
+from kvmesh.engine.engine import Engine, Reservation, TokenOutput
+from kvmesh.engine.sampler import TokenLogprob
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.sequence import FinishReason
+from kvmesh.errors import KvmeshError
+
+log = structlog.get_logger(__name__)
+
+
+class EngineFailure(KvmeshError):
+    code = "engine_failure"
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    num_running: int
+    num_waiting: int
+    prefill_tokens_queued: int
+    kv_tokens_active: int
+    kv_pages_used: int
+    kv_pages_total: int
+    kv_capacity_tokens: int
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # -- the step loop (engine thread) ------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopped:
+            with self._lock:
+                busy = self.engine.has_unfinished()
+                outputs = self._step() if busy else []
+            if not busy:
+                self._wake.wait(0.05)
+                self._wake.clear()
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _step(self) -> list[TokenOutput]:
+        try:
+            return self.engine.step()
+        except (
+            Exception
+        ) as exc:  # a bug or OOM in a step fails the requests in flight, not the worker
+            log.exception("engine.step_failed")
+            for request_id in list(self._queues):
+                self.engine.abort(request_id)
+                self._deliver(request_id, EngineFailure(f"engine step failed: {exc}"))
+            return []
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        entry = self._queues.get(request_id)
+        if entry is not None:
+            loop, queue = entry
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    # -- calls from asyncio -----------------------------------------------------------------
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run an engine method under the lock, off the event loop."""
+
+        def locked() -> Any:
+            with self._lock:
+                return fn(*args)
+
+        result = await asyncio.to_thread(locked)
+        self._wake.set()
+        return result
+
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, keep_pages: bool = False
+    ) -> AsyncIterator[TokenOutput]:
+        """Run a request here (prefill and decode) and stream its outputs."""
+        queue = self._open(request_id)
+        try:
+            await self.call(self.engine.add_request, request_id, prompt, params, keep_pages)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        async for out in self._drain(request_id, queue):
+            yield out
+
+    async def prefill(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> TokenOutput:
+        """Compute the prompt's KV and the first token; the pages stay held until `release`."""
+        last = None
+        async for out in self.generate(request_id, prompt, replace(params, max_tokens=1), True):
+            last = out
+        assert last is not None and last.finished
+        return last
+
+    async def reserve(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> Reservation | None:
+        return await self.call(self.engine.reserve, request_id, prompt, params)
+
+    async def commit(
+        self, request_id: str, first_token: int, logprob: TokenLogprob | None, cached_tokens: int
+    ) -> AsyncIterator[TokenOutput]:
+        """Join the batch after a prefill worker filled the reserved pages; stream outputs."""
+        queue = self._open(request_id)
+        try:
+            first = await self.call(
+                self.engine.commit_prefilled, request_id, first_token, logprob, cached_tokens
+            )
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        if first.finished:
+            self._queues.pop(request_id, None)
+            yield first
+            return
+        queue.put_nowait(first)
+        async for out in self._drain(request_id, queue):
+            yield out
+
+    async def _drain(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[TokenOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # the consumer went away: abort so the pages are freed
+                await self.call(self.engine.abort, request_id)
+
+    def _open(self, request_id: str) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        return queue
+
+    async def abort(self, request_id: str) -> bool:
+        aborted = await self.call(self.engine.abort, request_id)
+        self._deliver(request_id, TokenOutput(request_id, [], [], True, FinishReason.ABORT, 0, 0))
+        return aborted
+
+    async def release(self, request_id: str) -> None:
+        await self.call(self.engine.release, request_id)
+
+    async def cancel_reservation(self, request_id: str) -> None:
+        await self.call(self.engine.cancel_reservation, request_id)
+
+    def load(self) -> EngineLoad:
+        scheduler, pool = self.engine.scheduler, self.engine.block_manager
+        seqs = list(scheduler.running) + list(scheduler.waiting)
+        return EngineLoad(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            prefill_tokens_queued=sum(
+                max(s.num_prompt_tokens - s.num_computed_tokens, 0) for s in seqs
+            ),
+            kv_tokens_active=sum(s.num_tokens for s in scheduler.running),
+            kv_pages_used=pool.num_used_pages,
+            kv_pages_total=pool.config.num_pages,
+            kv_capacity_tokens=self.engine.kv_cache.capacity_tokens,
+        )

@@ -1,0 +1,81 @@
+"""Proto <-> domain conversions shared by every service (one place, no logic)."""
+
+from __future__ import annotations
+
+from kvmesh.engine.sampler import TokenLogprob
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.sequence import FinishReason
+from kvmesh.proto.v1 import common_pb2 as pb
+
+_FINISH_TO_PB = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+
+
+def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def sampling_from_pb(msg: pb.SamplingParams, stop: tuple[str, ...] = ()) -> SamplingParams:
+    """Defaults for unset optional fields; raises InvalidRequestError on bad values."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else 16,
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        stop=stop,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+    )
+
+
+def logprob_to_pb(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
+def logprob_from_pb(msg: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(
+        msg.token_id, msg.logprob, msg.rank, tuple((t.token_id, t.logprob) for t in msg.top)
+    )
+
+
+def finish_to_pb(reason: FinishReason | None) -> int:
+    return (
+        _FINISH_TO_PB.get(reason, pb.FINISH_REASON_UNSPECIFIED)
+        if reason
+        else pb.FINISH_REASON_UNSPECIFIED
+    )
+
+
+def finish_from_pb(value: int) -> FinishReason | None:
+    return _FINISH_FROM_PB.get(value)

@@ -1,0 +1,36 @@
+"""Prometheus metrics of every service, defined once. Each process serves its own /metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+REQUEST_TTFT = Histogram(
+    "kvmesh_request_ttft_seconds", "Time to first token", ["service"], buckets=_LATENCY_BUCKETS
+)
+REQUEST_TPOT = Histogram(
+    "kvmesh_request_tpot_seconds",
+    "Time per output token after the first",
+    ["service"],
+    buckets=_LATENCY_BUCKETS,
+)
+PROMPT_TOKENS = Counter("kvmesh_prompt_tokens_total", "Prompt tokens received", ["service"])
+PROMPT_CACHED_TOKENS = Counter(
+    "kvmesh_prompt_cached_tokens_total", "Prompt tokens served from a KV cache", ["service"]
+)
+GENERATION_TOKENS = Counter("kvmesh_generation_tokens_total", "Tokens generated", ["service"])
+REQUESTS = Counter("kvmesh_requests_total", "Requests by outcome", ["service", "outcome"])
+KV_TRANSFER_BYTES = Counter(
+    "kvmesh_kv_transfer_bytes_total", "KV bytes moved by the transfer engine", ["service"]
+)
+KV_CAPACITY_TOKENS = Gauge("kvmesh_kv_capacity_tokens", "KV pool capacity in tokens", ["service"])
+KV_PAGES_USED = Gauge("kvmesh_kv_pages_used", "KV pages held by running requests", ["service"])
+ROUTING_DECISIONS = Counter(
+    "kvmesh_routing_decisions_total", "Router choices by role and reason", ["role", "reason"]
+)
+
+
+def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
+    """Expose this process's metrics on http://host:port/metrics (a daemon thread)."""
+    start_http_server(port, addr=host)

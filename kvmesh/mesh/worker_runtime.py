@@ -1,0 +1,110 @@
+"""Runs a prefill or decode worker process: engine thread, transfer engine, gRPC server,
+Prometheus endpoint, etcd registration with keep-alive, graceful stop on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import Engine
+from kvmesh.mesh import metrics
+from kvmesh.mesh.discovery import Registry, WorkerInfo
+from kvmesh.mesh.grpc_server import start_server
+from kvmesh.mesh.ports import free_port
+from kvmesh.mesh.transfer import KvTransferEngine, TransferConfig
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    role: str  # "prefill" | "decode"
+    etcd: str  # host:port
+    cluster: str = "default"
+    worker_id: str = ""
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    model: str = "smollm2-135m"
+    dtype: str = "fp32"
+    kv_cache_mib: int = 512
+    max_num_seqs: int = 64
+    protocol: str = "tcp"
+    ttl: int = 5
+    local_prefill_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+
+
+@dataclass(frozen=True)
+class WorkerParts:
+    """What a service needs to build its servicer."""
+
+    options: WorkerOptions
+    worker_id: str
+    engine: AsyncEngine
+    transfer: KvTransferEngine
+    kv_dtype: str
+
+
+ServicerFactory = Callable[[WorkerParts], list[Callable]]
+
+
+async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) -> None:
+    worker_id = options.worker_id or f"{options.role}-{uuid.uuid4().hex[:8]}"
+    structlog.contextvars.bind_contextvars(service=options.role, worker_id=worker_id)
+    engine = Engine(
+        EngineConfig(
+            model=options.model,
+            dtype=options.dtype,
+            kv_cache_bytes=options.kv_cache_mib << 20,
+            max_num_seqs=options.max_num_seqs,
+        )
+    )
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    transfer = KvTransferEngine(TransferConfig(protocol=options.protocol))
+    transfer.register(engine.kv_cache.pool.data_ptr(), engine.kv_cache.nbytes)
+    parts = WorkerParts(options, worker_id, async_engine, transfer, engine.kv_dtype)
+    metrics_port = options.metrics_port or free_port()
+    metrics.serve_metrics(metrics_port, options.host)
+    metrics.KV_CAPACITY_TOKENS.labels(options.role).set(engine.kv_cache.capacity_tokens)
+    server, port, _ = await start_server(make_servicers(parts), options.host, options.port)
+    info = WorkerInfo(
+        role=options.role,
+        worker_id=worker_id,
+        grpc_address=f"{options.host}:{port}",
+        metrics_address=f"{options.host}:{metrics_port}",
+        te_session=transfer.session,
+        model=engine.model_name,
+        page_size=engine.config.page_size,
+        kv_dtype=engine.kv_dtype,
+        capacity_tokens=engine.kv_cache.capacity_tokens,
+    )
+    try:
+        async with Registry(options.etcd, options.cluster) as registry:
+            registration = await registry.register(info, ttl=options.ttl)
+            log.info("worker.ready", grpc=info.grpc_address, metrics=info.metrics_address)
+            await _wait_for_signal()
+            await registration.close()
+    finally:
+        await server.stop(grace=2)
+        async_engine.stop()
+        transfer.close()
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -1,0 +1,55 @@
+from kvmesh.proto.v1 import common_pb2 as _common_pb2
+from kvmesh.proto.v1 import decode_pb2 as _decode_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KvDestination(_message.Message):
+    __slots__ = ("te_session", "pool_address", "page_bytes", "page_ids", "skip_pages", "page_size", "kv_dtype")
+    TE_SESSION_FIELD_NUMBER: _ClassVar[int]
+    POOL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    te_session: str
+    pool_address: int
+    page_bytes: int
+    page_ids: _containers.RepeatedScalarFieldContainer[int]
+    skip_pages: int
+    page_size: int
+    kv_dtype: str
+    def __init__(self, te_session: _Optional[str] = ..., pool_address: _Optional[int] = ..., page_bytes: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., skip_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    destination: KvDestination
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("request_id", "first_token_id", "first_logprob", "cached_tokens", "bytes_transferred", "pages_transferred")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_token_id: int
+    first_logprob: _common_pb2.TokenLogprob
+    cached_tokens: int
+    bytes_transferred: int
+    pages_transferred: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., pages_transferred: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,23 @@
+"""The decode worker process."""
+
+from __future__ import annotations
+
+from kvmesh.mesh.worker_runtime import WorkerOptions, WorkerParts, serve_worker
+from services.decode.server import DecodeServicer, add_to
+from services.decode.worker import DecodeWorker
+
+
+def servicers(parts: WorkerParts) -> list:
+    pool = parts.engine.engine.kv_cache.pool
+    worker = DecodeWorker(
+        parts.engine,
+        parts.transfer.session,
+        pool.data_ptr(),
+        parts.kv_dtype,
+        parts.options.local_prefill_tokens,
+    )
+    return [add_to(DecodeServicer(worker, parts.worker_id))]
+
+
+async def serve_decode(options: WorkerOptions) -> None:
+    await serve_worker(options, servicers)

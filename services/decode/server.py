@@ -1,0 +1,84 @@
+"""Decode gRPC service: a thin adapter from protos to `DecodeWorker`."""
+
+from __future__ import annotations
+
+import grpc
+import structlog
+
+from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.engine import TokenOutput
+from kvmesh.errors import KvmeshError
+from kvmesh.mesh import convert, metrics
+from kvmesh.mesh.error_mapping import grpc_status
+from kvmesh.mesh.loads import load_to_pb
+from kvmesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.decode.worker import DecodeWorker
+
+log = structlog.get_logger(__name__)
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, worker: DecodeWorker, worker_id: str) -> None:
+        self.worker = worker
+        self.engine: AsyncEngine = worker.engine
+        self.worker_id = worker_id
+
+    async def Generate(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        structlog.contextvars.bind_contextvars(request_id=request.request_id)
+        try:
+            params = convert.sampling_from_pb(request.sampling)
+        except KvmeshError as exc:
+            await context.abort(grpc_status(exc), str(exc))
+        generated = 0
+        try:
+            stream = self.worker.generate(
+                request.request_id, list(request.prompt_token_ids), params, request.prefill_address
+            )
+            async for out in stream:
+                generated += len(out.new_token_ids)
+                metrics.GENERATION_TOKENS.labels("decode").inc(len(out.new_token_ids))
+                yield _response(out, generated)
+        except KvmeshError as exc:
+            log.warning("decode.request_failed", code=exc.code, error=str(exc))
+            yield decode_pb2.DecodeResponse(
+                request_id=request.request_id,
+                error=common_pb2.Error(code=exc.code, message=str(exc)),
+            )
+        finally:
+            metrics.KV_PAGES_USED.labels("decode").set(
+                self.engine.engine.block_manager.num_used_pages
+            )
+
+    async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:
+        return decode_pb2.AbortResponse(aborted=await self.engine.abort(request.request_id))
+
+    async def GetLoads(self, request, context) -> decode_pb2.GetLoadsResponse:
+        return decode_pb2.GetLoadsResponse(
+            loads=[load_to_pb(self.engine.load(), self.worker_id, "decode")]
+        )
+
+
+def _response(out: TokenOutput, generated: int) -> decode_pb2.DecodeResponse:
+    msg = decode_pb2.DecodeResponse(
+        request_id=out.request_id,
+        token_ids=out.new_token_ids,
+        logprobs=[convert.logprob_to_pb(lp) for lp in out.new_logprobs if lp is not None],
+    )
+    if out.finished:
+        msg.finish_reason = convert.finish_to_pb(out.finish_reason)
+        msg.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=out.num_prompt_tokens,
+                completion_tokens=generated,
+                cached_tokens=out.num_cached_tokens,
+            )
+        )
+    return msg
+
+
+def add_to(servicer: DecodeServicer):
+    def add(server: grpc.aio.Server) -> str:
+        decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+        return decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+
+    return add

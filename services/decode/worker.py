@@ -1,0 +1,140 @@
+"""Decode-side logic: reserve pages, have a prefill worker fill them, then decode in the batch."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.engine import Reservation, TokenOutput
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.errors import CapacityError, KvmeshError
+from kvmesh.mesh import convert
+from kvmesh.mesh.error_mapping import error_from_grpc
+from kvmesh.mesh.grpc_server import channel
+from kvmesh.proto.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
+
+log = structlog.get_logger(__name__)
+RESERVE_TIMEOUT_S = 30.0
+PREFILL_TIMEOUT_S = 120.0
+
+
+class PrefillUnavailable(KvmeshError):
+    """The prefill worker failed or vanished; the gateway may retry with another one."""
+
+    code = "prefill_unavailable"
+
+
+class DecodeWorker:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        te_session: str,
+        pool_address: int,
+        kv_dtype: str,
+        local_prefill_tokens: int = 0,
+    ) -> None:
+        self.engine = engine
+        self.te_session = te_session
+        self.pool_address = pool_address
+        self.kv_dtype = kv_dtype
+        self.local_prefill_tokens = local_prefill_tokens  # prompts this short are prefilled here
+        self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
+
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, prefill_address: str
+    ) -> AsyncIterator[TokenOutput]:
+        if not prefill_address or len(prompt) <= self.local_prefill_tokens:
+            async for out in self.engine.generate(request_id, prompt, params):
+                yield out
+            return
+        reservation = await self._reserve(request_id, prompt, params)
+        response = await self._remote_prefill(
+            request_id, prompt, params, prefill_address, reservation
+        )
+        first_lp = (
+            convert.logprob_from_pb(response.first_logprob)
+            if response.HasField("first_logprob")
+            else None
+        )
+        cached = max(response.cached_tokens, reservation.cached_tokens)
+        async for out in self.engine.commit(request_id, response.first_token_id, first_lp, cached):
+            yield out
+
+    async def _reserve(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> Reservation:
+        deadline = time.monotonic() + RESERVE_TIMEOUT_S
+        while True:
+            reservation = await self.engine.reserve(request_id, prompt, params)
+            if reservation is not None:
+                return reservation
+            if time.monotonic() > deadline:
+                raise CapacityError(
+                    f"no free KV pages for {len(prompt)} prompt tokens within {RESERVE_TIMEOUT_S}s"
+                )
+            await asyncio.sleep(0.05)
+
+    async def _remote_prefill(
+        self, request_id, prompt, params, address: str, reservation: Reservation
+    ) -> prefill_pb2.PrefillResponse:
+        """Pages are freed only after the Prefill call ended: no transfer can land afterwards."""
+        request = self._prefill_request(request_id, prompt, params, reservation)
+        call = asyncio.ensure_future(
+            self._stub(address).Prefill(request, timeout=PREFILL_TIMEOUT_S)
+        )
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            await self._abort_prefill(address, request_id, call)
+            await self.engine.cancel_reservation(request_id)
+            raise
+        except grpc.aio.AioRpcError as exc:
+            await self.engine.cancel_reservation(request_id)
+            log.warning("decode.prefill_failed", prefill=address, code=exc.code().name)
+            if exc.code() in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.CANCELLED,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.INTERNAL,
+            ):
+                raise PrefillUnavailable(f"prefill worker {address}: {exc.details()}") from exc
+            raise error_from_grpc(exc.code(), f"prefill worker {address}: {exc.details()}") from exc
+
+    async def _abort_prefill(self, address: str, request_id: str, call: asyncio.Future) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._stub(address).Abort(
+                decode_pb2.AbortRequest(request_id=request_id), timeout=5
+            )
+        with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+            await asyncio.wait_for(asyncio.shield(call), timeout=PREFILL_TIMEOUT_S)
+
+    def _prefill_request(
+        self, request_id, prompt, params, reservation: Reservation
+    ) -> prefill_pb2.PrefillRequest:
+        spec = self.engine.engine.kv_cache.spec
+        destination = prefill_pb2.KvDestination(
+            te_session=self.te_session,
+            pool_address=self.pool_address,
+            page_bytes=spec.page_bytes,
+            page_ids=reservation.page_ids,
+            skip_pages=reservation.cached_pages,
+            page_size=spec.page_size,
+            kv_dtype=self.kv_dtype,
+        )
+        return prefill_pb2.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=convert.sampling_to_pb(params),
+            destination=destination,
+        )
+
+    def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:
+        if address not in self._stubs:
+            self._stubs[address] = prefill_pb2_grpc.PrefillStub(channel(address))
+        return self._stubs[address]

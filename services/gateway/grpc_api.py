@@ -1,0 +1,134 @@
+"""The gRPC `Gateway` service: text, chat or token ids in; token ids and text deltas out."""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+import structlog
+
+from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.errors import ContextLengthError, InvalidRequestError, KvmeshError, ModelNotFoundError
+from kvmesh.mesh import convert
+from kvmesh.mesh.error_mapping import grpc_status
+from kvmesh.proto.v1 import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc
+from services.gateway.backend import GenerateBackend, GenerateInput
+
+log = structlog.get_logger(__name__)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, live_counts) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self._live_counts = live_counts  # () -> (prefill workers, decode workers)
+
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ):
+        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        try:
+            prompt, params = self._parse(request)
+        except KvmeshError as exc:
+            await context.abort(grpc_status(exc), str(exc))
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            params.stop,
+            params.include_stop_str_in_output,
+            params.skip_special_tokens,
+            prompt,
+        )
+        completion = 0
+        try:
+            async for chunk in self.backend.generate(GenerateInput(request_id, prompt, params)):
+                completion += len(chunk.token_ids)
+                result = detok.push(chunk.token_ids, final=chunk.finish_reason is not None)
+                finish = chunk.finish_reason
+                if result.stopped_on is not None and finish is None:
+                    await self.backend.abort(request_id)
+                    finish = "stop"
+                yield _response(request_id, chunk, result.delta, finish, len(prompt), completion)
+                if finish is not None:
+                    return
+        except KvmeshError as exc:
+            log.warning("gateway.grpc_failed", code=exc.code, error=str(exc))
+            yield gateway_pb2.GenerateResponse(
+                request_id=request_id, error=common_pb2.Error(code=exc.code, message=str(exc))
+            )
+
+    def _parse(self, request: gateway_pb2.GenerateRequest):
+        if request.model and request.model != self.backend.model_name:
+            raise ModelNotFoundError(
+                f"model {request.model!r} is not served here ({self.backend.model_name})"
+            )
+        kind = request.WhichOneof("input")
+        if kind == "prompt":
+            prompt = self.tokenizer.encode(request.prompt)
+        elif kind == "chat":
+            prompt = self.tokenizer.encode_chat(
+                [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            )
+        elif kind == "token_ids":
+            prompt = list(request.token_ids.ids)
+        else:
+            raise InvalidRequestError("one of prompt, chat or token_ids is required")
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        params = convert.sampling_from_pb(request.sampling, tuple(request.stop))
+        if request.include_stop_str_in_output:
+            from dataclasses import replace
+
+            params = replace(params, include_stop_str_in_output=True)
+        if len(prompt) + params.max_tokens > self.backend.max_model_len:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.backend.max_model_len} tokens; the "
+                f"request has {len(prompt)} prompt tokens and max_tokens {params.max_tokens}"
+            )
+        return prompt, params
+
+    async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:
+        await self.backend.abort(request.request_id)
+        return decode_pb2.AbortResponse(aborted=True)
+
+    async def GetModelInfo(self, request, context) -> gateway_pb2.GetModelInfoResponse:
+        prefill, decode = self._live_counts()
+        return gateway_pb2.GetModelInfoResponse(
+            model=self.backend.model_name,
+            max_model_len=self.backend.max_model_len,
+            vocab_size=self.tokenizer.vocab_size,
+            prefill_workers=prefill,
+            decode_workers=decode,
+        )
+
+
+def _response(
+    request_id, chunk, delta: str, finish: str | None, prompt_tokens: int, completion: int
+):
+    msg = gateway_pb2.GenerateResponse(
+        request_id=request_id,
+        token_ids=chunk.token_ids,
+        text=delta,
+        logprobs=[convert.logprob_to_pb(lp) for lp in chunk.logprobs if lp is not None],
+    )
+    if finish is not None:
+        from kvmesh.engine.sequence import FinishReason
+
+        msg.finish_reason = convert.finish_to_pb(FinishReason(finish))
+        msg.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion,
+                cached_tokens=chunk.cached_tokens,
+            )
+        )
+    return msg
+
+
+def add_to(servicer: GatewayServicer):
+    def add(server: grpc.aio.Server) -> str:
+        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+        return gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+
+    return add

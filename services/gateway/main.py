@@ -1,0 +1,84 @@
+"""The gateway process: REST (OpenAI) + gRPC Gateway, etcd watch, router, load polling."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass
+
+import structlog
+import uvicorn
+
+from kvmesh.engine.loader import read_config, resolve_model
+from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.mesh.discovery import Registry, WorkerWatcher
+from kvmesh.mesh.grpc_server import start_server
+from services.gateway import grpc_api
+from services.gateway.mesh_backend import MeshBackend
+from services.gateway.openai_api import create_app
+from services.gateway.router import Router
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    etcd: str
+    cluster: str = "default"
+    model: str = "smollm2-135m"
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 0
+
+
+async def serve_gateway(options: GatewayOptions) -> None:
+    structlog.contextvars.bind_contextvars(service="gateway")
+    source = resolve_model(options.model)
+    tokenizer = Tokenizer.from_source(source)
+    config = read_config(source)
+    async with Registry(options.etcd, options.cluster) as registry:
+        watcher = WorkerWatcher(registry)
+        await watcher.start()
+        router = Router(watcher.alive)
+        backend = MeshBackend(router, source.name, config.max_position_embeddings)
+        counts = lambda: (len(watcher.alive("prefill")), len(watcher.alive("decode")))  # noqa: E731
+        grpc_server, grpc_port, _ = await start_server(
+            [grpc_api.add_to(grpc_api.GatewayServicer(backend, tokenizer, counts))],
+            options.host,
+            options.grpc_port,
+        )
+        http = uvicorn.Server(
+            uvicorn.Config(
+                create_app(backend, tokenizer),
+                host=options.host,
+                port=options.http_port,
+                log_level="warning",
+                lifespan="off",
+            )
+        )
+        http.install_signal_handlers = lambda: None  # we own SIGTERM/SIGINT
+        poller = asyncio.create_task(router.poll_loads())
+        serving = asyncio.create_task(http.serve())
+        log.info(
+            "gateway.ready",
+            http=f"{options.host}:{options.http_port}",
+            grpc=f"{options.host}:{grpc_port}",
+        )
+        try:
+            await _wait_for_signal_or(serving)
+        finally:
+            http.should_exit = True
+            poller.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+            await grpc_server.stop(grace=2)
+            await watcher.stop()
+
+
+async def _wait_for_signal_or(task: asyncio.Task) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.create_task(stop.wait())
+    await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()

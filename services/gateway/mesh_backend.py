@@ -1,0 +1,146 @@
+"""GenerateBackend over the mesh: route, call Decode.Generate (which pulls in a prefill worker),
+retry on another worker when one is gone before the first token, abort down the chain."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from kvmesh.errors import CapacityError, ContextLengthError, InvalidRequestError, KvmeshError
+from kvmesh.mesh import convert
+from kvmesh.mesh.discovery import WorkerInfo
+from kvmesh.mesh.error_mapping import error_from_grpc
+from kvmesh.mesh.grpc_server import channel
+from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc
+from services.gateway.backend import GenerateChunk, GenerateInput
+from services.gateway.router import Router, WorkerUnavailable
+
+log = structlog.get_logger(__name__)
+MAX_ATTEMPTS = 3
+
+
+class DecodeGone(WorkerUnavailable):
+    """The decode worker failed or vanished (gRPC status on the Generate call)."""
+
+
+class PrefillGone(WorkerUnavailable):
+    """The decode worker reported that its prefill worker failed."""
+
+
+class MeshBackend:
+    def __init__(self, router: Router, model_name: str, max_model_len: int) -> None:
+        self.router = router
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._where: dict[str, str] = {}  # request id -> decode address
+
+    async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        bad_decode: set[str] = set()
+        bad_prefill: set[str] = set()
+        for attempt in range(MAX_ATTEMPTS):
+            decode = self.router.pick("decode", self._decode_cost(request), bad_decode).worker
+            prefill = self._pick_prefill(request, bad_prefill)
+            started = False
+            try:
+                async for chunk in self._stream(request, decode, prefill):
+                    started = True
+                    yield chunk
+                return
+            except WorkerUnavailable as exc:
+                if started or attempt == MAX_ATTEMPTS - 1:
+                    raise
+                log.warning(
+                    "gateway.retry", decode=decode.worker_id, prefill=prefill, error=str(exc)
+                )
+                if isinstance(exc, PrefillGone) and prefill is not None:
+                    bad_prefill.add(prefill.worker_id)
+                else:
+                    bad_decode.add(decode.worker_id)
+
+    def _pick_prefill(self, request: GenerateInput, exclude: set[str]) -> WorkerInfo | None:
+        try:
+            return self.router.pick("prefill", len(request.prompt_token_ids), exclude).worker
+        except WorkerUnavailable:
+            return None  # no prefill pool: decode prefills the prompt itself
+
+    @staticmethod
+    def _decode_cost(request: GenerateInput) -> int:
+        return len(request.prompt_token_ids) + request.params.max_tokens
+
+    async def _stream(
+        self, request: GenerateInput, decode: WorkerInfo, prefill: WorkerInfo | None
+    ) -> AsyncIterator[GenerateChunk]:
+        stub = decode_pb2_grpc.DecodeStub(self._channel(decode.grpc_address))
+        message = decode_pb2.DecodeRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=convert.sampling_to_pb(request.params),
+            prefill_address=prefill.grpc_address if prefill else "",
+        )
+        self._where[request.request_id] = decode.grpc_address
+        held = self._decode_cost(request)
+        try:
+            with (
+                self.router.holding(decode.worker_id, held),
+                self._holding_prefill(prefill, request),
+            ):
+                async for response in stub.Generate(message):
+                    yield _chunk(response)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                raise DecodeGone(
+                    f"decode worker {decode.worker_id} unavailable: {exc.details()}"
+                ) from exc
+            raise error_from_grpc(exc.code(), exc.details()) from exc
+        finally:
+            self._where.pop(request.request_id, None)
+
+    def _holding_prefill(self, prefill: WorkerInfo | None, request: GenerateInput):
+        if prefill is None:
+            return contextlib.nullcontext()
+        return self.router.holding(prefill.worker_id, len(request.prompt_token_ids))
+
+    async def abort(self, request_id: str) -> None:
+        address = self._where.get(request_id)
+        if address is None:
+            return
+        stub = decode_pb2_grpc.DecodeStub(self._channel(address))
+        try:
+            await stub.Abort(decode_pb2.AbortRequest(request_id=request_id), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("gateway.abort_failed", request_id=request_id, code=exc.code().name)
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = channel(address)
+        return self._channels[address]
+
+
+def _chunk(response: decode_pb2.DecodeResponse) -> GenerateChunk:
+    if response.HasField("error"):
+        raise _in_band_error(response.error.code, response.error.message)
+    finish = convert.finish_from_pb(response.finish_reason)
+    return GenerateChunk(
+        token_ids=list(response.token_ids),
+        logprobs=[convert.logprob_from_pb(lp) for lp in response.logprobs],
+        finish_reason=finish.value if finish else None,
+        prompt_tokens=response.usage.prompt_tokens,
+        cached_tokens=response.usage.cached_tokens,
+    )
+
+
+def _in_band_error(code: str, message: str) -> KvmeshError:
+    if code == "prefill_unavailable":
+        return PrefillGone(message)
+    exc = error_from_grpc(grpc.StatusCode.INTERNAL, message)
+    for cls in _ERROR_CLASSES:
+        if cls.code == code:
+            return cls(message)
+    return exc
+
+
+_ERROR_CLASSES = (InvalidRequestError, ContextLengthError, CapacityError, WorkerUnavailable)

@@ -1,0 +1,353 @@
+"""The gateway's OpenAI-compatible REST front end: a Starlette app over a GenerateBackend.
+
+Request flow: read + parse the body (openai_protocol) -> backend.generate -> detokenize and apply
+stop strings here -> one JSON body, or SSE chunks ending in `data: [DONE]`. Whenever the output
+ends before the backend finished (a stop string, a client disconnect, an error) the request is
+aborted down the chain with backend.abort(request_id).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.sampler import TokenLogprob
+from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.errors import InvalidRequestError, KvmeshError
+from kvmesh.mesh import error_mapping, metrics
+from kvmesh.mesh.error_mapping import PayloadTooLargeError, http_status, openai_error_body
+from services.gateway import openai_protocol as proto
+from services.gateway.backend import GenerateBackend, GenerateChunk, GenerateInput
+from services.gateway.openai_protocol import LogprobFormatter, ParsedRequest, ResponseMeta
+
+log = structlog.get_logger(__name__)
+SERVICE = "gateway"
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def create_app(
+    backend: GenerateBackend, tokenizer: Tokenizer, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> Starlette:
+    """POST /v1/chat/completions, /v1/completions; GET /v1/models, /health, /metrics."""
+    api = _OpenAIApi(backend, tokenizer, max_body_bytes)
+    routes = [
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/health", _health, methods=["GET"]),
+        Route("/metrics", _metrics, methods=["GET"]),
+    ]
+    return Starlette(
+        routes=routes,
+        middleware=[Middleware(RequestIdMiddleware)],
+        exception_handlers={HTTPException: _http_exception},
+    )
+
+
+class RequestIdMiddleware:
+    """Gives each request an id (x-request-id if valid, else fresh): in request.state, bound for
+    structlog for the whole request (streaming included) and echoed as a response header."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("x-request-id", "")
+        request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).append("x-request-id", request_id)
+            await send(message)
+
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            await self.app(scope, receive, send_with_id)
+
+
+class _OpenAIApi:
+    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, max_body_bytes: int):
+        self._backend = backend
+        self._tokenizer = tokenizer
+        self._max_body_bytes = max_body_bytes
+        self._served = proto.ServedModel(backend.model_name, backend.max_model_len)
+        self._created = int(time.time())
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self._served.name, "object": "model", "created": self._created}
+        card |= {"owned_by": "kvmesh", "max_model_len": self._served.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def _generate(self, request: Request, kind: proto.Kind) -> Response:
+        request_id: str = request.state.request_id
+        started = time.monotonic()
+        try:
+            body = await _read_json(request, self._max_body_bytes)
+            parsed = await run_in_threadpool(
+                proto.parse_request, kind, body, self._tokenizer, self._served
+            )
+            log.info("request.accepted", kind=kind, prompt_tokens=len(parsed.prompt_token_ids),
+                     max_tokens=parsed.params.max_tokens, stream=parsed.stream)  # fmt: skip
+            generation = _Generation(self._backend, self._tokenizer, parsed, request_id, started)
+            meta = ResponseMeta.for_request(parsed, request_id)
+            formatter = LogprobFormatter(kind, self._tokenizer, parsed.logprobs is not None)
+            if parsed.stream:
+                return await _stream(meta, generation, formatter)
+            result = await _complete(meta, generation, formatter)
+        except Exception as exc:
+            return _error_response(exc)
+        _count("ok")
+        return JSONResponse(result)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output text (stop strings applied) with the logprobs of the tokens behind it."""
+
+    text: str
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class _Generation:
+    """One request's run through the backend; counts tokens and records latency metrics."""
+
+    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, parsed: ParsedRequest,
+                 request_id: str, started: float) -> None:  # fmt: skip
+        self._backend = backend
+        self._parsed = parsed
+        self._request_id = request_id
+        self._started = started
+        params = parsed.params
+        self._detok = IncrementalDetokenizer(
+            tokenizer, parsed.stop, params.include_stop_str_in_output,
+            params.skip_special_tokens, parsed.prompt_token_ids,
+        )  # fmt: skip
+        self._first_token_at: float | None = None
+        self._backend_finished = False
+        self._closed = False
+        self.prompt_tokens = len(parsed.prompt_token_ids)
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+
+    @property
+    def usage(self) -> proto.Usage:
+        return proto.Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
+        """Text deltas; the last one has finish_reason. Aborts the backend if cut short."""
+        request = GenerateInput(
+            self._request_id, list(self._parsed.prompt_token_ids), self._parsed.params
+        )
+        stream = self._backend.generate(request)
+        try:
+            async for chunk in stream:
+                delta = self._consume(chunk)
+                if delta.finish_reason is not None:
+                    await self._close(stream)  # abort a stop-string hit before the client reads
+                    yield delta
+                    return
+                yield delta
+            raise KvmeshError("the backend stream ended without a finish reason")
+        finally:
+            await self._close(stream)
+
+    def _consume(self, chunk: GenerateChunk) -> Delta:
+        if chunk.token_ids and self._first_token_at is None:
+            self._first_token_at = time.monotonic()
+            metrics.REQUEST_TTFT.labels(SERVICE).observe(self._first_token_at - self._started)
+        self.completion_tokens += len(chunk.token_ids)
+        self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+        self._backend_finished = chunk.finish_reason is not None
+        result = self._detok.push(chunk.token_ids, final=self._backend_finished)
+        finish = "stop" if result.stopped_on is not None else chunk.finish_reason
+        return Delta(result.delta, list(chunk.logprobs), finish)
+
+    async def _close(self, stream: AsyncIterator[GenerateChunk]) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):  # runs even while the request is being cancelled
+            if not self._backend_finished:
+                await self._abort()
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        self._record_tokens()
+
+    async def _abort(self) -> None:
+        log.info("request.abort", generated=self.completion_tokens)
+        try:
+            await self._backend.abort(self._request_id)
+        except Exception as exc:  # the request is over for us either way
+            log.warning("request.abort_failed", error=repr(exc))
+
+    def _record_tokens(self) -> None:
+        metrics.PROMPT_TOKENS.labels(SERVICE).inc(self.prompt_tokens)
+        metrics.PROMPT_CACHED_TOKENS.labels(SERVICE).inc(self.cached_tokens)
+        metrics.GENERATION_TOKENS.labels(SERVICE).inc(self.completion_tokens)
+        if self._first_token_at is not None and self.completion_tokens > 1:
+            decode_s = time.monotonic() - self._first_token_at
+            metrics.REQUEST_TPOT.labels(SERVICE).observe(decode_s / (self.completion_tokens - 1))
+
+
+async def _complete(
+    meta: ResponseMeta, generation: _Generation, formatter: LogprobFormatter
+) -> dict[str, Any]:
+    texts: list[str] = []
+    logprobs: list[TokenLogprob | None] = []
+    finish_reason: str | None = None
+    deltas = generation.deltas()
+    try:
+        async for delta in deltas:
+            texts.append(delta.text)
+            logprobs.extend(delta.logprobs)
+            finish_reason = delta.finish_reason
+    finally:
+        await deltas.aclose()
+    return proto.response_body(
+        meta, "".join(texts), finish_reason, formatter.format(logprobs), generation.usage
+    )
+
+
+async def _stream(
+    meta: ResponseMeta, generation: _Generation, formatter: LogprobFormatter
+) -> StreamingResponse:
+    """Waits for the first delta, so an error before any output is a plain HTTP error."""
+    deltas = generation.deltas()
+    try:
+        first = await anext(deltas)
+    except BaseException:
+        await deltas.aclose()
+        raise
+    events = _sse_events(meta, generation, formatter, first, deltas)
+    headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+async def _sse_events(
+    meta: ResponseMeta,
+    generation: _Generation,
+    formatter: LogprobFormatter,
+    first: Delta,
+    deltas: AsyncGenerator[Delta, None],
+) -> AsyncIterator[str]:
+    outcome = "cancelled"  # unless the loop below ends
+    try:
+        if meta.kind == "chat":
+            yield _sse(proto.chunk_body(meta, "", role=True))
+        delta: Delta | None = first
+        while delta is not None:
+            for body in _delta_chunks(meta, delta, formatter):
+                yield _sse(body)
+            delta = await anext(deltas, None)
+        if meta.include_usage:
+            yield _sse(proto.usage_chunk_body(meta, generation.usage))
+        outcome = "ok"
+    except Exception as exc:  # in-band: the HTTP status is already sent
+        outcome = _outcome(http_status(exc))
+        _log_error(exc)
+        yield _sse(openai_error_body(exc))
+    finally:
+        with anyio.CancelScope(shield=True):
+            await deltas.aclose()
+        _count(outcome)
+    yield "data: [DONE]\n\n"
+
+
+def _delta_chunks(meta: ResponseMeta, delta: Delta, formatter: LogprobFormatter) -> list[dict]:
+    logprobs = formatter.format(delta.logprobs) if delta.logprobs else None
+    bodies = []
+    if delta.text or logprobs is not None:
+        bodies.append(proto.chunk_body(meta, delta.text, logprobs=logprobs))
+    if delta.finish_reason is not None:
+        bodies.append(proto.chunk_body(meta, None, delta.finish_reason))
+    return bodies
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    """The body as JSON; 413 past `limit` bytes (declared or actual), 400 when not JSON."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"the request body exceeds {limit} bytes")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise PayloadTooLargeError(f"the request body exceeds {limit} bytes")
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
+
+
+def _error_response(exc: Exception) -> JSONResponse:
+    status = http_status(exc)
+    _count(_outcome(status))
+    _log_error(exc)
+    return JSONResponse(openai_error_body(exc), status_code=status)
+
+
+def _log_error(exc: Exception) -> None:
+    status = http_status(exc)
+    if status == 500:
+        log.error("request.failed", exc_info=exc)
+    else:
+        code = exc.code if isinstance(exc, KvmeshError) else None
+        log.info("request.rejected", status=status, code=code, error=str(exc))
+
+
+def _outcome(status: int) -> str:
+    return "client_error" if status < 500 else "server_error"
+
+
+def _count(outcome: str) -> None:
+    metrics.REQUESTS.labels(SERVICE, outcome).inc()
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    body = error_mapping.error_body(str(exc.detail), "invalid_request_error", None)
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def _metrics(request: Request) -> Response:
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

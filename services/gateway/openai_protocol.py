@@ -1,0 +1,372 @@
+"""OpenAI request parsing and response shapes for the gateway's REST front end (no HTTP here).
+
+Parsing turns a chat or completions body into a tokenized, validated `ParsedRequest`; the
+builders write OpenAI's exact JSON shapes. Only n=1 is supported.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal, TypeVar
+
+import jinja2
+
+from kvmesh.engine.sampler import TokenLogprob
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
+
+Kind = Literal["chat", "completion"]
+T = TypeVar("T")
+
+DEFAULT_MAX_TOKENS = 1024  # max_tokens missing: the remaining context, capped at this
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+_UNSUPPORTED = ("tools", "functions", "logit_bias", "suffix", "echo")  # unless null/false/empty
+_SAMPLING_FIELDS: tuple[tuple[type, tuple[str, ...]], ...] = (  # passed on to SamplingParams
+    (float, ("temperature", "top_p", "min_p", "repetition_penalty")),
+    (float, ("presence_penalty", "frequency_penalty")),
+    (int, ("top_k", "seed")),
+    (bool, ("ignore_eos", "include_stop_str_in_output")),
+)
+_JSON_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string"}
+_JSON_NAMES.update({list: "array", dict: "object"})
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The one model this gateway serves, under the name clients must use."""
+
+    name: str
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated, tokenized /v1/chat/completions or /v1/completions request."""
+
+    kind: Kind
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams  # without stop strings: the gateway applies those itself
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+    user: str | None = None
+
+    @property
+    def logprobs(self) -> int | None:
+        """None: off; N: the sampled token plus N alternatives."""
+        return self.params.logprobs
+
+
+def parse_request(
+    kind: Kind, body: Any, tokenizer: Tokenizer, served: ServedModel
+) -> ParsedRequest:
+    """Validate `body` (decoded JSON); raises InvalidRequestError / ModelNotFoundError."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    model = _check_model(body, served)
+    _check_unsupported(body)
+    stream, include_usage = _stream_options(body)
+    if kind == "chat":
+        prompt = _chat_prompt(body, tokenizer)
+        requested = _get(body, "max_completion_tokens", int)
+        requested = _get(body, "max_tokens", int) if requested is None else requested
+        logprobs = _chat_logprobs(body)
+    else:
+        prompt = _completion_prompt(body, tokenizer)
+        requested = _get(body, "max_tokens", int)
+        logprobs = _get(body, "logprobs", int)
+    max_tokens = _default_max_tokens(len(prompt), served) if requested is None else requested
+    params = _sampling(body, max_tokens, logprobs)
+    _check_context(kind, len(prompt), max_tokens, served.max_model_len)
+    return ParsedRequest(
+        kind, model, tuple(prompt), replace(params, stop=()), params.stop,
+        stream, include_usage, _get(body, "user", str),
+    )  # fmt: skip
+
+
+def _get(body: dict[str, Any], name: str, kind: type[T]) -> T | None:
+    """body[name] checked against a JSON type (bools are not numbers); None when null/absent."""
+    value = body.get(name)
+    if value is None:
+        return None
+    is_bool = isinstance(value, bool)
+    if kind is float and isinstance(value, int | float) and not is_bool:
+        return float(value)  # type: ignore[return-value]
+    if isinstance(value, kind) and (kind is bool or not is_bool):
+        return value
+    got = _JSON_NAMES.get(type(value), type(value).__name__)
+    raise InvalidRequestError(f"'{name}' must be of type {_JSON_NAMES[kind]}, got {got}")
+
+
+def _check_model(body: dict[str, Any], served: ServedModel) -> str:
+    """A missing model means the served one; any other name is unknown."""
+    model = _get(body, "model", str)
+    if model is None:
+        return served.name
+    if model != served.name:
+        raise ModelNotFoundError(
+            f"The model `{model}` does not exist (this server serves `{served.name}`)."
+        )
+    return model
+
+
+def _check_unsupported(body: dict[str, Any]) -> None:
+    for name in _UNSUPPORTED:
+        if body.get(name) not in (None, False, [], {}, ""):
+            raise InvalidRequestError(f"'{name}' is not supported")
+    for name in ("n", "best_of"):
+        value = _get(body, name, int)
+        if value is not None and value != 1:
+            raise InvalidRequestError(f"only {name}=1 is supported, got {name}={value}")
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise InvalidRequestError(
+            '\'response_format\' other than {"type": "text"} is not supported'
+        )
+
+
+def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = bool(_get(body, "stream", bool))
+    options = _get(body, "stream_options", dict) or {}
+    if options and not stream:
+        raise InvalidRequestError("'stream_options' is only allowed when 'stream' is true")
+    return stream, bool(_get(options, "include_usage", bool))
+
+
+def _chat_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+    messages = _get(body, "messages", list)
+    if not messages:
+        raise InvalidRequestError("'messages' is required and must be a non-empty array")
+    flat = [_flatten_message(i, message) for i, message in enumerate(messages)]
+    try:
+        return tokenizer.encode_chat(flat)
+    except (jinja2.TemplateError, TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"the chat template rejected 'messages': {exc}") from exc
+
+
+def _flatten_message(i: int, message: Any) -> dict[str, Any]:
+    """{"role", "content": str}; content parts are joined by newlines."""
+    if not isinstance(message, dict):
+        raise InvalidRequestError(f"'messages[{i}]' must be an object")
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "\n".join(_part_text(i, j, part) for j, part in enumerate(content))
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise InvalidRequestError(f"'messages[{i}].content' must be a string or an array of parts")
+    return {"role": message.get("role"), "content": content}
+
+
+def _part_text(i: int, j: int, part: Any) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    raise InvalidRequestError(
+        f'\'messages[{i}].content[{j}]\' must be {{"type": "text", "text": <string>}} '
+        "(only text parts are supported)"
+    )
+
+
+def _completion_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise InvalidRequestError(
+            "'prompt' must be a string, an array of one string, or an array of token ids "
+            "(batches of several prompts are not supported)"
+        )
+    if not ids:
+        raise InvalidRequestError("'prompt' must not be empty")
+    if any(t < 0 or t >= tokenizer.vocab_size for t in ids):
+        raise InvalidRequestError(f"'prompt' has token ids outside [0, {tokenizer.vocab_size})")
+    return ids
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    enabled = _get(body, "logprobs", bool)
+    top = _get(body, "top_logprobs", int)
+    if top is not None and not enabled:
+        raise InvalidRequestError("'top_logprobs' requires 'logprobs' to be true")
+    return (top or 0) if enabled else None
+
+
+def _default_max_tokens(prompt_len: int, served: ServedModel) -> int:
+    # At least 1, so a prompt that fills the context fails the context check below.
+    return max(1, min(served.max_model_len - prompt_len, DEFAULT_MAX_TOKENS))
+
+
+def _sampling(body: dict[str, Any], max_tokens: int, logprobs: int | None) -> SamplingParams:
+    values = {n: _get(body, n, kind) for kind, names in _SAMPLING_FIELDS for n in names}
+    given = {name: value for name, value in values.items() if value is not None}
+    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=_stop(body), **given)
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise InvalidRequestError("'stop' must be a string or an array of strings")
+
+
+def _check_context(kind: Kind, prompt_len: int, max_tokens: int, limit: int) -> None:
+    total = prompt_len + max_tokens
+    if total <= limit:
+        return
+    if kind == "chat":
+        detail = (
+            f"({prompt_len} in the messages, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+    else:
+        detail = (
+            f"({prompt_len} in your prompt; {max_tokens} for the completion). "
+            "Please reduce your prompt; or completion length."
+        )
+    raise ContextLengthError(
+        f"This model's maximum context length is {limit} tokens. "
+        f"However, you requested {total} tokens {detail}"
+    )
+
+
+# ---- responses ----
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every response body and stream chunk of one request shares."""
+
+    kind: Kind
+    id: str
+    model: str
+    created: int
+    include_usage: bool = False  # streaming: chunks carry "usage": null, a last one the counts
+
+    @classmethod
+    def for_request(cls, parsed: ParsedRequest, request_id: str) -> ResponseMeta:
+        prefix = "chatcmpl-" if parsed.kind == "chat" else "cmpl-"
+        created = int(time.time())
+        return cls(parsed.kind, prefix + request_id, parsed.model, created, parsed.include_usage)
+
+    def head(self, chunk: bool) -> dict[str, Any]:
+        chat_object = "chat.completion.chunk" if chunk else "chat.completion"
+        obj = chat_object if self.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def response_body(
+    meta: ResponseMeta, text: str, finish_reason: str | None, logprobs: Any, usage: Usage
+) -> dict[str, Any]:
+    """A whole chat.completion or text_completion."""
+    choice: dict[str, Any] = {"index": 0}
+    if meta.kind == "chat":
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
+    return {**meta.head(chunk=False), "choices": [choice], "usage": usage.to_json()}
+
+
+def chunk_body(
+    meta: ResponseMeta,
+    text: str | None,
+    finish_reason: str | None = None,
+    logprobs: Any = None,
+    role: bool = False,
+) -> dict[str, Any]:
+    """One stream chunk; chat's first chunk has role=True, the finishing one text=None."""
+    choice: dict[str, Any] = {"index": 0}
+    if meta.kind == "chat":
+        delta = {"role": "assistant"} if role else {}
+        choice["delta"] = delta if text is None else {**delta, "content": text}
+    else:
+        choice["text"] = text or ""
+    choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
+    body = {**meta.head(chunk=True), "choices": [choice]}
+    return body | {"usage": None} if meta.include_usage else body
+
+
+def usage_chunk_body(meta: ResponseMeta, usage: Usage) -> dict[str, Any]:
+    """The last chunk when stream_options.include_usage: no choices, the counts."""
+    return {**meta.head(chunk=True), "choices": [], "usage": usage.to_json()}
+
+
+class LogprobFormatter:
+    """OpenAI logprobs JSON: chat's {"content": [...]} or completions' parallel arrays."""
+
+    def __init__(self, kind: Kind, tokenizer: Tokenizer, enabled: bool) -> None:
+        self._kind = kind
+        self._tok = tokenizer
+        self._enabled = enabled
+        self._offset = 0  # completions: text_offset of the next token, across stream chunks
+
+    def format(self, entries: Sequence[TokenLogprob | None]) -> dict[str, Any] | None:
+        if not self._enabled:
+            return None
+        present = [e for e in entries if e is not None]
+        if self._kind == "chat":
+            return {"content": [self._chat_entry(e) for e in present]}
+        return self._completion(present)
+
+    def _token(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def _chat_top(self, token_id: int, logprob: float) -> dict[str, Any]:
+        token = self._token(token_id)
+        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
+
+    def _chat_entry(self, entry: TokenLogprob) -> dict[str, Any]:
+        top = [self._chat_top(t, lp) for t, lp in entry.top]
+        return {**self._chat_top(entry.token_id, entry.logprob), "top_logprobs": top}
+
+    def _completion(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        tokens = [self._token(e.token_id) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._offset)
+            self._offset += len(token)
+        tops = [
+            {self._token(t): _finite(lp) for t, lp in e.top} or {token: _finite(e.logprob)}
+            for e, token in zip(entries, tokens, strict=True)
+        ]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_finite(e.logprob) for e in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _MIN_LOGPROB

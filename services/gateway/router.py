@@ -1,0 +1,118 @@
+"""Routing v1: token-aware least load over the live prefill and decode workers.
+
+A policy sees the candidates with their estimated token loads and returns a decision with a
+reason; session affinity and prefix-aware policies plug in as further `RoutingPolicy` objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+import structlog
+
+from kvmesh.errors import KvmeshError
+from kvmesh.mesh import metrics
+from kvmesh.mesh.discovery import WorkerInfo
+from kvmesh.mesh.grpc_server import channel
+from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+
+class WorkerUnavailable(KvmeshError):
+    code = "worker_unavailable"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    info: WorkerInfo
+    load_tokens: int  # max(this gateway's in-flight estimate, what the worker last reported)
+
+
+@dataclass(frozen=True)
+class Decision:
+    worker: WorkerInfo
+    reason: str
+
+
+class RoutingPolicy(Protocol):
+    def choose(
+        self, role: str, candidates: list[Candidate], cost_tokens: int
+    ) -> Decision | None: ...
+
+
+class LeastTokensPolicy:
+    """Cloudflare-style token-aware balancing: the worker with the fewest tokens in flight."""
+
+    def choose(self, role: str, candidates: list[Candidate], cost_tokens: int) -> Decision | None:
+        if not candidates:
+            return None
+        best = min(candidates, key=lambda c: (c.load_tokens, c.info.worker_id))
+        return Decision(best.info, "least_tokens")
+
+
+class Router:
+    def __init__(
+        self, live: Callable[[str], list[WorkerInfo]], policy: RoutingPolicy | None = None
+    ) -> None:
+        self._live = live
+        self.policy = policy or LeastTokensPolicy()
+        self._inflight: dict[str, int] = {}
+        self._reported: dict[str, int] = {}
+
+    def pick(self, role: str, cost_tokens: int, exclude: Iterable[str] = ()) -> Decision:
+        excluded = set(exclude)
+        candidates = [
+            Candidate(
+                w, max(self._inflight.get(w.worker_id, 0), self._reported.get(w.worker_id, 0))
+            )
+            for w in self._live(role)
+            if w.worker_id not in excluded
+        ]
+        decision = self.policy.choose(role, candidates, cost_tokens)
+        if decision is None:
+            raise WorkerUnavailable(f"no live {role} worker")
+        metrics.ROUTING_DECISIONS.labels(role, decision.reason).inc()
+        log.info(
+            "router.decision",
+            role=role,
+            worker=decision.worker.worker_id,
+            reason=decision.reason,
+            load=[(c.info.worker_id, c.load_tokens) for c in candidates],
+        )
+        return decision
+
+    @contextlib.contextmanager
+    def holding(self, worker_id: str, tokens: int):
+        """Count `tokens` against a worker while a request runs there."""
+        self._inflight[worker_id] = self._inflight.get(worker_id, 0) + tokens
+        try:
+            yield
+        finally:
+            self._inflight[worker_id] -= tokens
+
+    async def poll_loads(self, period: float = 1.0) -> None:
+        """Refresh what workers report (requests from other gateways count too)."""
+        while True:
+            for role in ("prefill", "decode"):
+                for worker in self._live(role):
+                    self._reported[worker.worker_id] = await _reported_tokens(worker, role)
+            await asyncio.sleep(period)
+
+
+async def _reported_tokens(worker: WorkerInfo, role: str) -> int:
+    stub_cls = prefill_pb2_grpc.PrefillStub if role == "prefill" else decode_pb2_grpc.DecodeStub
+    try:
+        async with channel(worker.grpc_address) as ch:
+            response = await stub_cls(ch).GetLoads(decode_pb2.GetLoadsRequest(), timeout=1.0)
+    except grpc.aio.AioRpcError:
+        return 0
+    load = response.loads[0] if response.loads else None
+    if load is None:
+        return 0
+    return load.prefill_tokens_queued if role == "prefill" else load.kv_tokens_active

@@ -1,0 +1,16 @@
+"""The prefill worker process."""
+
+from __future__ import annotations
+
+from kvmesh.mesh.worker_runtime import WorkerOptions, WorkerParts, serve_worker
+from services.prefill.server import PrefillServicer, add_to
+from services.prefill.worker import PrefillWorker
+
+
+def servicers(parts: WorkerParts) -> list:
+    worker = PrefillWorker(parts.engine, parts.transfer, parts.kv_dtype)
+    return [add_to(PrefillServicer(worker, parts.worker_id))]
+
+
+async def serve_prefill(options: WorkerOptions) -> None:
+    await serve_worker(options, servicers)
