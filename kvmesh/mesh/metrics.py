@@ -26,6 +26,11 @@ KV_TRANSFER_BYTES = Counter(
 )
 KV_CAPACITY_TOKENS = Gauge("kvmesh_kv_capacity_tokens", "KV pool capacity in tokens", ["service"])
 KV_PAGES_USED = Gauge("kvmesh_kv_pages_used", "KV pages held by running requests", ["service"])
+GRPC_MESSAGE_BYTES_MAX = Gauge(
+    "kvmesh_grpc_message_bytes_max",
+    "Largest gRPC message seen (KV bytes never travel over gRPC)",
+    ["service"],
+)
 ROUTING_DECISIONS = Counter(
     "kvmesh_routing_decisions_total", "Router choices by role and reason", ["role", "reason"]
 )
@@ -34,3 +39,10 @@ ROUTING_DECISIONS = Counter(
 def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
     """Expose this process's metrics on http://host:port/metrics (a daemon thread)."""
     start_http_server(port, addr=host)
+
+
+def observe_message(service: str, size: int) -> None:
+    """Track the largest gRPC message a service sent or received."""
+    gauge = GRPC_MESSAGE_BYTES_MAX.labels(service)
+    if size > gauge._value.get():  # noqa: SLF001 - prometheus_client has no max gauge
+        gauge.set(size)

@@ -25,6 +25,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Generate(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
+        metrics.observe_message("decode", request.ByteSize())
         try:
             params = convert.sampling_from_pb(request.sampling)
         except KvmeshError as exc:
@@ -37,7 +38,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             async for out in stream:
                 generated += len(out.new_token_ids)
                 metrics.GENERATION_TOKENS.labels("decode").inc(len(out.new_token_ids))
-                yield _response(out, generated)
+                metrics.KV_PAGES_USED.labels("decode").set(
+                    self.engine.engine.block_manager.num_used_pages
+                )
+                response = _response(out, generated)
+                metrics.observe_message("decode", response.ByteSize())
+                yield response
         except KvmeshError as exc:
             log.warning("decode.request_failed", code=exc.code, error=str(exc))
             yield decode_pb2.DecodeResponse(

@@ -6,7 +6,7 @@ import grpc
 import structlog
 
 from kvmesh.errors import KvmeshError
-from kvmesh.mesh import convert
+from kvmesh.mesh import convert, metrics
 from kvmesh.mesh.error_mapping import grpc_status
 from kvmesh.mesh.loads import load_to_pb
 from kvmesh.proto.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
@@ -24,6 +24,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self, request: prefill_pb2.PrefillRequest, context
     ) -> prefill_pb2.PrefillResponse:
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
+        metrics.observe_message("prefill", request.ByteSize())
         try:
             params = convert.sampling_from_pb(request.sampling)
             result = await self.worker.prefill(
@@ -42,6 +43,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         )
         if first.new_logprobs and first.new_logprobs[0] is not None:
             response.first_logprob.CopyFrom(convert.logprob_to_pb(first.new_logprobs[0]))
+        metrics.observe_message("prefill", response.ByteSize())
         return response
 
     async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:

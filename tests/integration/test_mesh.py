@@ -1,0 +1,233 @@
+"""The mesh as real processes on loopback: etcd + gateway + 2 prefill + 2 decode workers,
+driven with the official openai client. Fault tests run last (they kill workers)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from kvmesh import LLM, SamplingParams
+from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
+from kvmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+pytestmark = pytest.mark.timeout(900)
+QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn."]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    options = UpOptions(
+        prefill=2, decode=2, worker_args=("--kv-cache-mib", "96", "--max-num-seqs", "16")
+    )
+    running = Mesh(options)
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
+    for proc in running.procs.values():
+        assert proc.poll() is not None, "a mesh process outlived the fixture"
+
+
+@pytest.fixture(scope="module")
+def client(mesh):
+    from openai import OpenAI
+
+    return OpenAI(
+        base_url=f"http://127.0.0.1:{mesh.http_port}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return LLM(dtype="fp32", kv_cache_bytes=160 << 20)
+
+
+def _workers(mesh):
+    return asyncio.run(list_workers(mesh.etcd.endpoint, "default"))
+
+
+def _metric(address: str, name: str) -> float:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_models_lists_the_alias(client):
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
+
+
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_chat_greedy_equals_engine_streamed_and_not(client, reference, question):
+    messages = [{"role": "user", "content": question}]
+    want = reference.chat(messages, SamplingParams(max_tokens=48, temperature=0.0))[0]
+    full = client.chat.completions.create(
+        model="smollm2-135m", messages=messages, max_tokens=48, temperature=0
+    )
+    assert full.choices[0].message.content == want.text
+    assert full.usage.completion_tokens == len(want.token_ids)
+    assert full.choices[0].finish_reason == want.finish_reason
+    stream = client.chat.completions.create(
+        model="smollm2-135m", messages=messages, max_tokens=48, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.text
+
+
+def test_completion_greedy_equals_engine_streamed_and_not(client, reference):
+    prompt = "The three primary colours are"
+    want = reference.generate(prompt, SamplingParams(max_tokens=32, temperature=0.0))[0]
+    full = client.completions.create(
+        model="smollm2-135m", prompt=prompt, max_tokens=32, temperature=0
+    )
+    assert full.choices[0].text == want.text
+    stream = client.completions.create(
+        model="smollm2-135m", prompt=prompt, max_tokens=32, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == want.text
+
+
+def test_concurrent_requests_spread_over_workers(client, mesh):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(i):
+        return client.chat.completions.create(
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": f"Say a word about {i}."}],
+            max_tokens=24,
+            temperature=0,
+        )
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(ask, range(8)))
+    assert all(r.choices[0].message.content for r in results)
+    for worker in _workers(mesh):
+        name = (
+            "kvmesh_generation_tokens_total"
+            if worker.role == "decode"
+            else "kvmesh_kv_transfer_bytes_total"
+        )
+        assert _metric(worker.metrics_address, name) > 0, f"{worker.worker_id} got no work"
+
+
+def test_grpc_gateway_long_prompt_messages_stay_small(mesh, reference):
+    text = " ".join(f"item{i}" for i in range(1000))
+    ids = reference.tokenizer.encode(text)[:2000]
+    assert len(ids) >= 1900
+    with grpc.insecure_channel(f"127.0.0.1:{mesh.grpc_port}") as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        request = gateway_pb2.GenerateRequest(
+            token_ids=gateway_pb2.TokenIds(ids=ids),
+            sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0.0),
+        )
+        responses = list(stub.Generate(request, timeout=300))
+    want = reference.generate_ids([ids], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert [t for r in responses for t in r.token_ids] == want.token_ids
+    assert responses[-1].usage.prompt_tokens == len(ids)
+    assert max(r.ByteSize() for r in responses) < 64 << 10 and request.ByteSize() < 64 << 10
+    for worker in _workers(mesh):
+        assert 0 < _metric(worker.metrics_address, "kvmesh_grpc_message_bytes_max") < 64 << 10
+
+
+def test_bad_requests_get_openai_errors(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="smollm2-135m", messages=[], max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": "x"}], max_tokens=0
+        )
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(
+            model="nope", messages=[{"role": "user", "content": "x"}], max_tokens=4
+        )
+
+
+def test_client_disconnect_frees_pages(client, mesh):
+    stream = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "Count to one thousand."}],
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        used = sum(
+            _metric(w.metrics_address, "kvmesh_kv_pages_used")
+            for w in _workers(mesh)
+            if w.role == "decode"
+        )
+        if used == 0:
+            break
+        time.sleep(0.5)
+    assert used == 0
+
+
+def test_kill_prefill_then_requests_still_succeed(client, mesh):
+    victim = mesh.procs["prefill-0"]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait(10)
+    for i in range(3):
+        r = client.chat.completions.create(
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": f"Hi {i}"}],
+            max_tokens=8,
+            temperature=0,
+        )
+        assert r.choices[0].message.content
+
+
+def test_kill_decode_mid_stream_gives_a_clear_error_and_mesh_keeps_serving(client, mesh):
+    import openai
+
+    errors: list[str] = []
+    stream = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    started = time.time()
+    try:
+        for i, _ in enumerate(stream):
+            if i == 2:
+                _kill_busy_decode(mesh)  # the decode worker serving this stream
+    except openai.APIError as exc:
+        errors.append(str(exc))
+    assert errors, "the stream should end with an error event"
+    assert time.time() - started < 60
+    r = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert r.choices[0].message.content
+
+
+def _kill_busy_decode(mesh) -> None:
+    for worker in _workers(mesh):
+        if worker.role == "decode" and _metric(worker.metrics_address, "kvmesh_kv_pages_used") > 0:
+            proc = mesh.procs[worker.worker_id]
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            return
+    raise AssertionError("no decode worker holds pages mid-stream")
