@@ -60,7 +60,11 @@ async def _describe(worker: WorkerInfo) -> dict:
     try:
         async with channel(worker.grpc_address) as ch:
             response = await stub_cls(ch).GetLoads(decode_pb2.GetLoadsRequest(), timeout=2)
-            load = MessageToDict(response.loads[0]) if response.loads else None
+            load = (
+                MessageToDict(response.loads[0], always_print_fields_with_no_presence=True)
+                if response.loads
+                else None
+            )
     except grpc.aio.AioRpcError:
         load = None
     return {
