@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--dtype", default="fp32,bf16", help="comma-separated: fp32,bf16")
     off.add_argument("--no-transformers", action="store_true")
     off.add_argument("--output", default=None, help="also write the JSON results here")
+    from kvmesh.benchmarks.transfer import add_arguments as transfer_arguments
+
+    transfer_arguments(bench_sub.add_parser("transfer", help="Mooncake TE vs gRPC bytes for KV pages"))
     return parser
 
 
@@ -130,6 +133,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_status(args.etcd, args.cluster, args.json)
     if args.command == "bench":
+        if args.bench == "transfer":
+            from kvmesh.benchmarks.transfer import run_transfer_bench
+
+            return run_transfer_bench(args)
         from kvmesh.benchmarks.offline import run_offline_bench
 
         return run_offline_bench(args)
