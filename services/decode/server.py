@@ -9,7 +9,7 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import TokenOutput
 from kvmesh.errors import KvmeshError
 from kvmesh.mesh import convert, metrics
-from kvmesh.mesh.error_mapping import grpc_status
+from kvmesh.mesh.error_mapping import grpc_details, grpc_status
 from kvmesh.mesh.loads import load_to_pb
 from kvmesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.decode.worker import DecodeWorker
@@ -29,7 +29,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             params = convert.sampling_from_pb(request.sampling)
         except KvmeshError as exc:
-            await context.abort(grpc_status(exc), str(exc))
+            await context.abort(grpc_status(exc), grpc_details(exc))
         generated = 0
         try:
             stream = self.worker.generate(

@@ -11,7 +11,7 @@ from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import ContextLengthError, InvalidRequestError, KvmeshError, ModelNotFoundError
 from kvmesh.mesh import convert
-from kvmesh.mesh.error_mapping import grpc_status
+from kvmesh.mesh.error_mapping import grpc_details, grpc_status
 from kvmesh.proto.v1 import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.backend import GenerateBackend, GenerateInput
 
@@ -32,7 +32,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             prompt, params = self._parse(request)
         except KvmeshError as exc:
-            await context.abort(grpc_status(exc), str(exc))
+            await context.abort(grpc_status(exc), grpc_details(exc))
         detok = IncrementalDetokenizer(
             self.tokenizer,
             params.stop,

@@ -7,7 +7,7 @@ import structlog
 
 from kvmesh.errors import KvmeshError
 from kvmesh.mesh import convert, metrics
-from kvmesh.mesh.error_mapping import grpc_status
+from kvmesh.mesh.error_mapping import grpc_details, grpc_status
 from kvmesh.mesh.loads import load_to_pb
 from kvmesh.proto.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 from services.prefill.worker import PrefillWorker
@@ -32,7 +32,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             )
         except KvmeshError as exc:
             log.warning("prefill.failed", code=exc.code, error=str(exc))
-            await context.abort(grpc_status(exc), f"{exc.code}: {exc}")
+            await context.abort(grpc_status(exc), grpc_details(exc))
         first = result.first
         response = prefill_pb2.PrefillResponse(
             request_id=request.request_id,

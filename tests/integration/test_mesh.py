@@ -153,6 +153,38 @@ def test_bad_requests_get_openai_errors(client):
         )
 
 
+def test_grpc_gateway_bad_input_statuses(mesh):
+    with grpc.insecure_channel(f"127.0.0.1:{mesh.grpc_port}") as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        cases = [
+            (gateway_pb2.GenerateRequest(model="nope", prompt="hi"), grpc.StatusCode.NOT_FOUND),
+            (
+                gateway_pb2.GenerateRequest(
+                    prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=0)
+                ),
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ),
+            (gateway_pb2.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+            (
+                gateway_pb2.GenerateRequest(
+                    prompt="hi", sampling=common_pb2.SamplingParams(temperature=9)
+                ),
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ),
+        ]
+        for request, status in cases:
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(request, timeout=30))
+            assert info.value.code() == status and info.value.details()
+
+
+def _pages_in_use(mesh) -> int:
+    from kvmesh.mesh.status import _collect
+
+    workers = asyncio.run(_collect(mesh.etcd.endpoint, "default"))
+    return sum(int((w["load"] or {}).get("kvPagesUsed", 0)) for w in workers)
+
+
 def test_client_disconnect_frees_pages(client, mesh):
     stream = client.chat.completions.create(
         model="smollm2-135m",
