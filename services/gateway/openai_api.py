@@ -36,8 +36,10 @@ from kvmesh.errors import InvalidRequestError, KvmeshError
 from kvmesh.mesh import error_mapping, metrics
 from kvmesh.mesh.error_mapping import PayloadTooLargeError, http_status, openai_error_body
 from services.gateway import openai_protocol as proto
+from services.gateway import openai_responses as resp
 from services.gateway.backend import GenerateBackend, GenerateChunk, GenerateInput
-from services.gateway.openai_protocol import LogprobFormatter, ParsedRequest, ResponseMeta
+from services.gateway.openai_protocol import ParsedRequest
+from services.gateway.openai_responses import LogprobFormatter, ResponseMeta
 
 log = structlog.get_logger(__name__)
 SERVICE = "gateway"
@@ -160,8 +162,8 @@ class _Generation:
         self.completion_tokens = 0
 
     @property
-    def usage(self) -> proto.Usage:
-        return proto.Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+    def usage(self) -> resp.Usage:
+        return resp.Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
         """Text deltas; the last one has finish_reason. Aborts the backend if cut short."""
@@ -235,7 +237,7 @@ async def _complete(
             finish_reason = delta.finish_reason
     finally:
         await deltas.aclose()
-    return proto.response_body(
+    return resp.response_body(
         meta, "".join(texts), finish_reason, formatter.format(logprobs), generation.usage
     )
 
@@ -265,14 +267,14 @@ async def _sse_events(
     outcome = "cancelled"  # unless the loop below ends
     try:
         if meta.kind == "chat":
-            yield _sse(proto.chunk_body(meta, "", role=True))
+            yield _sse(resp.chunk_body(meta, "", role=True))
         delta: Delta | None = first
         while delta is not None:
             for body in _delta_chunks(meta, delta, formatter):
                 yield _sse(body)
             delta = await anext(deltas, None)
         if meta.include_usage:
-            yield _sse(proto.usage_chunk_body(meta, generation.usage))
+            yield _sse(resp.usage_chunk_body(meta, generation.usage))
         outcome = "ok"
     except Exception as exc:  # in-band: the HTTP status is already sent
         outcome = _outcome(http_status(exc))
@@ -289,9 +291,9 @@ def _delta_chunks(meta: ResponseMeta, delta: Delta, formatter: LogprobFormatter)
     logprobs = formatter.format(delta.logprobs) if delta.logprobs else None
     bodies = []
     if delta.text or logprobs is not None:
-        bodies.append(proto.chunk_body(meta, delta.text, logprobs=logprobs))
+        bodies.append(resp.chunk_body(meta, delta.text, logprobs=logprobs))
     if delta.finish_reason is not None:
-        bodies.append(proto.chunk_body(meta, None, delta.finish_reason))
+        bodies.append(resp.chunk_body(meta, None, delta.finish_reason))
     return bodies
 
 
