@@ -98,18 +98,21 @@ class Router:
 
     async def poll_loads(self, period: float = 1.0) -> None:
         """Refresh what workers report (requests from other gateways count too)."""
+        channels: dict[str, grpc.aio.Channel] = {}
         while True:
             for role in ("prefill", "decode"):
                 for worker in self._live(role):
-                    self._reported[worker.worker_id] = await _reported_tokens(worker, role)
+                    if worker.grpc_address not in channels:
+                        channels[worker.grpc_address] = channel(worker.grpc_address)
+                    ch = channels[worker.grpc_address]
+                    self._reported[worker.worker_id] = await _reported_tokens(ch, role)
             await asyncio.sleep(period)
 
 
-async def _reported_tokens(worker: WorkerInfo, role: str) -> int:
+async def _reported_tokens(ch: grpc.aio.Channel, role: str) -> int:
     stub_cls = prefill_pb2_grpc.PrefillStub if role == "prefill" else decode_pb2_grpc.DecodeStub
     try:
-        async with channel(worker.grpc_address) as ch:
-            response = await stub_cls(ch).GetLoads(decode_pb2.GetLoadsRequest(), timeout=1.0)
+        response = await stub_cls(ch).GetLoads(decode_pb2.GetLoadsRequest(), timeout=1.0)
     except grpc.aio.AioRpcError:
         return 0
     load = response.loads[0] if response.loads else None

@@ -1,0 +1,30 @@
+"""`kvmesh bench serve`'s streaming client against a real mesh (1 prefill, 1 decode): a smoke
+test of the measurement, not of the figures."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvmesh.benchmarks.serve import measure_level
+from kvmesh.mesh.launcher import Mesh, UpOptions
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def test_client_measures_ttft_tpot_and_tokens():
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    mesh = Mesh(UpOptions(prefill=1, decode=1, worker_args=("--kv-cache-mib", "64")))
+    try:
+        mesh.start()
+        url = f"http://127.0.0.1:{mesh.http_port}"
+        result = measure_level(url, "smollm2-135m", concurrency=1, n_requests=2, max_tokens=8)
+    finally:
+        mesh.stop()
+    assert all(proc.poll() is not None for proc in mesh.procs.values())
+    assert result["num_requests"] == 2
+    assert [r["tokens"] for r in result["requests"]] == [8, 8]
+    assert all(r["ttft_s"] > 0 and r["tpot_s"] > 0 for r in result["requests"])
+    assert result["ttft_p50_ms"] > 0 and result["tpot_p50_ms"] > 0
+    assert result["output_tok_s"] > 0

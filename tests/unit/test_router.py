@@ -1,0 +1,40 @@
+"""Routing v1: token-aware least load, exclusions, and in-flight accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.mesh.discovery import WorkerInfo
+from services.gateway.router import Router, WorkerUnavailable
+
+
+def _workers(role: str, n: int) -> list[WorkerInfo]:
+    return [
+        WorkerInfo(role=role, worker_id=f"{role}-{i}", grpc_address=f"127.0.0.1:{9000 + i}")
+        for i in range(n)
+    ]
+
+
+def test_least_tokens_spreads_by_tokens_not_requests():
+    router = Router(lambda role: _workers(role, 3))
+    chosen = []
+    with router.holding("decode-0", 1000), router.holding("decode-1", 10):
+        chosen.append(router.pick("decode", 50).worker.worker_id)  # decode-2 has 0
+        with router.holding("decode-2", 500):
+            chosen.append(router.pick("decode", 50).worker.worker_id)  # decode-1 has 10
+    assert chosen == ["decode-2", "decode-1"]
+    assert router.pick("decode", 50).worker.worker_id == "decode-0"  # all released: tie -> id order
+
+
+def test_exclusions_and_no_worker():
+    router = Router(lambda role: _workers(role, 2))
+    assert router.pick("prefill", 10, exclude={"prefill-0"}).worker.worker_id == "prefill-1"
+    with pytest.raises(WorkerUnavailable, match="no live prefill"):
+        router.pick("prefill", 10, exclude={"prefill-0", "prefill-1"})
+
+
+def test_reported_load_counts_when_higher_than_local_estimate():
+    router = Router(lambda role: _workers(role, 2))
+    router._reported["decode-0"] = 5000  # another gateway's requests  # noqa: SLF001
+    assert router.pick("decode", 10).worker.worker_id == "decode-1"
+    assert router.pick("decode", 10).reason == "least_tokens"
