@@ -84,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--model", default="smollm2-135m")
     gateway.add_argument("--http-port", type=int, default=8000)
     gateway.add_argument("--grpc-port", type=int, default=0)
+    gateway.add_argument("--session-ttl", type=int, default=600, help="x-session-affinity TTL (s)")
+    gateway.add_argument(
+        "--affinity-max-load-ratio",
+        type=float,
+        default=2.0,
+        help="affinity yields when the pinned worker's load exceeds this many times the least "
+        "loaded one's, plus --affinity-slack-tokens",
+    )
+    gateway.add_argument("--affinity-slack-tokens", type=int, default=2048)
     status = sub.add_parser("status", help="list the mesh's workers and their load")
     status.add_argument(
         "--etcd", default=None, help="host:port (default: the one `kvmesh up` started)"
@@ -101,7 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--output", default=None, help="also write the JSON results here")
     from kvmesh.benchmarks.transfer import add_arguments as transfer_arguments
 
-    transfer_arguments(bench_sub.add_parser("transfer", help="Mooncake TE vs gRPC bytes for KV pages"))
+    transfer_arguments(
+        bench_sub.add_parser("transfer", help="Mooncake TE vs gRPC bytes for KV pages")
+    )
+    from kvmesh.benchmarks.serve import add_arguments as serve_arguments
+
+    serve_arguments(
+        bench_sub.add_parser("serve", help="TTFT/TPOT/tok/s through the mesh vs the engine")
+    )
     return parser
 
 
@@ -133,6 +149,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_status(args.etcd, args.cluster, args.json)
     if args.command == "bench":
+        if args.bench == "serve":
+            from kvmesh.benchmarks.serve import run_serve_bench
+
+            return run_serve_bench(args)
         if args.bench == "transfer":
             from kvmesh.benchmarks.transfer import run_transfer_bench
 
@@ -187,6 +207,9 @@ def _serve(args: argparse.Namespace) -> int:
                     host=args.host,
                     http_port=args.http_port,
                     grpc_port=args.grpc_port,
+                    session_ttl=args.session_ttl,
+                    affinity_max_load_ratio=args.affinity_max_load_ratio,
+                    affinity_slack_tokens=args.affinity_slack_tokens,
                 )
             )
         )

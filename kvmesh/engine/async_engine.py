@@ -98,12 +98,19 @@ class AsyncEngine:
         return result
 
     async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, keep_pages: bool = False
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        keep_pages: bool = False,
+        cache_salt: str = "",
     ) -> AsyncIterator[TokenOutput]:
         """Run a request here (prefill and decode) and stream its outputs."""
         queue = self._open(request_id)
         try:
-            await self.call(self.engine.add_request, request_id, prompt, params, keep_pages)
+            await self.call(
+                self.engine.add_request, request_id, prompt, params, keep_pages, cache_salt
+            )
         except BaseException:
             self._queues.pop(request_id, None)
             raise
@@ -111,19 +118,20 @@ class AsyncEngine:
             yield out
 
     async def prefill(
-        self, request_id: str, prompt: list[int], params: SamplingParams
+        self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str = ""
     ) -> TokenOutput:
         """Compute the prompt's KV and the first token; the pages stay held until `release`."""
         last = None
-        async for out in self.generate(request_id, prompt, replace(params, max_tokens=1), True):
+        one = replace(params, max_tokens=1)
+        async for out in self.generate(request_id, prompt, one, True, cache_salt):
             last = out
         assert last is not None and last.finished
         return last
 
     async def reserve(
-        self, request_id: str, prompt: list[int], params: SamplingParams
+        self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str = ""
     ) -> Reservation | None:
-        return await self.call(self.engine.reserve, request_id, prompt, params)
+        return await self.call(self.engine.reserve, request_id, prompt, params, cache_salt)
 
     async def commit(
         self, request_id: str, first_token: int, logprob: TokenLogprob | None, cached_tokens: int

@@ -11,7 +11,7 @@ import torch
 from kvmesh import env
 from kvmesh.engine.attention import get_backend
 from kvmesh.engine.config import EngineConfig, ModelConfig
-from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig, salt_root
+from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
 from kvmesh.engine.kv_cache import KVCacheSpec, PagedKVCache
 from kvmesh.engine.loader import load_weights, resolve_model
 from kvmesh.engine.models import build_model
@@ -74,9 +74,7 @@ class Engine:
         self.kv_dtype = config.dtype
         self.block_manager = BlockManager(
             BlockManagerConfig(num_pages, config.page_size, config.enable_prefix_caching),
-            BlockHasher(
-                config.page_size, salt_root(self.source.name, config.page_size, self.kv_dtype)
-            ),
+            BlockHasher.salted(self.source.name, config.page_size, self.kv_dtype),
         )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
@@ -105,12 +103,15 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         keep_pages: bool = False,
+        cache_salt: str = "",
     ) -> None:
         """Queue a request. With keep_pages its pages outlive it until `release` (prefill)."""
         self._validate(prompt_token_ids)
         if self.scheduler.get(request_id) is not None or request_id in self._reserved:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        seq = Sequence(request_id, list(prompt_token_ids), params, keep_pages=keep_pages)
+        seq = Sequence(
+            request_id, list(prompt_token_ids), params, keep_pages=keep_pages, cache_salt=cache_salt
+        )
         self.scheduler.add(seq)
         if keep_pages:
             self._kept[request_id] = seq
@@ -127,13 +128,17 @@ class Engine:
         self.scheduler.release(request_id)
 
     def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str = "",
     ) -> Reservation | None:
         """Allocate pages for a prompt another worker will fill; None when the pool is full now."""
         self._validate(prompt_token_ids)
         if self.scheduler.get(request_id) is not None or request_id in self._reserved:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, cache_salt=cache_salt)
         prefix = self.block_manager.match_prefix(seq)
         if not self.block_manager.allocate(seq, seq.num_tokens - prefix.num_tokens, prefix):
             return None

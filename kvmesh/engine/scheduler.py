@@ -194,7 +194,8 @@ class Scheduler:
     @staticmethod
     def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
-        return ScheduledChunk(seq, start, num_tokens, sample=start + num_tokens == seq.num_tokens)
+        sample = start + num_tokens == seq.num_tokens and seq.finalizing is None
+        return ScheduledChunk(seq, start, num_tokens, sample=sample)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -213,15 +214,31 @@ class Scheduler:
             seq.num_computed_tokens += chunk.num_tokens
             self.block_manager.cache_full_pages(seq, seq.num_computed_tokens)
             if not chunk.sample:
+                if seq.finalizing is not None and seq.num_computed_tokens == seq.num_tokens:
+                    self.running.remove(seq)
+                    self._retire(seq, seq.finalizing)  # reported finished a step ago
                 continue
             token_id = sampled[seq.seq_id]
             seq.append_token(token_id)
             reason = self._stop_reason(seq, token_id)
             if reason is not None:
+                finished.append(seq)
+                if self._finalize(seq, reason):
+                    continue
                 self.running.remove(seq)
                 self._retire(seq, reason)
-                finished.append(seq)
         return finished
+
+    def _finalize(self, seq: Sequence, reason: FinishReason) -> bool:
+        """A finished sequence whose last token completes a page stays one more (non-sampling)
+        step so that page's KV is computed and cached: the next turn of a conversation then hits
+        the whole history. The finish is reported now; the pages are freed after that step."""
+        page_size = self.block_manager.config.page_size
+        if (seq.keep_pages or not self.block_manager.config.enable_prefix_caching
+                or seq.num_tokens % page_size):  # fmt: skip
+            return False
+        seq.finalizing = seq.finish_reason = reason
+        return True
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.params

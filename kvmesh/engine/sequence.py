@@ -40,6 +40,7 @@ class Sequence:
     num_preemptions: int = 0
     cache_salt: str = ""
     keep_pages: bool = False  # on finish, hold the pages until Scheduler.release (prefill workers)
+    finalizing: FinishReason | None = None  # finished; one more step computes the last token's KV
     arrival: int = field(default_factory=lambda: next(_arrival))
 
     def __post_init__(self) -> None:

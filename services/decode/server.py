@@ -12,7 +12,7 @@ from kvmesh.mesh import convert, metrics
 from kvmesh.mesh.error_mapping import grpc_details, grpc_status
 from kvmesh.mesh.loads import load_to_pb
 from kvmesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from services.decode.worker import DecodeWorker
+from services.decode.worker import DecodeJob, DecodeWorker
 
 log = structlog.get_logger(__name__)
 
@@ -32,9 +32,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await context.abort(grpc_status(exc), grpc_details(exc))
         generated = 0
         try:
-            stream = self.worker.generate(
-                request.request_id, list(request.prompt_token_ids), params, request.prefill_address
-            )
+            stream = self.worker.generate(DecodeJob(
+                request.request_id, list(request.prompt_token_ids), params,
+                request.prefill_address, request.cache_salt,
+            ))  # fmt: skip
             async for out in stream:
                 generated += len(out.new_token_ids)
                 metrics.GENERATION_TOKENS.labels("decode").inc(len(out.new_token_ids))

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -22,6 +23,25 @@ from kvmesh.proto.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 log = structlog.get_logger(__name__)
 RESERVE_TIMEOUT_S = 30.0
 PREFILL_TIMEOUT_S = 120.0
+
+
+_PREFILL_GONE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+)
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    """One Decode.Generate request in domain terms."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    prefill_address: str = ""  # empty: prefill here
+    cache_salt: str = ""
 
 
 class PrefillUnavailable(KvmeshError):
@@ -46,63 +66,58 @@ class DecodeWorker:
         self.local_prefill_tokens = local_prefill_tokens  # prompts this short are prefilled here
         self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
 
-    async def generate(
-        self, request_id: str, prompt: list[int], params: SamplingParams, prefill_address: str
-    ) -> AsyncIterator[TokenOutput]:
-        if not prefill_address or len(prompt) <= self.local_prefill_tokens:
-            async for out in self.engine.generate(request_id, prompt, params):
+    async def generate(self, job: DecodeJob) -> AsyncIterator[TokenOutput]:
+        if not job.prefill_address or len(job.prompt) <= self.local_prefill_tokens:
+            stream = self.engine.generate(
+                job.request_id, job.prompt, job.params, cache_salt=job.cache_salt
+            )
+            async for out in stream:
                 yield out
             return
-        reservation = await self._reserve(request_id, prompt, params)
-        response = await self._remote_prefill(
-            request_id, prompt, params, prefill_address, reservation
-        )
-        first_lp = (
-            convert.logprob_from_pb(response.first_logprob)
-            if response.HasField("first_logprob")
-            else None
-        )
+        reservation = await self._reserve(job)
+        response = await self._remote_prefill(job, reservation)
+        first_lp = None
+        if response.HasField("first_logprob"):
+            first_lp = convert.logprob_from_pb(response.first_logprob)
         cached = max(response.cached_tokens, reservation.cached_tokens)
-        async for out in self.engine.commit(request_id, response.first_token_id, first_lp, cached):
+        stream = self.engine.commit(job.request_id, response.first_token_id, first_lp, cached)
+        async for out in stream:
             yield out
 
-    async def _reserve(
-        self, request_id: str, prompt: list[int], params: SamplingParams
-    ) -> Reservation:
+    async def _reserve(self, job: DecodeJob) -> Reservation:
         deadline = time.monotonic() + RESERVE_TIMEOUT_S
         while True:
-            reservation = await self.engine.reserve(request_id, prompt, params)
+            reservation = await self.engine.reserve(
+                job.request_id, job.prompt, job.params, job.cache_salt
+            )
             if reservation is not None:
                 return reservation
             if time.monotonic() > deadline:
                 raise CapacityError(
-                    f"no free KV pages for {len(prompt)} prompt tokens within {RESERVE_TIMEOUT_S}s"
+                    f"no free KV pages for {len(job.prompt)} prompt tokens within "
+                    f"{RESERVE_TIMEOUT_S}s"
                 )
             await asyncio.sleep(0.05)
 
     async def _remote_prefill(
-        self, request_id, prompt, params, address: str, reservation: Reservation
+        self, job: DecodeJob, reservation: Reservation
     ) -> prefill_pb2.PrefillResponse:
         """Pages are freed only after the Prefill call ended: no transfer can land afterwards."""
-        request = self._prefill_request(request_id, prompt, params, reservation)
+        address = job.prefill_address
+        request = self._prefill_request(job, reservation)
         call = asyncio.ensure_future(
             self._stub(address).Prefill(request, timeout=PREFILL_TIMEOUT_S)
         )
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
-            await self._abort_prefill(address, request_id, call)
-            await self.engine.cancel_reservation(request_id)
+            await self._abort_prefill(address, job.request_id, call)
+            await self.engine.cancel_reservation(job.request_id)
             raise
         except grpc.aio.AioRpcError as exc:
-            await self.engine.cancel_reservation(request_id)
+            await self.engine.cancel_reservation(job.request_id)
             log.warning("decode.prefill_failed", prefill=address, code=exc.code().name)
-            if exc.code() in (
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.StatusCode.CANCELLED,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.StatusCode.INTERNAL,
-            ):
+            if exc.code() in _PREFILL_GONE:
                 raise PrefillUnavailable(f"prefill worker {address}: {exc.details()}") from exc
             raise error_from_grpc(exc.code(), f"prefill worker {address}: {exc.details()}") from exc
 
@@ -115,7 +130,7 @@ class DecodeWorker:
             await asyncio.wait_for(asyncio.shield(call), timeout=PREFILL_TIMEOUT_S)
 
     def _prefill_request(
-        self, request_id, prompt, params, reservation: Reservation
+        self, job: DecodeJob, reservation: Reservation
     ) -> prefill_pb2.PrefillRequest:
         spec = self.engine.engine.kv_cache.spec
         destination = prefill_pb2.KvDestination(
@@ -128,10 +143,11 @@ class DecodeWorker:
             kv_dtype=self.kv_dtype,
         )
         return prefill_pb2.PrefillRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            sampling=convert.sampling_to_pb(params),
+            request_id=job.request_id,
+            prompt_token_ids=job.prompt,
+            sampling=convert.sampling_to_pb(job.params),
             destination=destination,
+            cache_salt=job.cache_salt,
         )
 
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:

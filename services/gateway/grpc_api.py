@@ -42,7 +42,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         completion = 0
         try:
-            async for chunk in self.backend.generate(GenerateInput(request_id, prompt, params)):
+            async for chunk in self.backend.generate(
+                GenerateInput(request_id, prompt, params, *_routing(request, context))
+            ):
                 completion += len(chunk.token_ids)
                 result = detok.push(chunk.token_ids, final=chunk.finish_reason is not None)
                 finish = chunk.finish_reason
@@ -101,6 +103,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             prefill_workers=prefill,
             decode_workers=decode,
         )
+
+
+def _routing(request: gateway_pb2.GenerateRequest, context) -> tuple[str | None, str]:
+    """Session id and cache salt: the message fields, else the same names as metadata."""
+    metadata = dict(context.invocation_metadata() or ())
+    session = request.session_id or metadata.get("x-session-affinity") or None
+    salt = request.cache_salt or metadata.get("x-kvmesh-cache-salt", "")
+    return session, salt
 
 
 def _response(

@@ -16,7 +16,8 @@ from kvmesh.mesh.grpc_server import start_server
 from services.gateway import grpc_api
 from services.gateway.mesh_backend import MeshBackend
 from services.gateway.openai_api import create_app
-from services.gateway.router import Router
+from services.gateway.router import AffinityPolicy, Router
+from services.gateway.sessions import SessionStore
 
 log = structlog.get_logger(__name__)
 
@@ -29,6 +30,9 @@ class GatewayOptions:
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 0
+    session_ttl: int = 600
+    affinity_max_load_ratio: float = 2.0
+    affinity_slack_tokens: int = 2048
 
 
 async def serve_gateway(options: GatewayOptions) -> None:
@@ -39,8 +43,10 @@ async def serve_gateway(options: GatewayOptions) -> None:
     async with Registry(options.etcd, options.cluster) as registry:
         watcher = WorkerWatcher(registry)
         await watcher.start()
-        router = Router(watcher.alive)
-        backend = MeshBackend(router, source.name, config.max_position_embeddings)
+        policy = AffinityPolicy(options.affinity_max_load_ratio, options.affinity_slack_tokens)
+        router = Router(watcher.alive, policy)
+        sessions = SessionStore(registry, options.session_ttl)
+        backend = MeshBackend(router, source.name, config.max_position_embeddings, sessions)
         counts = lambda: (len(watcher.alive("prefill")), len(watcher.alive("decode")))  # noqa: E731
         grpc_server, grpc_port, _ = await start_server(
             [grpc_api.add_to(grpc_api.GatewayServicer(backend, tokenizer, counts))],

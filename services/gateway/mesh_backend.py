@@ -17,6 +17,7 @@ from kvmesh.mesh.grpc_server import channel
 from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc
 from services.gateway.backend import GenerateChunk, GenerateInput
 from services.gateway.router import Router, WorkerUnavailable
+from services.gateway.sessions import Pin, SessionStore
 
 log = structlog.get_logger(__name__)
 MAX_ATTEMPTS = 3
@@ -31,39 +32,57 @@ class PrefillGone(WorkerUnavailable):
 
 
 class MeshBackend:
-    def __init__(self, router: Router, model_name: str, max_model_len: int) -> None:
+    def __init__(
+        self,
+        router: Router,
+        model_name: str,
+        max_model_len: int,
+        sessions: SessionStore | None = None,
+    ) -> None:
         self.router = router
+        self.sessions = sessions
         self.model_name = model_name
         self.max_model_len = max_model_len
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._where: dict[str, str] = {}  # request id -> decode address
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        pin = await self._lookup(request.session_id)
         bad_decode: set[str] = set()
         bad_prefill: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
-            decode = self.router.pick("decode", self._decode_cost(request), bad_decode).worker
-            prefill = self._pick_prefill(request, bad_prefill)
+            cost = self._decode_cost(request)
+            decode = self.router.pick("decode", cost, bad_decode, pin and pin.decode).worker
+            prefill = self._pick_prefill(request, bad_prefill, pin and pin.prefill)
             started = False
             try:
                 async for chunk in self._stream(request, decode, prefill):
+                    if not started and request.session_id and self.sessions:
+                        pinned = Pin(prefill.worker_id if prefill else "", decode.worker_id)
+                        await self.sessions.pin(request.session_id, pinned)
                     started = True
                     yield chunk
                 return
             except WorkerUnavailable as exc:
                 if started or attempt == MAX_ATTEMPTS - 1:
                     raise
-                log.warning(
-                    "gateway.retry", decode=decode.worker_id, prefill=prefill, error=str(exc)
-                )
+                log.warning("gateway.retry", decode=decode.worker_id, error=str(exc))
                 if isinstance(exc, PrefillGone) and prefill is not None:
                     bad_prefill.add(prefill.worker_id)
                 else:
                     bad_decode.add(decode.worker_id)
 
-    def _pick_prefill(self, request: GenerateInput, exclude: set[str]) -> WorkerInfo | None:
+    async def _lookup(self, session_id: str | None) -> Pin | None:
+        if not session_id or self.sessions is None:
+            return None
+        return await self.sessions.lookup(session_id)
+
+    def _pick_prefill(
+        self, request: GenerateInput, exclude: set[str], preferred: str | None
+    ) -> WorkerInfo | None:
         try:
-            return self.router.pick("prefill", len(request.prompt_token_ids), exclude).worker
+            cost = len(request.prompt_token_ids)
+            return self.router.pick("prefill", cost, exclude, preferred or None).worker
         except WorkerUnavailable:
             return None  # no prefill pool: decode prefills the prompt itself
 
@@ -80,6 +99,7 @@ class MeshBackend:
             prompt_token_ids=request.prompt_token_ids,
             sampling=convert.sampling_to_pb(request.params),
             prefill_address=prefill.grpc_address if prefill else "",
+            cache_salt=request.cache_salt,
         )
         self._where[request.request_id] = decode.grpc_address
         held = self._decode_cost(request)

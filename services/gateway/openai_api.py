@@ -8,11 +8,12 @@ aborted down the chain with backend.abort(request_id).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,7 +120,10 @@ class _OpenAIApi:
             )
             log.info("request.accepted", kind=kind, prompt_tokens=len(parsed.prompt_token_ids),
                      max_tokens=parsed.params.max_tokens, stream=parsed.stream)  # fmt: skip
-            generation = _Generation(self._backend, self._tokenizer, parsed, request_id, started)
+            routing = Routing.from_headers(request.headers)
+            generation = _Generation(
+                self._backend, self._tokenizer, parsed, request_id, started, routing
+            )
             meta = ResponseMeta.for_request(parsed, request_id)
             formatter = LogprobFormatter(kind, self._tokenizer, parsed.logprobs is not None)
             if parsed.stream:
@@ -140,12 +144,32 @@ class Delta:
     finish_reason: str | None = None
 
 
+@dataclass(frozen=True)
+class Routing:
+    """What the headers say about where a request should run and whose cache it may use."""
+
+    session_id: str | None = None  # x-session-affinity
+    cache_salt: str = ""  # x-kvmesh-cache-salt, else derived from the API key
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str]) -> Routing:
+        session = headers.get("x-session-affinity") or None
+        salt = headers.get("x-kvmesh-cache-salt", "")
+        auth = headers.get("authorization", "")
+        if not salt and auth.lower().startswith("bearer "):
+            salt = "key:" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:32]
+        if session is not None and len(session) > 256:
+            raise InvalidRequestError("x-session-affinity must be at most 256 characters")
+        return cls(session, salt)
+
+
 class _Generation:
     """One request's run through the backend; counts tokens and records latency metrics."""
 
     def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, parsed: ParsedRequest,
-                 request_id: str, started: float) -> None:  # fmt: skip
+                 request_id: str, started: float, routing: Routing) -> None:  # fmt: skip
         self._backend = backend
+        self._routing = routing
         self._parsed = parsed
         self._request_id = request_id
         self._started = started
@@ -168,8 +192,9 @@ class _Generation:
     async def deltas(self) -> AsyncGenerator[Delta, None]:
         """Text deltas; the last one has finish_reason. Aborts the backend if cut short."""
         request = GenerateInput(
-            self._request_id, list(self._parsed.prompt_token_ids), self._parsed.params
-        )
+            self._request_id, list(self._parsed.prompt_token_ids), self._parsed.params,
+            self._routing.session_id, self._routing.cache_salt,
+        )  # fmt: skip
         stream = self._backend.generate(request)
         try:
             async for chunk in stream:

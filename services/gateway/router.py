@@ -42,18 +42,44 @@ class Decision:
 
 class RoutingPolicy(Protocol):
     def choose(
-        self, role: str, candidates: list[Candidate], cost_tokens: int
+        self, role: str, candidates: list[Candidate], cost_tokens: int, preferred: str | None
     ) -> Decision | None: ...
 
 
 class LeastTokensPolicy:
     """Cloudflare-style token-aware balancing: the worker with the fewest tokens in flight."""
 
-    def choose(self, role: str, candidates: list[Candidate], cost_tokens: int) -> Decision | None:
+    def choose(
+        self, role: str, candidates: list[Candidate], cost_tokens: int, preferred: str | None = None
+    ) -> Decision | None:
         if not candidates:
             return None
         best = min(candidates, key=lambda c: (c.load_tokens, c.info.worker_id))
         return Decision(best.info, "least_tokens")
+
+
+@dataclass(frozen=True)
+class AffinityPolicy:
+    """Keep a session on its pinned worker unless that worker is far above the least loaded one:
+    pinned load > max_load_ratio * least load + slack_tokens (both configurable)."""
+
+    max_load_ratio: float = 2.0
+    slack_tokens: int = 2048
+    fallback: RoutingPolicy = LeastTokensPolicy()
+
+    def choose(
+        self, role: str, candidates: list[Candidate], cost_tokens: int, preferred: str | None
+    ) -> Decision | None:
+        least = self.fallback.choose(role, candidates, cost_tokens, None)
+        if least is None or preferred is None:
+            return least
+        pinned = next((c for c in candidates if c.info.worker_id == preferred), None)
+        if pinned is None:
+            return Decision(least.worker, "affinity_worker_gone")
+        least_load = min(c.load_tokens for c in candidates)
+        if pinned.load_tokens > self.max_load_ratio * least_load + self.slack_tokens:
+            return Decision(least.worker, "affinity_yield_load")
+        return Decision(pinned.info, "affinity")
 
 
 class Router:
@@ -61,11 +87,13 @@ class Router:
         self, live: Callable[[str], list[WorkerInfo]], policy: RoutingPolicy | None = None
     ) -> None:
         self._live = live
-        self.policy = policy or LeastTokensPolicy()
+        self.policy = policy or AffinityPolicy()
         self._inflight: dict[str, int] = {}
         self._reported: dict[str, int] = {}
 
-    def pick(self, role: str, cost_tokens: int, exclude: Iterable[str] = ()) -> Decision:
+    def pick(
+        self, role: str, cost_tokens: int, exclude: Iterable[str] = (), preferred: str | None = None
+    ) -> Decision:
         excluded = set(exclude)
         candidates = [
             Candidate(
@@ -74,7 +102,7 @@ class Router:
             for w in self._live(role)
             if w.worker_id not in excluded
         ]
-        decision = self.policy.choose(role, candidates, cost_tokens)
+        decision = self.policy.choose(role, candidates, cost_tokens, preferred)
         if decision is None:
             raise WorkerUnavailable(f"no live {role} worker")
         metrics.ROUTING_DECISIONS.labels(role, decision.reason).inc()

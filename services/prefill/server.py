@@ -28,7 +28,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             params = convert.sampling_from_pb(request.sampling)
             result = await self.worker.prefill(
-                request.request_id, list(request.prompt_token_ids), params, request.destination
+                request.request_id,
+                list(request.prompt_token_ids),
+                params,
+                request.destination,
+                request.cache_salt,
             )
         except KvmeshError as exc:
             log.warning("prefill.failed", code=exc.code, error=str(exc))

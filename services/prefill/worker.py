@@ -39,10 +39,11 @@ class PrefillWorker:
         prompt: list[int],
         params: SamplingParams,
         destination: prefill_pb2.KvDestination,
+        cache_salt: str = "",
     ) -> PrefillResult:
         num_pages = -(-len(prompt) // self.spec.page_size)
         self._check(destination, num_pages)
-        first = await self.engine.prefill(request_id, prompt, params)
+        first = await self.engine.prefill(request_id, prompt, params, cache_salt)
         try:
             if first.finish_reason is not None and first.finish_reason.value == "abort":
                 raise InvalidRequestError(f"prefill of {request_id} was aborted")

@@ -153,6 +153,44 @@ def test_bad_requests_get_openai_errors(client):
         )
 
 
+def test_multi_turn_with_affinity_hits_the_cache_and_matches_uncached(client, reference):
+    messages = [{"role": "system", "content": "You are a terse assistant. Answer in a few words."}]
+    previous = 0
+    for turn, question in enumerate(
+        ["Name a fruit.", "Name a colour.", "Name an animal.", "And a city?"]
+    ):
+        messages.append({"role": "user", "content": question})
+        reply = client.chat.completions.create(
+            model="smollm2-135m", messages=messages, max_tokens=16, temperature=0,
+            extra_headers={"x-session-affinity": "session-multi-turn"},
+        )  # fmt: skip
+        reference.engine.block_manager.reset_prefix_cache()
+        want = reference.chat(messages, SamplingParams(max_tokens=16, temperature=0.0))[0]
+        assert reply.choices[0].message.content == want.text
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        if turn:
+            assert cached >= previous // 16 * 16, (turn, cached, previous)
+        previous = reply.usage.prompt_tokens + reply.usage.completion_tokens
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+
+
+def test_cache_salts_isolate_tenants(client):
+    messages = [
+        {"role": "user", "content": "Summarise the plot of a heist movie in one line. " * 6}
+    ]
+
+    def cached(salt: str) -> int:
+        reply = client.chat.completions.create(
+            model="smollm2-135m", messages=messages, max_tokens=4, temperature=0,
+            extra_headers={"x-session-affinity": "session-salts", "x-kvmesh-cache-salt": salt},
+        )  # fmt: skip
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0
+    assert cached("tenant-a") >= 16
+
+
 def test_grpc_gateway_bad_input_statuses(mesh):
     with grpc.insecure_channel(f"127.0.0.1:{mesh.grpc_port}") as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)

@@ -303,3 +303,25 @@ def test_randomized_operations_keep_invariants() -> None:
         bm.free(seq)
     bm.check_integrity([])
     assert bm.num_used_pages == 0 and bm.num_free_pages == 24
+
+
+def test_cache_salts_never_share_pages():
+    from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
+    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.engine.sequence import Sequence
+
+    manager = BlockManager(BlockManagerConfig(num_pages=16, page_size=4),
+                           BlockHasher.salted("m", 4, "fp32"))  # fmt: skip
+    tokens = list(range(13))
+    first = Sequence("a", tokens, SamplingParams(), cache_salt="tenant-a")
+    assert manager.allocate(first, len(tokens), manager.match_prefix(first))
+    first.num_computed_tokens = len(tokens)
+    manager.cache_full_pages(first, len(tokens))
+    manager.free(first)
+    other = Sequence("b", tokens, SamplingParams(), cache_salt="tenant-b")
+    same = Sequence("c", tokens, SamplingParams(), cache_salt="tenant-a")
+    unsalted = Sequence("d", tokens, SamplingParams())
+    assert manager.match_prefix(other).num_tokens == 0
+    assert manager.match_prefix(unsalted).num_tokens == 0
+    assert manager.match_prefix(same).num_tokens == 12
+    manager.check_integrity()

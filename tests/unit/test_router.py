@@ -38,3 +38,24 @@ def test_reported_load_counts_when_higher_than_local_estimate():
     router._reported["decode-0"] = 5000  # another gateway's requests  # noqa: SLF001
     assert router.pick("decode", 10).worker.worker_id == "decode-1"
     assert router.pick("decode", 10).reason == "least_tokens"
+
+
+def _candidates(loads: dict[str, int]):
+    from services.gateway.router import Candidate
+
+    return [Candidate(WorkerInfo(role="decode", worker_id=w, grpc_address="127.0.0.1:1"), load)
+            for w, load in loads.items()]  # fmt: skip
+
+
+def test_affinity_keeps_the_pinned_worker_until_it_is_far_above_the_least_loaded():
+    from services.gateway.router import AffinityPolicy
+
+    policy = AffinityPolicy(max_load_ratio=2.0, slack_tokens=100)
+    kept = policy.choose("decode", _candidates({"a": 300, "b": 200}), 10, "a")
+    assert (kept.worker.worker_id, kept.reason) == ("a", "affinity")
+    yielded = policy.choose("decode", _candidates({"a": 501, "b": 200}), 10, "a")
+    assert (yielded.worker.worker_id, yielded.reason) == ("b", "affinity_yield_load")
+    gone = policy.choose("decode", _candidates({"b": 200}), 10, "a")
+    assert (gone.worker.worker_id, gone.reason) == ("b", "affinity_worker_gone")
+    plain = policy.choose("decode", _candidates({"a": 5, "b": 1}), 10, None)
+    assert (plain.worker.worker_id, plain.reason) == ("b", "least_tokens")

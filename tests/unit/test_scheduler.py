@@ -209,6 +209,8 @@ def test_prefix_hit_sets_cached_tokens() -> None:
     assert plan(out) == [("b", 8, 3, True)]
     assert b.num_cached_tokens == 8 and b.block_table == [0, 1, 3]
     assert sched.update(out, {"b": 9}) == [b]
+    step(sched)  # b ends on a page boundary: one non-sampling step caches its last page
+    assert not sched.has_unfinished()
     sched.block_manager.check_integrity([])
 
 
@@ -220,3 +222,26 @@ def test_capacity_error_for_a_prompt_that_can_never_fit() -> None:
     assert sched.num_waiting == 1
     with pytest.raises(ValueError):
         sched.add(make_seq("ok", 3))
+
+
+def test_finish_on_a_page_boundary_computes_and_caches_the_last_page():
+    sched = make_sched()
+    seq = make_seq("edge", 6, max_tokens=2, temperature=0.0)  # 6 + 2 = 8 tokens = 2 full pages
+    sched.add(seq)
+    step(sched)  # prefill, first token
+    out, finished = step(sched)  # second token: finished, reported now
+    assert [s.seq_id for s in finished] == ["edge"] and seq.finish_reason is FinishReason.LENGTH
+    assert sched.has_unfinished()  # still computing the last token's KV
+    out, finished = step(sched)
+    assert [(c.num_tokens, c.sample) for c in out.chunks] == [(1, False)] and finished == []
+    assert not sched.has_unfinished()
+    again = Sequence("next", list(seq.token_ids) + [7], SamplingParams())
+    assert sched.block_manager.match_prefix(again).num_tokens == 8
+
+
+def test_finish_off_a_page_boundary_frees_at_once():
+    sched = make_sched()
+    sched.add(make_seq("plain", 5, max_tokens=2, temperature=0.0))  # 7 tokens
+    step(sched)
+    _, finished = step(sched)
+    assert [s.seq_id for s in finished] == ["plain"] and not sched.has_unfinished()

@@ -148,7 +148,7 @@ class BlockManager:
         """Longest cached run of seq's leading full pages, leaving at least one token to compute."""
         if not self.config.enable_prefix_caching:
             return PrefixMatch((), 0)
-        self.hasher.extend(seq.token_ids, seq.block_hashes)
+        self.hasher.for_tenant(seq.cache_salt).extend(seq.token_ids, seq.block_hashes)
         limit = (seq.num_tokens - 1) // self.config.page_size
         page_ids: list[int] = []
         for block_hash in seq.block_hashes[:limit]:
@@ -212,7 +212,7 @@ class BlockManager:
         """Register the full pages among seq's first num_tokens (KV computed) in the cache."""
         if not self.config.enable_prefix_caching:
             return
-        self.hasher.extend(seq.token_ids, seq.block_hashes)
+        self.hasher.for_tenant(seq.cache_salt).extend(seq.token_ids, seq.block_hashes)
         start = self._num_registered.get(seq.seq_id, 0)
         end = min(num_tokens // self.config.page_size, len(seq.block_table))
         run: list[int] = []  # indices of a contiguous run of newly registered pages

@@ -6,6 +6,7 @@ prefixes. The chain starts at a root salted by model, page size, KV dtype and te
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from array import array
@@ -45,6 +46,18 @@ class BlockHasher:
 
     page_size: int
     root: int
+    model: str = ""  # with kv_dtype: what `for_tenant` salts a tenant's root with
+    kv_dtype: str = ""
+
+    @classmethod
+    def salted(cls, model: str, page_size: int, kv_dtype: str, tenant: str = "") -> BlockHasher:
+        return cls(page_size, salt_root(model, page_size, kv_dtype, tenant), model, kv_dtype)
+
+    def for_tenant(self, tenant: str) -> BlockHasher:
+        """The hasher of another cache salt: tenants never share pages unless they share it."""
+        if not tenant:
+            return self
+        return _tenant_hasher(self.model, self.page_size, self.kv_dtype, tenant)
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -59,3 +72,8 @@ class BlockHasher:
         for page in range(len(hashes), len(token_ids) // size):
             parent = hash_page(parent, token_ids[page * size : (page + 1) * size])
             hashes.append(parent)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tenant_hasher(model: str, page_size: int, kv_dtype: str, tenant: str) -> BlockHasher:
+    return BlockHasher.salted(model, page_size, kv_dtype, tenant)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.proto.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/decode.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\x83\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\"\xd4\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x1f\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x10.kvmesh.v1.Error\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x11\n\x0fGetLoadsRequest\"8\n\x10GetLoadsResponse\x12$\n\x05loads\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.WorkerLoad2\xcc\x01\n\x06\x44\x65\x63ode\x12\x41\n\x08Generate\x12\x18.kvmesh.v1.DecodeRequest\x1a\x19.kvmesh.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12\x43\n\x08GetLoads\x12\x1a.kvmesh.v1.GetLoadsRequest\x1a\x1b.kvmesh.v1.GetLoadsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/decode.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\x97\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\xd4\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x1f\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x10.kvmesh.v1.Error\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x11\n\x0fGetLoadsRequest\"8\n\x10GetLoadsResponse\x12$\n\x05loads\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.WorkerLoad2\xcc\x01\n\x06\x44\x65\x63ode\x12\x41\n\x08Generate\x12\x18.kvmesh.v1.DecodeRequest\x1a\x19.kvmesh.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12\x43\n\x08GetLoads\x12\x1a.kvmesh.v1.GetLoadsRequest\x1a\x1b.kvmesh.v1.GetLoadsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.decode_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=62
-  _globals['_DECODEREQUEST']._serialized_end=193
-  _globals['_DECODERESPONSE']._serialized_start=196
-  _globals['_DECODERESPONSE']._serialized_end=408
-  _globals['_ABORTREQUEST']._serialized_start=410
-  _globals['_ABORTREQUEST']._serialized_end=444
-  _globals['_ABORTRESPONSE']._serialized_start=446
-  _globals['_ABORTRESPONSE']._serialized_end=478
-  _globals['_GETLOADSREQUEST']._serialized_start=480
-  _globals['_GETLOADSREQUEST']._serialized_end=497
-  _globals['_GETLOADSRESPONSE']._serialized_start=499
-  _globals['_GETLOADSRESPONSE']._serialized_end=555
-  _globals['_DECODE']._serialized_start=558
-  _globals['_DECODE']._serialized_end=762
+  _globals['_DECODEREQUEST']._serialized_end=213
+  _globals['_DECODERESPONSE']._serialized_start=216
+  _globals['_DECODERESPONSE']._serialized_end=428
+  _globals['_ABORTREQUEST']._serialized_start=430
+  _globals['_ABORTREQUEST']._serialized_end=464
+  _globals['_ABORTRESPONSE']._serialized_start=466
+  _globals['_ABORTRESPONSE']._serialized_end=498
+  _globals['_GETLOADSREQUEST']._serialized_start=500
+  _globals['_GETLOADSREQUEST']._serialized_end=517
+  _globals['_GETLOADSRESPONSE']._serialized_start=519
+  _globals['_GETLOADSRESPONSE']._serialized_end=575
+  _globals['_DECODE']._serialized_start=578
+  _globals['_DECODE']._serialized_end=782
 # @@protoc_insertion_point(module_scope)
