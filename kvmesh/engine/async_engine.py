@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 
 from kvmesh.engine.engine import Engine, Reservation, TokenOutput
+from kvmesh.engine.kv.events import KvEvent, PagesStored
 from kvmesh.engine.sampler import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import FinishReason
@@ -46,6 +47,8 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+        self._subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        engine.kv_event_sink = self._fan_out
 
     def start(self) -> None:
         self._thread.start()
@@ -183,6 +186,27 @@ class AsyncEngine:
 
     async def cancel_reservation(self, request_id: str) -> None:
         await self.call(self.engine.cancel_reservation, request_id)
+
+    def _fan_out(self, events: list[KvEvent]) -> None:
+        """Engine thread, under the lock: hand a step's KV events to every subscriber."""
+        for loop, queue in list(self._subscribers):
+            loop.call_soon_threadsafe(queue.put_nowait, events)
+
+    async def kv_events(self) -> AsyncIterator[tuple[bool, list[KvEvent]]]:
+        """(is_snapshot, events): first the whole prefix cache as one PagesStored, then changes."""
+        entry = (asyncio.get_running_loop(), asyncio.Queue())
+
+        def subscribe() -> list[int]:
+            self._subscribers.append(entry)
+            return self.engine.block_manager.cached_hashes()
+
+        snapshot = await self.call(subscribe)
+        try:
+            yield True, [PagesStored(tuple(snapshot), None, ())]
+            while True:
+                yield False, await entry[1].get()
+        finally:
+            self._subscribers.remove(entry)
 
     def load(self) -> EngineLoad:
         scheduler, pool = self.engine.scheduler, self.engine.block_manager

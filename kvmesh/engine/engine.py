@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -12,6 +13,7 @@ from kvmesh import env
 from kvmesh.engine.attention import get_backend
 from kvmesh.engine.config import EngineConfig, ModelConfig
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
+from kvmesh.engine.kv.events import KvEvent
 from kvmesh.engine.kv_cache import KVCacheSpec, PagedKVCache
 from kvmesh.engine.loader import load_weights, resolve_model
 from kvmesh.engine.models import build_model
@@ -85,6 +87,8 @@ class Engine:
         self.sampler = Sampler()
         self._reserved: dict[str, Sequence] = {}  # decode: pages awaiting a prefill worker
         self._kept: dict[str, Sequence] = {}  # prefill: keep_pages requests
+        # Receives the prefix cache's stored/removed events after each step (None: dropped).
+        self.kv_event_sink: Callable[[list[KvEvent]], None] | None = None
         log.info(
             "engine.ready",
             model=self.source.name,
@@ -224,6 +228,9 @@ class Engine:
         finished = {s.seq_id for s in self.scheduler.update(output, tokens)}
         for seq_id in finished:
             self.sampler.release(seq_id)
+        events = self.block_manager.take_events()
+        if events and self.kv_event_sink is not None:
+            self.kv_event_sink(events)
         return [self._output(s, tokens, logprobs, finished) for s in result.seqs]
 
     @staticmethod

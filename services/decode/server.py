@@ -10,6 +10,7 @@ from kvmesh.engine.engine import TokenOutput
 from kvmesh.errors import KvmeshError
 from kvmesh.mesh import convert, metrics
 from kvmesh.mesh.error_mapping import grpc_details, grpc_status
+from kvmesh.mesh.kv_events import stream_kv_events
 from kvmesh.mesh.loads import load_to_pb
 from kvmesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.decode.worker import DecodeJob, DecodeWorker
@@ -58,6 +59,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:
         return decode_pb2.AbortResponse(aborted=await self.engine.abort(request.request_id))
+
+    async def SubscribeKvEvents(self, request, context):
+        async for batch in stream_kv_events(self.engine, self.worker_id):
+            yield batch
 
     async def GetLoads(self, request, context) -> decode_pb2.GetLoadsResponse:
         return decode_pb2.GetLoadsResponse(

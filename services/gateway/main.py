@@ -13,9 +13,11 @@ from kvmesh.engine.loader import read_config, resolve_model
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.mesh.discovery import Registry, WorkerWatcher
 from kvmesh.mesh.grpc_server import start_server
+from kvmesh.mesh.kv_events import PrefixIndex
 from services.gateway import grpc_api
 from services.gateway.mesh_backend import MeshBackend
 from services.gateway.openai_api import create_app
+from services.gateway.prefix_routing import KvEventFollower, PrefixLookup
 from services.gateway.router import AffinityPolicy, Router
 from services.gateway.sessions import SessionStore
 
@@ -44,7 +46,9 @@ async def serve_gateway(options: GatewayOptions) -> None:
         watcher = WorkerWatcher(registry)
         await watcher.start()
         policy = AffinityPolicy(options.affinity_max_load_ratio, options.affinity_slack_tokens)
-        router = Router(watcher.alive, policy)
+        index = PrefixIndex()
+        router = Router(watcher.alive, policy, PrefixLookup(index))
+        follower = asyncio.create_task(KvEventFollower(index, watcher.alive).run())
         sessions = SessionStore(registry, options.session_ttl)
         backend = MeshBackend(router, source.name, config.max_position_embeddings, sessions)
         counts = lambda: (len(watcher.alive("prefill")), len(watcher.alive("decode")))  # noqa: E731
@@ -75,6 +79,7 @@ async def serve_gateway(options: GatewayOptions) -> None:
         finally:
             http.should_exit = True
             poller.cancel()
+            follower.cancel()
             await asyncio.gather(serving, return_exceptions=True)
             await grpc_server.stop(grace=2)
             await watcher.stop()

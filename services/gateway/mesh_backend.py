@@ -16,6 +16,7 @@ from kvmesh.mesh.error_mapping import error_from_grpc
 from kvmesh.mesh.grpc_server import channel
 from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc
 from services.gateway.backend import GenerateChunk, GenerateInput
+from services.gateway.prefix_routing import PromptKey
 from services.gateway.router import Router, WorkerUnavailable
 from services.gateway.sessions import Pin, SessionStore
 
@@ -48,12 +49,13 @@ class MeshBackend:
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
         pin = await self._lookup(request.session_id)
+        prompt = PromptKey(self.model_name, request.prompt_token_ids, request.cache_salt)
         bad_decode: set[str] = set()
         bad_prefill: set[str] = set()
         for attempt in range(MAX_ATTEMPTS):
             cost = self._decode_cost(request)
-            decode = self.router.pick("decode", cost, bad_decode, pin and pin.decode).worker
-            prefill = self._pick_prefill(request, bad_prefill, pin and pin.prefill)
+            decode = self.router.pick("decode", cost, bad_decode, pin and pin.decode, prompt).worker
+            prefill = self._pick_prefill(request, bad_prefill, pin and pin.prefill, prompt)
             started = False
             try:
                 async for chunk in self._stream(request, decode, prefill):
@@ -78,11 +80,11 @@ class MeshBackend:
         return await self.sessions.lookup(session_id)
 
     def _pick_prefill(
-        self, request: GenerateInput, exclude: set[str], preferred: str | None
+        self, request: GenerateInput, exclude: set[str], preferred: str | None, prompt: PromptKey
     ) -> WorkerInfo | None:
         try:
             cost = len(request.prompt_token_ids)
-            return self.router.pick("prefill", cost, exclude, preferred or None).worker
+            return self.router.pick("prefill", cost, exclude, preferred or None, prompt).worker
         except WorkerUnavailable:
             return None  # no prefill pool: decode prefills the prompt itself
 

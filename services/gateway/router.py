@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 import structlog
@@ -20,6 +20,9 @@ from kvmesh.mesh import metrics
 from kvmesh.mesh.discovery import WorkerInfo
 from kvmesh.mesh.grpc_server import channel
 from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+if TYPE_CHECKING:
+    from services.gateway.prefix_routing import PrefixLookup, PromptKey
 
 log = structlog.get_logger(__name__)
 
@@ -32,6 +35,7 @@ class WorkerUnavailable(KvmeshError):
 class Candidate:
     info: WorkerInfo
     load_tokens: int  # max(this gateway's in-flight estimate, what the worker last reported)
+    cached_tokens: int = 0  # leading prompt tokens whose KV the worker already holds
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,19 @@ class LeastTokensPolicy:
         return Decision(best.info, "least_tokens")
 
 
+class PrefixAwarePolicy:
+    """Cost = tokens in flight + the prompt tokens the worker lacks; least cost wins."""
+
+    def choose(
+        self, role: str, candidates: list[Candidate], cost_tokens: int, preferred: str | None = None
+    ) -> Decision | None:
+        if not candidates:
+            return None
+        best = min(candidates, key=lambda c: (c.load_tokens + cost_tokens - c.cached_tokens,
+                                              c.info.worker_id))  # fmt: skip
+        return Decision(best.info, "prefix_hit" if best.cached_tokens else "least_tokens")
+
+
 @dataclass(frozen=True)
 class AffinityPolicy:
     """Keep a session on its pinned worker unless that worker is far above the least loaded one:
@@ -65,7 +82,7 @@ class AffinityPolicy:
 
     max_load_ratio: float = 2.0
     slack_tokens: int = 2048
-    fallback: RoutingPolicy = LeastTokensPolicy()
+    fallback: RoutingPolicy = PrefixAwarePolicy()
 
     def choose(
         self, role: str, candidates: list[Candidate], cost_tokens: int, preferred: str | None
@@ -84,21 +101,28 @@ class AffinityPolicy:
 
 class Router:
     def __init__(
-        self, live: Callable[[str], list[WorkerInfo]], policy: RoutingPolicy | None = None
+        self,
+        live: Callable[[str], list[WorkerInfo]],
+        policy: RoutingPolicy | None = None,
+        prefix: PrefixLookup | None = None,
     ) -> None:
         self._live = live
+        self.prefix = prefix
         self.policy = policy or AffinityPolicy()
         self._inflight: dict[str, int] = {}
         self._reported: dict[str, int] = {}
 
     def pick(
-        self, role: str, cost_tokens: int, exclude: Iterable[str] = (), preferred: str | None = None
+        self,
+        role: str,
+        cost_tokens: int,
+        exclude: Iterable[str] = (),
+        preferred: str | None = None,
+        prompt: PromptKey | None = None,
     ) -> Decision:
         excluded = set(exclude)
         candidates = [
-            Candidate(
-                w, max(self._inflight.get(w.worker_id, 0), self._reported.get(w.worker_id, 0))
-            )
+            Candidate(w, self._load(w.worker_id), self._cached(w, prompt))
             for w in self._live(role)
             if w.worker_id not in excluded
         ]
@@ -111,9 +135,17 @@ class Router:
             role=role,
             worker=decision.worker.worker_id,
             reason=decision.reason,
-            load=[(c.info.worker_id, c.load_tokens) for c in candidates],
+            load=[(c.info.worker_id, c.load_tokens, c.cached_tokens) for c in candidates],
         )
         return decision
+
+    def _load(self, worker_id: str) -> int:
+        return max(self._inflight.get(worker_id, 0), self._reported.get(worker_id, 0))
+
+    def _cached(self, worker: WorkerInfo, prompt: PromptKey | None) -> int:
+        if prompt is None or self.prefix is None:
+            return 0
+        return self.prefix.cached_tokens(worker, prompt)
 
     @contextlib.contextmanager
     def holding(self, worker_id: str, tokens: int):

@@ -8,6 +8,7 @@ import structlog
 from kvmesh.errors import KvmeshError
 from kvmesh.mesh import convert, metrics
 from kvmesh.mesh.error_mapping import grpc_details, grpc_status
+from kvmesh.mesh.kv_events import stream_kv_events
 from kvmesh.mesh.loads import load_to_pb
 from kvmesh.proto.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 from services.prefill.worker import PrefillWorker
@@ -52,6 +53,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:
         return decode_pb2.AbortResponse(aborted=await self.worker.engine.abort(request.request_id))
+
+    async def SubscribeKvEvents(self, request, context):
+        async for batch in stream_kv_events(self.worker.engine, self.worker_id):
+            yield batch
 
     async def GetLoads(self, request, context) -> decode_pb2.GetLoadsResponse:
         load = load_to_pb(self.worker.engine.load(), self.worker_id, "prefill")

@@ -191,6 +191,35 @@ def test_cache_salts_isolate_tenants(client):
     assert cached("tenant-a") >= 16
 
 
+def _decisions(mesh, role: str, reason: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{mesh.http_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    wanted = f'role="{role}"', f'reason="{reason}"'
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("kvmesh_routing_decisions_total{") and all(w in line for w in wanted))  # fmt: skip
+
+
+def test_prefix_aware_routing_without_affinity(client, mesh):
+    manual = "House rules. " + " ".join(
+        f"Rule {i}: keep item {i} in drawer {i % 7}." for i in range(60)
+    )
+
+    def ask(question: str):
+        return client.chat.completions.create(
+            model="smollm2-135m", max_tokens=4, temperature=0,
+            messages=[{"role": "system", "content": manual}, {"role": "user", "content": question}],
+        )  # fmt: skip
+
+    first = ask("Where is item 3?")
+    assert first.usage.prompt_tokens > 400
+    time.sleep(1.0)  # KV events reach the gateway asynchronously
+    before = {role: _decisions(mesh, role, "prefix_hit") for role in ("prefill", "decode")}
+    second = ask("Where is item 5?")
+    assert second.usage.prompt_tokens_details.cached_tokens >= 400
+    for role in ("prefill", "decode"):
+        assert _decisions(mesh, role, "prefix_hit") == before[role] + 1
+
+
 def test_grpc_gateway_bad_input_statuses(mesh):
     with grpc.insecure_channel(f"127.0.0.1:{mesh.grpc_port}") as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)

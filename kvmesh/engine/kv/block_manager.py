@@ -261,6 +261,10 @@ class BlockManager:
         seq.block_table.clear()
         self._num_registered.pop(seq.seq_id, None)
 
+    def cached_hashes(self) -> list[int]:
+        """Every block hash currently in the prefix cache (a snapshot for a new subscriber)."""
+        return list(self._cached)
+
     def take_events(self) -> list[KvEvent]:
         """Return and clear the events emitted since the last call."""
         events, self._events = self._events, []

@@ -53,6 +53,30 @@ class GetLoadsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SubscribeKvEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("stored", "removed", "cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    cleared: bool
+    def __init__(self, stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., cleared: _Optional[bool] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("worker_id", "snapshot", "events")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    snapshot: bool
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    def __init__(self, worker_id: _Optional[str] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
+
 class GetLoadsResponse(_message.Message):
     __slots__ = ("loads",)
     LOADS_FIELD_NUMBER: _ClassVar[int]

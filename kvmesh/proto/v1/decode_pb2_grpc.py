@@ -51,6 +51,11 @@ class DecodeStub:
                 request_serializer=kvmesh_dot_v1_dot_decode__pb2.GetLoadsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_decode__pb2.GetLoadsResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/kvmesh.v1.Decode/SubscribeKvEvents',
+                request_serializer=kvmesh_dot_v1_dot_decode__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_decode__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -79,6 +84,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvEvents(self, request, context):
+        """Which block hashes this worker caches: a snapshot, then every change (for prefix routing).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +108,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.GetLoads,
                     request_deserializer=kvmesh_dot_v1_dot_decode__pb2.GetLoadsRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_decode__pb2.GetLoadsResponse.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=kvmesh_dot_v1_dot_decode__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_decode__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +198,33 @@ class Decode:
             '/kvmesh.v1.Decode/GetLoads',
             kvmesh_dot_v1_dot_decode__pb2.GetLoadsRequest.SerializeToString,
             kvmesh_dot_v1_dot_decode__pb2.GetLoadsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.Decode/SubscribeKvEvents',
+            kvmesh_dot_v1_dot_decode__pb2.SubscribeKvEventsRequest.SerializeToString,
+            kvmesh_dot_v1_dot_decode__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,6 +52,11 @@ class PrefillStub:
                 request_serializer=kvmesh_dot_v1_dot_decode__pb2.GetLoadsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_decode__pb2.GetLoadsResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/kvmesh.v1.Prefill/SubscribeKvEvents',
+                request_serializer=kvmesh_dot_v1_dot_decode__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_decode__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -80,6 +85,13 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvEvents(self, request, context):
+        """Which block hashes this worker caches (as Decode.SubscribeKvEvents).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +109,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.GetLoads,
                     request_deserializer=kvmesh_dot_v1_dot_decode__pb2.GetLoadsRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_decode__pb2.GetLoadsResponse.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=kvmesh_dot_v1_dot_decode__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_decode__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +199,33 @@ class Prefill:
             '/kvmesh.v1.Prefill/GetLoads',
             kvmesh_dot_v1_dot_decode__pb2.GetLoadsRequest.SerializeToString,
             kvmesh_dot_v1_dot_decode__pb2.GetLoadsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.Prefill/SubscribeKvEvents',
+            kvmesh_dot_v1_dot_decode__pb2.SubscribeKvEventsRequest.SerializeToString,
+            kvmesh_dot_v1_dot_decode__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
