@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--demo", action="store_true", help="run the offline engine on a demo chat instead"
     )
+    up.add_argument("--routing", default="cache-aware", choices=["cache-aware", "least-load"])
+    up.add_argument("--session-ttl", type=int, default=600)
     _worker_args(up)
     serve = sub.add_parser("serve", help="run one service of the mesh")
     serve_sub = serve.add_subparsers(dest="service", required=True)
@@ -93,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         "loaded one's, plus --affinity-slack-tokens",
     )
     gateway.add_argument("--affinity-slack-tokens", type=int, default=2048)
+    gateway.add_argument(
+        "--routing",
+        default="cache-aware",
+        choices=["cache-aware", "least-load"],
+        help="cache-aware: session affinity + prefix scores; least-load: baseline",
+    )
     status = sub.add_parser("status", help="list the mesh's workers and their load")
     status.add_argument(
         "--etcd", default=None, help="host:port (default: the one `kvmesh up` started)"
@@ -185,6 +193,7 @@ def _up(args: argparse.Namespace) -> int:
             grpc_port=args.grpc_port,
             cluster=args.cluster,
             worker_args=tuple(passthrough),
+            gateway_args=("--routing", args.routing, "--session-ttl", str(args.session_ttl)),
         )
     )
 
@@ -210,6 +219,7 @@ def _serve(args: argparse.Namespace) -> int:
                     session_ttl=args.session_ttl,
                     affinity_max_load_ratio=args.affinity_max_load_ratio,
                     affinity_slack_tokens=args.affinity_slack_tokens,
+                    routing=args.routing,
                 )
             )
         )

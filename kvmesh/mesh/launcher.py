@@ -36,6 +36,7 @@ class UpOptions:
     grpc_port: int | None = None
     cluster: str = "default"
     worker_args: tuple[str, ...] = ()  # passed through to every worker (e.g. --dtype bf16)
+    gateway_args: tuple[str, ...] = ()  # passed through to the gateway (e.g. --routing least-load)
     ready_timeout: float = 180.0
 
 
@@ -85,6 +86,7 @@ class Mesh:
                 str(self.http_port),
                 "--grpc-port",
                 str(self.grpc_port),
+                *self.options.gateway_args,
             ],
         )
         self._write_state()

@@ -18,7 +18,7 @@ from services.gateway import grpc_api
 from services.gateway.mesh_backend import MeshBackend
 from services.gateway.openai_api import create_app
 from services.gateway.prefix_routing import KvEventFollower, PrefixLookup
-from services.gateway.router import AffinityPolicy, Router
+from services.gateway.router import AffinityPolicy, LeastTokensPolicy, Router
 from services.gateway.sessions import SessionStore
 
 log = structlog.get_logger(__name__)
@@ -35,6 +35,7 @@ class GatewayOptions:
     session_ttl: int = 600
     affinity_max_load_ratio: float = 2.0
     affinity_slack_tokens: int = 2048
+    routing: str = "cache-aware"  # or "least-load": no affinity, no prefix scores (a baseline)
 
 
 async def serve_gateway(options: GatewayOptions) -> None:
@@ -45,9 +46,12 @@ async def serve_gateway(options: GatewayOptions) -> None:
     async with Registry(options.etcd, options.cluster) as registry:
         watcher = WorkerWatcher(registry)
         await watcher.start()
-        policy = AffinityPolicy(options.affinity_max_load_ratio, options.affinity_slack_tokens)
         index = PrefixIndex()
-        router = Router(watcher.alive, policy, PrefixLookup(index))
+        if options.routing == "least-load":
+            router = Router(watcher.alive, LeastTokensPolicy())
+        else:
+            policy = AffinityPolicy(options.affinity_max_load_ratio, options.affinity_slack_tokens)
+            router = Router(watcher.alive, policy, PrefixLookup(index))
         follower = asyncio.create_task(KvEventFollower(index, watcher.alive).run())
         sessions = SessionStore(registry, options.session_ttl)
         backend = MeshBackend(router, source.name, config.max_position_embeddings, sessions)
