@@ -7,6 +7,7 @@ so the step loop and RPC handlers never touch the scheduler or the page pool at 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -117,8 +118,9 @@ class AsyncEngine:
         except BaseException:
             self._queues.pop(request_id, None)
             raise
-        async for out in self._drain(request_id, queue):
-            yield out
+        async with contextlib.aclosing(self._drain(request_id, queue)) as drain:
+            async for out in drain:
+                yield out
 
     async def prefill(
         self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str = ""
@@ -153,8 +155,9 @@ class AsyncEngine:
             yield first
             return
         queue.put_nowait(first)
-        async for out in self._drain(request_id, queue):
-            yield out
+        async with contextlib.aclosing(self._drain(request_id, queue)) as drain:
+            async for out in drain:
+                yield out
 
     async def _drain(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[TokenOutput]:
         finished = False

@@ -126,6 +126,14 @@ class Engine:
         seq = seq or self.scheduler.get(request_id)
         return list(seq.block_table) if seq else []
 
+    def computed_pages_of(self, request_id: str) -> tuple[list[int], list[int]]:
+        """(block hashes, page ids) of a kept request's full pages whose KV is computed."""
+        seq = self._kept.get(request_id)
+        if seq is None:
+            return [], []
+        count = min(seq.num_computed_tokens // self.config.page_size, len(seq.block_hashes))
+        return list(seq.block_hashes[:count]), list(seq.block_table[:count])
+
     def release(self, request_id: str) -> None:
         """Free the pages a finished keep_pages request still holds."""
         self._kept.pop(request_id, None)

@@ -8,7 +8,7 @@ is preempted by recompute: its pages are freed and it goes back to the front of 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvmesh.engine.kv.block_manager import BlockManager
@@ -69,6 +69,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._seqs: dict[str, Sequence] = {}
         self._held: dict[str, Sequence] = {}  # finished with keep_pages: pages await release()
+        # Called with a finished (not aborted) sequence just before its pages are freed.
+        self.on_retire: Callable[[Sequence], None] | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -257,6 +259,8 @@ class Scheduler:
         if seq.keep_pages and reason is not FinishReason.ABORT:
             self._held[seq.seq_id] = seq
         else:
+            if self.on_retire is not None and reason is not FinishReason.ABORT:
+                self.on_retire(seq)
             self.block_manager.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

@@ -18,6 +18,7 @@ from kvmesh.mesh import metrics
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.ports import free_port
+from kvmesh.mesh.store_link import StoreLink, StoreLinkOptions
 from kvmesh.mesh.transfer import KvTransferEngine, TransferConfig
 
 log = structlog.get_logger(__name__)
@@ -39,6 +40,7 @@ class WorkerOptions:
     protocol: str = "tcp"
     ttl: int = 5
     local_prefill_tokens: int = 0
+    use_kvstore: bool = True  # pull/push pages from/to a KV store registered in etcd, if any
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -54,6 +56,7 @@ class WorkerParts:
     engine: AsyncEngine
     transfer: KvTransferEngine
     kv_dtype: str
+    store: StoreLink | None
 
 
 ServicerFactory = Callable[[WorkerParts], list[Callable]]
@@ -74,7 +77,12 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
     async_engine.start()
     transfer = KvTransferEngine(TransferConfig(protocol=options.protocol))
     transfer.register(engine.kv_cache.pool.data_ptr(), engine.kv_cache.nbytes)
-    parts = WorkerParts(options, worker_id, async_engine, transfer, engine.kv_dtype)
+    store = None
+    if options.use_kvstore:
+        store = StoreLink(StoreLinkOptions(options.etcd, options.cluster), async_engine, transfer,
+                          options.role)  # fmt: skip
+    store_task = asyncio.create_task(store.run()) if store else None
+    parts = WorkerParts(options, worker_id, async_engine, transfer, engine.kv_dtype, store)
     metrics_port = options.metrics_port or free_port()
     metrics.serve_metrics(metrics_port, options.host)
     metrics.KV_CAPACITY_TOKENS.labels(options.role).set(engine.kv_cache.capacity_tokens)
@@ -97,6 +105,8 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
             await _wait_for_signal()
             await registration.close()
     finally:
+        if store_task is not None:
+            store_task.cancel()
         await server.stop(grace=2)
         async_engine.stop()
         transfer.close()

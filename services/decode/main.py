@@ -16,6 +16,8 @@ def servicers(parts: WorkerParts) -> list:
         parts.kv_dtype,
         parts.options.local_prefill_tokens,
     )
+    if parts.store is not None:
+        parts.store.enable_export()  # finished sequences' pages go to the KV store
     return [add_to(DecodeServicer(worker, parts.worker_id))]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 import structlog
 
@@ -37,15 +39,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 request.request_id, list(request.prompt_token_ids), params,
                 request.prefill_address, request.cache_salt,
             ))  # fmt: skip
-            async for out in stream:
-                generated += len(out.new_token_ids)
-                metrics.GENERATION_TOKENS.labels("decode").inc(len(out.new_token_ids))
-                metrics.KV_PAGES_USED.labels("decode").set(
-                    self.engine.engine.block_manager.num_used_pages
-                )
-                response = _response(out, generated)
-                metrics.observe_message("decode", response.ByteSize())
-                yield response
+            async with contextlib.aclosing(stream):  # an abort reaches the engine before we return
+                async for out in stream:
+                    generated += len(out.new_token_ids)
+                    metrics.GENERATION_TOKENS.labels("decode").inc(len(out.new_token_ids))
+                    metrics.KV_PAGES_USED.labels("decode").set(
+                        self.engine.engine.block_manager.num_used_pages
+                    )
+                    response = _response(out, generated)
+                    metrics.observe_message("decode", response.ByteSize())
+                    yield response
         except KvmeshError as exc:
             log.warning("decode.request_failed", code=exc.code, error=str(exc))
             yield decode_pb2.DecodeResponse(

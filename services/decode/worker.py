@@ -71,8 +71,9 @@ class DecodeWorker:
             stream = self.engine.generate(
                 job.request_id, job.prompt, job.params, cache_salt=job.cache_salt
             )
-            async for out in stream:
-                yield out
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    yield out
             return
         reservation = await self._reserve(job)
         response = await self._remote_prefill(job, reservation)
@@ -81,8 +82,9 @@ class DecodeWorker:
             first_lp = convert.logprob_from_pb(response.first_logprob)
         cached = max(response.cached_tokens, reservation.cached_tokens)
         stream = self.engine.commit(job.request_id, response.first_token_id, first_lp, cached)
-        async for out in stream:
-            yield out
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                yield out
 
     async def _reserve(self, job: DecodeJob) -> Reservation:
         deadline = time.monotonic() + RESERVE_TIMEOUT_S

@@ -110,8 +110,12 @@ class MeshBackend:
                 self.router.holding(decode.worker_id, held),
                 self._holding_prefill(prefill, request),
             ):
-                async for response in stub.Generate(message):
-                    yield _chunk(response)
+                call = stub.Generate(message)
+                try:
+                    async for response in call:
+                        yield _chunk(response)
+                finally:
+                    call.cancel()  # no-op when finished; cancels decode when the client left
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                 raise DecodeGone(

@@ -13,6 +13,7 @@ from kvmesh.engine.engine import TokenOutput
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError
 from kvmesh.mesh import metrics
+from kvmesh.mesh.store_link import StoreLink
 from kvmesh.mesh.transfer import KvTransferEngine
 from kvmesh.proto.v1 import prefill_pb2
 
@@ -27,11 +28,14 @@ class PrefillResult:
 
 
 class PrefillWorker:
-    def __init__(self, engine: AsyncEngine, transfer: KvTransferEngine, kv_dtype: str) -> None:
+    def __init__(self, engine: AsyncEngine, transfer: KvTransferEngine, kv_dtype: str,
+                 store: StoreLink | None = None) -> None:  # fmt: skip
         self.engine = engine
         self.transfer = transfer
         self.kv_dtype = kv_dtype
+        self.store = store
         self.spec = engine.engine.kv_cache.spec
+        self._offers: set[asyncio.Task] = set()
 
     async def prefill(
         self,
@@ -43,6 +47,8 @@ class PrefillWorker:
     ) -> PrefillResult:
         num_pages = -(-len(prompt) // self.spec.page_size)
         self._check(destination, num_pages)
+        if self.store is not None:  # local prefix first, then the store, then compute the rest
+            await self.store.import_prefix(request_id, prompt, cache_salt)
         first = await self.engine.prefill(request_id, prompt, params, cache_salt)
         try:
             if first.finish_reason is not None and first.finish_reason.value == "abort":
@@ -51,9 +57,27 @@ class PrefillWorker:
             dst_pages = list(destination.page_ids)[destination.skip_pages : num_pages]
             written = await asyncio.to_thread(self._write, destination, src_pages, dst_pages)
         finally:
-            await self.engine.release(request_id)
+            await self._release(request_id)
         metrics.KV_TRANSFER_BYTES.labels("prefill").inc(written)
         return PrefillResult(first, written, len(src_pages))
+
+    async def _release(self, request_id: str) -> None:
+        """Free the request's pages; with a store, first offer its new pages (in the background)."""
+        if self.store is None:
+            await self.engine.release(request_id)
+            return
+        hashes, pages = self.engine.engine.computed_pages_of(request_id)
+        task = asyncio.create_task(self._offer_then_release(request_id, hashes, pages))
+        self._offers.add(task)
+        task.add_done_callback(self._offers.discard)
+
+    async def _offer_then_release(
+        self, request_id: str, hashes: list[int], pages: list[int]
+    ) -> None:
+        try:
+            await self.store.offer_pages(hashes, pages)
+        finally:
+            await self.engine.release(request_id)
 
     def _write(
         self, dest: prefill_pb2.KvDestination, src_pages: list[int], dst_pages: list[int]

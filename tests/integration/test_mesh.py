@@ -266,16 +266,9 @@ def test_client_disconnect_frees_pages(client, mesh):
             break
     stream.close()
     deadline = time.time() + 20
-    while time.time() < deadline:
-        used = sum(
-            _metric(w.metrics_address, "kvmesh_kv_pages_used")
-            for w in _workers(mesh)
-            if w.role == "decode"
-        )
-        if used == 0:
-            break
+    while (used := _pages_in_use(mesh)) and time.time() < deadline:
         time.sleep(0.5)
-    assert used == 0
+    assert used == 0, "pages stranded on a prefill or decode worker after the client left"
 
 
 def test_kill_prefill_then_requests_still_succeed(client, mesh):

@@ -1,0 +1,89 @@
+"""Moving cached pages between a worker's pool and an external KV store (engine side).
+
+Import (prefill): pages for a prompt's leading full pages that the local cache lacks are
+allocated first, filled from the store by the caller, then registered in the prefix cache.
+Export (decode): when a sequence finishes, its computed full pages are copied to a staging
+buffer (on the engine thread, while the pages are still valid) and handed to a callback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class ImportPlan:
+    """Pages to fill from the store, in order: the i-th page holds block_hashes[i]."""
+
+    request_id: str
+    block_hashes: list[int]
+    page_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ExportedPages:
+    """Copies of a finished sequence's full pages, in staging rows [0, len(block_hashes))."""
+
+    block_hashes: list[int]
+    staging: torch.Tensor  # [n, page_bytes] uint8
+    cache_salt: str
+
+
+class PageIO:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._imports: dict[str, Sequence] = {}
+        self._matched: dict[str, int] = {}
+
+    # -- import (call under the engine lock) --------------------------------------------------
+    def plan_import(
+        self, request_id: str, prompt: list[int], cache_salt: str = ""
+    ) -> ImportPlan | None:
+        """None when the local cache already has every reusable page or the pool is full."""
+        bm = self.engine.block_manager
+        seq = Sequence(f"import-{request_id}", list(prompt), SamplingParams(max_tokens=1),
+                       cache_salt=cache_salt)  # fmt: skip
+        prefix = bm.match_prefix(seq)
+        wanted = (len(prompt) - 1) // bm.config.page_size
+        matched = len(prefix.page_ids)
+        if matched >= wanted:
+            return None
+        if not bm.allocate(seq, wanted * bm.config.page_size - prefix.num_tokens, prefix):
+            return None
+        self._imports[request_id] = seq
+        self._matched[request_id] = matched
+        return ImportPlan(
+            request_id, seq.block_hashes[matched:wanted], seq.block_table[matched:wanted]
+        )
+
+    def finish_import(self, request_id: str, fetched_pages: int) -> None:
+        """Register the first `fetched_pages` planned pages as cached; free the rest."""
+        seq = self._imports.pop(request_id)
+        matched = self._matched.pop(request_id)
+        bm = self.engine.block_manager
+        seq.num_computed_tokens = (matched + fetched_pages) * bm.config.page_size
+        bm.cache_full_pages(seq, seq.num_computed_tokens)
+        bm.free(seq)
+
+    # -- export ---------------------------------------------------------------------------------
+    def export_on_finish(self, sink: Callable[[ExportedPages], None], min_pages: int = 1) -> None:
+        """On every finished sequence, copy its computed full pages and pass them to `sink`."""
+        pool = self.engine.kv_cache.pool
+        page_size = self.engine.config.page_size
+
+        def on_retire(seq: Sequence) -> None:
+            count = min(seq.num_computed_tokens // page_size, len(seq.block_hashes))
+            if count < min_pages:
+                return
+            pages = torch.tensor(seq.block_table[:count])
+            staging = pool[pages].reshape(count, -1).view(torch.uint8).clone()
+            sink(ExportedPages(list(seq.block_hashes[:count]), staging, seq.cache_salt))
+
+        self.engine.scheduler.on_retire = on_retire

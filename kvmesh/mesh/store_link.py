@@ -1,0 +1,111 @@
+"""A worker's link to the KV store: finds the store in etcd, pulls a prompt's missing prefix
+pages into the local pool before prefill, and pushes pages out (prefill: new prompt pages;
+decode: a finished sequence's pages) without ever blocking a request on the store."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+import structlog
+
+from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.page_io import ExportedPages, PageIO
+from kvmesh.mesh import metrics
+from kvmesh.mesh.discovery import Registry
+from kvmesh.mesh.kvstore_client import KVStoreClient
+from kvmesh.mesh.transfer import KvTransferEngine
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class StoreLinkOptions:
+    etcd: str
+    cluster: str = "default"
+    refresh_s: float = 2.0
+
+
+class StoreLink:
+    def __init__(self, options: StoreLinkOptions, engine: AsyncEngine, transfer: KvTransferEngine,
+                 service: str) -> None:  # fmt: skip
+        self.options = options
+        self.engine = engine
+        self.transfer = transfer
+        self.service = service
+        self.page_io = PageIO(engine.engine)
+        spec = engine.engine.kv_cache.spec
+        self.page_bytes = spec.page_bytes
+        self.layout_key = f"{engine.engine.model_name}|{spec.page_size}|{engine.engine.kv_dtype}"
+        self._client: KVStoreClient | None = None
+        self._address = ""
+        self._pending: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        """Follow the store's registration (it may come, go or move)."""
+        async with Registry(self.options.etcd, self.options.cluster) as registry:
+            while True:
+                with contextlib.suppress(Exception):
+                    stores = await registry.list_workers("kvstore")
+                    self._use(stores[0].grpc_address if stores else "")
+                await asyncio.sleep(self.options.refresh_s)
+
+    def _use(self, address: str) -> None:
+        if address != self._address:
+            log.info("kvstore.link", address=address or None)
+            self._address = address
+            self._client = KVStoreClient(address, self.transfer) if address else None
+
+    async def import_prefix(self, request_id: str, prompt: list[int], cache_salt: str) -> int:
+        """Fetch the prompt's leading pages the local cache lacks; returns tokens imported."""
+        client = self._client
+        if client is None:
+            return 0
+        plan = await self.engine.call(self.page_io.plan_import, request_id, prompt, cache_salt)
+        if plan is None:
+            return 0
+        cache = self.engine.engine.kv_cache
+        addresses = [cache.page_address(p) for p in plan.page_ids]
+        fetched = 0
+        try:
+            fetched = await client.fetch(
+                plan.block_hashes, addresses, self.page_bytes, self.layout_key
+            )
+        finally:
+            await self.engine.call(self.page_io.finish_import, request_id, fetched)
+        tokens = fetched * cache.spec.page_size
+        metrics.PROMPT_CACHED_TOKENS.labels(f"{self.service}:kvstore").inc(tokens)
+        return tokens
+
+    def enable_export(self) -> None:
+        """Decode: every finished sequence's full pages are offered to the store."""
+        loop = asyncio.get_running_loop()
+
+        def sink(pages: ExportedPages) -> None:  # engine thread
+            if self._client is not None:
+                loop.call_soon_threadsafe(self._spawn_offer, pages)
+
+        self.page_io.export_on_finish(sink)
+
+    def _spawn_offer(self, pages: ExportedPages) -> None:
+        task = asyncio.create_task(self._offer_staged(pages))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _offer_staged(self, pages: ExportedPages) -> None:
+        client = self._client
+        if client is None:
+            return
+        base = pages.staging.data_ptr()
+        addresses = [base + i * self.page_bytes for i in range(len(pages.block_hashes))]
+        await client.offer(pages.block_hashes, addresses, self.page_bytes, self.layout_key)
+
+    async def offer_pages(self, block_hashes: list[int], page_ids: list[int]) -> None:
+        """Prefill: offer pages still held by a request (the caller releases them afterwards)."""
+        client = self._client
+        if client is None or not block_hashes:
+            return
+        cache = self.engine.engine.kv_cache
+        addresses = [cache.page_address(p) for p in page_ids]
+        await client.offer(block_hashes, addresses, self.page_bytes, self.layout_key)

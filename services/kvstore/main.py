@@ -1,0 +1,205 @@
+"""The KV store process: transfer engine + store, gRPC server, Prometheus endpoint, etcd
+registration (role "kvstore") with keep-alive, graceful stop on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+from prometheus_client import REGISTRY, start_http_server
+
+from kvmesh.mesh.discovery import Registry, WorkerInfo
+from kvmesh.mesh.grpc_server import start_server
+from kvmesh.mesh.kvstore_client import layout_key
+from kvmesh.mesh.ports import free_port
+from kvmesh.mesh.transfer import KvTransferEngine, TransferConfig
+from services.kvstore.server import KVStoreServicer, StoreMetrics, add_to
+from services.kvstore.store import KVStore, StoreConfig
+
+log = structlog.get_logger(__name__)
+
+_SWEEP_S = 1.0
+
+
+@dataclass(frozen=True)
+class KVStoreOptions:
+    """`etcd` "" = do not register (a standalone store). `disk_dir` "" = a temporary directory
+    removed on stop; `disk_mib` 0 = no disk tier. The layout (model, page_size, kv_dtype,
+    page_bytes) must equal the workers' or their calls fail with INVALID_ARGUMENT."""
+
+    etcd: str
+    page_bytes: int
+    cluster: str = "default"
+    worker_id: str = ""
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    model: str = "smollm2-135m"
+    page_size: int = 16
+    kv_dtype: str = "fp32"
+    ram_mib: int = 256
+    disk_mib: int = 1024
+    disk_dir: str = ""
+    protocol: str = "tcp"
+    ttl: int = 5
+    lease_s: float = 30.0
+    reservation_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.ram_mib <= 0 or self.disk_mib < 0 or self.page_size <= 0:
+            raise ValueError("ram_mib and page_size must be > 0, disk_mib >= 0")
+        self.store_config()  # validates the rest
+
+    @property
+    def layout_key(self) -> str:
+        return layout_key(self.model, self.page_size, self.kv_dtype)
+
+    def store_config(self) -> StoreConfig:
+        return StoreConfig(
+            layout_key=self.layout_key,
+            page_bytes=self.page_bytes,
+            ram_bytes=self.ram_mib << 20,
+            disk_bytes=self.disk_mib << 20,
+            disk_dir=Path(self.disk_dir) if self.disk_dir else None,
+            lease_s=self.lease_s,
+            reservation_s=self.reservation_s,
+        )
+
+
+async def serve_kvstore(options: KVStoreOptions, stop: asyncio.Event | None = None) -> None:
+    """Run until SIGTERM/SIGINT (or `stop` is set)."""
+    worker_id = options.worker_id or f"kvstore-{uuid.uuid4().hex[:8]}"
+    structlog.contextvars.bind_contextvars(service="kvstore", worker_id=worker_id)
+    stop = stop or asyncio.Event()
+    transfer = KvTransferEngine(TransferConfig(protocol=options.protocol))
+    store = KVStore(options.store_config(), transfer)
+    collector = StoreMetrics(store)
+    metrics_port = options.metrics_port or free_port()
+    try:
+        REGISTRY.register(collector)
+        http, _ = start_http_server(metrics_port, addr=options.host)
+        server, port, _ = await start_server(
+            [add_to(KVStoreServicer(store))], options.host, options.port
+        )
+        info = _worker_info(options, worker_id, f"{options.host}:{port}", metrics_port, store)
+        try:
+            await _run(options, info, store, stop)
+        finally:
+            await server.stop(grace=2)
+            http.shutdown()
+            http.server_close()
+    finally:
+        with contextlib.suppress(KeyError):
+            REGISTRY.unregister(collector)
+        store.close()
+        transfer.close()
+
+
+async def _run(options: KVStoreOptions, info: WorkerInfo, store: KVStore, stop: asyncio.Event):
+    sweeper = asyncio.create_task(_sweep(store))
+    try:
+        with _signals_set(stop):
+            if not options.etcd:
+                log.info("kvstore.ready", grpc=info.grpc_address, registered=False)
+                await stop.wait()
+                return
+            async with Registry(options.etcd, options.cluster) as registry:
+                registration = await registry.register(info, ttl=options.ttl)
+                log.info("kvstore.ready", grpc=info.grpc_address, metrics=info.metrics_address)
+                try:
+                    await stop.wait()
+                finally:
+                    await registration.close()
+    finally:
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
+
+
+def _worker_info(
+    options: KVStoreOptions, worker_id: str, grpc_address: str, metrics_port: int, store: KVStore
+) -> WorkerInfo:
+    config = store.config
+    return WorkerInfo(
+        role="kvstore",
+        worker_id=worker_id,
+        grpc_address=grpc_address,
+        metrics_address=f"{options.host}:{metrics_port}",
+        te_session=store.te_session,
+        model=options.model,
+        page_size=options.page_size,
+        kv_dtype=options.kv_dtype,
+        capacity_tokens=(config.ram_pages + config.disk_pages) * options.page_size,
+        extra={
+            "layout_key": config.layout_key,
+            "page_bytes": config.page_bytes,
+            "ram_pages": config.ram_pages,
+            "disk_pages": config.disk_pages,
+        },
+    )
+
+
+async def _sweep(store: KVStore) -> None:
+    while True:
+        await asyncio.sleep(_SWEEP_S)
+        await asyncio.to_thread(store.sweep)
+
+
+@contextlib.contextmanager
+def _signals_set(stop: asyncio.Event):
+    loop = asyncio.get_running_loop()
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    for sig in sigs:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield
+    finally:
+        for sig in sigs:
+            loop.remove_signal_handler(sig)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `kvmesh serve kvstore` (dest names match KVStoreOptions fields)."""
+    p.add_argument("--etcd", default="", help="etcd host:port (empty: do not register)")
+    p.add_argument("--cluster", default="default")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--worker-id", default="")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--metrics-port", type=int, default=0)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    p.add_argument("--kv-dtype", default="fp32")
+    p.add_argument("--page-bytes", type=int, required=True, help="bytes per KV page")
+    p.add_argument("--ram-mib", type=int, default=256, help="RAM tier capacity")
+    p.add_argument("--disk-mib", type=int, default=1024, help="disk tier capacity (0: none)")
+    p.add_argument("--disk-dir", default="", help="disk tier directory (default: temporary)")
+    p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
+    p.add_argument("--ttl", type=int, default=5, help="etcd lease TTL (s)")
+
+
+def options_from_args(args: argparse.Namespace) -> KVStoreOptions:
+    names = KVStoreOptions.__dataclass_fields__
+    return KVStoreOptions(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m services.kvstore.main --page-bytes N [...]`."""
+    from kvmesh.log import configure_logging
+
+    parser = argparse.ArgumentParser(prog="kvmesh-kvstore")
+    add_arguments(parser)
+    options = options_from_args(parser.parse_args(argv))
+    configure_logging("kvstore", "INFO")
+    asyncio.run(serve_kvstore(options))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
