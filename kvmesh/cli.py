@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--demo", action="store_true", help="run the offline engine on a demo chat instead"
     )
     up.add_argument("--routing", default="cache-aware", choices=["cache-aware", "least-load"])
+    up.add_argument(
+        "--kvstore",
+        default="builtin",
+        choices=["builtin", "none"],
+        help="start the KV store service (RAM + disk tiers) or run without one",
+    )
+    up.add_argument("--kvstore-ram-mib", type=int, default=256)
+    up.add_argument("--kvstore-disk-mib", type=int, default=1024)
     up.add_argument("--session-ttl", type=int, default=600)
     _worker_args(up)
     serve = sub.add_parser("serve", help="run one service of the mesh")
@@ -81,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
         worker.add_argument("--port", type=int, default=0)
         worker.add_argument("--metrics-port", type=int, default=0)
         _worker_args(worker)
+    from services.kvstore.main import add_arguments as kvstore_arguments
+
+    kvstore_arguments(serve_sub.add_parser("kvstore", help="the KV page store (RAM + disk tiers)"))
     gateway = serve_sub.add_parser("gateway")
     _mesh_args(gateway)
     gateway.add_argument("--model", default="smollm2-135m")
@@ -194,6 +205,13 @@ def _up(args: argparse.Namespace) -> int:
             cluster=args.cluster,
             worker_args=tuple(passthrough),
             gateway_args=("--routing", args.routing, "--session-ttl", str(args.session_ttl)),
+            kvstore=args.kvstore,
+            kvstore_args=(
+                "--ram-mib",
+                str(args.kvstore_ram_mib),
+                "--disk-mib",
+                str(args.kvstore_disk_mib),
+            ),
         )
     )
 
@@ -204,6 +222,11 @@ def _serve(args: argparse.Namespace) -> int:
     from kvmesh.log import configure_logging
 
     configure_logging(args.service, "INFO")
+    if args.service == "kvstore":
+        from services.kvstore.main import options_from_args, serve_kvstore
+
+        asyncio.run(serve_kvstore(options_from_args(args)))
+        return 0
     if args.service == "gateway":
         from services.gateway.main import GatewayOptions, serve_gateway
 

@@ -37,6 +37,8 @@ class UpOptions:
     cluster: str = "default"
     worker_args: tuple[str, ...] = ()  # passed through to every worker (e.g. --dtype bf16)
     gateway_args: tuple[str, ...] = ()  # passed through to the gateway (e.g. --routing least-load)
+    kvstore: str = "none"  # "builtin": start the KV store service too
+    kvstore_args: tuple[str, ...] = ()
     ready_timeout: float = 180.0
 
 
@@ -61,6 +63,10 @@ class Mesh:
         self.etcd.start()
         self.http_port = self.options.http_port or free_port()
         self.grpc_port = self.options.grpc_port or free_port()
+        if self.options.kvstore == "builtin":
+            self._spawn(
+                "kvstore", ["serve", "kvstore", *self._kvstore_layout(), *self.options.kvstore_args]
+            )
         for role, count in (("prefill", self.options.prefill), ("decode", self.options.decode)):
             for i in range(count):
                 self._spawn(
@@ -92,6 +98,19 @@ class Mesh:
         self._write_state()
         self._wait_ready()
 
+    def _kvstore_layout(self) -> list[str]:
+        """The store must hold pages of exactly the workers' layout (model, page, dtype)."""
+        from kvmesh.engine.loader import read_config, resolve_model
+
+        args = list(self.options.worker_args)
+        dtype = args[args.index("--dtype") + 1] if "--dtype" in args else "fp32"
+        config = read_config(resolve_model(self.options.model))
+        elem = {"fp32": 4, "bf16": 2}[dtype]
+        page_bytes = 2 * config.num_layers * 16 * config.num_kv_heads * config.head_dim * elem
+        model = resolve_model(self.options.model).name
+        return ["--model", model, "--page-size", "16", "--kv-dtype", dtype,
+                "--page-bytes", str(page_bytes)]  # fmt: skip
+
     def _spawn(self, name: str, args: list[str]) -> None:
         assert self.etcd is not None
         cmd = [
@@ -112,7 +131,8 @@ class Mesh:
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.options.ready_timeout
-        want = (self.options.prefill, self.options.decode)
+        stores = 1 if self.options.kvstore == "builtin" else 0
+        want = (self.options.prefill, self.options.decode, stores)
         while time.monotonic() < deadline:
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
             if dead:
@@ -126,7 +146,7 @@ class Mesh:
             f"the mesh was not ready within {self.options.ready_timeout:.0f}s; logs in {self.run_dir}"
         )
 
-    def _live_counts(self) -> tuple[int, int] | None:
+    def _live_counts(self) -> tuple[int, int, int] | None:
         """Workers registered in etcd, once the gateway answers /health."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=2):
@@ -135,7 +155,9 @@ class Mesh:
             return None
         assert self.etcd is not None
         workers = asyncio.run(list_workers(self.etcd.endpoint, self.options.cluster))
-        return sum(w.role == "prefill" for w in workers), sum(w.role == "decode" for w in workers)
+        return tuple(
+            sum(w.role == role for w in workers) for role in ("prefill", "decode", "kvstore")
+        )
 
     def _write_state(self) -> None:
         assert self.etcd is not None

@@ -65,7 +65,7 @@ class KvEventFollower:
                 task.cancel()
 
     def _reconcile(self) -> None:
-        live = {w.worker_id: w for w in self._live(None)}
+        live = {w.worker_id: w for w in self._live(None) if w.role in ("prefill", "decode")}
         for worker_id in [w for w in self._tasks if w not in live or self._tasks[w].done()]:
             self._tasks.pop(worker_id).cancel()
             self.index.drop(worker_id)

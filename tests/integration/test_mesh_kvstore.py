@@ -1,0 +1,85 @@
+"""The KV store in the mesh: pages evicted from the workers come back from the store (through
+its disk tier), outputs are unchanged, and a store that dies only costs cache misses."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from kvmesh.mesh.grpc_server import channel
+from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
+from kvmesh.proto.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    options = UpOptions(
+        prefill=1, decode=1, worker_args=("--kv-cache-mib", "32"),  # 45 pages per worker
+        kvstore="builtin", kvstore_args=("--ram-mib", "8", "--disk-mib", "256"),  # 11 RAM pages
+    )  # fmt: skip
+    running = Mesh(options)
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(mesh):
+    from openai import OpenAI
+
+    return OpenAI(
+        base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="k", max_retries=0, timeout=300
+    )
+
+
+def _ask(client, topic: str, n: int = 70):
+    system = f"Notes on {topic}. " + " ".join(f"{topic} fact {i} holds." for i in range(n))
+    return client.chat.completions.create(
+        model="smollm2-135m", max_tokens=8, temperature=0,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": "Summarise."}],
+    )  # fmt: skip
+
+
+def _store_stats(mesh):
+    async def get():
+        workers = await list_workers(mesh.etcd.endpoint, "default")
+        store = next(w for w in workers if w.role == "kvstore")
+        async with channel(store.grpc_address) as ch:
+            return await kvstore_pb2_grpc.KVStoreStub(ch).GetStats(kvstore_pb2.GetStatsRequest())
+
+    return asyncio.run(get())
+
+
+def test_evicted_prefix_comes_back_from_the_store_disk_tier(client, mesh):
+    first = _ask(client, "otters")
+    assert first.usage.prompt_tokens > 300
+    for topic in ("granite", "violins", "comets"):  # evict the otters pages from both workers
+        _ask(client, topic)
+    time.sleep(1.0)  # offers are asynchronous
+    again = _ask(client, "otters")
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert (
+        again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 16 * 16 - 16
+    )
+    stats = _store_stats(mesh)
+    tiers = {t.tier: t for t in stats.tiers}
+    assert tiers["disk"].hits > 0 and stats.promotions > 0
+
+
+def test_a_dead_store_only_costs_misses(client, mesh):
+    store = mesh.procs["kvstore"]
+    os.kill(store.pid, signal.SIGKILL)
+    store.wait(10)
+    reply = _ask(client, "lighthouses")
+    again = _ask(client, "lighthouses")
+    assert reply.choices[0].message.content == again.choices[0].message.content
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
