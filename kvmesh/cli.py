@@ -132,10 +132,24 @@ def build_parser() -> argparse.ArgumentParser:
     transfer_arguments(
         bench_sub.add_parser("transfer", help="Mooncake TE vs gRPC bytes for KV pages")
     )
+    from kvmesh.benchmarks import agent as agent_bench
     from kvmesh.benchmarks.serve import add_arguments as serve_arguments
 
-    serve_arguments(
-        bench_sub.add_parser("serve", help="TTFT/TPOT/tok/s through the mesh vs the engine")
+    serve_bench = bench_sub.add_parser(
+        "serve", help="TTFT/TPOT/tok/s through the mesh vs the engine"
+    )
+    serve_bench.add_argument(
+        "--workload",
+        default="chat",
+        choices=["chat", "agent"],
+        help="agent: multi-turn sessions (see `kvmesh bench agent`)",
+    )
+    serve_arguments(serve_bench)
+    agent_bench.add_workload_arguments(serve_bench)
+    agent_bench.add_arguments(
+        bench_sub.add_parser(
+            "agent", help="multi-turn agent sessions: cache-aware vs least-load routing"
+        )
     )
     return parser
 
@@ -168,6 +182,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_status(args.etcd, args.cluster, args.json)
     if args.command == "bench":
+        if args.bench == "agent" or (args.bench == "serve" and args.workload == "agent"):
+            from kvmesh.benchmarks.agent import run_agent_bench
+
+            return run_agent_bench(args)
         if args.bench == "serve":
             from kvmesh.benchmarks.serve import run_serve_bench
 
