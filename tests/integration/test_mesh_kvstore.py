@@ -22,7 +22,7 @@ def mesh():
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     options = UpOptions(
         prefill=1, decode=1, worker_args=("--kv-cache-mib", "32"),  # 45 pages per worker
-        kvstore="builtin", kvstore_args=("--ram-mib", "8", "--disk-mib", "256"),  # 11 RAM pages
+        kvstore="builtin", kvstore_args=("--ram-mib", "32", "--disk-mib", "256"),  # 45 RAM pages
     )  # fmt: skip
     running = Mesh(options)
     try:
