@@ -25,6 +25,7 @@ class ImportPlan:
     request_id: str
     block_hashes: list[int]
     page_ids: list[int]
+    start_page: int  # index, among the prompt's pages, of the first page to fill
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class PageIO:
         self._imports[request_id] = seq
         self._matched[request_id] = matched
         return ImportPlan(
-            request_id, seq.block_hashes[matched:wanted], seq.block_table[matched:wanted]
+            request_id, seq.block_hashes[matched:wanted], seq.block_table[matched:wanted], matched
         )
 
     def finish_import(self, request_id: str, fetched_pages: int) -> None:

@@ -57,26 +57,15 @@ class StoreLink:
             self._address = address
             self._client = KVStoreClient(address, self.transfer) if address else None
 
-    async def import_prefix(self, request_id: str, prompt: list[int], cache_salt: str) -> int:
-        """Fetch the prompt's leading pages the local cache lacks; returns tokens imported."""
+    async def fetch_into(self, block_hashes: list[int], addresses: list[int]) -> int:
+        """Fill local pages with the store's copies of the leading hashes; pages fetched."""
         client = self._client
-        if client is None:
+        if client is None or not block_hashes:
             return 0
-        plan = await self.engine.call(self.page_io.plan_import, request_id, prompt, cache_salt)
-        if plan is None:
-            return 0
-        cache = self.engine.engine.kv_cache
-        addresses = [cache.page_address(p) for p in plan.page_ids]
-        fetched = 0
-        try:
-            fetched = await client.fetch(
-                plan.block_hashes, addresses, self.page_bytes, self.layout_key
-            )
-        finally:
-            await self.engine.call(self.page_io.finish_import, request_id, fetched)
-        tokens = fetched * cache.spec.page_size
+        fetched = await client.fetch(block_hashes, addresses, self.page_bytes, self.layout_key)
+        tokens = fetched * self.engine.engine.kv_cache.spec.page_size
         metrics.PROMPT_CACHED_TOKENS.labels(f"{self.service}:kvstore").inc(tokens)
-        return tokens
+        return fetched
 
     def enable_export(self) -> None:
         """Decode: every finished sequence's full pages are offered to the store."""

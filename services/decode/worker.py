@@ -80,7 +80,7 @@ class DecodeWorker:
         first_lp = None
         if response.HasField("first_logprob"):
             first_lp = convert.logprob_from_pb(response.first_logprob)
-        cached = max(response.cached_tokens, reservation.cached_tokens)
+        cached = response.cached_tokens  # what prefill did not compute (it reads our prefix pages)
         stream = self.engine.commit(job.request_id, response.first_token_id, first_lp, cached)
         async with contextlib.aclosing(stream):
             async for out in stream:

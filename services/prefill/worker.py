@@ -10,11 +10,12 @@ import structlog
 
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import TokenOutput
+from kvmesh.engine.page_io import ImportPlan, PageIO
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError
 from kvmesh.mesh import metrics
 from kvmesh.mesh.store_link import StoreLink
-from kvmesh.mesh.transfer import KvTransferEngine
+from kvmesh.mesh.transfer import KvTransferEngine, TransferError
 from kvmesh.proto.v1 import prefill_pb2
 
 log = structlog.get_logger(__name__)
@@ -36,6 +37,7 @@ class PrefillWorker:
         self.store = store
         self.spec = engine.engine.kv_cache.spec
         self._offers: set[asyncio.Task] = set()
+        self.page_io = PageIO(engine.engine)
 
     async def prefill(
         self,
@@ -47,8 +49,7 @@ class PrefillWorker:
     ) -> PrefillResult:
         num_pages = -(-len(prompt) // self.spec.page_size)
         self._check(destination, num_pages)
-        if self.store is not None:  # local prefix first, then the store, then compute the rest
-            await self.store.import_prefix(request_id, prompt, cache_salt)
+        await self._import_prefix(request_id, prompt, cache_salt, destination)
         first = await self.engine.prefill(request_id, prompt, params, cache_salt)
         try:
             if first.finish_reason is not None and first.finish_reason.value == "abort":
@@ -60,6 +61,43 @@ class PrefillWorker:
             await self._release(request_id)
         metrics.KV_TRANSFER_BYTES.labels("prefill").inc(written)
         return PrefillResult(first, written, len(src_pages))
+
+    async def _import_prefix(self, request_id: str, prompt: list[int], cache_salt: str,
+                             dest: prefill_pb2.KvDestination) -> None:  # fmt: skip
+        """Local prefix first; then pages the decode worker already holds (read over TE);
+        then the KV store; whatever is still missing is computed by the prefill itself."""
+        if dest.skip_pages == 0 and self.store is None:
+            return
+        plan = await self.engine.call(self.page_io.plan_import, request_id, prompt, cache_salt)
+        if plan is None:
+            return
+        cache = self.engine.engine.kv_cache
+        local = [cache.page_address(p) for p in plan.page_ids]
+        from_decode = min(max(dest.skip_pages - plan.start_page, 0), len(local))
+        fetched = 0
+        try:
+            fetched = await self._read_from_decode(plan, local[:from_decode], dest)
+            if self.store is not None and fetched == from_decode:
+                fetched += await self.store.fetch_into(plan.block_hashes[fetched:], local[fetched:])
+        finally:
+            await self.engine.call(self.page_io.finish_import, request_id, fetched)
+
+    async def _read_from_decode(self, plan: ImportPlan, local: list[int],
+                                dest: prefill_pb2.KvDestination) -> int:  # fmt: skip
+        if not local:
+            return 0
+        remote = [dest.pool_address + dest.page_ids[plan.start_page + i] * dest.page_bytes
+                  for i in range(len(local))]  # fmt: skip
+        try:
+            await asyncio.to_thread(self.transfer.read_pages, dest.te_session, remote, local,
+                                    self.spec.page_bytes)  # fmt: skip
+        except TransferError as exc:
+            log.warning("prefill.read_from_decode_failed", error=str(exc))
+            return 0
+        metrics.KV_TRANSFER_BYTES.labels("prefill:from_decode").inc(
+            len(local) * self.spec.page_bytes
+        )
+        return len(local)
 
     async def _release(self, request_id: str) -> None:
         """Free the request's pages; with a store, first offer its new pages (in the background)."""

@@ -153,7 +153,7 @@ def test_bad_requests_get_openai_errors(client):
         )
 
 
-def test_multi_turn_with_affinity_hits_the_cache_and_matches_uncached(client, reference):
+def test_multi_turn_with_affinity_hits_the_cache_and_matches_uncached(client, mesh, reference):
     messages = [{"role": "system", "content": "You are a terse assistant. Answer in a few words."}]
     previous = 0
     for turn, question in enumerate(
@@ -172,6 +172,10 @@ def test_multi_turn_with_affinity_hits_the_cache_and_matches_uncached(client, re
             assert cached >= previous // 16 * 16, (turn, cached, previous)
         previous = reply.usage.prompt_tokens + reply.usage.completion_tokens
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    # the completions' pages were only on the decode worker: prefill read them over TE
+    read = [_metric(w.metrics_address, 'kvmesh_kv_transfer_bytes_total{service="prefill:from_decode"}')
+            for w in _workers(mesh) if w.role == "prefill"]  # fmt: skip
+    assert sum(read) > 0
 
 
 def test_cache_salts_isolate_tenants(client):
