@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--kvstore",
         default="builtin",
-        choices=["builtin", "none"],
-        help="start the KV store service (RAM + disk tiers) or run without one",
+        choices=["builtin", "mooncake", "none"],
+        help="start the KV store service (RAM + disk tiers; mooncake: RAM + Mooncake Store "
+        "via mooncake_master) or run without one",
     )
     up.add_argument("--kvstore-ram-mib", type=int, default=256)
     up.add_argument("--kvstore-disk-mib", type=int, default=1024)

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvmesh.env import kvmesh_home
 from kvmesh.errors import KvmeshError
@@ -37,7 +38,7 @@ class UpOptions:
     cluster: str = "default"
     worker_args: tuple[str, ...] = ()  # passed through to every worker (e.g. --dtype bf16)
     gateway_args: tuple[str, ...] = ()  # passed through to the gateway (e.g. --routing least-load)
-    kvstore: str = "none"  # "builtin": start the KV store service too
+    kvstore: str = "none"  # "builtin": the KV store service; "mooncake": backed by Mooncake Store
     kvstore_args: tuple[str, ...] = ()
     ready_timeout: float = 180.0
 
@@ -53,6 +54,7 @@ class Mesh:
         default_factory=lambda: kvmesh_home() / "run" / time.strftime("%Y%m%d-%H%M%S")
     )
     etcd: EtcdServer | None = None
+    master: Any = None  # MooncakeMaster with --kvstore mooncake
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     http_port: int = 0
     grpc_port: int = 0
@@ -63,10 +65,9 @@ class Mesh:
         self.etcd.start()
         self.http_port = self.options.http_port or free_port()
         self.grpc_port = self.options.grpc_port or free_port()
-        if self.options.kvstore == "builtin":
-            self._spawn(
-                "kvstore", ["serve", "kvstore", *self._kvstore_layout(), *self.options.kvstore_args]
-            )
+        if self.options.kvstore in ("builtin", "mooncake"):
+            args = [*self._kvstore_layout(), *self._kvstore_backend(), *self.options.kvstore_args]
+            self._spawn("kvstore", ["serve", "kvstore", *args])
         for role, count in (("prefill", self.options.prefill), ("decode", self.options.decode)):
             for i in range(count):
                 self._spawn(
@@ -97,6 +98,16 @@ class Mesh:
         )
         self._write_state()
         self._wait_ready()
+
+    def _kvstore_backend(self) -> list[str]:
+        """--kvstore mooncake: start mooncake_master; the store's second tier is Mooncake Store."""
+        if self.options.kvstore != "mooncake":
+            return []
+        from kvmesh.mesh.mooncake_master import MooncakeMaster
+
+        self.master = MooncakeMaster()
+        self.master.start()
+        return ["--backend", "mooncake", "--mooncake-master", self.master.address]
 
     def _kvstore_layout(self) -> list[str]:
         """The store must hold pages of exactly the workers' layout (model, page, dtype)."""
@@ -131,7 +142,7 @@ class Mesh:
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.options.ready_timeout
-        stores = 1 if self.options.kvstore == "builtin" else 0
+        stores = 1 if self.options.kvstore in ("builtin", "mooncake") else 0
         want = (self.options.prefill, self.options.decode, stores)
         while time.monotonic() < deadline:
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
@@ -201,6 +212,8 @@ class Mesh:
             except subprocess.TimeoutExpired:
                 _terminate_group(proc, signal.SIGKILL)
                 proc.wait(timeout=5)
+        if self.master is not None:
+            self.master.stop()
         if self.etcd is not None:
             self.etcd.stop()
         if (

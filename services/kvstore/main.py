@@ -32,7 +32,9 @@ _SWEEP_S = 1.0
 class KVStoreOptions:
     """`etcd` "" = do not register (a standalone store). `disk_dir` "" = a temporary directory
     removed on stop; `disk_mib` 0 = no disk tier. The layout (model, page_size, kv_dtype,
-    page_bytes) must equal the workers' or their calls fail with INVALID_ARGUMENT."""
+    page_bytes) must equal the workers' or their calls fail with INVALID_ARGUMENT. `backend`
+    "mooncake" keeps the second tier (disk_mib) in Mooncake Store behind the master at
+    `mooncake_master` (host:port; none is started here)."""
 
     etcd: str
     page_bytes: int
@@ -51,6 +53,8 @@ class KVStoreOptions:
     ttl: int = 5
     lease_s: float = 30.0
     reservation_s: float = 60.0
+    backend: str = "disk"
+    mooncake_master: str = ""
 
     def __post_init__(self) -> None:
         if self.ram_mib <= 0 or self.disk_mib < 0 or self.page_size <= 0:
@@ -70,6 +74,8 @@ class KVStoreOptions:
             disk_dir=Path(self.disk_dir) if self.disk_dir else None,
             lease_s=self.lease_s,
             reservation_s=self.reservation_s,
+            backend=self.backend,
+            mooncake_master=self.mooncake_master,
         )
 
 
@@ -180,6 +186,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram-mib", type=int, default=256, help="RAM tier capacity")
     p.add_argument("--disk-mib", type=int, default=1024, help="disk tier capacity (0: none)")
     p.add_argument("--disk-dir", default="", help="disk tier directory (default: temporary)")
+    p.add_argument(
+        "--backend", default="disk", choices=["disk", "mooncake"], help="second tier's backend"
+    )
+    p.add_argument(
+        "--mooncake-master", default="", help="Mooncake master host:port (backend mooncake)"
+    )
     p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
     p.add_argument("--ttl", type=int, default=5, help="etcd lease TTL (s)")
 

@@ -22,6 +22,7 @@ import structlog
 
 from kvmesh.errors import InvalidRequestError
 from kvmesh.mesh.transfer import KvTransferEngine
+from services.kvstore.mooncake_tier import MooncakeTier
 from services.kvstore.tiers import DiskTier, RamTier, TieredPages
 
 log = structlog.get_logger(__name__)
@@ -42,7 +43,8 @@ class ReservationNotFoundError(InvalidRequestError):
 @dataclass(frozen=True)
 class StoreConfig:
     """`layout_key` is "model|page_size|kv_dtype". disk_bytes 0 = no disk tier; disk_dir None
-    with a disk tier = a temporary directory removed on close."""
+    with a disk tier = a temporary directory removed on close. `backend` "mooncake" puts the
+    second tier (disk_bytes of pages) in Mooncake Store behind the master at `mooncake_master`."""
 
     layout_key: str
     page_bytes: int
@@ -51,8 +53,14 @@ class StoreConfig:
     disk_dir: Path | None = None
     lease_s: float = 30.0
     reservation_s: float = 60.0
+    backend: str = "disk"  # "disk" | "mooncake"
+    mooncake_master: str = ""  # host:port of a running master ("": none is started for you)
 
     def __post_init__(self) -> None:
+        if self.backend not in ("disk", "mooncake"):
+            raise ValueError(f"backend must be 'disk' or 'mooncake', got {self.backend!r}")
+        if self.backend == "mooncake" and self.disk_bytes and not self.mooncake_master:
+            raise ValueError("backend 'mooncake' needs mooncake_master (host:port)")
         if not self.layout_key:
             raise ValueError("layout_key must not be empty")
         if self.page_bytes <= 0:
@@ -144,9 +152,16 @@ class KVStore:
             transfer.register(pool.data_ptr(), pool.numel())
         log.info("kvstore.started", ram_pages=config.ram_pages, disk_pages=config.disk_pages)
 
-    def _disk(self) -> DiskTier | None:
+    def _disk(self) -> DiskTier | MooncakeTier | None:
         if self.config.disk_pages == 0:
             return None
+        if self.config.backend == "mooncake":
+            return MooncakeTier(
+                self.config.mooncake_master,
+                self.config.layout_key,
+                self.config.disk_pages,
+                self.config.page_bytes,
+            )
         directory = self.config.disk_dir
         if directory is None:
             directory = self._temp_dir = Path(tempfile.mkdtemp(prefix="kvmesh-kvstore-"))
@@ -241,7 +256,9 @@ class KVStore:
             ram, disk, totals = self.pages.ram, self.pages.disk, self.pages.totals
             tiers = [_tier_stat("ram", len(ram), ram.num_pages, totals.ram)]
             if disk is not None:
-                tiers.append(_tier_stat("disk", len(disk), disk.capacity_pages, totals.disk))
+                tiers.append(
+                    _tier_stat(self.config.backend, len(disk), disk.capacity_pages, totals.disk)
+                )
             return StoreStats(
                 tiers,
                 totals.promotions,
@@ -261,6 +278,8 @@ class KVStore:
             if self.transfer is not None:
                 self.transfer.unregister(self.pages.ram.pool.data_ptr())
                 self.transfer = None
+            if isinstance(self.pages.disk, MooncakeTier):
+                self.pages.disk.close()
             if self._temp_dir is not None:
                 shutil.rmtree(self._temp_dir, ignore_errors=True)
                 self._temp_dir = None
