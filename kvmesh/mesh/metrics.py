@@ -19,6 +19,15 @@ PROMPT_TOKENS = Counter("kvmesh_prompt_tokens_total", "Prompt tokens received", 
 PROMPT_CACHED_TOKENS = Counter(
     "kvmesh_prompt_cached_tokens_total", "Prompt tokens served from a KV cache", ["service"]
 )
+PREFIX_LOOKUP_TOKENS = Counter(
+    "kvmesh_prefix_lookup_tokens_total", "Prompt tokens a prefill worker looked up in its caches"
+)
+PREFIX_HIT_TOKENS = Counter(
+    "kvmesh_prefix_hit_tokens_total",
+    "Prompt tokens served from a cache tier instead of computed (hit ratio per tier = this / "
+    "kvmesh_prefix_lookup_tokens_total)",
+    ["tier"],  # prefill_local | decode | kvstore
+)
 GENERATION_TOKENS = Counter("kvmesh_generation_tokens_total", "Tokens generated", ["service"])
 REQUESTS = Counter("kvmesh_requests_total", "Requests by outcome", ["service", "outcome"])
 KV_TRANSFER_BYTES = Counter(

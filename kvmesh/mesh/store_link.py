@@ -12,7 +12,6 @@ import structlog
 
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.page_io import ExportedPages, PageIO
-from kvmesh.mesh import metrics
 from kvmesh.mesh.discovery import Registry
 from kvmesh.mesh.kvstore_client import KVStoreClient
 from kvmesh.mesh.transfer import KvTransferEngine
@@ -63,8 +62,6 @@ class StoreLink:
         if client is None or not block_hashes:
             return 0
         fetched = await client.fetch(block_hashes, addresses, self.page_bytes, self.layout_key)
-        tokens = fetched * self.engine.engine.kv_cache.spec.page_size
-        metrics.PROMPT_CACHED_TOKENS.labels(f"{self.service}:kvstore").inc(tokens)
         return fetched
 
     def enable_export(self) -> None:

@@ -49,8 +49,9 @@ class PrefillWorker:
     ) -> PrefillResult:
         num_pages = -(-len(prompt) // self.spec.page_size)
         self._check(destination, num_pages)
-        await self._import_prefix(request_id, prompt, cache_salt, destination)
+        imported = await self._import_prefix(request_id, prompt, cache_salt, destination)
         first = await self.engine.prefill(request_id, prompt, params, cache_salt)
+        self._count_hits(len(prompt), first.num_cached_tokens, imported)
         try:
             if first.finish_reason is not None and first.finish_reason.value == "abort":
                 raise InvalidRequestError(f"prefill of {request_id} was aborted")
@@ -63,24 +64,36 @@ class PrefillWorker:
         return PrefillResult(first, written, len(src_pages))
 
     async def _import_prefix(self, request_id: str, prompt: list[int], cache_salt: str,
-                             dest: prefill_pb2.KvDestination) -> None:  # fmt: skip
+                             dest: prefill_pb2.KvDestination) -> tuple[int, int]:  # fmt: skip
         """Local prefix first; then pages the decode worker already holds (read over TE);
-        then the KV store; whatever is still missing is computed by the prefill itself."""
+        then the KV store; whatever is still missing is computed by the prefill itself.
+        Returns the pages imported from (decode, store)."""
         if dest.skip_pages == 0 and self.store is None:
-            return
+            return 0, 0
         plan = await self.engine.call(self.page_io.plan_import, request_id, prompt, cache_salt)
         if plan is None:
-            return
+            return 0, 0
         cache = self.engine.engine.kv_cache
         local = [cache.page_address(p) for p in plan.page_ids]
         from_decode = min(max(dest.skip_pages - plan.start_page, 0), len(local))
-        fetched = 0
+        decoded = stored = 0
         try:
-            fetched = await self._read_from_decode(plan, local[:from_decode], dest)
-            if self.store is not None and fetched == from_decode:
-                fetched += await self.store.fetch_into(plan.block_hashes[fetched:], local[fetched:])
+            decoded = await self._read_from_decode(plan, local[:from_decode], dest)
+            if self.store is not None and decoded == from_decode:
+                stored = await self.store.fetch_into(plan.block_hashes[decoded:], local[decoded:])
         finally:
-            await self.engine.call(self.page_io.finish_import, request_id, fetched)
+            await self.engine.call(self.page_io.finish_import, request_id, decoded + stored)
+        return decoded, stored
+
+    def _count_hits(self, prompt_len: int, cached: int, imported: tuple[int, int]) -> None:
+        """Hit tokens per tier; imported pages evicted before use count as misses."""
+        page = self.spec.page_size
+        from_decode = min(imported[0] * page, cached)
+        from_store = min(imported[1] * page, cached - from_decode)
+        metrics.PREFIX_LOOKUP_TOKENS.inc(prompt_len)
+        metrics.PREFIX_HIT_TOKENS.labels("decode").inc(from_decode)
+        metrics.PREFIX_HIT_TOKENS.labels("kvstore").inc(from_store)
+        metrics.PREFIX_HIT_TOKENS.labels("prefill_local").inc(cached - from_decode - from_store)
 
     async def _read_from_decode(self, plan: ImportPlan, local: list[int],
                                 dest: prefill_pb2.KvDestination) -> int:  # fmt: skip

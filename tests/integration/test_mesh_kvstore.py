@@ -74,6 +74,19 @@ def test_evicted_prefix_comes_back_from_the_stores_second_tier(client, mesh):
     stats = _store_stats(mesh)
     second = next(t for t in stats.tiers if t.tier != "ram")  # "disk" or "mooncake"
     assert second.hits > 0 and stats.promotions > 0
+    assert _prefill_metric(mesh, 'kvmesh_prefix_hit_tokens_total{tier="kvstore"}') >= 256
+
+
+def _prefill_metric(mesh, name: str) -> float:
+    import urllib.request
+
+    workers = asyncio.run(list_workers(mesh.etcd.endpoint, "default"))
+    total = 0.0
+    for worker in (w for w in workers if w.role == "prefill"):
+        with urllib.request.urlopen(f"http://{worker.metrics_address}/metrics", timeout=5) as r:
+            lines = r.read().decode().splitlines()
+        total += sum(float(line.split()[-1]) for line in lines if line.startswith(name))
+    return total
 
 
 def test_a_dead_store_only_costs_misses(client, mesh):
