@@ -24,8 +24,9 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn."]
 def mesh():
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     options = UpOptions(
-        prefill=2, decode=2, worker_args=("--kv-cache-mib", "96", "--max-num-seqs", "16")
-    )
+        prefill=2, decode=2, worker_args=("--kv-cache-mib", "96", "--max-num-seqs", "16"),
+        gateway_args=("--affinity-slack-tokens", "600"),  # affinity yields above 2x least + 600
+    )  # fmt: skip
     running = Mesh(options)
     try:
         running.start()
@@ -222,6 +223,43 @@ def test_prefix_aware_routing_without_affinity(client, mesh):
     assert second.usage.prompt_tokens_details.cached_tokens >= 400
     for role in ("prefill", "decode"):
         assert _decisions(mesh, role, "prefix_hit") == before[role] + 1
+
+
+def test_affinity_yields_when_the_pinned_worker_is_overloaded(client, mesh):
+    import threading
+
+    def ask(session: str):
+        return client.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": "Hi there"}], max_tokens=4,
+            temperature=0, extra_headers={"x-session-affinity": session},
+        )  # fmt: skip
+
+    ask("session-yield")  # idle mesh: pinned to decode-0 (least load, ties by id)
+    started, stop = threading.Event(), threading.Event()
+
+    def hog():  # no session: least load -> decode-0 as well, 1,000 tokens of load on it
+        stream = client.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": "Go on and on."}],
+            max_tokens=1000, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        for _ in stream:
+            started.set()
+            if stop.is_set():
+                break
+        stream.close()
+
+    worker = threading.Thread(target=hog)
+    worker.start()
+    try:
+        assert started.wait(120)
+        kept_before = _decisions(mesh, "decode", "affinity")
+        yielded_before = _decisions(mesh, "decode", "affinity_yield_load")
+        ask("session-yield")
+        assert _decisions(mesh, "decode", "affinity_yield_load") == yielded_before + 1
+        assert _decisions(mesh, "decode", "affinity") == kept_before
+    finally:
+        stop.set()
+        worker.join(60)
 
 
 def test_grpc_gateway_bad_input_statuses(mesh):
