@@ -249,6 +249,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=2, help="prefill workers")
     parser.add_argument("--decode", type=int, default=2, help="decode workers")
     parser.add_argument("--output", default=None, help="also write the JSON report here")
+    parser.add_argument("--kvstore", default="builtin", choices=["builtin", "mooncake", "none"])
     add_workload_arguments(parser)
 
 
@@ -285,6 +286,7 @@ def _measure_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         decode=args.decode,
         worker_args=("--kv-cache-mib", str(WORKER_KV_CACHE_MIB)),
         gateway_args=("--routing", mode),
+        kvstore=getattr(args, "kvstore", "builtin"),  # the same KV store in both modes
     )
     mesh = Mesh(options)
     try:
