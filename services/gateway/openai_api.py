@@ -8,13 +8,11 @@ aborted down the chain with backend.abort(request_id).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import anyio
@@ -30,7 +28,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.sampler import TokenLogprob
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidRequestError, KvmeshError
@@ -38,12 +35,11 @@ from kvmesh.mesh import error_mapping, metrics
 from kvmesh.mesh.error_mapping import PayloadTooLargeError, http_status, openai_error_body
 from services.gateway import openai_protocol as proto
 from services.gateway import openai_responses as resp
-from services.gateway.backend import GenerateBackend, GenerateChunk, GenerateInput
-from services.gateway.openai_protocol import ParsedRequest
+from services.gateway.backend import GenerateBackend
+from services.gateway.generation import SERVICE, Delta, Generation, Routing
 from services.gateway.openai_responses import LogprobFormatter, ResponseMeta
 
 log = structlog.get_logger(__name__)
-SERVICE = "gateway"
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -121,7 +117,7 @@ class _OpenAIApi:
             log.info("request.accepted", kind=kind, prompt_tokens=len(parsed.prompt_token_ids),
                      max_tokens=parsed.params.max_tokens, stream=parsed.stream)  # fmt: skip
             routing = Routing.from_headers(request.headers)
-            generation = _Generation(
+            generation = Generation(
                 self._backend, self._tokenizer, parsed, request_id, started, routing
             )
             meta = ResponseMeta.for_request(parsed, request_id)
@@ -135,121 +131,8 @@ class _OpenAIApi:
         return JSONResponse(result)
 
 
-@dataclass(frozen=True)
-class Delta:
-    """New output text (stop strings applied) with the logprobs of the tokens behind it."""
-
-    text: str
-    logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class Routing:
-    """What the headers say about where a request should run and whose cache it may use."""
-
-    session_id: str | None = None  # x-session-affinity
-    cache_salt: str = ""  # x-kvmesh-cache-salt, else derived from the API key
-
-    @classmethod
-    def from_headers(cls, headers: Mapping[str, str]) -> Routing:
-        session = headers.get("x-session-affinity") or None
-        salt = headers.get("x-kvmesh-cache-salt", "")
-        auth = headers.get("authorization", "")
-        if not salt and auth.lower().startswith("bearer "):
-            salt = "key:" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:32]
-        if session is not None and len(session) > 256:
-            raise InvalidRequestError("x-session-affinity must be at most 256 characters")
-        return cls(session, salt)
-
-
-class _Generation:
-    """One request's run through the backend; counts tokens and records latency metrics."""
-
-    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, parsed: ParsedRequest,
-                 request_id: str, started: float, routing: Routing) -> None:  # fmt: skip
-        self._backend = backend
-        self._routing = routing
-        self._parsed = parsed
-        self._request_id = request_id
-        self._started = started
-        params = parsed.params
-        self._detok = IncrementalDetokenizer(
-            tokenizer, parsed.stop, params.include_stop_str_in_output,
-            params.skip_special_tokens, parsed.prompt_token_ids,
-        )  # fmt: skip
-        self._first_token_at: float | None = None
-        self._backend_finished = False
-        self._closed = False
-        self.prompt_tokens = len(parsed.prompt_token_ids)
-        self.cached_tokens = 0
-        self.completion_tokens = 0
-
-    @property
-    def usage(self) -> resp.Usage:
-        return resp.Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
-
-    async def deltas(self) -> AsyncGenerator[Delta, None]:
-        """Text deltas; the last one has finish_reason. Aborts the backend if cut short."""
-        request = GenerateInput(
-            self._request_id, list(self._parsed.prompt_token_ids), self._parsed.params,
-            self._routing.session_id, self._routing.cache_salt,
-        )  # fmt: skip
-        stream = self._backend.generate(request)
-        try:
-            async for chunk in stream:
-                delta = self._consume(chunk)
-                if delta.finish_reason is not None:
-                    await self._close(stream)  # abort a stop-string hit before the client reads
-                    yield delta
-                    return
-                yield delta
-            raise KvmeshError("the backend stream ended without a finish reason")
-        finally:
-            await self._close(stream)
-
-    def _consume(self, chunk: GenerateChunk) -> Delta:
-        if chunk.token_ids and self._first_token_at is None:
-            self._first_token_at = time.monotonic()
-            metrics.REQUEST_TTFT.labels(SERVICE).observe(self._first_token_at - self._started)
-        self.completion_tokens += len(chunk.token_ids)
-        self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
-        self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
-        self._backend_finished = chunk.finish_reason is not None
-        result = self._detok.push(chunk.token_ids, final=self._backend_finished)
-        finish = "stop" if result.stopped_on is not None else chunk.finish_reason
-        return Delta(result.delta, list(chunk.logprobs), finish)
-
-    async def _close(self, stream: AsyncIterator[GenerateChunk]) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with anyio.CancelScope(shield=True):  # runs even while the request is being cancelled
-            if not self._backend_finished:
-                await self._abort()
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
-        self._record_tokens()
-
-    async def _abort(self) -> None:
-        log.info("request.abort", generated=self.completion_tokens)
-        try:
-            await self._backend.abort(self._request_id)
-        except Exception as exc:  # the request is over for us either way
-            log.warning("request.abort_failed", error=repr(exc))
-
-    def _record_tokens(self) -> None:
-        metrics.PROMPT_TOKENS.labels(SERVICE).inc(self.prompt_tokens)
-        metrics.PROMPT_CACHED_TOKENS.labels(SERVICE).inc(self.cached_tokens)
-        metrics.GENERATION_TOKENS.labels(SERVICE).inc(self.completion_tokens)
-        if self._first_token_at is not None and self.completion_tokens > 1:
-            decode_s = time.monotonic() - self._first_token_at
-            metrics.REQUEST_TPOT.labels(SERVICE).observe(decode_s / (self.completion_tokens - 1))
-
-
 async def _complete(
-    meta: ResponseMeta, generation: _Generation, formatter: LogprobFormatter
+    meta: ResponseMeta, generation: Generation, formatter: LogprobFormatter
 ) -> dict[str, Any]:
     texts: list[str] = []
     logprobs: list[TokenLogprob | None] = []
@@ -268,7 +151,7 @@ async def _complete(
 
 
 async def _stream(
-    meta: ResponseMeta, generation: _Generation, formatter: LogprobFormatter
+    meta: ResponseMeta, generation: Generation, formatter: LogprobFormatter
 ) -> StreamingResponse:
     """Waits for the first delta, so an error before any output is a plain HTTP error."""
     deltas = generation.deltas()
@@ -284,7 +167,7 @@ async def _stream(
 
 async def _sse_events(
     meta: ResponseMeta,
-    generation: _Generation,
+    generation: Generation,
     formatter: LogprobFormatter,
     first: Delta,
     deltas: AsyncGenerator[Delta, None],

@@ -1,0 +1,137 @@
+"""One request's run through the mesh backend for the REST front end: routing headers,
+incremental detokenization with stop strings, token counts and latency metrics."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+import anyio
+import structlog
+
+from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.sampler import TokenLogprob
+from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.errors import InvalidRequestError, KvmeshError
+from kvmesh.mesh import metrics
+from services.gateway import openai_responses as resp
+from services.gateway.backend import GenerateBackend, GenerateChunk, GenerateInput
+from services.gateway.openai_protocol import ParsedRequest
+
+log = structlog.get_logger(__name__)
+SERVICE = "gateway"
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output text (stop strings applied) with the logprobs of the tokens behind it."""
+
+    text: str
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What the headers say about where a request should run and whose cache it may use."""
+
+    session_id: str | None = None  # x-session-affinity
+    cache_salt: str = ""  # x-kvmesh-cache-salt, else derived from the API key
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str]) -> Routing:
+        session = headers.get("x-session-affinity") or None
+        salt = headers.get("x-kvmesh-cache-salt", "")
+        auth = headers.get("authorization", "")
+        if not salt and auth.lower().startswith("bearer "):
+            salt = "key:" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:32]
+        if session is not None and len(session) > 256:
+            raise InvalidRequestError("x-session-affinity must be at most 256 characters")
+        return cls(session, salt)
+
+
+class Generation:
+    """One request's run through the backend; counts tokens and records latency metrics."""
+
+    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, parsed: ParsedRequest,
+                 request_id: str, started: float, routing: Routing) -> None:  # fmt: skip
+        self._backend = backend
+        self._routing = routing
+        self._parsed = parsed
+        self._request_id = request_id
+        self._started = started
+        params = parsed.params
+        self._detok = IncrementalDetokenizer(
+            tokenizer, parsed.stop, params.include_stop_str_in_output,
+            params.skip_special_tokens, parsed.prompt_token_ids,
+        )  # fmt: skip
+        self._first_token_at: float | None = None
+        self._backend_finished = False
+        self._closed = False
+        self.prompt_tokens = len(parsed.prompt_token_ids)
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+
+    @property
+    def usage(self) -> resp.Usage:
+        return resp.Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
+        """Text deltas; the last one has finish_reason. Aborts the backend if cut short."""
+        request = GenerateInput(
+            self._request_id, list(self._parsed.prompt_token_ids), self._parsed.params,
+            self._routing.session_id, self._routing.cache_salt,
+        )  # fmt: skip
+        stream = self._backend.generate(request)
+        try:
+            async for chunk in stream:
+                delta = self._consume(chunk)
+                if delta.finish_reason is not None:
+                    await self._close(stream)  # abort a stop-string hit before the client reads
+                    yield delta
+                    return
+                yield delta
+            raise KvmeshError("the backend stream ended without a finish reason")
+        finally:
+            await self._close(stream)
+
+    def _consume(self, chunk: GenerateChunk) -> Delta:
+        if chunk.token_ids and self._first_token_at is None:
+            self._first_token_at = time.monotonic()
+            metrics.REQUEST_TTFT.labels(SERVICE).observe(self._first_token_at - self._started)
+        self.completion_tokens += len(chunk.token_ids)
+        self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+        self._backend_finished = chunk.finish_reason is not None
+        result = self._detok.push(chunk.token_ids, final=self._backend_finished)
+        finish = "stop" if result.stopped_on is not None else chunk.finish_reason
+        return Delta(result.delta, list(chunk.logprobs), finish)
+
+    async def _close(self, stream: AsyncIterator[GenerateChunk]) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):  # runs even while the request is being cancelled
+            if not self._backend_finished:
+                await self._abort()
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        self._record_tokens()
+
+    async def _abort(self) -> None:
+        log.info("request.abort", generated=self.completion_tokens)
+        try:
+            await self._backend.abort(self._request_id)
+        except Exception as exc:  # the request is over for us either way
+            log.warning("request.abort_failed", error=repr(exc))
+
+    def _record_tokens(self) -> None:
+        metrics.PROMPT_TOKENS.labels(SERVICE).inc(self.prompt_tokens)
+        metrics.PROMPT_CACHED_TOKENS.labels(SERVICE).inc(self.cached_tokens)
+        metrics.GENERATION_TOKENS.labels(SERVICE).inc(self.completion_tokens)
+        if self._first_token_at is not None and self.completion_tokens > 1:
+            decode_s = time.monotonic() - self._first_token_at
+            metrics.REQUEST_TPOT.labels(SERVICE).observe(decode_s / (self.completion_tokens - 1))
