@@ -234,13 +234,14 @@ def test_affinity_yields_when_the_pinned_worker_is_overloaded(client, mesh):
             temperature=0, extra_headers={"x-session-affinity": session},
         )  # fmt: skip
 
-    ask("session-yield")  # idle mesh: pinned to decode-0 (least load, ties by id)
+    ask("session-yield")  # pins the session to some decode worker D
     started, stop = threading.Event(), threading.Event()
 
-    def hog():  # no session: least load -> decode-0 as well, 1,000 tokens of load on it
+    def hog():  # same session, so also on D (D is not loaded yet): 1,000 tokens of load on D
         stream = client.chat.completions.create(
             model="smollm2-135m", messages=[{"role": "user", "content": "Go on and on."}],
             max_tokens=1000, temperature=0, stream=True, extra_body={"ignore_eos": True},
+            extra_headers={"x-session-affinity": "session-yield"},
         )  # fmt: skip
         for _ in stream:
             started.set()
