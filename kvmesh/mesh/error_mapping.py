@@ -106,6 +106,11 @@ def error_from_grpc(code: grpc.StatusCode, details: str) -> KvmeshError:
     return _FALLBACK_BY_STATUS.get(code, KvmeshError)(details or code.name.lower())
 
 
+def error_from_code(code: str, message: str) -> KvmeshError:
+    """The typed error for an in-band error code (a stream's `Error` message)."""
+    return _error_classes().get(code, KvmeshError)(message)
+
+
 def _class_in_details(code: grpc.StatusCode, details: str) -> tuple[type[KvmeshError], str] | None:
     """A "<code>: " prefix written by `grpc_details` whose class maps back to `code`."""
     by_code = _error_classes()

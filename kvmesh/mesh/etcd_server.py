@@ -6,12 +6,10 @@ data-inconsistency bug). Fine for a one-node loopback store; use a real cluster 
 
 from __future__ import annotations
 
-import contextlib
 import importlib.resources
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -24,6 +22,7 @@ import structlog
 
 from kvmesh.errors import KvmeshError
 from kvmesh.mesh.ports import free_ports
+from kvmesh.mesh.processes import terminate_group
 
 log = structlog.get_logger(__name__)
 
@@ -166,7 +165,7 @@ class EtcdServer:
         """SIGTERM the process group, SIGKILL it after `timeout`. Removes a temp dir we created."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            _terminate_group(proc, timeout)
+            terminate_group(proc, timeout)
             log.info("etcd.stopped", endpoint=self.endpoint, pid=proc.pid)
         if self._log_file is not None:
             self._log_file.close()
@@ -195,18 +194,3 @@ class EtcdServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
-
-
-def _terminate_group(proc: subprocess.Popen[bytes], timeout: float) -> None:
-    """The group id equals the pid (start_new_session=True), so this only touches our etcd."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if proc.poll() is not None:
-            return  # already reaped: its pid may belong to someone else now
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=timeout)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-    proc.wait()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import signal
 import socket
 import subprocess
 import tempfile
@@ -22,6 +21,7 @@ import structlog
 
 from kvmesh.errors import KvmeshError
 from kvmesh.mesh.ports import free_ports
+from kvmesh.mesh.processes import terminate_group
 
 log = structlog.get_logger(__name__)
 
@@ -121,7 +121,7 @@ class MooncakeMaster:
         """SIGTERM the process group, SIGKILL it after `timeout`. The log file is kept."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            _terminate_group(proc, timeout)
+            terminate_group(proc, timeout)
             log.info("mooncake_master.stopped", address=self.address, pid=proc.pid)
         if self._log_file is not None:
             self._log_file.close()
@@ -138,18 +138,3 @@ class MooncakeMaster:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
-
-
-def _terminate_group(proc: subprocess.Popen[bytes], timeout: float) -> None:
-    """The group id equals the pid (start_new_session=True), so this only touches our master."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if proc.poll() is not None:
-            return  # already reaped: its pid may belong to someone else now
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=timeout)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-    proc.wait()

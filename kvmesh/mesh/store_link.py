@@ -13,7 +13,7 @@ import structlog
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.page_io import ExportedPages, PageIO
 from kvmesh.mesh.discovery import Registry
-from kvmesh.mesh.kvstore_client import KVStoreClient
+from kvmesh.mesh.kvstore_client import KVStoreClient, layout_key
 from kvmesh.mesh.transfer import KvTransferEngine
 
 log = structlog.get_logger(__name__)
@@ -36,7 +36,9 @@ class StoreLink:
         self.page_io = PageIO(engine.engine)
         spec = engine.engine.kv_cache.spec
         self.page_bytes = spec.page_bytes
-        self.layout_key = f"{engine.engine.model_name}|{spec.page_size}|{engine.engine.kv_dtype}"
+        self.layout_key = layout_key(
+            engine.engine.model_name, spec.page_size, engine.engine.kv_dtype
+        )
         self._client: KVStoreClient | None = None
         self._address = ""
         self._pending: set[asyncio.Task] = set()

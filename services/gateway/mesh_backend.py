@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from kvmesh.errors import CapacityError, ContextLengthError, InvalidRequestError, KvmeshError
+from kvmesh.errors import KvmeshError
 from kvmesh.mesh import convert
 from kvmesh.mesh.discovery import WorkerInfo
-from kvmesh.mesh.error_mapping import error_from_grpc
+from kvmesh.mesh.error_mapping import error_from_code, error_from_grpc
 from kvmesh.mesh.grpc_server import channel
 from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc
 from services.gateway.backend import GenerateChunk, GenerateInput
@@ -160,13 +160,6 @@ def _chunk(response: decode_pb2.DecodeResponse) -> GenerateChunk:
 
 
 def _in_band_error(code: str, message: str) -> KvmeshError:
-    if code == "prefill_unavailable":
+    if code == "prefill_unavailable":  # the decode worker's PrefillUnavailable
         return PrefillGone(message)
-    exc = error_from_grpc(grpc.StatusCode.INTERNAL, message)
-    for cls in _ERROR_CLASSES:
-        if cls.code == code:
-            return cls(message)
-    return exc
-
-
-_ERROR_CLASSES = (InvalidRequestError, ContextLengthError, CapacityError, WorkerUnavailable)
+    return error_from_code(code, message)

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 import structlog
 
-from kvmesh.errors import KvmeshError
 from kvmesh.mesh import metrics
 from kvmesh.mesh.discovery import WorkerInfo
+from kvmesh.mesh.error_mapping import WorkerUnavailableError as WorkerUnavailable
 from kvmesh.mesh.grpc_server import channel
 from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
@@ -25,10 +25,6 @@ if TYPE_CHECKING:
     from services.gateway.prefix_routing import PrefixLookup, PromptKey
 
 log = structlog.get_logger(__name__)
-
-
-class WorkerUnavailable(KvmeshError):
-    code = "worker_unavailable"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,23 @@
+"""Stopping child processes we started in their own session (process group id == pid)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+
+
+def terminate_group(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM the child's process group, SIGKILL it after `timeout`; only touches our child."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is not None:
+            return  # already reaped: its pid may belong to someone else now
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=timeout)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
