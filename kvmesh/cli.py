@@ -15,8 +15,46 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--model", default="smollm2-135m", help="alias, .gguf file or HF safetensors folder"
     )
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--kv-cache-mib", type=int, default=512, help="KV page pool budget in MiB")
+    _kv_args(p)
     p.add_argument("--max-model-len", type=int, default=None)
+
+
+def _size(text: str) -> int:
+    from kvmesh.engine.kv.layout import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _kv_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp8_e4m3"],
+        help="KV page storage (auto: the model dtype; fp8_e4m3: half of BF16's bytes)",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        dest="kv_cache_bytes",
+        type=_size,
+        default=512 << 20,
+        metavar="SIZE",
+        help="KV page pool budget, e.g. 256MiB or 2GiB (default 512MiB)",
+    )
+    p.add_argument(
+        "--kv-cache-mib",
+        dest="kv_cache_bytes",
+        type=lambda mib: int(mib) << 20,
+        help="the same budget in MiB (older spelling)",
+    )
+    p.add_argument(
+        "--kv-integrity",
+        default="on",
+        choices=["on", "off"],
+        help="check every KV page's integrity tag before each step (default on)",
+    )
 
 
 def _mesh_args(p: argparse.ArgumentParser) -> None:
@@ -27,7 +65,7 @@ def _mesh_args(p: argparse.ArgumentParser) -> None:
 
 def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--kv-cache-mib", type=int, default=512)
+    _kv_args(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument(
         "--protocol", default="tcp", choices=["tcp", "rdma"], help="transfer engine protocol"
@@ -201,7 +239,16 @@ def _dispatch(args: argparse.Namespace) -> int:
     return 1
 
 
-_WORKER_FLAGS = ("dtype", "kv_cache_mib", "max_num_seqs", "protocol", "local_prefill_tokens")
+_WORKER_FLAGS = ("dtype", "kv_dtype", "kv_cache_bytes", "kv_integrity", "max_num_seqs", "protocol",
+                 "local_prefill_tokens")  # fmt: skip
+
+
+def _worker_passthrough(args: argparse.Namespace) -> list[str]:
+    flags: list[str] = []
+    for name in _WORKER_FLAGS:
+        flag = "--kv-cache-memory" if name == "kv_cache_bytes" else f"--{name.replace('_', '-')}"
+        flags += [flag, str(getattr(args, name))]
+    return flags
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -211,9 +258,7 @@ def _up(args: argparse.Namespace) -> int:
         return run_demo(args.model, args.dtype)
     from kvmesh.mesh.launcher import UpOptions, run_up
 
-    passthrough: list[str] = []
-    for name in _WORKER_FLAGS:
-        passthrough += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    passthrough = _worker_passthrough(args)
     return run_up(
         UpOptions(
             model=args.model,
@@ -277,7 +322,8 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         metrics_port=args.metrics_port,
         model=args.model,
-        **{name: getattr(args, name) for name in _WORKER_FLAGS},
+        **{name: getattr(args, name) for name in _WORKER_FLAGS if name != "kv_integrity"},
+        kv_integrity=args.kv_integrity == "on",
     )
     if args.service == "prefill":
         from services.prefill.main import serve_prefill as serve
@@ -301,7 +347,9 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
-        kv_cache_bytes=args.kv_cache_mib << 20,
+        kv_cache_bytes=args.kv_cache_bytes,
+        kv_dtype=args.kv_dtype,
+        kv_integrity=args.kv_integrity == "on",
         max_model_len=args.max_model_len,
     )
     if args.chat:

@@ -8,6 +8,7 @@ class KvmeshError(Exception):
 
     code = "internal_error"
     user_error = False  # True: caused by the caller's input; shown without a traceback
+    expose = False  # server errors: True when the message may be shown to API clients
 
 
 class InvalidRequestError(KvmeshError):
@@ -41,3 +42,11 @@ class CapacityError(KvmeshError):
 class FetchError(KvmeshError):
     code = "fetch_failed"
     user_error = True
+
+
+class KvIntegrityError(KvmeshError):
+    """A KV page a request was reading no longer carried the tag the request expected: the request
+    was aborted instead of decoding from someone else's (or half-transferred) KV."""
+
+    code = "kv_integrity"
+    expose = True  # a server error whose message is safe and useful to show the client

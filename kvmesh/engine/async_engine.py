@@ -168,6 +168,8 @@ class AsyncEngine:
                     finished = True
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise item.error
                 yield item
         finally:
             self._queues.pop(request_id, None)

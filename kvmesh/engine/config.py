@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.engine.kv.layout import KV_DTYPES
 from kvmesh.errors import InvalidRequestError, ModelFormatError
 
 DTYPES = ("fp32", "bf16")
@@ -65,10 +66,20 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"
     seed: int = 0
+    kv_dtype: str = "auto"  # auto (= dtype), fp32, bf16 or fp8_e4m3
+    kv_integrity: bool = True  # check every page's tag before each step
+
+    @property
+    def resolved_kv_dtype(self) -> str:
+        return self.dtype if self.kv_dtype == "auto" else self.kv_dtype
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
+            raise InvalidRequestError(
+                f"kv_dtype must be auto or one of {KV_DTYPES}, got {self.kv_dtype!r}"
+            )
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise InvalidRequestError(f"page_size must be a power of two, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 
 import structlog
 import torch
@@ -12,44 +12,31 @@ import torch
 from kvmesh import env
 from kvmesh.engine.attention import get_backend
 from kvmesh.engine.config import EngineConfig, ModelConfig
+from kvmesh.engine.faults import FaultInjector
+from kvmesh.engine.integrity import PageTags
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
 from kvmesh.engine.kv.events import KvEvent
-from kvmesh.engine.kv_cache import KVCacheSpec, PagedKVCache
+from kvmesh.engine.kv_cache import PagedKVCache, spec_for_model
 from kvmesh.engine.loader import load_weights, resolve_model
 from kvmesh.engine.models import build_model
+from kvmesh.engine.outputs import Reservation, TokenOutput
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.sampler import Sampler, TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from kvmesh.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from kvmesh.engine.sequence import FinishReason, Sequence
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.errors import CapacityError, ContextLengthError, InvalidRequestError
+from kvmesh.errors import (
+    CapacityError,
+    ContextLengthError,
+    InvalidRequestError,
+    KvIntegrityError,
+)
 
+__all__ = ["Engine", "Reservation", "TokenOutput"]
 log = structlog.get_logger(__name__)
 _score_ids = itertools.count()
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Pages reserved for a prompt; the first `cached_pages` already hold its KV (prefix hit)."""
-
-    page_ids: list[int]
-    cached_pages: int
-    cached_tokens: int
-
-
-@dataclass(frozen=True)
-class TokenOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob | None]
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
 
 
 class Engine:
@@ -68,12 +55,16 @@ class Engine:
         )
         dtype = TORCH_DTYPES[config.dtype]
         model = build_model(model_config, weights, dtype, self.max_model_len)
-        spec = KVCacheSpec.for_model(model_config, config.page_size, dtype)
+        self.kv_dtype = config.resolved_kv_dtype
+        spec = spec_for_model(model_config, config.page_size, self.kv_dtype)
         num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
-        self.kv_cache = PagedKVCache(spec, num_pages)
+        self.kv_cache = PagedKVCache(spec, num_pages, dtype)
+        self.page_tags = PageTags(self.kv_cache.tags)
+        self.faults = FaultInjector.from_env()  # tests only (KVMESH_FAULTS)
+        # Called with a request id each time an integrity check aborts that request.
+        self.on_integrity_failure: Callable[[str], None] | None = None
         # A sequence longer than the whole pool could never be rescheduled after preemption.
         self.max_model_len = min(self.max_model_len, self.kv_cache.capacity_tokens)
-        self.kv_dtype = config.dtype
         self.block_manager = BlockManager(
             BlockManagerConfig(num_pages, config.page_size, config.enable_prefix_caching),
             BlockHasher.salted(self.source.name, config.page_size, self.kv_dtype),
@@ -93,6 +84,8 @@ class Engine:
             "engine.ready",
             model=self.source.name,
             dtype=config.dtype,
+            kv_dtype=self.kv_dtype,
+            kv_integrity=config.kv_integrity,
             pages=num_pages,
             capacity_tokens=self.kv_cache.capacity_tokens,
         )
@@ -152,10 +145,15 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         seq = Sequence(request_id, list(prompt_token_ids), params, cache_salt=cache_salt)
         prefix = self.block_manager.match_prefix(seq)
+        self.page_tags.stamp(self.block_manager.take_stamps())
         if not self.block_manager.allocate(seq, seq.num_tokens - prefix.num_tokens, prefix):
             return None
+        # The new pages are readable only once the prefill worker has written their tags.
+        self.page_tags.stamp(self.block_manager.take_stamps(), pending=True)
         self._reserved[request_id] = seq
-        return Reservation(list(seq.block_table), len(prefix.page_ids), prefix.num_tokens)
+        return Reservation(
+            list(seq.block_table), len(prefix.page_ids), prefix.num_tokens, list(seq.page_tags)
+        )
 
     def commit_prefilled(
         self, request_id: str, first_token: int, logprob: TokenLogprob | None, cached_tokens: int
@@ -219,8 +217,14 @@ class Engine:
 
     def step(self) -> list[TokenOutput]:
         output = self.scheduler.schedule()
+        self.page_tags.stamp(self.block_manager.take_stamps())
+        failed: list[TokenOutput] = []
+        if self.faults is not None:
+            self.faults.before_check(self.block_manager, self.kv_cache, output)
+        if self.config.kv_integrity and not output.is_empty:
+            output, failed = self._check_integrity(output)
         if output.is_empty:
-            return []
+            return failed
         result = self.runner.run(output.chunks)
         sampled = self.sampler(result.logits, result.seqs) if result.seqs else None
         tokens = (
@@ -239,7 +243,35 @@ class Engine:
         events = self.block_manager.take_events()
         if events and self.kv_event_sink is not None:
             self.kv_event_sink(events)
-        return [self._output(s, tokens, logprobs, finished) for s in result.seqs]
+        return [self._output(s, tokens, logprobs, finished) for s in result.seqs] + failed
+
+    def _check_integrity(
+        self, output: SchedulerOutput
+    ) -> tuple[SchedulerOutput, list[TokenOutput]]:
+        """Abort (alone) every scheduled sequence holding a page whose tag it does not expect;
+        those pages leave the prefix cache, so no later request reuses their bytes."""
+        mismatched = self.page_tags.mismatched([chunk.seq for chunk in output.chunks])
+        if not mismatched:
+            return output, []
+        failed: list[TokenOutput] = []
+        for seq, pages in mismatched:
+            log.error("kv.integrity_failure", request_id=seq.seq_id, pages=pages)
+            reported = seq.finalizing is not None  # its finish was already delivered
+            self.block_manager.discard_cached(pages)
+            self.abort(seq.seq_id)
+            if self.on_integrity_failure is not None:
+                self.on_integrity_failure(seq.seq_id)
+            if not reported:
+                error = KvIntegrityError(
+                    f"request {seq.seq_id} aborted: KV page(s) {pages} no longer carry the "
+                    "integrity tag this request expects (reallocated, overwritten or not "
+                    "fully transferred)"
+                )
+                failed.append(TokenOutput(seq.seq_id, [], [], True, FinishReason.ABORT,
+                                          seq.num_prompt_tokens, seq.num_cached_tokens, error))  # fmt: skip
+        bad = {seq.seq_id for seq, _ in mismatched}
+        chunks = tuple(c for c in output.chunks if c.seq.seq_id not in bad)
+        return replace(output, chunks=chunks), failed
 
     @staticmethod
     def _output(seq: Sequence, tokens, logprobs, finished) -> TokenOutput:

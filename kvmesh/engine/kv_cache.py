@@ -1,56 +1,89 @@
-"""The worker's KV page pool: one contiguous tensor, viewed per layer as flat slots.
+"""The worker's KV page pool: one contiguous byte tensor, viewed per layer by a codec object.
 
-Layout (fixed here; transfer code relies on it): [page, layer, k|v, slot_in_page, head, dim], so one
-physical page — K and V of `page_size` tokens for every layer — is one contiguous byte range that
-the transfer engine can move in a single segment. Token position p of a sequence lives in page
-block_table[p // page_size] at offset p % page_size.
+Layout (fixed in kv/layout.py; transfer code relies on it): page p is bytes
+[p * page_bytes, (p + 1) * page_bytes) and holds K and V of `page_size` tokens for every layer
+(plus FP8 scales). Token position i of a sequence lives in page block_table[i // page_size] at
+offset i % page_size.
+
+Beside the pool, `tags` holds one 32-bit integrity tag per page: the tag of the allocation whose
+KV the page holds (see kv/block_manager.py). It is separate memory, registered with the transfer
+engine on its own, so a prefill worker writes it after the page bytes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from kvmesh.engine.attention.base import Slots
 from kvmesh.engine.config import ModelConfig
+from kvmesh.engine.kv.layout import KVCacheSpec
+from kvmesh.engine.kv_fp8 import dequantize, quantize
+
+__all__ = ["KVCacheSpec", "PagedKVCache", "spec_for_model"]
+_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.int8}
 
 
-@dataclass(frozen=True)
-class KVCacheSpec:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    dtype: torch.dtype
+def spec_for_model(config: ModelConfig, page_size: int, kv_dtype: str) -> KVCacheSpec:
+    return KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, page_size, kv_dtype)
 
-    @classmethod
-    def for_model(cls, config: ModelConfig, page_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, page_size, dtype)
 
-    @property
-    def page_bytes(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * elem
+class PlainLayerKV:
+    """One layer's K and V stored as is: [num_pages, page_size, heads, dim] strided views."""
 
-    def pages_for_budget(self, budget_bytes: int) -> int:
-        return max(budget_bytes // self.page_bytes, 1)
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
+        self.k, self.v, self.dtype = k, v, dtype
+
+    def write(self, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[slots.page, slots.offset] = k
+        self.v[slots.page, slots.offset] = v
+
+    def read(self, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[slots.page, slots.offset], self.v[slots.page, slots.offset]
+
+
+class Fp8LayerKV:
+    """One layer's K and V as e4m3 bits plus a power-of-two exponent per (token, head)."""
+
+    def __init__(self, k, v, k_exp, v_exp, dtype: torch.dtype) -> None:
+        self.k, self.v, self.k_exp, self.v_exp, self.dtype = k, v, k_exp, v_exp, dtype
+
+    def write(self, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
+        index = (slots.page, slots.offset)
+        self.k[index], self.k_exp[index] = quantize(k)
+        self.v[index], self.v_exp[index] = quantize(v)
+
+    def read(self, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
+        index = (slots.page, slots.offset)
+        return (
+            dequantize(self.k[index], self.k_exp[index], self.dtype),
+            dequantize(self.v[index], self.v_exp[index], self.dtype),
+        )
 
 
 class PagedKVCache:
-    def __init__(self, spec: KVCacheSpec, num_pages: int) -> None:
+    def __init__(
+        self, spec: KVCacheSpec, num_pages: int, compute_dtype: torch.dtype = torch.float32
+    ) -> None:
         self.spec = spec
         self.num_pages = num_pages
-        self.pool = torch.zeros(
-            num_pages,
-            spec.num_layers,
-            2,
-            spec.page_size,
-            spec.num_kv_heads,
-            spec.head_dim,
-            dtype=spec.dtype,
-        )
-        # Per-layer [num_pages, page_size, heads, dim] strided views for the attention backend.
-        self.layers = [(self.pool[:, i, 0], self.pool[:, i, 1]) for i in range(spec.num_layers)]
+        self.pool = torch.zeros(num_pages, spec.page_bytes, dtype=torch.uint8)
+        self.tags = torch.zeros(num_pages, dtype=torch.int32)
+        shape = (num_pages, spec.num_layers, 2, spec.page_size, spec.num_kv_heads)
+        data = self.pool[:, : spec.data_bytes].view(_TORCH[spec.kv_dtype])
+        data = data.view(*shape, spec.head_dim)
+        if spec.quantized:
+            exps = self.pool[:, spec.data_bytes :].view(torch.int8).view(*shape)
+            self.layers = [
+                Fp8LayerKV(
+                    data[:, i, 0], data[:, i, 1], exps[:, i, 0], exps[:, i, 1], compute_dtype
+                )  # fmt: skip
+                for i in range(spec.num_layers)
+            ]
+        else:
+            self.layers = [
+                PlainLayerKV(data[:, i, 0], data[:, i, 1], compute_dtype)
+                for i in range(spec.num_layers)
+            ]
 
     @property
     def capacity_tokens(self) -> int:
@@ -60,6 +93,10 @@ class PagedKVCache:
         """Byte address of one page (for registering with / writing through a transfer engine)."""
         return self.pool.data_ptr() + page_id * self.spec.page_bytes
 
+    def tag_address(self, page_id: int) -> int:
+        """Byte address of one page's 4-byte integrity tag."""
+        return self.tags.data_ptr() + page_id * 4
+
     @property
     def nbytes(self) -> int:
-        return self.pool.numel() * self.pool.element_size()
+        return self.pool.numel()

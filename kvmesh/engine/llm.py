@@ -32,6 +32,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # "<code>: <message>" when the engine aborted the request
     ttft_s: float = 0.0
     total_s: float = 0.0
 
@@ -110,6 +111,8 @@ class LLM:
         if out.logprobs is not None:
             out.logprobs.extend(lp for lp in step.new_logprobs if lp is not None)
         out.num_cached_tokens = step.num_cached_tokens
+        if step.error is not None:
+            out.error = f"{step.error.code}: {step.error}"
         result = detok.push(step.new_token_ids, final=step.finished)
         out.text += result.delta
         if result.stopped_on is not None and not step.finished:

@@ -37,6 +37,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of this seq's full pages so far
+    page_tags: list[int] = field(default_factory=list)  # integrity tag expected of each page
     num_preemptions: int = 0
     cache_salt: str = ""
     keep_pages: bool = False  # on finish, hold the pages until Scheduler.release (prefill workers)

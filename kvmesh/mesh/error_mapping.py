@@ -14,6 +14,7 @@ import grpc
 from kvmesh.errors import (
     CapacityError,
     InvalidRequestError,
+    KvIntegrityError,
     KvmeshError,
     ModelNotFoundError,
 )
@@ -63,7 +64,7 @@ def error_body(message: str, type_: str, code: str | None) -> dict[str, Any]:
 def openai_error_body(exc: BaseException) -> dict[str, Any]:
     """OpenAI error JSON for `exc`; a 500 never leaks the exception's text."""
     status = http_status(exc)
-    if status == 500:
+    if status == 500 and not (isinstance(exc, KvmeshError) and exc.expose):
         return error_body(_GENERIC_MESSAGE, "server_error", "internal_error")
     code = exc.code if isinstance(exc, KvmeshError) else None
     type_ = "server_error" if status >= 500 else "invalid_request_error"
@@ -80,6 +81,8 @@ def grpc_status(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if _is_unavailable(exc):
         return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, KvIntegrityError):
+        return grpc.StatusCode.DATA_LOSS
     return grpc.StatusCode.INTERNAL
 
 
@@ -94,6 +97,7 @@ _FALLBACK_BY_STATUS: dict[grpc.StatusCode, type[KvmeshError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
     grpc.StatusCode.UNAVAILABLE: WorkerUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: WorkerUnavailableError,
+    grpc.StatusCode.DATA_LOSS: KvIntegrityError,
 }
 
 

@@ -111,16 +111,18 @@ class Mesh:
 
     def _kvstore_layout(self) -> list[str]:
         """The store must hold pages of exactly the workers' layout (model, page, dtype)."""
+        from kvmesh.engine.kv.layout import KVCacheSpec, resolve_kv_dtype
         from kvmesh.engine.loader import read_config, resolve_model
 
         args = list(self.options.worker_args)
         dtype = args[args.index("--dtype") + 1] if "--dtype" in args else "fp32"
+        kv_dtype = args[args.index("--kv-dtype") + 1] if "--kv-dtype" in args else "auto"
+        kv_dtype = resolve_kv_dtype(kv_dtype, dtype)
         config = read_config(resolve_model(self.options.model))
-        elem = {"fp32": 4, "bf16": 2}[dtype]
-        page_bytes = 2 * config.num_layers * 16 * config.num_kv_heads * config.head_dim * elem
+        spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, 16, kv_dtype)
         model = resolve_model(self.options.model).name
-        return ["--model", model, "--page-size", "16", "--kv-dtype", dtype,
-                "--page-bytes", str(page_bytes)]  # fmt: skip
+        return ["--model", model, "--page-size", "16", "--kv-dtype", kv_dtype,
+                "--page-bytes", str(spec.page_bytes)]  # fmt: skip
 
     def _spawn(self, name: str, args: list[str]) -> None:
         assert self.etcd is not None

@@ -34,6 +34,11 @@ KV_TRANSFER_BYTES = Counter(
     "kvmesh_kv_transfer_bytes_total", "KV bytes moved by the transfer engine", ["service"]
 )
 KV_CAPACITY_TOKENS = Gauge("kvmesh_kv_capacity_tokens", "KV pool capacity in tokens", ["service"])
+KV_INTEGRITY_FAILURES = Counter(
+    "kvmesh_kv_integrity_failures_total",
+    "Requests aborted because a KV page's integrity tag did not match",
+    ["service"],
+)
 KV_PAGES_USED = Gauge("kvmesh_kv_pages_used", "KV pages held by running requests", ["service"])
 GRPC_MESSAGE_BYTES_MAX = Gauge(
     "kvmesh_grpc_message_bytes_max",

@@ -35,7 +35,9 @@ class WorkerOptions:
     metrics_port: int = 0
     model: str = "smollm2-135m"
     dtype: str = "fp32"
-    kv_cache_mib: int = 512
+    kv_dtype: str = "auto"
+    kv_cache_bytes: int = 512 << 20
+    kv_integrity: bool = True
     max_num_seqs: int = 64
     protocol: str = "tcp"
     ttl: int = 5
@@ -69,14 +71,18 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
         EngineConfig(
             model=options.model,
             dtype=options.dtype,
-            kv_cache_bytes=options.kv_cache_mib << 20,
+            kv_cache_bytes=options.kv_cache_bytes,
+            kv_dtype=options.kv_dtype,
+            kv_integrity=options.kv_integrity,
             max_num_seqs=options.max_num_seqs,
         )
     )
+    engine.on_integrity_failure = lambda _: metrics.KV_INTEGRITY_FAILURES.labels(options.role).inc()
     async_engine = AsyncEngine(engine)
     async_engine.start()
     transfer = KvTransferEngine(TransferConfig(protocol=options.protocol))
     transfer.register(engine.kv_cache.pool.data_ptr(), engine.kv_cache.nbytes)
+    transfer.register(engine.kv_cache.tags.data_ptr(), engine.kv_cache.tags.numel() * 4)
     store = None
     if options.use_kvstore:
         store = StoreLink(StoreLinkOptions(options.etcd, options.cluster), async_engine, transfer,

@@ -134,7 +134,8 @@ class DecodeWorker:
     def _prefill_request(
         self, job: DecodeJob, reservation: Reservation
     ) -> prefill_pb2.PrefillRequest:
-        spec = self.engine.engine.kv_cache.spec
+        cache = self.engine.engine.kv_cache
+        spec = cache.spec
         destination = prefill_pb2.KvDestination(
             te_session=self.te_session,
             pool_address=self.pool_address,
@@ -143,6 +144,8 @@ class DecodeWorker:
             skip_pages=reservation.cached_pages,
             page_size=spec.page_size,
             kv_dtype=self.kv_dtype,
+            tags_address=cache.tag_address(0),
+            page_tags=reservation.page_tags,
         )
         return prefill_pb2.PrefillRequest(
             request_id=job.request_id,

@@ -4,12 +4,15 @@ decode worker's reserved pages with the transfer engine, return the first token.
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass
 
 import structlog
+import torch
 
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import TokenOutput
+from kvmesh.engine.integrity import as_int32
 from kvmesh.engine.page_io import ImportPlan, PageIO
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError
@@ -38,6 +41,12 @@ class PrefillWorker:
         self.spec = engine.engine.kv_cache.spec
         self._offers: set[asyncio.Task] = set()
         self.page_io = PageIO(engine.engine)
+        # Source of the tag writes: one registered int32 per page a prompt can have.
+        max_pages = -(-engine.engine.max_model_len // self.spec.page_size)
+        self._tag_staging = torch.zeros(max_pages, dtype=torch.int32)
+        self._tag_lock = threading.Lock()
+        transfer.register(self._tag_staging.data_ptr(), max_pages * 4)
+        self.faults = engine.engine.faults
 
     async def prefill(
         self,
@@ -133,12 +142,27 @@ class PrefillWorker:
     def _write(
         self, dest: prefill_pb2.KvDestination, src_pages: list[int], dst_pages: list[int]
     ) -> int:
+        """Page bytes first, then (only if they all landed) the tags decode reserved them with."""
         if not src_pages:
             return 0
+        tags = list(dest.page_tags)[dest.skip_pages : dest.skip_pages + len(dst_pages)]
+        if self.faults is not None:  # tests only: lose part of the transfer, tags included
+            src_pages, dst_pages, tags = self.faults.drop_transfer_pages(src_pages, dst_pages, tags)
         cache = self.engine.engine.kv_cache
         src = [cache.page_address(p) for p in src_pages]
         dst = [dest.pool_address + p * dest.page_bytes for p in dst_pages]
-        return self.transfer.write_pages(dest.te_session, src, dst, self.spec.page_bytes)
+        written = self.transfer.write_pages(dest.te_session, src, dst, self.spec.page_bytes)
+        if dest.tags_address and tags:
+            with self._tag_lock:
+                self._tag_staging[: len(tags)] = as_int32(tags)
+                base = self._tag_staging.data_ptr()
+                self.transfer.write_pages(
+                    dest.te_session,
+                    [base + 4 * i for i in range(len(tags))],
+                    [dest.tags_address + 4 * p for p in dst_pages],
+                    4,
+                )
+        return written
 
     def _check(self, dest: prefill_pb2.KvDestination, num_pages: int) -> None:
         if dest.page_bytes != self.spec.page_bytes or dest.page_size != self.spec.page_size:
@@ -149,6 +173,10 @@ class PrefillWorker:
         if dest.kv_dtype != self.kv_dtype:
             raise InvalidRequestError(
                 f"KV dtype mismatch: decode {dest.kv_dtype}, prefill {self.kv_dtype}"
+            )
+        if dest.page_tags and len(dest.page_tags) != len(dest.page_ids):
+            raise InvalidRequestError(
+                f"destination has {len(dest.page_ids)} pages but {len(dest.page_tags)} tags"
             )
         if len(dest.page_ids) < num_pages or dest.skip_pages > num_pages:
             raise InvalidRequestError(

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
-from kvmesh.engine.attention.base import AttentionBackend, AttentionMetadata, PrefillSpan, Slots
+from kvmesh.engine.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerKV,
+    PrefillSpan,
+    Slots,
+)
 from kvmesh.engine.attention.torch_backend import TorchAttention
 from kvmesh.errors import InvalidRequestError
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "PrefillSpan", "Slots", "get_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "LayerKV",
+    "PrefillSpan",
+    "Slots",
+    "get_backend",
+]
 
 _BACKENDS: dict[str, type] = {"torch": TorchAttention}
 

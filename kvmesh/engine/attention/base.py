@@ -46,6 +46,18 @@ class AttentionMetadata:
     prefills: tuple[PrefillSpan, ...]
 
 
+class LayerKV(Protocol):
+    """One layer of the paged cache in its storage format (plain or FP8; see kv_cache.py)."""
+
+    def write(self, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V [T, Hkv, D] of new tokens at `slots` (quantizing if the format does)."""
+        ...
+
+    def read(self, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `slots` (any shape S) as [*S, Hkv, D] in the compute dtype."""
+        ...
+
+
 class AttentionBackend(Protocol):
     """Writes the step's new K/V into the paged cache and attends over each row's context."""
 
@@ -54,8 +66,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, Hq, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
-        k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D] (a strided view of the pool)
-        v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+        cache: LayerKV,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvmesh.engine.attention.base import AttentionMetadata, PrefillSpan
+from kvmesh.engine.attention.base import AttentionMetadata, LayerKV, PrefillSpan
 
 
 class TorchAttention:
@@ -18,28 +18,22 @@ class TorchAttention:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerKV,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        slots = meta.slot_mapping
-        k_cache[slots.page, slots.offset] = k
-        v_cache[slots.page, slots.offset] = v
+        cache.write(meta.slot_mapping, k, v)
         out = torch.empty_like(q)
         if meta.num_decode:
-            out[: meta.num_decode] = self._decode(
-                q[: meta.num_decode], k_cache, v_cache, meta, scale
-            )
+            out[: meta.num_decode] = self._decode(q[: meta.num_decode], cache, meta, scale)
         for span in meta.prefills:
-            out[span.begin : span.end] = self._prefill(q, k, v, k_cache, v_cache, span, scale)
+            out[span.begin : span.end] = self._prefill(q, k, v, cache, span, scale)
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        gather = meta.decode_gather
-        keys = k_cache[gather.page, gather.offset].transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_cache[gather.page, gather.offset].transpose(1, 2)
+    def _decode(q, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        keys, values = cache.read(meta.decode_gather)  # [B, L, Hkv, D]
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         if q.dtype != torch.float32:  # CPU SDPA with a mask falls back to a slow path off fp32
             return _grouped_decode(q, keys, values, meta.decode_mask, scale)
         out = F.scaled_dot_product_attention(
@@ -48,7 +42,7 @@ class TorchAttention:
         return out.squeeze(2)
 
     @staticmethod
-    def _prefill(q, k, v, k_cache, v_cache, span: PrefillSpan, scale: float) -> torch.Tensor:
+    def _prefill(q, k, v, cache: LayerKV, span: PrefillSpan, scale: float) -> torch.Tensor:
         query = q[span.begin : span.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if span.gather_index is None:
             keys, values, mask, causal = (
@@ -58,8 +52,7 @@ class TorchAttention:
                 True,
             )
         else:
-            index = (span.gather_index.page, span.gather_index.offset)
-            keys, values = k_cache[index], v_cache[index]
+            keys, values = cache.read(span.gather_index)
             mask, causal = (
                 _offset_causal_mask(span.end - span.begin, span.context_start, q.device),
                 False,

@@ -3,14 +3,21 @@
 Every page is in exactly one state: used (ref_count > 0), cached (ref 0, has a hash) or free
 (ref 0, no hash). Ref-0 pages live in one doubly linked free queue: hash-less pages at the front
 (reused first), cached pages at the back in LRU order, so a cache hit revives a page in O(1).
+
+Integrity tags: every page carries a 32-bit tag, bumped each time the page is handed to a new
+owner (not when a cached page is revived: its KV is still the same). A sequence records the tag
+of each page it holds (`Sequence.page_tags`); the engine mirrors each allocation into the pool's
+tag array (`take_stamps`) and, before every step, compares the two: a page that was handed to
+someone else while still in use no longer carries the tag its reader expects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvmesh.engine.kv.events import AllCleared, KvEvent, PagesRemoved, PagesStored
+from kvmesh.engine.kv.free_queue import FreePageQueue, Page
 from kvmesh.engine.kv.hashing import BlockHasher
 from kvmesh.engine.sequence import Sequence
 
@@ -38,73 +45,12 @@ class PrefixMatch:
     num_tokens: int
 
 
-@dataclass(eq=False, slots=True)
-class Page:
-    """One physical KV page; prev/next link it into the free queue while its ref_count is 0."""
-
-    page_id: int
-    ref_count: int = 0
-    block_hash: int | None = None
-    prev: Page | None = None
-    next: Page | None = None
+TAG_MAX = (1 << 32) - 1
 
 
-class FreePageQueue:
-    """Doubly linked list threaded through the pages: O(1) pop, push at either end, remove."""
-
-    def __init__(self, pages: Iterable[Page] = ()) -> None:
-        self._head: Page | None = None
-        self._tail: Page | None = None
-        self._len = 0
-        for page in pages:
-            self.append(page)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self) -> Iterator[Page]:
-        page = self._head
-        while page is not None:
-            yield page
-            page = page.next
-
-    def popleft(self) -> Page:
-        if self._head is None:
-            raise IndexError("pop from an empty FreePageQueue")
-        page = self._head
-        self.remove(page)
-        return page
-
-    def append(self, page: Page) -> None:
-        page.prev, page.next = self._tail, None
-        if self._tail is None:
-            self._head = page
-        else:
-            self._tail.next = page
-        self._tail = page
-        self._len += 1
-
-    def appendleft(self, page: Page) -> None:
-        page.prev, page.next = None, self._head
-        if self._head is None:
-            self._tail = page
-        else:
-            self._head.prev = page
-        self._head = page
-        self._len += 1
-
-    def remove(self, page: Page) -> None:
-        """Unlink `page`, which must be in this queue."""
-        if page.prev is None:
-            self._head = page.next
-        else:
-            page.prev.next = page.next
-        if page.next is None:
-            self._tail = page.prev
-        else:
-            page.next.prev = page.prev
-        page.prev = page.next = None
-        self._len -= 1
+def next_tag(tag: int) -> int:
+    """The tag after `tag`, cycling over 1..TAG_MAX (0 means "never written")."""
+    return tag % TAG_MAX + 1
 
 
 class BlockManager:
@@ -122,6 +68,7 @@ class BlockManager:
         self._cached: dict[int, Page] = {}  # block hash -> the one page registered for it
         self._num_registered: dict[str, int] = {}  # seq_id -> leading full pages processed
         self._events: list[KvEvent] = []
+        self._stamps: list[tuple[int, int]] = []  # (page_id, tag) allocated since take_stamps
 
     @property
     def num_free_pages(self) -> int:
@@ -191,6 +138,7 @@ class BlockManager:
                 self.free_queue.remove(page)
             page.ref_count += 1
             seq.block_table.append(page.page_id)
+            seq.page_tags.append(page.tag)
         seq.num_computed_tokens = num_tokens
         seq.num_cached_tokens = num_tokens
         self._num_registered[seq.seq_id] = len(hits)
@@ -204,7 +152,10 @@ class BlockManager:
                 evicted.append(page.block_hash)
                 page.block_hash = None
             page.ref_count = 1
+            page.tag = next_tag(page.tag)
+            self._stamps.append((page.page_id, page.tag))
             seq.block_table.append(page.page_id)
+            seq.page_tags.append(page.tag)
         if evicted:
             self._events.append(PagesRemoved(tuple(evicted)))
 
@@ -259,11 +210,29 @@ class BlockManager:
                 else:
                     self.free_queue.append(page)
         seq.block_table.clear()
+        seq.page_tags.clear()
         self._num_registered.pop(seq.seq_id, None)
+
+    def discard_cached(self, page_ids: Iterable[int]) -> None:
+        """Drop these pages from the prefix cache (their bytes are not what the hash says)."""
+        removed: list[int] = []
+        for page_id in page_ids:
+            page = self.pages[page_id]
+            if page.block_hash is not None:
+                del self._cached[page.block_hash]
+                removed.append(page.block_hash)
+                page.block_hash = None
+        if removed:
+            self._events.append(PagesRemoved(tuple(removed)))
 
     def cached_hashes(self) -> list[int]:
         """Every block hash currently in the prefix cache (a snapshot for a new subscriber)."""
         return list(self._cached)
+
+    def take_stamps(self) -> list[tuple[int, int]]:
+        """Return and clear the (page_id, new tag) of every allocation since the last call."""
+        stamps, self._stamps = self._stamps, []
+        return stamps
 
     def take_events(self) -> list[KvEvent]:
         """Return and clear the events emitted since the last call."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvmesh.engine.attention import AttentionBackend, AttentionMetadata
+from kvmesh.engine.attention import AttentionBackend, AttentionMetadata, LayerKV
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.models.rope import RotaryEmbedding, apply_rotary, inv_frequencies
 from kvmesh.errors import ModelFormatError
@@ -71,27 +71,27 @@ class LlamaModel:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKV],
         attention: AttentionBackend,
     ) -> torch.Tensor:
         """Hidden states [T, H] after the final norm's input (call `logits` on chosen rows)."""
         cos, sin = self.rope.tables(positions)
         h = F.embedding(input_ids, self.embed)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
             h = h + self._attention(
-                layer, self._norm(h, layer.input_norm), cos, sin, meta, k_cache, v_cache, attention
+                layer, self._norm(h, layer.input_norm), cos, sin, meta, cache, attention
             )
             h = h + self._mlp(layer, self._norm(h, layer.post_norm))
         return h
 
-    def _attention(self, w: LayerWeights, x, cos, sin, meta, k_cache, v_cache, attention):
+    def _attention(self, w: LayerWeights, x, cos, sin, meta, cache, attention):
         c = self.config
         qkv = F.linear(x, w.qkv, w.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)
         k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
         v = v.reshape(-1, c.num_kv_heads, c.head_dim)
-        out = attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        out = attention.forward(q, k, v, cache, meta, self.scale)
         return F.linear(out.reshape(-1, self.q_size), w.o_proj)
 
     @staticmethod

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvDestination(_message.Message):
-    __slots__ = ("te_session", "pool_address", "page_bytes", "page_ids", "skip_pages", "page_size", "kv_dtype")
+    __slots__ = ("te_session", "pool_address", "page_bytes", "page_ids", "skip_pages", "page_size", "kv_dtype", "tags_address", "page_tags")
     TE_SESSION_FIELD_NUMBER: _ClassVar[int]
     POOL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,8 @@ class KvDestination(_message.Message):
     SKIP_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TAGS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TAGS_FIELD_NUMBER: _ClassVar[int]
     te_session: str
     pool_address: int
     page_bytes: int
@@ -24,7 +26,9 @@ class KvDestination(_message.Message):
     skip_pages: int
     page_size: int
     kv_dtype: str
-    def __init__(self, te_session: _Optional[str] = ..., pool_address: _Optional[int] = ..., page_bytes: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., skip_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    tags_address: int
+    page_tags: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, te_session: _Optional[str] = ..., pool_address: _Optional[int] = ..., page_bytes: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., skip_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., tags_address: _Optional[int] = ..., page_tags: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "cache_salt")

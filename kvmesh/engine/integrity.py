@@ -1,0 +1,67 @@
+"""Per-page integrity tags on the pool side: stamping allocations and the per-step check.
+
+The block manager decides tags (pure Python); this module mirrors them into the pool's int32
+tag array (`PagedKVCache.tags`) and compares, in one batched gather-and-compare before each
+forward pass, the tag every scheduled sequence expects of each page in its block table with the
+tag the page carries. Pages filled by another worker are stamped PENDING when reserved: only the
+writer's transfer of the tags (after the page bytes) makes them readable, so a dropped or
+partial transfer is caught too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+
+import torch
+
+from kvmesh.engine.sequence import Sequence
+
+PENDING = 0  # never a valid tag (tags cycle over 1..2**32 - 1)
+
+
+def as_int32(tags: Iterable[int]) -> torch.Tensor:
+    """uint32 tag values as the int32 bit patterns the pool's tag array holds."""
+    return torch.tensor(list(tags), dtype=torch.int64).to(torch.int32)
+
+
+class PageTags:
+    def __init__(self, tags: torch.Tensor) -> None:
+        self.tags = tags  # [num_pages] int32, the pool's side array
+        self.failures = 0
+
+    def stamp(self, stamps: Seq[tuple[int, int]], pending: bool = False) -> None:
+        """Record allocations (page_id, tag); pending: the page waits for a remote writer."""
+        if not stamps:
+            return
+        pages = torch.tensor([page for page, _ in stamps])
+        if pending:
+            self.tags[pages] = PENDING
+        else:
+            self.tags[pages] = as_int32(tag for _, tag in stamps)
+
+    def mismatched(self, seqs: Seq[Sequence]) -> list[tuple[Sequence, list[int]]]:
+        """The sequences holding a page whose tag differs from the one they expect, with the
+        offending page ids. One gather + compare for the whole batch; Python only on failure."""
+        pages: list[int] = []
+        expected: list[int] = []
+        for seq in seqs:
+            pages.extend(seq.block_table)
+            expected.extend(seq.page_tags)
+        if not pages:
+            return []
+        bad = self.tags[torch.tensor(pages)] != as_int32(expected)
+        if not bool(bad.any()):
+            return []
+        failed, start = [], 0
+        flags = bad.tolist()
+        for seq in seqs:
+            end = start + len(seq.block_table)
+            wrong = [
+                page for page, flag in zip(pages[start:end], flags[start:end], strict=True) if flag
+            ]
+            if wrong:
+                failed.append((seq, wrong))
+            start = end
+        self.failures += len(failed)
+        return failed

@@ -1,0 +1,33 @@
+"""What the engine hands back: reservations (decode) and per-step token outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmesh.engine.sampler import TokenLogprob
+from kvmesh.engine.sequence import FinishReason
+from kvmesh.errors import KvmeshError
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Pages reserved for a prompt; the first `cached_pages` already hold its KV (prefix hit)."""
+
+    page_ids: list[int]
+    cached_pages: int
+    cached_tokens: int
+    page_tags: list[int]  # integrity tag of each page, which the writer must put beside it
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob | None]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: KvmeshError | None = None  # set when the request was aborted by the engine
