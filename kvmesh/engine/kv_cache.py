@@ -28,17 +28,25 @@ def spec_for_model(config: ModelConfig, page_size: int, kv_dtype: str) -> KVCach
 
 
 class PlainLayerKV:
-    """One layer's K and V stored as is: [num_pages, page_size, heads, dim] strided views."""
+    """One layer's K and V stored as is (fp32 or bf16): [num_pages, page_size, heads, dim] views.
+    The storage dtype may differ from the compute dtype (e.g. bf16 KV under an fp32 model)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
         self.k, self.v, self.dtype = k, v, dtype
+        self._same = k.dtype == dtype
 
     def write(self, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[slots.page, slots.offset] = k
-        self.v[slots.page, slots.offset] = v
+        self.k[slots.page, slots.offset] = k.to(self.k.dtype)
+        self.v[slots.page, slots.offset] = v.to(self.v.dtype)
 
     def read(self, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[slots.page, slots.offset], self.v[slots.page, slots.offset]
+        k, v = self.k[slots.page, slots.offset], self.v[slots.page, slots.offset]
+        return (k, v) if self._same else (k.to(self.dtype), v.to(self.dtype))
+
+    def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._same:
+            return k, v
+        return k.to(self.k.dtype).to(self.dtype), v.to(self.v.dtype).to(self.dtype)
 
 
 class Fp8LayerKV:
@@ -58,6 +66,11 @@ class Fp8LayerKV:
             dequantize(self.k[index], self.k_exp[index], self.dtype),
             dequantize(self.v[index], self.v_exp[index], self.dtype),
         )
+
+    def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `read` would return for k, v: attention always sees the cache's values, so a
+        prompt computed cold and one whose prefix came from the cache give the same tokens."""
+        return dequantize(*quantize(k), self.dtype), dequantize(*quantize(v), self.dtype)
 
 
 class PagedKVCache:

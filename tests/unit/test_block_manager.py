@@ -325,3 +325,46 @@ def test_cache_salts_never_share_pages():
     assert manager.match_prefix(unsalted).num_tokens == 0
     assert manager.match_prefix(same).num_tokens == 12
     manager.check_integrity()
+
+
+def test_tags_bump_on_every_new_owner_and_survive_prefix_revival() -> None:
+    bm = make_bm()
+    a = make_seq(list(range(12)))
+    run(bm, a)
+    assert a.page_tags == [1, 1, 1]
+    assert bm.take_stamps() == [(0, 1), (1, 1), (2, 1)]
+    bm.free(a)
+    assert a.page_tags == []
+    d = make_seq(list(range(8)) + [70, 71, 72])
+    assert bm.allocate(d, 3, bm.match_prefix(d))
+    assert d.block_table == [0, 1, 3]
+    assert d.page_tags == [1, 1, 1]  # pages 0, 1 revived as they were; page 3 is new
+    assert bm.take_stamps() == [(3, 1)]
+    bm.free(d)
+    e = make_seq([90 + i for i in range(16)])  # takes hash-less pages first, then evicts 2, ...
+    assert bm.allocate(e, 16)
+    assert e.block_table == [3, 4, 5, 6]
+    assert e.page_tags == [2, 1, 1, 1]  # page 3's second owner
+    assert bm.take_stamps() == [(3, 2), (4, 1), (5, 1), (6, 1)]
+    assert bm.take_stamps() == []
+
+
+def test_tags_cycle_without_zero() -> None:
+    from kvmesh.engine.kv.block_manager import TAG_MAX, next_tag
+
+    assert next_tag(0) == 1
+    assert next_tag(TAG_MAX - 1) == TAG_MAX
+    assert next_tag(TAG_MAX) == 1  # 0 is reserved for "not written yet"
+
+
+def test_discard_cached_forgets_hashes_and_emits_removal() -> None:
+    bm = make_bm()
+    a = make_seq(list(range(12)))
+    run(bm, a)
+    bm.take_events()
+    bm.discard_cached([1, 5])
+    assert bm.take_events() == [PagesRemoved((a.block_hashes[1],))]
+    bm.free(a)
+    d = make_seq(list(range(12)))
+    assert bm.match_prefix(d) == PrefixMatch((0,), 4)  # page 1 no longer matches
+    bm.check_integrity()

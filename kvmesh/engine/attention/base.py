@@ -57,6 +57,10 @@ class LayerKV(Protocol):
         """K and V at `slots` (any shape S) as [*S, Hkv, D] in the compute dtype."""
         ...
 
+    def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v as `read` returns them after a `write` (rounded through the storage format)."""
+        ...
+
 
 class AttentionBackend(Protocol):
     """Writes the step's new K/V into the paged cache and attends over each row's context."""

@@ -45,12 +45,8 @@ class TorchAttention:
     def _prefill(q, k, v, cache: LayerKV, span: PrefillSpan, scale: float) -> torch.Tensor:
         query = q[span.begin : span.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if span.gather_index is None:
-            keys, values, mask, causal = (
-                k[span.begin : span.end],
-                v[span.begin : span.end],
-                None,
-                True,
-            )
+            keys, values = cache.as_stored(k[span.begin : span.end], v[span.begin : span.end])
+            mask, causal = None, True
         else:
             keys, values = cache.read(span.gather_index)
             mask, causal = (

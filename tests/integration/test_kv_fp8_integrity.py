@@ -1,0 +1,108 @@
+"""FP8 KV and integrity tags on the real default model, in one process.
+
+Injected faults (KVMESH_FAULTS) must each be detected: the hit request is aborted with a
+kv_integrity error and every token that reached the caller is one the fault-free engine would
+have produced; with the check off, the same faults visibly corrupt the output.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvmesh import LLM, SamplingParams
+
+TEXT = Path(__file__).parents[1] / "data" / "public_domain.txt"
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PERSONAS = ["Ada, a sailor", "Bo, a baker", "Cy, a pilot", "Di, a chemist"]
+
+
+def _prompts(llm) -> list[list[int]]:  # distinct first pages: no page is shared between them
+    return [
+        llm.tokenizer.encode_chat([{"role": "system", "content": f"{p} speaks."},
+                                   {"role": "user", "content": "Describe your morning."}])
+        for p in PERSONAS
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fp8():
+    return LLM(dtype="fp32", kv_dtype="fp8_e4m3", kv_cache_bytes=48 << 20, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    llm.engine.block_manager.reset_prefix_cache()
+    return [o.token_ids for o in llm.generate_ids(_prompts(llm), GREEDY)]
+
+
+def test_fp8_capacity_is_about_twice_bf16_at_the_same_budget():
+    budget = 16 << 20
+    bf16 = LLM(dtype="bf16", kv_cache_bytes=budget).engine.kv_cache
+    fp8 = LLM(dtype="bf16", kv_dtype="fp8_e4m3", kv_cache_bytes=budget).engine.kv_cache
+    assert fp8.nbytes <= budget and bf16.nbytes <= budget
+    assert fp8.capacity_tokens / bf16.capacity_tokens > 1.9
+
+
+def test_fp8_prefix_hit_gives_the_cold_tokens(fp8):
+    """Attention always reads what the page holds (a cold prompt too), so a prefix served from
+    the cache -- or from another worker -- changes nothing. (Batching is not bit-invariant
+    under FP8: a last-bit GEMM difference can flip an e4m3 rounding.)"""
+    for prompt in _prompts(fp8):
+        fp8.engine.block_manager.reset_prefix_cache()
+        cold = fp8.generate_ids([prompt], GREEDY)[0]
+        warm = fp8.generate_ids([prompt], GREEDY)[0]
+        assert warm.num_cached_tokens > 0
+        assert cold.token_ids == warm.token_ids
+
+
+def test_fp8_stays_close_to_fp32_kv_on_a_fixed_text(fp8, llm):
+    """Teacher-forced on tests/data/public_domain.txt: perplexity within 3 % and the same
+    next-token argmax at >= 85 % of positions (measured: see docs/benchmarks.md)."""
+    ids = llm.tokenizer.encode(TEXT.read_text())[:512]
+    target = torch.tensor(ids[1:])
+    ref = llm.engine.score(ids)[:-1]
+    got = fp8.engine.score(ids)[:-1]
+    ppl_ref = math.exp(F.cross_entropy(ref, target).item())
+    ppl_fp8 = math.exp(F.cross_entropy(got, target).item())
+    assert abs(ppl_fp8 / ppl_ref - 1) < 0.03, (ppl_ref, ppl_fp8)
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree >= 0.85, agree
+
+
+def _run_with_faults(monkeypatch, faults: str, integrity: bool):
+    monkeypatch.setenv("KVMESH_FAULTS", faults)
+    faulty = LLM(dtype="fp32", kv_cache_bytes=32 << 20, kv_integrity=integrity)
+    outs = faulty.generate_ids(_prompts(faulty), GREEDY)
+    faulty.engine.block_manager.check_integrity()
+    assert faulty.engine.block_manager.num_used_pages == 0
+    return faulty.engine, outs
+
+
+@pytest.mark.parametrize("fault", ["reassign@9", "overwrite@7"])
+def test_every_injected_fault_is_caught_and_no_corrupt_token_escapes(monkeypatch, reference, fault):
+    engine, outs = _run_with_faults(monkeypatch, fault, integrity=True)
+    injected = sum(engine.faults.injected.values())
+    failed = [o for o in outs if o.error is not None]
+    assert injected >= 1
+    assert len(failed) == injected == engine.page_tags.failures
+    for out, ref in zip(outs, reference, strict=True):
+        if out.error is None:
+            assert out.token_ids == ref
+        else:
+            assert out.error.startswith("kv_integrity: ")
+            assert out.finish_reason == "abort"
+            assert out.token_ids == ref[: len(out.token_ids)]  # nothing after the fault
+
+
+@pytest.mark.parametrize("fault", ["reassign@9", "overwrite@7"])
+def test_the_same_faults_corrupt_output_when_the_check_is_off(monkeypatch, reference, fault):
+    engine, outs = _run_with_faults(monkeypatch, fault, integrity=False)
+    assert sum(engine.faults.injected.values()) >= 1
+    assert all(o.error is None for o in outs)
+    assert [o.token_ids for o in outs] != reference
