@@ -72,6 +72,11 @@ class WorkerInfo:
             raise WorkerInfoError(f"bad page_size/capacity_tokens in {self!r}")
 
     @property
+    def kv_layout(self) -> tuple[str, int, str]:
+        """(model, page_size, kv_dtype): two workers can exchange pages only if these match."""
+        return self.model, self.page_size, self.kv_dtype
+
+    @property
     def name(self) -> str:
         """`role/worker_id`: the key of WorkerWatcher.workers."""
         return f"{self.role}/{self.worker_id}"

@@ -16,6 +16,7 @@ import structlog
 import xxhash
 
 from kvmesh.mesh.grpc_server import channel
+from kvmesh.mesh.metrics import KV_FETCH_DIGEST_MISMATCHES as CORRUPT_FETCHES
 from kvmesh.mesh.transfer import KvTransferEngine
 from kvmesh.proto.v1 import kvstore_pb2, kvstore_pb2_grpc
 
@@ -128,7 +129,7 @@ class KVStoreClient:
         except _FAILURES as exc:
             _log_failure("fetch_transfer", exc, pages=len(remote))
             return 0  # the local pages may be partly written: the caller must not use them
-        return len(remote)
+        return _verified(found.locations, local, page_bytes)
 
     async def _release(self, lease_id: str) -> None:
         try:
@@ -167,6 +168,18 @@ class KVStoreClient:
         if done.rejected:
             log.warning("kvstore.offer_rejected", pages=done.rejected)
         return done.committed
+
+
+def _verified(
+    locations: Sequence[kvstore_pb2.PageLocation], local: Sequence[int], page_bytes: int
+) -> int:
+    """Leading pages whose copied bytes hash to the digest the store committed them with."""
+    for index, (location, address) in enumerate(zip(locations, local, strict=False)):
+        if location.digest and page_digest_at(address, page_bytes) != location.digest:
+            log.warning("kvstore.fetch_digest_mismatch", page=index, block_hash=location.block_hash)
+            CORRUPT_FETCHES.inc()
+            return index
+    return len(locations)
 
 
 def _log_failure(what: str, exc: BaseException, **fields: object) -> None:

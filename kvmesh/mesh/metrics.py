@@ -39,6 +39,13 @@ KV_INTEGRITY_FAILURES = Counter(
     "Requests aborted because a KV page's integrity tag did not match",
     ["service"],
 )
+KV_FETCH_DIGEST_MISMATCHES = Counter(
+    "kvmesh_kvstore_fetch_digest_mismatches_total",
+    "Pages read from the KV store whose bytes did not match their committed digest (misses)",
+)
+FAULTS_INJECTED = Counter(
+    "kvmesh_faults_injected_total", "Faults injected for tests (KVMESH_FAULTS)", ["service", "kind"]
+)
 KV_PAGES_USED = Gauge("kvmesh_kv_pages_used", "KV pages held by running requests", ["service"])
 GRPC_MESSAGE_BYTES_MAX = Gauge(
     "kvmesh_grpc_message_bytes_max",

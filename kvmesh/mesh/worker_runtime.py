@@ -78,6 +78,11 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
         )
     )
     engine.on_integrity_failure = lambda _: metrics.KV_INTEGRITY_FAILURES.labels(options.role).inc()
+    if engine.faults is not None:
+        log.warning("worker.fault_injection_on", faults=dict(engine.faults.plan.every))
+        engine.faults.on_inject = lambda kind: metrics.FAULTS_INJECTED.labels(
+            options.role, kind
+        ).inc()
     async_engine = AsyncEngine(engine)
     async_engine.start()
     transfer = KvTransferEngine(TransferConfig(protocol=options.protocol))

@@ -55,7 +55,7 @@ class MeshBackend:
         for attempt in range(MAX_ATTEMPTS):
             cost = self._decode_cost(request)
             decode = self.router.pick("decode", cost, bad_decode, pin and pin.decode, prompt).worker
-            prefill = self._pick_prefill(request, bad_prefill, pin and pin.prefill, prompt)
+            prefill = self._pick_prefill(request, decode, bad_prefill, pin and pin.prefill, prompt)
             started = False
             try:
                 async for chunk in self._stream(request, decode, prefill):
@@ -79,14 +79,16 @@ class MeshBackend:
             return None
         return await self.sessions.lookup(session_id)
 
-    def _pick_prefill(
-        self, request: GenerateInput, exclude: set[str], preferred: str | None, prompt: PromptKey
-    ) -> WorkerInfo | None:
+    def _pick_prefill(self, request: GenerateInput, decode: WorkerInfo, exclude: set[str],
+                      preferred: str | None, prompt: PromptKey) -> WorkerInfo | None:  # fmt: skip
+        """A prefill worker whose pages `decode` can take; None: decode prefills it itself."""
         try:
             cost = len(request.prompt_token_ids)
-            return self.router.pick("prefill", cost, exclude, preferred or None, prompt).worker
+            return self.router.pick(
+                "prefill", cost, exclude, preferred or None, prompt, paired_with=decode
+            ).worker
         except WorkerUnavailable:
-            return None  # no prefill pool: decode prefills the prompt itself
+            return None
 
     @staticmethod
     def _decode_cost(request: GenerateInput) -> int:

@@ -115,12 +115,16 @@ class Router:
         exclude: Iterable[str] = (),
         preferred: str | None = None,
         prompt: PromptKey | None = None,
+        paired_with: WorkerInfo | None = None,
     ) -> Decision:
+        """The worker for `role`; with `paired_with`, only workers whose KV pages have its
+        layout (model, page size, KV dtype) are candidates."""
         excluded = set(exclude)
         candidates = [
             Candidate(w, self._load(w.worker_id), self._cached(w, prompt))
             for w in self._live(role)
             if w.worker_id not in excluded
+            and (paired_with is None or w.kv_layout == paired_with.kv_layout)
         ]
         decision = self.policy.choose(role, candidates, cost_tokens, preferred)
         if decision is None:

@@ -43,7 +43,11 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             hit_pages=len(found.hits),
             locations=[
                 kvstore_pb2.PageLocation(
-                    block_hash=h.block_hash, tier=h.tier, address=h.address, page_bytes=page_bytes
+                    block_hash=h.block_hash,
+                    tier=h.tier,
+                    address=h.address,
+                    page_bytes=page_bytes,
+                    digest=h.digest,
                 )
                 for h in found.hits
             ],

@@ -83,6 +83,7 @@ class PageHit(NamedTuple):
     block_hash: int
     tier: str  # where it was found: "ram" | "disk" (promoted; now in RAM)
     address: int
+    digest: int  # xxh3_64 of the page as committed: readers check what they copied
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,9 @@ class KVStore:
                 if hit is None:
                     break
                 self.pages.ram.pin(block_hash)  # before the next find can make room
-                hits.append(PageHit(block_hash, hit.tier, self.pages.ram.address(hit.slot)))
+                hits.append(
+                    PageHit(block_hash, hit.tier, self.pages.ram.address(hit.slot), hit.digest)
+                )
             if not hits:
                 return LookupResult([], None)
             lease_id = uuid.uuid4().hex

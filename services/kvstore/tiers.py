@@ -59,6 +59,7 @@ class TierTotals:
 class Hit(NamedTuple):
     tier: str  # "ram" | "disk" (where it was found; it is in RAM now)
     slot: int
+    digest: int  # xxh3_64 of the page bytes as committed
 
 
 class RamTier:
@@ -235,7 +236,7 @@ class TieredPages:
         page = self.ram.get(block_hash)
         if page is not None:
             self.totals.ram.hits += 1
-            return Hit("ram", page.slot)
+            return Hit("ram", page.slot, page.digest)
         self.totals.ram.misses += 1
         if self.disk is None:
             return None
@@ -288,4 +289,4 @@ class TieredPages:
         self.ram.buffer(slot)[:] = body
         self.ram.store(block_hash, slot, digest)
         self.totals.promotions += 1
-        return Hit("disk", slot)
+        return Hit("disk", slot, digest)

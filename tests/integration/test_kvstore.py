@@ -90,6 +90,21 @@ def tier_pages(stats: kvstore_pb2.GetStatsResponse) -> dict[str, int]:
     return {t.tier: t.pages for t in stats.tiers}
 
 
+def test_a_stored_page_corrupted_in_ram_is_a_miss_for_the_reader(te: Engines) -> None:
+    """Every page carries its committed digest; the reader hashes what it copied."""
+
+    async def scenario() -> None:
+        async with serving(te) as (store, client):
+            assert await client.offer(HASHES, te.pages(list(range(8))), PAGE, LAYOUT) == 8
+            slot = store.pages.ram.get(HASHES[3]).slot
+            store.pages.ram.pool[slot, 100] ^= 0xFF  # a stray write into the store's RAM
+            dst = list(range(16, 24))
+            assert await client.fetch(HASHES, te.pages(dst), PAGE, LAYOUT) == 3
+            assert torch.equal(te.pool[16:19], te.pool[0:3])
+
+    run(scenario())
+
+
 def test_offer_then_fetch_moves_identical_bytes(te: Engines) -> None:
     async def scenario() -> None:
         async with serving(te) as (store, client):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/kvstore.proto\x12\tkvmesh.v1\"M\n\rLookupRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x12\n\npage_bytes\x18\x02 \x01(\x04\x12\x12\n\nlayout_key\x18\x03 \x01(\t\"U\n\x0cPageLocation\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x04\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\"\x87\x01\n\x0eLookupResponse\x12\x11\n\thit_pages\x18\x01 \x01(\r\x12*\n\tlocations\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.PageLocation\x12\x12\n\nte_session\x18\x03 \x01(\t\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\"N\n\x0eReserveRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x12\n\npage_bytes\x18\x02 \x01(\x04\x12\x12\n\nlayout_key\x18\x03 \x01(\t\"y\n\x0fReserveResponse\x12\x17\n\x0f\x61\x63\x63\x65pted_hashes\x18\x01 \x03(\x04\x12\x11\n\taddresses\x18\x02 \x03(\x04\x12\x12\n\nte_session\x18\x03 \x01(\t\x12\x16\n\x0ereservation_id\x18\x04 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x05 \x01(\r\"8\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64igests\x18\x02 \x03(\x04\"5\n\x0e\x43ommitResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\x12\x10\n\x08rejected\x18\x02 \x01(\r\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\x80\x01\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_pages\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\"\xb0\x01\n\x10GetStatsResponse\x12#\n\x05tiers\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.TierStats\x12\x12\n\npromotions\x18\x02 \x01(\x04\x12\x15\n\rcorrupt_pages\x18\x03 \x01(\x04\x12\x0e\n\x06leases\x18\x04 \x01(\r\x12\x14\n\x0creservations\x18\x05 \x01(\r\x12\x12\n\nlayout_key\x18\x06 \x01(\t\x12\x12\n\npage_bytes\x18\x07 \x01(\x04\x32\xd0\x02\n\x07KVStore\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12@\n\x07Reserve\x12\x19.kvmesh.v1.ReserveRequest\x1a\x1a.kvmesh.v1.ReserveResponse\x12=\n\x06\x43ommit\x12\x18.kvmesh.v1.CommitRequest\x1a\x19.kvmesh.v1.CommitResponse\x12@\n\x07Release\x12\x19.kvmesh.v1.ReleaseRequest\x1a\x1a.kvmesh.v1.ReleaseResponse\x12\x43\n\x08GetStats\x12\x1a.kvmesh.v1.GetStatsRequest\x1a\x1b.kvmesh.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/kvstore.proto\x12\tkvmesh.v1\"M\n\rLookupRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x12\n\npage_bytes\x18\x02 \x01(\x04\x12\x12\n\nlayout_key\x18\x03 \x01(\t\"e\n\x0cPageLocation\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\x04\x12\x12\n\npage_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x05 \x01(\x04\"\x87\x01\n\x0eLookupResponse\x12\x11\n\thit_pages\x18\x01 \x01(\r\x12*\n\tlocations\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.PageLocation\x12\x12\n\nte_session\x18\x03 \x01(\t\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\"N\n\x0eReserveRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x12\n\npage_bytes\x18\x02 \x01(\x04\x12\x12\n\nlayout_key\x18\x03 \x01(\t\"y\n\x0fReserveResponse\x12\x17\n\x0f\x61\x63\x63\x65pted_hashes\x18\x01 \x03(\x04\x12\x11\n\taddresses\x18\x02 \x03(\x04\x12\x12\n\nte_session\x18\x03 \x01(\t\x12\x16\n\x0ereservation_id\x18\x04 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x05 \x01(\r\"8\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64igests\x18\x02 \x03(\x04\"5\n\x0e\x43ommitResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\x12\x10\n\x08rejected\x18\x02 \x01(\r\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\x80\x01\n\tTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\r\n\x05pages\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_pages\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\"\xb0\x01\n\x10GetStatsResponse\x12#\n\x05tiers\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.TierStats\x12\x12\n\npromotions\x18\x02 \x01(\x04\x12\x15\n\rcorrupt_pages\x18\x03 \x01(\x04\x12\x0e\n\x06leases\x18\x04 \x01(\r\x12\x14\n\x0creservations\x18\x05 \x01(\r\x12\x12\n\nlayout_key\x18\x06 \x01(\t\x12\x12\n\npage_bytes\x18\x07 \x01(\x04\x32\xd0\x02\n\x07KVStore\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12@\n\x07Reserve\x12\x19.kvmesh.v1.ReserveRequest\x1a\x1a.kvmesh.v1.ReserveResponse\x12=\n\x06\x43ommit\x12\x18.kvmesh.v1.CommitRequest\x1a\x19.kvmesh.v1.CommitResponse\x12@\n\x07Release\x12\x19.kvmesh.v1.ReleaseRequest\x1a\x1a.kvmesh.v1.ReleaseResponse\x12\x43\n\x08GetStats\x12\x1a.kvmesh.v1.GetStatsRequest\x1a\x1b.kvmesh.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPREQUEST']._serialized_start=38
   _globals['_LOOKUPREQUEST']._serialized_end=115
   _globals['_PAGELOCATION']._serialized_start=117
-  _globals['_PAGELOCATION']._serialized_end=202
-  _globals['_LOOKUPRESPONSE']._serialized_start=205
-  _globals['_LOOKUPRESPONSE']._serialized_end=340
-  _globals['_RESERVEREQUEST']._serialized_start=342
-  _globals['_RESERVEREQUEST']._serialized_end=420
-  _globals['_RESERVERESPONSE']._serialized_start=422
-  _globals['_RESERVERESPONSE']._serialized_end=543
-  _globals['_COMMITREQUEST']._serialized_start=545
-  _globals['_COMMITREQUEST']._serialized_end=601
-  _globals['_COMMITRESPONSE']._serialized_start=603
-  _globals['_COMMITRESPONSE']._serialized_end=656
-  _globals['_RELEASEREQUEST']._serialized_start=658
-  _globals['_RELEASEREQUEST']._serialized_end=692
-  _globals['_RELEASERESPONSE']._serialized_start=694
-  _globals['_RELEASERESPONSE']._serialized_end=729
-  _globals['_GETSTATSREQUEST']._serialized_start=731
-  _globals['_GETSTATSREQUEST']._serialized_end=748
-  _globals['_TIERSTATS']._serialized_start=751
-  _globals['_TIERSTATS']._serialized_end=879
-  _globals['_GETSTATSRESPONSE']._serialized_start=882
-  _globals['_GETSTATSRESPONSE']._serialized_end=1058
-  _globals['_KVSTORE']._serialized_start=1061
-  _globals['_KVSTORE']._serialized_end=1397
+  _globals['_PAGELOCATION']._serialized_end=218
+  _globals['_LOOKUPRESPONSE']._serialized_start=221
+  _globals['_LOOKUPRESPONSE']._serialized_end=356
+  _globals['_RESERVEREQUEST']._serialized_start=358
+  _globals['_RESERVEREQUEST']._serialized_end=436
+  _globals['_RESERVERESPONSE']._serialized_start=438
+  _globals['_RESERVERESPONSE']._serialized_end=559
+  _globals['_COMMITREQUEST']._serialized_start=561
+  _globals['_COMMITREQUEST']._serialized_end=617
+  _globals['_COMMITRESPONSE']._serialized_start=619
+  _globals['_COMMITRESPONSE']._serialized_end=672
+  _globals['_RELEASEREQUEST']._serialized_start=674
+  _globals['_RELEASEREQUEST']._serialized_end=708
+  _globals['_RELEASERESPONSE']._serialized_start=710
+  _globals['_RELEASERESPONSE']._serialized_end=745
+  _globals['_GETSTATSREQUEST']._serialized_start=747
+  _globals['_GETSTATSREQUEST']._serialized_end=764
+  _globals['_TIERSTATS']._serialized_start=767
+  _globals['_TIERSTATS']._serialized_end=895
+  _globals['_GETSTATSRESPONSE']._serialized_start=898
+  _globals['_GETSTATSRESPONSE']._serialized_end=1074
+  _globals['_KVSTORE']._serialized_start=1077
+  _globals['_KVSTORE']._serialized_end=1413
 # @@protoc_insertion_point(module_scope)

@@ -17,16 +17,18 @@ class LookupRequest(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., layout_key: _Optional[str] = ...) -> None: ...
 
 class PageLocation(_message.Message):
-    __slots__ = ("block_hash", "tier", "address", "page_bytes")
+    __slots__ = ("block_hash", "tier", "address", "page_bytes", "digest")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     block_hash: int
     tier: str
     address: int
     page_bytes: int
-    def __init__(self, block_hash: _Optional[int] = ..., tier: _Optional[str] = ..., address: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+    digest: int
+    def __init__(self, block_hash: _Optional[int] = ..., tier: _Optional[str] = ..., address: _Optional[int] = ..., page_bytes: _Optional[int] = ..., digest: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hit_pages", "locations", "te_session", "lease_id", "lease_ms")
