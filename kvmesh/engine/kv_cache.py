@@ -17,7 +17,7 @@ import torch
 from kvmesh.engine.attention.base import Slots
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.kv.layout import KVCacheSpec
-from kvmesh.engine.kv_fp8 import dequantize, quantize
+from kvmesh.engine.kv_fp8 import codec_for
 
 __all__ = ["KVCacheSpec", "PagedKVCache", "spec_for_model"]
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.int8}
@@ -54,33 +54,41 @@ class Fp8LayerKV:
 
     def __init__(self, k, v, k_exp, v_exp, dtype: torch.dtype) -> None:
         self.k, self.v, self.k_exp, self.v_exp, self.dtype = k, v, k_exp, v_exp, dtype
+        self.quantize, self.dequantize = codec_for(k.device)
 
     def write(self, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
         index = (slots.page, slots.offset)
-        self.k[index], self.k_exp[index] = quantize(k)
-        self.v[index], self.v_exp[index] = quantize(v)
+        self.k[index], self.k_exp[index] = self.quantize(k)
+        self.v[index], self.v_exp[index] = self.quantize(v)
 
     def read(self, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
         index = (slots.page, slots.offset)
         return (
-            dequantize(self.k[index], self.k_exp[index], self.dtype),
-            dequantize(self.v[index], self.v_exp[index], self.dtype),
+            self.dequantize(self.k[index], self.k_exp[index], self.dtype),
+            self.dequantize(self.v[index], self.v_exp[index], self.dtype),
         )
 
     def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What `read` would return for k, v: attention always sees the cache's values, so a
         prompt computed cold and one whose prefix came from the cache give the same tokens."""
-        return dequantize(*quantize(k), self.dtype), dequantize(*quantize(v), self.dtype)
+        return (
+            self.dequantize(*self.quantize(k), self.dtype),
+            self.dequantize(*self.quantize(v), self.dtype),
+        )
 
 
 class PagedKVCache:
     def __init__(
-        self, spec: KVCacheSpec, num_pages: int, compute_dtype: torch.dtype = torch.float32
+        self,
+        spec: KVCacheSpec,
+        num_pages: int,
+        compute_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.spec = spec
         self.num_pages = num_pages
-        self.pool = torch.zeros(num_pages, spec.page_bytes, dtype=torch.uint8)
-        self.tags = torch.zeros(num_pages, dtype=torch.int32)
+        self.pool = torch.zeros(num_pages, spec.page_bytes, dtype=torch.uint8, device=device)
+        self.tags = torch.zeros(num_pages, dtype=torch.int32, device=device)
         shape = (num_pages, spec.num_layers, 2, spec.page_size, spec.num_kv_heads)
         data = self.pool[:, : spec.data_bytes].view(_TORCH[spec.kv_dtype])
         data = data.view(*shape, spec.head_dim)
