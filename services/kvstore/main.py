@@ -15,6 +15,7 @@ from pathlib import Path
 import structlog
 from prometheus_client import REGISTRY, start_http_server
 
+from kvmesh.engine.kv.layout import KV_DTYPES
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.kvstore_client import layout_key
@@ -181,7 +182,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page")
-    p.add_argument("--kv-dtype", default="fp32")
+    p.add_argument(
+        "--kv-dtype",
+        default="fp32",
+        choices=list(KV_DTYPES),
+        help="KV dtype of the pages (part of the layout key)",
+    )
     p.add_argument("--page-bytes", type=int, required=True, help="bytes per KV page")
     p.add_argument("--ram-mib", type=int, default=256, help="RAM tier capacity")
     p.add_argument("--disk-mib", type=int, default=1024, help="disk tier capacity (0: none)")
