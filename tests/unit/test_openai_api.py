@@ -22,6 +22,7 @@ from kvmesh.errors import (
     CapacityError,
     ContextLengthError,
     InvalidRequestError,
+    KvIntegrityError,
     KvmeshError,
     ModelNotFoundError,
 )
@@ -464,6 +465,16 @@ def test_error_mapping(exc: Exception, status: int, grpc_code: grpc.StatusCode) 
                          "param": None, "code": "internal_error"}  # fmt: skip
     else:
         assert error["message"] == str(exc) and error["code"] == exc.code  # type: ignore[attr-defined]
+
+
+def test_kv_integrity_is_a_data_loss_whose_message_reaches_the_client() -> None:
+    exc = KvIntegrityError("request r1 aborted: KV page(s) [3] ...")
+    assert http_status(exc) == 500
+    assert grpc_status(exc) == grpc.StatusCode.DATA_LOSS
+    assert openai_error_body(exc)["error"] == {"message": str(exc), "type": "server_error",
+                                               "param": None, "code": "kv_integrity"}  # fmt: skip
+    back = error_from_grpc(grpc.StatusCode.DATA_LOSS, f"decode d1: {grpc_details(exc)}")
+    assert type(back) is KvIntegrityError
 
 
 def test_kv_transfer_code_is_unavailable() -> None:
