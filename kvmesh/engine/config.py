@@ -8,6 +8,7 @@ from kvmesh.engine.kv.layout import KV_DTYPES
 from kvmesh.errors import InvalidRequestError, ModelFormatError
 
 DTYPES = ("fp32", "bf16")
+SPECULATIVE = ("none", "ngram", "eagle")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class EngineConfig:
     seed: int = 0
     kv_dtype: str = "auto"  # auto (= dtype), fp32, bf16 or fp8_e4m3
     kv_integrity: bool = True  # check every page's tag before each step
+    speculative: str = "none"  # none, ngram or eagle
+    num_speculative_tokens: int = 4  # drafts verified per step
+    draft_model: str | None = None  # EAGLE head (safetensors); None: the shipped default
 
     @property
     def resolved_kv_dtype(self) -> str:
@@ -80,6 +84,12 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"kv_dtype must be auto or one of {KV_DTYPES}, got {self.kv_dtype!r}"
             )
+        if self.speculative not in SPECULATIVE:
+            raise InvalidRequestError(
+                f"speculative must be one of {SPECULATIVE}, got {self.speculative!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise InvalidRequestError("num_speculative_tokens must be in 1..16")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise InvalidRequestError(f"page_size must be a power of two, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 1:

@@ -25,6 +25,7 @@ from kvmesh.engine.sampler import Sampler, TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from kvmesh.engine.sequence import FinishReason, Sequence
+from kvmesh.engine.spec.speculator import build_speculator, sample_step
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import (
     CapacityError,
@@ -76,6 +77,7 @@ class Engine:
         )
         self.runner = ModelRunner(model, self.kv_cache, get_backend(config.attention_backend))
         self.sampler = Sampler()
+        self.speculator = build_speculator(config, self.max_model_len)
         self._reserved: dict[str, Sequence] = {}  # decode: pages awaiting a prefill worker
         self._kept: dict[str, Sequence] = {}  # prefill: keep_pages requests
         # Receives the prefix cache's stored/removed events after each step (None: dropped).
@@ -205,6 +207,8 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         seq = self.scheduler.abort(request_id)
         self.sampler.release(request_id)
+        if self.speculator is not None:
+            self.speculator.release([request_id])
         return seq is not None
 
     def finish(self, request_id: str, reason: FinishReason) -> None:
@@ -216,6 +220,8 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[TokenOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         output = self.scheduler.schedule()
         self.page_tags.stamp(self.block_manager.take_stamps())
         failed: list[TokenOutput] = []
@@ -226,20 +232,16 @@ class Engine:
         if output.is_empty:
             return failed
         result = self.runner.run(output.chunks)
-        sampled = self.sampler(result.logits, result.seqs) if result.seqs else None
-        tokens = (
-            dict(zip((s.seq_id for s in result.seqs), sampled.token_ids, strict=True))
-            if sampled
-            else {}
-        )
-        logprobs = (
-            dict(zip((s.seq_id for s in result.seqs), sampled.logprobs, strict=True))
-            if sampled
-            else {}
+        drafts = {c.seq.seq_id: c.draft for c in output.chunks if c.draft}
+        stats = self.speculator.stats if self.speculator is not None else None
+        tokens, logprobs = (
+            sample_step(result, self.sampler, drafts, stats) if result.seqs else ({}, {})
         )
         finished = {s.seq_id for s in self.scheduler.update(output, tokens)}
         for seq_id in finished:
             self.sampler.release(seq_id)
+        if self.speculator is not None:
+            self.speculator.release(finished)
         events = self.block_manager.take_events()
         if events and self.kv_event_sink is not None:
             self.kv_event_sink(events)
@@ -276,10 +278,11 @@ class Engine:
     @staticmethod
     def _output(seq: Sequence, tokens, logprobs, finished) -> TokenOutput:
         done = seq.seq_id in finished
+        emitted = tokens[seq.seq_id]
         return TokenOutput(
             request_id=seq.seq_id,
-            new_token_ids=[tokens[seq.seq_id]],
-            new_logprobs=[logprobs[seq.seq_id]],
+            new_token_ids=emitted,
+            new_logprobs=logprobs[seq.seq_id][: len(emitted)],
             finished=done,
             finish_reason=seq.finish_reason if done else None,
             num_prompt_tokens=seq.num_prompt_tokens,

@@ -16,10 +16,12 @@ from kvmesh.engine.sequence import Sequence
 
 @dataclass(frozen=True)
 class StepResult:
-    """Logits [N, V] (float32) for the N chunks that sample this step, in `seqs` order."""
+    """Logits (float32) of the chunks that sample this step, in `seqs` order: one row per
+    chunk, or 1 + k rows for a chunk verifying k drafts (`rows[i]` rows for seqs[i])."""
 
     logits: torch.Tensor
     seqs: list[Sequence]
+    rows: list[int]
 
 
 class ModelRunner:
@@ -32,10 +34,10 @@ class ModelRunner:
 
     def _forward(
         self, chunks: Seq[ScheduledChunk]
-    ) -> tuple[torch.Tensor, list[int], list[Sequence]]:
-        decodes = [c for c in chunks if c.num_tokens == 1]
-        prefills = [c for c in chunks if c.num_tokens > 1]
-        ids, positions, slots, sample_rows, seqs = [], [], [], [], []
+    ) -> tuple[torch.Tensor, list[int], list[Sequence], list[int]]:
+        decodes = [c for c in chunks if c.num_tokens == 1 and not c.draft]
+        prefills = [c for c in chunks if c.num_tokens > 1 or c.draft]
+        ids, positions, slots, sample_rows, seqs, counts = [], [], [], [], [], []
         decode_gather = decode_mask = None
         if decodes:
             decode_gather, decode_mask, decode_slots = self._decode_inputs(decodes)
@@ -46,20 +48,21 @@ class ModelRunner:
         for chunk in prefills:
             span, chunk_slots = self._prefill_inputs(chunk, row)
             spans.append(span)
-            ids.append(
-                torch.tensor(chunk.seq.token_ids[chunk.start : chunk.start + chunk.num_tokens])
-            )
-            positions.append(torch.arange(chunk.start, chunk.start + chunk.num_tokens))
+            ids.append(torch.tensor(_chunk_tokens(chunk)))
+            positions.append(torch.arange(chunk.start, span.context_start + span.end - span.begin))
             slots.append(chunk_slots)
             row = span.end
         for i, chunk in enumerate(decodes):
             if chunk.sample:
                 sample_rows.append(i)
                 seqs.append(chunk.seq)
+                counts.append(1)
         for chunk, span in zip(prefills, spans, strict=True):
             if chunk.sample:
-                sample_rows.append(span.end - 1)
+                first = span.end - 1 - len(chunk.draft)
+                sample_rows.extend(range(first, span.end))
                 seqs.append(chunk.seq)
+                counts.append(1 + len(chunk.draft))
         meta = AttentionMetadata(
             Slots.of(torch.cat(slots), self.page_size),
             len(decodes),
@@ -70,16 +73,16 @@ class ModelRunner:
         hidden = self.model.forward(
             torch.cat(ids), torch.cat(positions), meta, self.kv.layers, self.attention
         )
-        return hidden, sample_rows, seqs
+        return hidden, sample_rows, seqs, counts
 
     def run(self, chunks: Seq[ScheduledChunk]) -> StepResult:
-        hidden, sample_rows, seqs = self._forward(chunks)
+        hidden, sample_rows, seqs, counts = self._forward(chunks)
         logits = self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long)])
-        return StepResult(logits, seqs)
+        return StepResult(logits, seqs, counts)
 
     def score(self, chunk: ScheduledChunk) -> torch.Tensor:
         """Logits [n, V] of every token of one chunk (teacher forcing), e.g. for perplexity."""
-        hidden, _, _ = self._forward([chunk])
+        hidden, _, _, _ = self._forward([chunk])
         return self.model.logits(hidden)
 
     def _slots_of(self, block_table: list[int], length: int) -> torch.Tensor:
@@ -97,11 +100,18 @@ class ModelRunner:
         return Slots.of(gather, self.page_size), mask[:, None, None, :], new_slots
 
     def _prefill_inputs(self, chunk: ScheduledChunk, row: int) -> tuple[PrefillSpan, torch.Tensor]:
-        end = chunk.start + chunk.num_tokens
+        """A prefill chunk, or a decode token followed by the drafts it verifies."""
+        width = chunk.num_tokens + len(chunk.draft)
+        end = chunk.start + width
         all_slots = self._slots_of(chunk.seq.block_table, end)
         gather = Slots.of(all_slots, self.page_size) if chunk.start > 0 else None
-        span = PrefillSpan(row, row + chunk.num_tokens, chunk.start, gather)
+        span = PrefillSpan(row, row + width, chunk.start, gather)
         return span, all_slots[chunk.start :]
+
+
+def _chunk_tokens(chunk: ScheduledChunk) -> list[int]:
+    tokens = chunk.seq.token_ids[chunk.start : chunk.start + chunk.num_tokens]
+    return tokens + list(chunk.draft)
 
 
 def _padded(table: list[int], width: int) -> list[int]:

@@ -47,6 +47,19 @@ class Sampler:
             token_ids = self._sample(logits.float(), seqs).tolist()
         return SamplerOutput(token_ids, compute_logprobs(logits, token_ids, seqs))
 
+    def probabilities(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+        """The distributions [n, V] a random draw for seq samples from (temperature, top-k,
+        top-p, min-p applied; no penalties), one per row of logits [n, V]."""
+        params = seq.params
+        logits = logits.float() / params.temperature
+        if _truncates(params):
+            logits = filter_logits(logits, [params] * logits.shape[0])
+        return logits.softmax(dim=-1)
+
+    def generator(self, seq: Sequence) -> torch.Generator | None:
+        """The request's own generator when it is seeded (None: the global one)."""
+        return self._generator(seq, torch.device("cpu")) if seq.params.seed is not None else None
+
     def release(self, seq_id: str) -> None:
         """Forget the request's generator; a later request with the same seed replays."""
         self._generators.pop(seq_id, None)

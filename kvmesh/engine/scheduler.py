@@ -41,6 +41,7 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     sample: bool
+    draft: tuple[int, ...] = ()  # speculative tokens after seq's last token (to verify)
 
 
 @dataclass(frozen=True)
@@ -168,14 +169,17 @@ class Scheduler:
             if num_tokens <= 0:  # nothing left to compute (update() not applied yet)
                 index += 1
                 continue
-            while not self.block_manager.allocate(seq, num_tokens):
+            draft = self._draft(seq, num_tokens, budget)
+            if draft and not self.block_manager.allocate(seq, 1 + len(draft)):
+                draft = ()  # no room to speculate: plain decode (may still preempt below)
+            while not draft and not self.block_manager.allocate(seq, num_tokens):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.seq_id)
                 if victim is seq:
                     return budget
-            chunks.append(self._chunk(seq, num_tokens))
-            budget -= num_tokens
+            chunks.append(self._chunk(seq, num_tokens, draft))
+            budget -= num_tokens + len(draft)
             index += 1
         return budget
 
@@ -194,10 +198,17 @@ class Scheduler:
         return budget
 
     @staticmethod
-    def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
+    def _draft(seq: Sequence, num_tokens: int, budget: int) -> tuple[int, ...]:
+        """The drafts to verify this step: only for a plain decode step, within the budget."""
+        if num_tokens != 1 or seq.finalizing is not None or not seq.draft_token_ids:
+            return ()
+        return tuple(seq.draft_token_ids[: max(budget - 1, 0)])
+
+    @staticmethod
+    def _chunk(seq: Sequence, num_tokens: int, draft: tuple[int, ...] = ()) -> ScheduledChunk:
         start = seq.num_computed_tokens
         sample = start + num_tokens == seq.num_tokens and seq.finalizing is None
-        return ScheduledChunk(seq, start, num_tokens, sample=sample)
+        return ScheduledChunk(seq, start, num_tokens, sample, draft)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -206,23 +217,31 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Sequence]:
-        """Apply a step's results: advance KV progress, append samples, retire finished seqs."""
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, list[int]]) -> list[Sequence]:
+        """Apply a step's results: advance KV progress, append samples, retire finished seqs.
+
+        A chunk with drafts emits 1..k+1 tokens: the accepted drafts and one of the target's;
+        tokens after a stop are dropped. KV stays valid for the last token and the accepted
+        drafts only; pages past what the sequence now needs go back to the pool.
+        """
         finished: list[Sequence] = []
         for chunk in output.chunks:
             seq = chunk.seq
             if seq.is_finished:
                 continue  # aborted or finished from outside since schedule()
-            seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.cache_full_pages(seq, seq.num_computed_tokens)
             if not chunk.sample:
+                seq.num_computed_tokens += chunk.num_tokens
+                self.block_manager.cache_full_pages(seq, seq.num_computed_tokens)
                 if seq.finalizing is not None and seq.num_computed_tokens == seq.num_tokens:
                     self.running.remove(seq)
                     self._retire(seq, seq.finalizing)  # reported finished a step ago
                 continue
-            token_id = sampled[seq.seq_id]
-            seq.append_token(token_id)
-            reason = self._stop_reason(seq, token_id)
+            reason, emitted = self._append(seq, chunk, sampled[seq.seq_id])
+            sampled[seq.seq_id][emitted:] = []  # what the caller reports: up to the stop
+            seq.num_computed_tokens += chunk.num_tokens - 1 + emitted
+            self.block_manager.cache_full_pages(seq, seq.num_computed_tokens)
+            if chunk.draft:
+                self.block_manager.trim(seq, seq.num_tokens)
             if reason is not None:
                 finished.append(seq)
                 if self._finalize(seq, reason):
@@ -230,6 +249,17 @@ class Scheduler:
                 self.running.remove(seq)
                 self._retire(seq, reason)
         return finished
+
+    def _append(
+        self, seq: Sequence, chunk: ScheduledChunk, tokens: list[int]
+    ) -> tuple[FinishReason | None, int]:
+        """Append tokens until one stops the sequence: (reason, tokens appended)."""
+        for count, token_id in enumerate(tokens, start=1):
+            seq.append_token(token_id)
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                return reason, count
+        return None, len(tokens)
 
     def _finalize(self, seq: Sequence, reason: FinishReason) -> bool:
         """A finished sequence whose last token completes a page stays one more (non-sampling)

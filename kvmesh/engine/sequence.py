@@ -38,6 +38,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of this seq's full pages so far
     page_tags: list[int] = field(default_factory=list)  # integrity tag expected of each page
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step only
     num_preemptions: int = 0
     cache_salt: str = ""
     keep_pages: bool = False  # on finish, hold the pages until Scheduler.release (prefill workers)

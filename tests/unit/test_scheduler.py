@@ -42,7 +42,7 @@ def step(sched: Scheduler, tokens: dict[str, int] | None = None) -> tuple[Schedu
     out = sched.schedule()
     sampled = {c.seq.seq_id: next(_tokens) for c in out.chunks if c.sample}
     sampled.update(tokens or {})
-    finished = sched.update(out, sampled)
+    finished = sched.update(out, {seq_id: [token] for seq_id, token in sampled.items()})
     sched.block_manager.check_integrity(sched.running)
     assert all(not s.block_table for s in sched.waiting)
     return out, finished
@@ -208,7 +208,7 @@ def test_prefix_hit_sets_cached_tokens() -> None:
     out = sched.schedule()
     assert plan(out) == [("b", 8, 3, True)]
     assert b.num_cached_tokens == 8 and b.block_table == [0, 1, 3]
-    assert sched.update(out, {"b": 9}) == [b]
+    assert sched.update(out, {"b": [9]}) == [b]
     step(sched)  # b ends on a page boundary: one non-sampling step caches its last page
     assert not sched.has_unfinished()
     sched.block_manager.check_integrity([])
@@ -245,3 +245,28 @@ def test_finish_off_a_page_boundary_frees_at_once():
     step(sched)
     _, finished = step(sched)
     assert [s.seq_id for s in finished] == ["plain"] and not sched.has_unfinished()
+
+
+def test_drafts_are_verified_in_one_chunk_and_rejected_pages_trimmed():
+    sched = make_sched(num_pages=16)
+    bm = sched.block_manager
+    seq = make_seq("d", 5, max_tokens=20)
+    sched.add(seq)
+    step(sched)  # prefill: 5 tokens computed, 1 sampled
+    assert (seq.num_tokens, seq.num_computed_tokens) == (6, 5)
+    seq.draft_token_ids = [60, 61, 62, 63, 64, 65]
+    out = sched.schedule()
+    (chunk,) = out.chunks
+    assert (chunk.start, chunk.num_tokens, chunk.draft) == (5, 1, (60, 61, 62, 63, 64, 65))
+    assert len(seq.block_table) == 3  # positions 5..11 allocated
+    sched.update(out, {seq.seq_id: [60, 61, 99]})  # two drafts accepted, then the target's 99
+    assert seq.token_ids[-3:] == [60, 61, 99]
+    assert (seq.num_tokens, seq.num_computed_tokens) == (9, 8)
+    assert len(seq.block_table) == 3  # 9 tokens need 3 pages of 4
+    seq.draft_token_ids = [1, EOS, 3]
+    out = sched.schedule()
+    tokens = {seq.seq_id: [1, EOS, 3, 4]}
+    assert sched.update(out, tokens) == [seq]
+    assert tokens[seq.seq_id] == [1, EOS]  # nothing after the stop is reported
+    assert seq.token_ids[-2:] == [1, EOS] and not sched.running
+    bm.check_integrity([])

@@ -159,6 +159,17 @@ class BlockManager:
         if evicted:
             self._events.append(PagesRemoved(tuple(evicted)))
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free seq's trailing pages beyond the first num_tokens tokens (rejected drafts).
+        Such pages hold no computed full page, so they were never registered in the cache."""
+        keep = self.pages_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            page = self.pages[seq.block_table.pop()]
+            seq.page_tags.pop()
+            page.ref_count -= 1
+            if page.ref_count == 0:
+                self.free_queue.appendleft(page)
+
     def cache_full_pages(self, seq: Sequence, num_tokens: int) -> None:
         """Register the full pages among seq's first num_tokens (KV computed) in the cache."""
         if not self.config.enable_prefix_caching:

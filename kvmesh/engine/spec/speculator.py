@@ -1,0 +1,114 @@
+"""The engine's side of speculative decoding: ask the proposer for drafts before a step, turn
+the step's logits into emitted tokens (plain rows sampled as a batch, draft rows verified), and
+keep acceptance statistics."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kvmesh.engine.runner import StepResult
+from kvmesh.engine.sampler import Sampler, TokenLogprob
+from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.spec.verify import verify_greedy, verify_sampled
+
+
+class Proposer(Protocol):
+    def propose(self, seq: Sequence, limit: int) -> list[int]: ...
+
+    def release(self, seq_ids: Iterable[str]) -> None: ...
+
+
+@dataclass
+class SpecStats:
+    draft_tokens: int = 0  # proposed and verified
+    accepted_tokens: int = 0  # drafts the target agreed with
+    steps: int = 0  # verification steps (sequence x step)
+    accept_lengths: Counter[int] = field(default_factory=Counter)  # tokens emitted per step
+
+    @property
+    def mean_emitted(self) -> float:
+        """Tokens emitted per verification step (accepted drafts + the target's token)."""
+        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+
+
+def speculable(seq: Sequence) -> bool:
+    """Sequences whose sampling does not depend on per-position history or need logprobs."""
+    params = seq.params
+    return params.logprobs is None and not params.needs_penalties
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, num_tokens: int, max_model_len: int) -> None:
+        self.proposer = proposer
+        self.num_tokens = num_tokens
+        self.max_model_len = max_model_len
+        self.stats = SpecStats()
+
+    def propose(self, running: Seq[Sequence]) -> None:
+        """Set draft_token_ids on every running sequence (empty where it cannot speculate)."""
+        for seq in running:
+            decoding = seq.num_computed_tokens == seq.num_tokens - 1 and seq.finalizing is None
+            if not decoding or not speculable(seq):
+                seq.draft_token_ids = []
+                continue
+            remaining = seq.params.max_tokens - seq.num_output_tokens - 1
+            room = self.max_model_len - seq.num_tokens - 1
+            seq.draft_token_ids = self.proposer.propose(seq, min(self.num_tokens, remaining, room))
+
+    def release(self, seq_ids: Iterable[str]) -> None:
+        self.proposer.release(seq_ids)
+
+
+def sample_step(
+    result: StepResult, sampler: Sampler, drafts: dict[str, tuple[int, ...]],
+    stats: SpecStats | None,
+) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob | None]]]:  # fmt: skip
+    """Tokens (and logprobs) each sampling sequence emits this step."""
+    starts = [sum(result.rows[:i]) for i in range(len(result.rows))]
+    plain = [i for i, n in enumerate(result.rows) if n == 1]
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list[TokenLogprob | None]] = {}
+    if plain:
+        rows = result.logits[torch.tensor([starts[i] for i in plain])]
+        seqs = [result.seqs[i] for i in plain]
+        sampled = sampler(rows, seqs)
+        for seq, token, logprob in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
+            tokens[seq.seq_id], logprobs[seq.seq_id] = [token], [logprob]
+    for i, count in enumerate(result.rows):
+        if count == 1:
+            continue
+        seq = result.seqs[i]
+        rows = result.logits[starts[i] : starts[i] + count]
+        draft = list(drafts[seq.seq_id])
+        if seq.params.greedy:
+            emitted = verify_greedy(rows, draft)
+        else:
+            emitted = verify_sampled(
+                sampler.probabilities(rows, seq), draft, sampler.generator(seq)
+            )
+        tokens[seq.seq_id], logprobs[seq.seq_id] = emitted, [None] * len(emitted)
+        if stats is not None:
+            stats.steps += 1
+            stats.draft_tokens += len(draft)
+            stats.accepted_tokens += len(emitted) - 1
+            stats.accept_lengths[len(emitted)] += 1
+    return tokens, logprobs
+
+
+def build_speculator(config, max_model_len: int) -> Speculator | None:
+    """The engine's speculator for `config.speculative` (None: no speculation)."""
+    if config.speculative == "none":
+        return None
+    if config.speculative == "ngram":
+        from kvmesh.engine.spec.ngram import NgramProposer
+
+        proposer: Proposer = NgramProposer(config.num_speculative_tokens)
+    else:
+        raise NotImplementedError("the EAGLE proposer is not built yet")
+    return Speculator(proposer, config.num_speculative_tokens, max_model_len)
