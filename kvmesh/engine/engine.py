@@ -77,7 +77,9 @@ class Engine:
         )
         self.runner = ModelRunner(model, self.kv_cache, get_backend(config.attention_backend))
         self.sampler = Sampler()
-        self.speculator = build_speculator(config, self.max_model_len)
+        self.speculator = build_speculator(
+            config, self.source.name, self.runner, self.max_model_len
+        )
         self._reserved: dict[str, Sequence] = {}  # decode: pages awaiting a prefill worker
         self._kept: dict[str, Sequence] = {}  # prefill: keep_pages requests
         # Receives the prefix cache's stored/removed events after each step (None: dropped).
@@ -133,6 +135,8 @@ class Engine:
         """Free the pages a finished keep_pages request still holds."""
         self._kept.pop(request_id, None)
         self.scheduler.release(request_id)
+        if self.speculator is not None:
+            self.speculator.release([request_id], force=True)
 
     def reserve(
         self,
@@ -241,6 +245,7 @@ class Engine:
         for seq_id in finished:
             self.sampler.release(seq_id)
         if self.speculator is not None:
+            self.speculator.observe(output.chunks, self.runner)
             self.speculator.release(finished)
         events = self.block_manager.take_events()
         if events and self.kv_event_sink is not None:

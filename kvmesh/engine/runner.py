@@ -31,6 +31,9 @@ class ModelRunner:
         self.attention = attention
         self.page_size = kv.spec.page_size
         self._page_offsets = torch.arange(self.page_size)
+        self.capture: tuple[int, ...] = ()  # layers whose outputs the last step kept (EAGLE)
+        self.features: torch.Tensor | None = None  # [T, len(capture) * H], rows in step order
+        self.rows_of: dict[str, tuple[int, int]] = {}  # seq_id -> its rows [begin, end) last step
 
     def _forward(
         self, chunks: Seq[ScheduledChunk]
@@ -63,6 +66,10 @@ class ModelRunner:
                 sample_rows.extend(range(first, span.end))
                 seqs.append(chunk.seq)
                 counts.append(1 + len(chunk.draft))
+        self.rows_of = {c.seq.seq_id: (i, i + 1) for i, c in enumerate(decodes)}
+        self.rows_of.update(
+            (c.seq.seq_id, (s.begin, s.end)) for c, s in zip(prefills, spans, strict=True)
+        )
         meta = AttentionMetadata(
             Slots.of(torch.cat(slots), self.page_size),
             len(decodes),
@@ -70,8 +77,8 @@ class ModelRunner:
             decode_mask,
             tuple(spans),
         )
-        hidden = self.model.forward(
-            torch.cat(ids), torch.cat(positions), meta, self.kv.layers, self.attention
+        hidden, self.features = self.model.forward(
+            torch.cat(ids), torch.cat(positions), meta, self.kv.layers, self.attention, self.capture
         )
         return hidden, sample_rows, seqs, counts
 

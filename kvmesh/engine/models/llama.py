@@ -73,16 +73,22 @@ class LlamaModel:
         meta: AttentionMetadata,
         kv_caches: list[LayerKV],
         attention: AttentionBackend,
-    ) -> torch.Tensor:
-        """Hidden states [T, H] after the final norm's input (call `logits` on chosen rows)."""
+        capture: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states [T, H] after the final norm's input (call `logits` on chosen rows),
+        and, with `capture`, the outputs of those layers concatenated [T, len(capture) * H]
+        (the features an EAGLE draft head reads)."""
         cos, sin = self.rope.tables(positions)
         h = F.embedding(input_ids, self.embed)
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
+        captured: list[torch.Tensor] = []
+        for index, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             h = h + self._attention(
                 layer, self._norm(h, layer.input_norm), cos, sin, meta, cache, attention
             )
             h = h + self._mlp(layer, self._norm(h, layer.post_norm))
-        return h
+            if index in capture:
+                captured.append(h)
+        return h, torch.cat(captured, dim=-1) if captured else None
 
     def _attention(self, w: LayerWeights, x, cos, sin, meta, cache, attention):
         c = self.config

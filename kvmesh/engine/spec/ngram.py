@@ -47,6 +47,6 @@ class NgramProposer:
                 index.last_end.setdefault(n, {})[tuple(tokens[end - n : end])] = end
         index.upto = max(index.upto, upto)
 
-    def release(self, seq_ids: Iterable[str]) -> None:
+    def release(self, seq_ids: Iterable[str], force: bool = False) -> None:
         for seq_id in seq_ids:
             self._indexes.pop(seq_id, None)

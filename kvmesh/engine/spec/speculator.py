@@ -12,8 +12,9 @@ from typing import Protocol
 
 import torch
 
-from kvmesh.engine.runner import StepResult
+from kvmesh.engine.runner import ModelRunner, StepResult
 from kvmesh.engine.sampler import Sampler, TokenLogprob
+from kvmesh.engine.scheduler import ScheduledChunk
 from kvmesh.engine.sequence import Sequence
 from kvmesh.engine.spec.verify import verify_greedy, verify_sampled
 
@@ -21,7 +22,7 @@ from kvmesh.engine.spec.verify import verify_greedy, verify_sampled
 class Proposer(Protocol):
     def propose(self, seq: Sequence, limit: int) -> list[int]: ...
 
-    def release(self, seq_ids: Iterable[str]) -> None: ...
+    def release(self, seq_ids: Iterable[str], force: bool = False) -> None: ...
 
 
 @dataclass
@@ -61,8 +62,25 @@ class Speculator:
             room = self.max_model_len - seq.num_tokens - 1
             seq.draft_token_ids = self.proposer.propose(seq, min(self.num_tokens, remaining, room))
 
-    def release(self, seq_ids: Iterable[str]) -> None:
-        self.proposer.release(seq_ids)
+    def observe(self, chunks: Seq[ScheduledChunk], runner: ModelRunner) -> None:
+        """After a step: hand the target's features of the newly committed positions to a
+        proposer that reads them (EAGLE)."""
+        observe = getattr(self.proposer, "observe", None)
+        if observe is None or runner.features is None:
+            return
+        for chunk in chunks:
+            seq = chunk.seq
+            count = seq.num_computed_tokens - chunk.start
+            if count <= 0 or seq.seq_id not in runner.rows_of:
+                continue
+            if seq.keep_pages:
+                self.proposer.hold(seq.seq_id)  # type: ignore[attr-defined]
+            begin, _ = runner.rows_of[seq.seq_id]
+            next_tokens = seq.token_ids[chunk.start + 1 : chunk.start + 1 + count]
+            observe(seq.seq_id, runner.features[begin : begin + count], next_tokens, chunk.start)
+
+    def release(self, seq_ids: Iterable[str], force: bool = False) -> None:
+        self.proposer.release(seq_ids, force)
 
 
 def sample_step(
@@ -101,7 +119,8 @@ def sample_step(
     return tokens, logprobs
 
 
-def build_speculator(config, max_model_len: int) -> Speculator | None:
+def build_speculator(config, model_name: str, runner: ModelRunner,
+                     max_model_len: int) -> Speculator | None:  # fmt: skip
     """The engine's speculator for `config.speculative` (None: no speculation)."""
     if config.speculative == "none":
         return None
@@ -110,5 +129,10 @@ def build_speculator(config, max_model_len: int) -> Speculator | None:
 
         proposer: Proposer = NgramProposer(config.num_speculative_tokens)
     else:
-        raise NotImplementedError("the EAGLE proposer is not built yet")
+        from kvmesh.engine.spec.eagle import load_head
+        from kvmesh.engine.spec.eagle_proposer import EagleProposer
+
+        head = load_head(config.draft_model, model_name)
+        runner.capture = head.config.capture_layers
+        proposer = EagleProposer(head, runner.model.embed)
     return Speculator(proposer, config.num_speculative_tokens, max_model_len)
