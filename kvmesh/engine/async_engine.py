@@ -139,13 +139,23 @@ class AsyncEngine:
         return await self.call(self.engine.reserve, request_id, prompt, params, cache_salt)
 
     async def commit(
-        self, request_id: str, first_token: int, logprob: TokenLogprob | None, cached_tokens: int
+        self,
+        request_id: str,
+        first_token: int,
+        logprob: TokenLogprob | None,
+        cached_tokens: int,
+        draft_window: tuple[Any, int] | None = None,
     ) -> AsyncIterator[TokenOutput]:
         """Join the batch after a prefill worker filled the reserved pages; stream outputs."""
         queue = self._open(request_id)
         try:
             first = await self.call(
-                self.engine.commit_prefilled, request_id, first_token, logprob, cached_tokens
+                self.engine.commit_prefilled,
+                request_id,
+                first_token,
+                logprob,
+                cached_tokens,
+                draft_window,
             )
         except BaseException:
             self._queues.pop(request_id, None)

@@ -72,6 +72,7 @@ class EngineConfig:
     speculative: str = "none"  # none, ngram or eagle
     num_speculative_tokens: int = 4  # drafts verified per step
     draft_model: str | None = None  # EAGLE head (safetensors); None: the shipped default
+    draft_address: str = ""  # EAGLE on a draft service (host:port) instead of in-process
 
     @property
     def resolved_kv_dtype(self) -> str:

@@ -162,12 +162,20 @@ class Engine:
         )
 
     def commit_prefilled(
-        self, request_id: str, first_token: int, logprob: TokenLogprob | None, cached_tokens: int
+        self,
+        request_id: str,
+        first_token: int,
+        logprob: TokenLogprob | None,
+        cached_tokens: int,
+        draft_window: tuple[torch.Tensor, int] | None = None,
     ) -> TokenOutput:
-        """The reserved pages now hold the prompt's KV: join the batch with the first token."""
+        """The reserved pages now hold the prompt's KV: join the batch with the first token
+        (and, with EAGLE, the draft head's window of fused features from the prefill worker)."""
         seq = self._reserved.pop(request_id)
         seq.num_cached_tokens = max(seq.num_cached_tokens, cached_tokens)
         reason = self.scheduler.add_prefilled(seq, first_token)
+        if reason is None and draft_window is not None and self.speculator is not None:
+            self.speculator.seed(seq, *draft_window)
         return TokenOutput(
             request_id,
             [first_token],

@@ -81,7 +81,13 @@ class DecodeWorker:
         if response.HasField("first_logprob"):
             first_lp = convert.logprob_from_pb(response.first_logprob)
         cached = response.cached_tokens  # what prefill did not compute (it reads our prefix pages)
-        stream = self.engine.commit(job.request_id, response.first_token_id, first_lp, cached)
+        window = None
+        if response.HasField("draft_window") and response.draft_window.rows:
+            rows = response.draft_window
+            window = (convert.feature_rows_from_pb(rows), rows.start_position)
+        stream = self.engine.commit(
+            job.request_id, response.first_token_id, first_lp, cached, window
+        )
         async with contextlib.aclosing(stream):
             async for out in stream:
                 yield out

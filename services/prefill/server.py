@@ -46,6 +46,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             bytes_transferred=result.bytes_transferred,
             pages_transferred=result.pages_transferred,
         )
+        if result.draft_window is not None:
+            fused, start = result.draft_window
+            tokens = [*request.prompt_token_ids, first.new_token_ids[0]]
+            response.draft_window.CopyFrom(
+                convert.feature_rows_to_pb(
+                    fused, start, tokens[start + 1 : start + 1 + len(fused)], fused=True
+                )  # fmt: skip
+            )
         if first.new_logprobs and first.new_logprobs[0] is not None:
             response.first_logprob.CopyFrom(convert.logprob_to_pb(first.new_logprobs[0]))
         metrics.observe_message("prefill", response.ByteSize())

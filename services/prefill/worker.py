@@ -29,6 +29,7 @@ class PrefillResult:
     first: TokenOutput
     bytes_transferred: int
     pages_transferred: int
+    draft_window: tuple[torch.Tensor, int] | None = None  # EAGLE: fused rows, first position
 
 
 class PrefillWorker:
@@ -61,6 +62,8 @@ class PrefillWorker:
         imported = await self._import_prefix(request_id, prompt, cache_salt, destination)
         first = await self.engine.prefill(request_id, prompt, params, cache_salt)
         self._count_hits(len(prompt), first.num_cached_tokens, imported)
+        speculator = self.engine.engine.speculator
+        window = speculator.hand_over(request_id) if speculator is not None else None
         try:
             if first.finish_reason is not None and first.finish_reason.value == "abort":
                 raise InvalidRequestError(f"prefill of {request_id} was aborted")
@@ -70,7 +73,7 @@ class PrefillWorker:
         finally:
             await self._release(request_id)
         metrics.KV_TRANSFER_BYTES.labels("prefill").inc(written)
-        return PrefillResult(first, written, len(src_pages))
+        return PrefillResult(first, written, len(src_pages), window)
 
     async def _import_prefix(self, request_id: str, prompt: list[int], cache_salt: str,
                              dest: prefill_pb2.KvDestination) -> tuple[int, int]:  # fmt: skip

@@ -61,9 +61,18 @@ class EagleProposer:
         self._states[seq_id] = _State(keys[keep], values[keep], key_pos[keep],
                                       torch.cat([state.fused, fused])[keep], out[-1])  # fmt: skip
 
-    @torch.inference_mode()
+    def seed(self, seq_id: str, fused: torch.Tensor, start: int, next_tokens: list[int]) -> None:
+        """Start from another worker's window (see `hand_over`)."""
+        self._states.pop(seq_id, None)
+        self.commit_fused(seq_id, fused.float(), next_tokens, start)
+
     def propose(self, seq: Sequence, limit: int) -> list[int]:
-        state = self._states.get(seq.seq_id)
+        return self.draft(seq.seq_id, limit)
+
+    @torch.inference_mode()
+    def draft(self, seq_id: str, limit: int) -> list[int]:
+        """Up to `limit` greedy draft tokens after the request's last committed position."""
+        state = self._states.get(seq_id)
         if state is None or state.last_out is None or limit <= 0:
             return []
         head = self.head

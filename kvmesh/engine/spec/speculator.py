@@ -20,6 +20,10 @@ from kvmesh.engine.spec.verify import verify_greedy, verify_sampled
 
 
 class Proposer(Protocol):
+    """Drafts tokens. Optional: `observe(seq_id, features, next_tokens, start)` to read the
+    target's features, `seed(seq_id, fused, start, next_tokens)` for a prefill hand-over,
+    `propose_batch(requests)` to draft for a whole batch in one go."""
+
     def propose(self, seq: Sequence, limit: int) -> list[int]: ...
 
     def release(self, seq_ids: Iterable[str], force: bool = False) -> None: ...
@@ -53,14 +57,33 @@ class Speculator:
 
     def propose(self, running: Seq[Sequence]) -> None:
         """Set draft_token_ids on every running sequence (empty where it cannot speculate)."""
+        requests: list[tuple[Sequence, int]] = []
         for seq in running:
+            seq.draft_token_ids = []
             decoding = seq.num_computed_tokens == seq.num_tokens - 1 and seq.finalizing is None
-            if not decoding or not speculable(seq):
-                seq.draft_token_ids = []
-                continue
-            remaining = seq.params.max_tokens - seq.num_output_tokens - 1
-            room = self.max_model_len - seq.num_tokens - 1
-            seq.draft_token_ids = self.proposer.propose(seq, min(self.num_tokens, remaining, room))
+            if decoding and speculable(seq):
+                remaining = seq.params.max_tokens - seq.num_output_tokens - 1
+                room = self.max_model_len - seq.num_tokens - 1
+                limit = min(self.num_tokens, remaining, room)
+                if limit > 0:
+                    requests.append((seq, limit))
+        batch = getattr(self.proposer, "propose_batch", None)
+        if batch is not None:
+            drafts = batch(requests)
+        else:
+            drafts = [self.proposer.propose(seq, limit) for seq, limit in requests]
+        for (seq, limit), draft in zip(requests, drafts, strict=True):
+            seq.draft_token_ids = list(draft[:limit])
+
+    def seed(self, seq: Sequence, fused: torch.Tensor, start: int) -> None:
+        """Take over a prefill worker's draft window (fused features of positions start...)."""
+        seed = getattr(self.proposer, "seed", None)
+        if seed is not None and len(fused):
+            seed(seq.seq_id, fused, start, seq.token_ids[start + 1 : start + 1 + len(fused)])
+
+    def hand_over(self, seq_id: str) -> tuple[torch.Tensor, int] | None:
+        hand_over = getattr(self.proposer, "hand_over", None)
+        return hand_over(seq_id) if hand_over is not None else None
 
     def observe(self, chunks: Seq[ScheduledChunk], runner: ModelRunner) -> None:
         """After a step: hand the target's features of the newly committed positions to a
@@ -128,6 +151,12 @@ def build_speculator(config, model_name: str, runner: ModelRunner,
         from kvmesh.engine.spec.ngram import NgramProposer
 
         proposer: Proposer = NgramProposer(config.num_speculative_tokens)
+    elif config.draft_address:
+        from kvmesh.mesh.draft_client import RemoteProposer
+
+        remote = RemoteProposer(config.draft_address)
+        runner.capture = remote.check_target(model_name)
+        proposer = remote
     else:
         from kvmesh.engine.spec.eagle import load_head
         from kvmesh.engine.spec.eagle_proposer import EagleProposer

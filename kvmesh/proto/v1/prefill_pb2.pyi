@@ -1,5 +1,6 @@
 from kvmesh.proto.v1 import common_pb2 as _common_pb2
 from kvmesh.proto.v1 import decode_pb2 as _decode_pb2
+from kvmesh.proto.v1 import draft_pb2 as _draft_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -45,17 +46,19 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprob", "cached_tokens", "bytes_transferred", "pages_transferred")
+    __slots__ = ("request_id", "first_token_id", "first_logprob", "cached_tokens", "bytes_transferred", "pages_transferred", "draft_window")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BYTES_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
     PAGES_TRANSFERRED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_logprob: _common_pb2.TokenLogprob
     cached_tokens: int
     bytes_transferred: int
     pages_transferred: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., pages_transferred: _Optional[int] = ...) -> None: ...
+    draft_window: _draft_pb2.FeatureRows
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., bytes_transferred: _Optional[int] = ..., pages_transferred: _Optional[int] = ..., draft_window: _Optional[_Union[_draft_pb2.FeatureRows, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,84 @@
+"""`kvmesh serve draft`: the EAGLE draft service process (gRPC, metrics, etcd registration)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import uuid
+from dataclasses import dataclass
+
+import structlog
+
+from kvmesh.mesh import metrics
+from kvmesh.mesh.discovery import Registry, WorkerInfo
+from kvmesh.mesh.grpc_server import start_server
+from kvmesh.mesh.ports import free_port
+from services.draft.server import DraftServicer, add_to
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    etcd: str
+    cluster: str = "default"
+    model: str = "smollm2-135m"
+    draft_model: str = ""  # EAGLE head file; empty: the one shipped for the model
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    ttl: int = 5
+
+
+def build_proposer(model: str, draft_model: str):
+    """The head plus the target's token embeddings (the only target weights it needs)."""
+    from kvmesh.engine.loader import load_weights, resolve_model
+    from kvmesh.engine.spec.eagle import load_head
+    from kvmesh.engine.spec.eagle_proposer import EagleProposer
+
+    source = resolve_model(model)
+    head = load_head(draft_model or None, source.name)
+    _, weights = load_weights(source)
+    return EagleProposer(head, weights["model.embed_tokens.weight"].float()), source.name
+
+
+async def serve_draft(options: DraftOptions) -> None:
+    worker_id = f"draft-{uuid.uuid4().hex[:8]}"
+    structlog.contextvars.bind_contextvars(service="draft", worker_id=worker_id)
+    proposer, model_name = build_proposer(options.model, options.draft_model)
+    metrics_port = options.metrics_port or free_port()
+    metrics.serve_metrics(metrics_port, options.host)
+    server, port, _ = await start_server([add_to(DraftServicer(proposer))], options.host,
+                                         options.port)  # fmt: skip
+    info = WorkerInfo(role="draft", worker_id=worker_id, grpc_address=f"{options.host}:{port}",
+                      metrics_address=f"{options.host}:{metrics_port}", model=model_name,
+                      extra={"window": proposer.head.config.window})  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with Registry(options.etcd, options.cluster) as registry:
+            registration = await registry.register(info, ttl=options.ttl)
+            log.info("draft.ready", grpc=info.grpc_address, metrics=info.metrics_address)
+            await stop.wait()
+            await registration.close()
+    finally:
+        await server.stop(grace=2)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--etcd", required=True, help="etcd endpoint host:port")
+    p.add_argument("--cluster", default="default")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--metrics-port", type=int, default=0)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--draft-model", default="", help="EAGLE head (default: the shipped one)")
+
+
+def options_from(args: argparse.Namespace) -> DraftOptions:
+    return DraftOptions(etcd=args.etcd, cluster=args.cluster, model=args.model,
+                        draft_model=args.draft_model, host=args.host, port=args.port,
+                        metrics_port=args.metrics_port)  # fmt: skip
