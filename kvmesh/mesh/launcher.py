@@ -68,6 +68,10 @@ class Mesh:
         if self.options.kvstore in ("builtin", "mooncake"):
             args = [*self._kvstore_layout(), *self._kvstore_backend(), *self.options.kvstore_args]
             self._spawn("kvstore", ["serve", "kvstore", *args])
+        if self._remote_draft():
+            head = _flag(self.options.worker_args, "--draft-model")
+            extra = ["--draft-model", head] if head else []
+            self._spawn("draft", ["serve", "draft", "--model", self.options.model, *extra])
         for role, count in (("prefill", self.options.prefill), ("decode", self.options.decode)):
             for i in range(count):
                 self._spawn(
@@ -145,7 +149,7 @@ class Mesh:
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.options.ready_timeout
         stores = 1 if self.options.kvstore in ("builtin", "mooncake") else 0
-        want = (self.options.prefill, self.options.decode, stores)
+        want = (self.options.prefill, self.options.decode, stores, int(self._remote_draft()))
         while time.monotonic() < deadline:
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
             if dead:
@@ -159,7 +163,11 @@ class Mesh:
             f"the mesh was not ready within {self.options.ready_timeout:.0f}s; logs in {self.run_dir}"
         )
 
-    def _live_counts(self) -> tuple[int, int, int] | None:
+    def _remote_draft(self) -> bool:
+        args = self.options.worker_args
+        return _flag(args, "--speculative") == "eagle" and _flag(args, "--draft") == "remote"
+
+    def _live_counts(self) -> tuple[int, ...] | None:
         """Workers registered in etcd, once the gateway answers /health."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=2):
@@ -169,7 +177,8 @@ class Mesh:
         assert self.etcd is not None
         workers = asyncio.run(list_workers(self.etcd.endpoint, self.options.cluster))
         return tuple(
-            sum(w.role == role for w in workers) for role in ("prefill", "decode", "kvstore")
+            sum(w.role == role for w in workers)
+            for role in ("prefill", "decode", "kvstore", "draft")
         )
 
     def _write_state(self) -> None:
@@ -264,3 +273,8 @@ def _print_ready(mesh: Mesh, options: UpOptions) -> None:
   Ctrl-C stops everything.""",
         flush=True,
     )
+
+
+def _flag(args: tuple[str, ...], name: str) -> str:
+    """The value following `name` in args ('' when absent)."""
+    return args[args.index(name) + 1] if name in args[:-1] else ""

@@ -46,6 +46,18 @@ KV_FETCH_DIGEST_MISMATCHES = Counter(
 FAULTS_INJECTED = Counter(
     "kvmesh_faults_injected_total", "Faults injected for tests (KVMESH_FAULTS)", ["service", "kind"]
 )
+SPEC_DRAFT_TOKENS = Counter(
+    "kvmesh_spec_draft_tokens_total", "Draft tokens proposed and verified", ["service"]
+)
+SPEC_ACCEPTED_TOKENS = Counter(
+    "kvmesh_spec_accepted_tokens_total", "Draft tokens the target model accepted", ["service"]
+)
+SPEC_ACCEPT_LENGTH = Histogram(
+    "kvmesh_spec_acceptance_length",
+    "Tokens emitted per verification step (accepted drafts + 1)",
+    ["service"],
+    buckets=(1, 2, 3, 4, 5, 6, 8, 12, 17),
+)
 KV_PAGES_USED = Gauge("kvmesh_kv_pages_used", "KV pages held by running requests", ["service"])
 GRPC_MESSAGE_BYTES_MAX = Gauge(
     "kvmesh_grpc_message_bytes_max",

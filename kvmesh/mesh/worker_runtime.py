@@ -42,6 +42,10 @@ class WorkerOptions:
     protocol: str = "tcp"
     ttl: int = 5
     local_prefill_tokens: int = 0
+    speculative: str = "none"  # decode: none | ngram | eagle (prefill: eagle hands the window)
+    num_speculative_tokens: int = 4
+    draft: str = "local"  # eagle: "local" head in-process or "remote" draft service (etcd)
+    draft_model: str = ""
     use_kvstore: bool = True  # pull/push pages from/to a KV store registered in etcd, if any
 
     def __post_init__(self) -> None:
@@ -74,6 +78,10 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
             kv_cache_bytes=options.kv_cache_bytes,
             kv_dtype=options.kv_dtype,
             kv_integrity=options.kv_integrity,
+            speculative=options.speculative,
+            num_speculative_tokens=options.num_speculative_tokens,
+            draft_model=options.draft_model or None,
+            draft_address=await _draft_address(options),
             max_num_seqs=options.max_num_seqs,
         )
     )
@@ -83,6 +91,8 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
         engine.faults.on_inject = lambda kind: metrics.FAULTS_INJECTED.labels(
             options.role, kind
         ).inc()
+    if engine.speculator is not None:
+        engine.speculator.stats.listener = _spec_metrics(options.role)
     async_engine = AsyncEngine(engine)
     async_engine.start()
     transfer = KvTransferEngine(TransferConfig(protocol=options.protocol))
@@ -121,6 +131,31 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
         await server.stop(grace=2)
         async_engine.stop()
         transfer.close()
+
+
+def _spec_metrics(role: str):
+    def record(drafted: int, emitted: int) -> None:
+        metrics.SPEC_DRAFT_TOKENS.labels(role).inc(drafted)
+        metrics.SPEC_ACCEPTED_TOKENS.labels(role).inc(emitted - 1)
+        metrics.SPEC_ACCEPT_LENGTH.labels(role).observe(emitted)
+
+    return record
+
+
+async def _draft_address(options: WorkerOptions, timeout_s: float = 120.0) -> str:
+    """With --draft remote on a decode worker: the grpc address of a draft service in etcd."""
+    if options.speculative != "eagle" or options.draft != "remote" or options.role != "decode":
+        return ""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    async with Registry(options.etcd, options.cluster) as registry:
+        while time.monotonic() < deadline:
+            drafts = [w for w in await registry.list_workers() if w.role == "draft"]
+            if drafts:
+                return drafts[0].grpc_address
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"no draft service registered in etcd within {timeout_s:.0f}s")
 
 
 async def _wait_for_signal() -> None:

@@ -5,7 +5,7 @@ keep acceptance statistics."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -35,6 +35,7 @@ class SpecStats:
     accepted_tokens: int = 0  # drafts the target agreed with
     steps: int = 0  # verification steps (sequence x step)
     accept_lengths: Counter[int] = field(default_factory=Counter)  # tokens emitted per step
+    listener: Callable[[int, int], None] | None = None  # (drafted, emitted) per verification
 
     @property
     def mean_emitted(self) -> float:
@@ -139,6 +140,8 @@ def sample_step(
             stats.draft_tokens += len(draft)
             stats.accepted_tokens += len(emitted) - 1
             stats.accept_lengths[len(emitted)] += 1
+            if stats.listener is not None:
+                stats.listener(len(draft), len(emitted))
     return tokens, logprobs
 
 
