@@ -59,6 +59,10 @@ async def serve_draft(options: DraftOptions) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
+        if not options.etcd:
+            log.info("draft.ready", grpc=info.grpc_address, registered=False)
+            await stop.wait()
+            return
         async with Registry(options.etcd, options.cluster) as registry:
             registration = await registry.register(info, ttl=options.ttl)
             log.info("draft.ready", grpc=info.grpc_address, metrics=info.metrics_address)
@@ -69,7 +73,7 @@ async def serve_draft(options: DraftOptions) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--etcd", required=True, help="etcd endpoint host:port")
+    p.add_argument("--etcd", default="", help="etcd endpoint host:port (empty: not registered)")
     p.add_argument("--cluster", default="default")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)

@@ -1,0 +1,397 @@
+"""`kvmesh bench kv`: FP8 (e4m3) vs BF16 KV at one memory budget, integrity-check cost, quality.
+
+One process, one run, three tables:
+1. throughput: a `--dtype` model with BF16 KV and with FP8 KV in the same byte budget (default:
+   what `BF16_REQUESTS` requests' whole context takes in BF16 pages, so FP8 holds ~31). Per level,
+   C distinct chat prompts of ~`--prompt-tokens` tokens are submitted at once, `--max-tokens`
+   greedy tokens each (EOS ignored); tok/s = generated tokens / wall time, prefill included. The
+   two KV dtypes alternate per level, each engine is built once (prefix cache reset per run).
+2. integrity: one engine with `kv_integrity` toggled off/on/off/on per level, best of 2 each;
+   plus the time measured inside `PageTags.mismatched` as a share of the run (noise-free cost).
+3. quality under an fp32 model: greedy tokens until the first divergence from FP32 KV, and
+   teacher-forced perplexity on a public-domain text, for FP32, BF16 and FP8 KV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "public_domain.txt"
+BF16_REQUESTS = 16  # the default budget holds this many requests' full context in BF16 pages
+REPORTED_ARGS = ("model", "dtype", "integrity_dtype", "prompt_tokens", "max_tokens", "repeats")
+QUESTIONS = (  # the quality table's greedy prompts
+    *("Explain why the sky is blue.", "Write a haiku about autumn leaves."),
+    *("What is a prime number? Give three examples.", "Describe how a bicycle works."),
+    *("Give me a simple recipe for pancakes.", "Summarize the plot of Romeo and Juliet."),
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One timed `generate_ids` batch."""
+
+    tokens: int
+    seconds: float
+    max_running: int  # most sequences in the running queue after any schedule()
+    preemptions: int
+    check_seconds: float  # inside PageTags.mismatched
+    check_calls: int
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+@dataclass(frozen=True)
+class ThroughputRow:
+    concurrency: int
+    kv_dtype: str
+    capacity_tokens: int
+    kv_bytes: int
+    max_running: int
+    preemptions: int
+    tok_s: float
+    fp8_over_bf16: float | None
+
+
+@dataclass(frozen=True)
+class IntegrityRow:
+    concurrency: int
+    off_tok_s: float
+    on_tok_s: float
+    on_over_off: float
+    check_us_per_step: float
+    check_fraction: float  # time inside the check / wall time of the integrity-on runs
+
+
+@dataclass(frozen=True)
+class QualityRow:
+    kv_dtype: str
+    perplexity: float
+    ppl_vs_fp32: float  # relative difference
+    top1_agree: float  # teacher-forced argmax equal to FP32 KV's, share of positions
+    greedy_prefix: tuple[int, ...]  # tokens before the first divergence from FP32 KV, per prompt
+
+
+def timed_run(llm, prompts: list[list[int]], max_tokens: int) -> Run:
+    """Generate for all prompts at once; instance-level wrappers record the scheduler's running
+    queue (peak size, preemptions) and the time spent in the integrity check."""
+    from kvmesh import SamplingParams
+
+    engine = llm.engine
+    engine.block_manager.reset_prefix_cache()
+    schedule, mismatched = engine.scheduler.schedule, engine.page_tags.mismatched
+    seen: dict[str, object] = {}
+    stats = {"peak": 0, "check": 0.0, "calls": 0}
+
+    def traced_schedule():
+        out = schedule()
+        stats["peak"] = max(stats["peak"], len(engine.scheduler.running))
+        seen.update((seq.seq_id, seq) for seq in engine.scheduler.running)
+        return out
+
+    def timed_mismatched(seqs):
+        start = time.perf_counter()
+        try:
+            return mismatched(seqs)
+        finally:
+            stats["check"] += time.perf_counter() - start
+            stats["calls"] += 1
+
+    engine.scheduler.schedule, engine.page_tags.mismatched = traced_schedule, timed_mismatched
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    try:
+        start = time.perf_counter()
+        outs = llm.generate_ids(prompts, params)
+        seconds = time.perf_counter() - start
+    finally:
+        del engine.scheduler.schedule, engine.page_tags.mismatched
+    errors = [o.error for o in outs if o.error is not None]
+    if errors:
+        raise RuntimeError(f"{len(errors)} request(s) failed, e.g. {errors[0]}")
+    preemptions = sum(seq.num_preemptions for seq in seen.values())  # type: ignore[attr-defined]
+    tokens = sum(len(o.token_ids) for o in outs)
+    return Run(tokens, seconds, stats["peak"], preemptions, stats["check"], stats["calls"])
+
+
+def sized_prompts(tokenizer, n: int, tokens: int, text: str) -> list[list[int]]:
+    """n chat prompts of ~`tokens` tokens, distinct from their first page on (a numbered system
+    message), each asking to summarize a window of the text starting at a different offset."""
+    text_ids = tokenizer.encode(text, add_special_tokens=False)
+    prompts = []
+    for i in range(n):
+        source = (text_ids * (2 + tokens // len(text_ids)))[(i * 37) % len(text_ids) :]
+        system = {"role": "system", "content": f"You are assistant number {i}."}
+        ids, take = [], tokens
+        for _ in range(5):  # tokenization at the excerpt's edges shifts the count a little
+            excerpt = tokenizer.decode(source[: max(take, 1)])
+            user = {"role": "user", "content": f"Summarize this excerpt:\n{excerpt}"}
+            ids = tokenizer.encode_chat([system, user])
+            if len(ids) == tokens:
+                break
+            take += tokens - len(ids)
+        prompts.append(ids)
+    return prompts
+
+
+def budget_bytes(args: argparse.Namespace) -> tuple[int, str]:
+    """The KV budget: --kv-cache-memory, or BF16_REQUESTS full contexts in BF16 pages."""
+    from kvmesh.engine.kv.layout import parse_size
+    from kvmesh.engine.kv_cache import spec_for_model
+    from kvmesh.engine.loader import read_config, resolve_model
+
+    if args.kv_cache_memory:
+        return parse_size(args.kv_cache_memory), f"--kv-cache-memory {args.kv_cache_memory}"
+    spec = spec_for_model(read_config(resolve_model(args.model)), args.page_size, "bf16")
+    pages = -(-(args.prompt_tokens + args.max_tokens) // args.page_size)
+    budget = BF16_REQUESTS * pages * spec.page_bytes
+    return budget, f"{BF16_REQUESTS} requests x {pages} pages x {spec.page_bytes} B (BF16 page)"
+
+
+def bench_throughput(args, text: str, levels: list[int], budget: int) -> list[ThroughputRow]:
+    from kvmesh import LLM
+
+    llms = {
+        kv: LLM(model=args.model, dtype=args.dtype, kv_dtype=kv, kv_cache_bytes=budget,
+                page_size=args.page_size, max_num_seqs=max(levels))
+        for kv in ("bf16", "fp8_e4m3")
+    }  # fmt: skip
+    for llm in llms.values():
+        timed_run(llm, sized_prompts(llm.tokenizer, 2, 32, text), 4)  # warm-up
+    rows: list[ThroughputRow] = []
+    for c in levels:
+        prompts = sized_prompts(llms["bf16"].tokenizer, c, args.prompt_tokens, text)
+        base = None
+        for kv, llm in llms.items():  # interleaved: bf16 then fp8 at each level
+            run = timed_run(llm, prompts, args.max_tokens)
+            base = base or run.tok_s
+            cache = llm.engine.kv_cache
+            rows.append(ThroughputRow(c, kv, cache.capacity_tokens, cache.nbytes, run.max_running,
+                                      run.preemptions, round(run.tok_s, 1),
+                                      round(run.tok_s / base, 2) if kv != "bf16" else None))  # fmt: skip
+            print(json.dumps(asdict(rows[-1])), flush=True)
+    return rows
+
+
+def bench_integrity(args, text: str, levels: list[int]):
+    """One engine, its `kv_integrity` flag toggled between runs (read each step), so on and off
+    share weights, pool and allocator state. Returns the rows and the engine (flag on), which is
+    the FP32 KV reference of the quality table."""
+    from kvmesh import LLM
+
+    llm = LLM(model=args.model, dtype=args.integrity_dtype, page_size=args.page_size,
+              max_num_seqs=max(levels), kv_integrity=True)  # fmt: skip
+    config = llm.engine.config
+    timed_run(llm, sized_prompts(llm.tokenizer, 2, 32, text), 4)  # warm-up
+    rows: list[IntegrityRow] = []
+    for c in levels:
+        prompts = sized_prompts(llm.tokenizer, c, args.prompt_tokens, text)
+        runs: dict[bool, list[Run]] = {False: [], True: []}
+        for _ in range(args.repeats):
+            for on in (False, True):
+                llm.engine.config = replace(config, kv_integrity=on)
+                runs[on].append(timed_run(llm, prompts, args.max_tokens))
+        llm.engine.config = config
+        assert all(r.check_calls == 0 for r in runs[False])
+        off, on = (max(r.tok_s for r in runs[k]) for k in (False, True))
+        check = sum(r.check_seconds for r in runs[True])
+        calls = sum(r.check_calls for r in runs[True])
+        wall = sum(r.seconds for r in runs[True])
+        rows.append(IntegrityRow(c, round(off, 1), round(on, 1), round(on / off, 3),
+                                 round(1e6 * check / max(calls, 1), 1),
+                                 round(check / wall, 5)))  # fmt: skip
+        print(json.dumps(asdict(rows[-1])), flush=True)
+    return rows, llm
+
+
+def bench_quality(args, text: str, reference) -> tuple[list[QualityRow], int]:
+    """FP32 (the integrity engine), BF16 and FP8 KV under the same fp32 model."""
+    import torch
+    import torch.nn.functional as F
+
+    from kvmesh import LLM, SamplingParams
+
+    tok = reference.tokenizer
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    prompts = prompts[: args.quality_prompts]
+    ids = tok.encode(text, add_special_tokens=False)[: args.text_tokens]
+    target = torch.tensor(ids[1:])
+    greedy = SamplingParams(max_tokens=args.quality_tokens, temperature=0.0, ignore_eos=True)
+    rows: list[QualityRow] = []
+    ref_tokens = ref_argmax = ref_ppl = None
+    for kv in ("fp32", "bf16", "fp8_e4m3"):
+        llm = reference if kv == "fp32" else LLM(
+            model=args.model, dtype=args.integrity_dtype, kv_dtype=kv,
+            page_size=args.page_size, kv_cache_bytes=128 << 20, max_num_seqs=len(prompts))  # fmt: skip
+        llm.engine.block_manager.reset_prefix_cache()
+        tokens = [o.token_ids for o in llm.generate_ids(prompts, greedy)]
+        logits = llm.engine.score(ids)[:-1]
+        ppl = math.exp(F.cross_entropy(logits, target).item())
+        argmax = logits.argmax(-1)
+        if ref_tokens is None:
+            ref_tokens, ref_argmax, ref_ppl = tokens, argmax, ppl
+        prefix = tuple(_common_prefix(a, b) for a, b in zip(tokens, ref_tokens, strict=True))
+        rows.append(QualityRow(kv, round(ppl, 4), round(ppl / ref_ppl - 1, 5),
+                               round((argmax == ref_argmax).float().mean().item(), 4), prefix))  # fmt: skip
+        print(json.dumps(asdict(rows[-1])), flush=True)
+        if llm is not reference:
+            del llm
+            gc.collect()
+    return rows, len(ids)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))  # noqa: B905
+
+
+@contextlib.contextmanager
+def weights_loaded_once() -> Iterator[None]:
+    """Dequantize the model file once per run (~5 s a load here): every engine the bench builds
+    gets the same (config, weights), read-only; a model casts or fuses them into its own."""
+    import kvmesh.engine.engine as engine_module
+
+    load = engine_module.load_weights
+    loaded: dict = {}
+
+    def load_once(source):
+        if source not in loaded:
+            loaded[source] = load(source)
+        config, weights = loaded[source]
+        return config, dict(weights)
+
+    engine_module.load_weights = load_once
+    try:
+        yield
+    finally:
+        engine_module.load_weights = load
+
+
+def run_kv_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    started, load_before = time.perf_counter(), os.getloadavg()
+    if args.quick:
+        args.concurrency, args.integrity_concurrency = "1,2", "1,2"
+        args.prompt_tokens, args.max_tokens = 64, 8
+        args.quality_prompts, args.quality_tokens, args.text_tokens = 2, 8, 128
+    text = Path(args.text).read_text()
+    budget, how = budget_bytes(args)
+    print(f"KV budget: {budget} bytes ({budget / 2**20:.2f} MiB) = {how}", flush=True)
+    with weights_loaded_once():
+        levels = [int(c) for c in args.concurrency.split(",")]
+        throughput = bench_throughput(args, text, levels, budget)
+        gc.collect()
+        levels = [int(c) for c in args.integrity_concurrency.split(",")]
+        integrity, reference = bench_integrity(args, text, levels)
+        quality, text_tokens = bench_quality(args, text, reference)
+    spec = getattr(sys.modules["__main__"], "__spec__", None)  # None: run as a script
+    module = spec.name.removesuffix(".__main__") if spec else None
+    head = ["python", "-m", module] if module else [Path(sys.argv[0]).name]
+    env = [f"{k}={os.environ[k]}" for k in ("KVMESH_NUM_THREADS",) if os.environ.get(k)]
+    report = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "command": shlex.join(env + head + sys.argv[1:]),
+        **{k: getattr(args, k) for k in REPORTED_ARGS},
+        "kv_budget_bytes": budget,
+        "kv_budget": how,
+        "text_tokens": text_tokens,
+        "quality_tokens": args.quality_tokens,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],  # other work on the box
+        "throughput": [asdict(r) for r in throughput],
+        "integrity": [asdict(r) for r in integrity],
+        "quality": [asdict(r) for r in quality],
+    }
+    print(markdown(report))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _line(*cells: object) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def markdown(report: dict) -> str:
+    r = report
+    out = [
+        f"{r['date']} {r['machine']}, torch {r['torch']} ({r['torch_threads']} threads), "
+        f"model {r['model']}; `{r['command']}`",
+        f"\nThroughput, {r['dtype']} model, KV budget {r['kv_budget_bytes']:,} bytes "
+        f"({r['kv_budget']}), ~{r['prompt_tokens']}-token prompts, {r['max_tokens']} tokens each\n",
+        _line("concurrency", "KV", "capacity tok", "max running", "preemptions", "tok/s", "FP8 / BF16"),
+        _line("---:", "---", "---:", "---:", "---:", "---:", "---:"),
+    ]  # fmt: skip
+    for t in r["throughput"]:
+        ratio = "" if t["fp8_over_bf16"] is None else f"**{t['fp8_over_bf16']}**"
+        out.append(_line(t["concurrency"], t["kv_dtype"], f"{t['capacity_tokens']:,}",
+                         t["max_running"], t["preemptions"], t["tok_s"], ratio))  # fmt: skip
+    out += [
+        f"\nIntegrity check, {r['integrity_dtype']} model, default KV, best of {r['repeats']} "
+        "runs per mode (off/on alternating)\n",
+        _line("concurrency", "off tok/s", "on tok/s", "on / off", "check us/step", "check share"),
+        _line("---:", "---:", "---:", "---:", "---:", "---:"),
+    ]
+    for i in r["integrity"]:
+        out.append(_line(i["concurrency"], i["off_tok_s"], i["on_tok_s"], i["on_over_off"],
+                         i["check_us_per_step"], f"{100 * i['check_fraction']:.3f} %"))  # fmt: skip
+    out += [
+        f"\nQuality, {r['integrity_dtype']} model: perplexity on the first {r['text_tokens']} "
+        f"tokens of the text; greedy tokens equal to FP32 KV's (of {r['quality_tokens']})\n",
+        _line("KV", "perplexity", "vs FP32 KV", "top-1 = FP32 KV", "greedy prefix per prompt"),
+        _line("---", "---:", "---:", "---:", "---"),
+    ]
+    for q in r["quality"]:
+        out.append(_line(q["kv_dtype"], f"{q['perplexity']:.3f}", f"{100 * q['ppl_vs_fp32']:+.2f} %",
+                         f"{100 * q['top1_agree']:.1f} %", ", ".join(map(str, q["greedy_prefix"]))))  # fmt: skip
+    return "\n".join(out)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="bf16", help="model dtype of the throughput table")
+    parser.add_argument("--integrity-dtype", default="fp32", help="model dtype, tables 2 and 3")
+    parser.add_argument("--concurrency", default="1,8,16,32,64", help="throughput levels")
+    parser.add_argument("--integrity-concurrency", default="1,2,4,8")
+    parser.add_argument("--prompt-tokens", type=int, default=384)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--page-size", type=int, default=16)
+    budget = f"throughput KV budget, e.g. 160MiB (default: {BF16_REQUESTS} contexts in BF16)"
+    parser.add_argument("--kv-cache-memory", default=None, help=budget)
+    parser.add_argument("--repeats", type=int, default=2, help="integrity runs per mode")
+    parser.add_argument("--quality-prompts", type=int, default=len(QUESTIONS))
+    parser.add_argument("--quality-tokens", type=int, default=64)
+    parser.add_argument("--text", default=str(TEXT), help="text for perplexity")
+    parser.add_argument("--text-tokens", type=int, default=1024)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument("--output", default=None, help="also write the JSON report here")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvmesh.log import configure_logging
+
+    parser = argparse.ArgumentParser(prog="python -m kvmesh.benchmarks.kv", description=__doc__)
+    add_arguments(parser)
+    configure_logging("kv-bench")
+    return run_kv_bench(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""Speculative decoding through the mesh (real processes, openai client): greedy answers equal
+the single-process engine's without speculation, for the n-gram proposer and for the EAGLE
+head on the draft service (with the prefill worker handing its window to decode)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import urllib.request
+
+import openai
+import pytest
+
+from kvmesh import SamplingParams
+from kvmesh.engine.spec.prompts import chat_prompts, split, structured_prompts
+from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
+
+pytestmark = pytest.mark.timeout(600)
+SETUPS = {
+    "ngram": ("--speculative", "ngram"),
+    "eagle-remote": ("--speculative", "eagle", "--draft", "remote"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SETUPS))
+def mesh(request):
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    args = (*SETUPS[request.param], "--kv-cache-memory", "64MiB")
+    running = Mesh(UpOptions(prefill=1, decode=1, kvstore="none", worker_args=args))
+    try:
+        running.start()
+        yield request.param, running
+    finally:
+        running.stop()
+
+
+def _metric(address: str, name: str) -> float:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_greedy_through_the_mesh_equals_the_engine_without_speculation(mesh, llm):
+    name, running = mesh
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{running.http_port}/v1", api_key="x",
+                           max_retries=0, timeout=120)  # fmt: skip
+    _, held = split(chat_prompts() + structured_prompts(), 24)
+    prompts = [p for p in held if p in set(structured_prompts())][:2] + held[:1]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    for i, prompt in enumerate(prompts):
+        messages = [{"role": "user", "content": prompt}]
+        llm.engine.block_manager.reset_prefix_cache()
+        want = llm.chat(messages, params)[0].text
+        kwargs = dict(model="smollm2-135m", messages=messages, max_tokens=48, temperature=0.0)
+        if i % 2:
+            chunks = client.chat.completions.create(**kwargs, stream=True)
+            got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            got = client.chat.completions.create(**kwargs).choices[0].message.content
+        assert got == want, (name, prompt)
+    workers = asyncio.run(list_workers(running.etcd.endpoint, "default"))
+    decode = next(w for w in workers if w.role == "decode")
+    drafted = _metric(decode.metrics_address, "kvmesh_spec_draft_tokens_total")
+    accepted = _metric(decode.metrics_address, "kvmesh_spec_accepted_tokens_total")
+    assert drafted > 0 and 0 < accepted <= drafted, (name, drafted, accepted)
+    if name == "eagle-remote":
+        assert any(w.role == "draft" for w in workers)
