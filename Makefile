@@ -44,6 +44,7 @@ bench: model
 	$(BIN)/kvmesh bench offline --concurrency 1,8,32 --dtype fp32,bf16 --output bench/results/offline.json
 	$(BIN)/kvmesh bench transfer --output bench/results/transfer.json
 	$(BIN)/kvmesh bench kv --output bench/results/kv.json
+	$(BIN)/kvmesh bench spec --output bench/results/spec.json
 
 protos: install
 	$(BIN)/python scripts/gen_protos.py
