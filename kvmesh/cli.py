@@ -67,7 +67,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     return 1
 
 
-_WORKER_FLAGS = ("dtype", "kv_dtype", "kv_cache_bytes", "kv_integrity", "max_num_seqs", "protocol",
+_WORKER_FLAGS = ("dtype", "weights", "kv_dtype", "kv_cache_bytes", "kv_integrity", "max_num_seqs",
+                 "protocol",
                  "local_prefill_tokens", "speculative", "num_speculative_tokens", "draft",
                  "draft_model")  # fmt: skip
 
@@ -183,6 +184,7 @@ def _generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         kv_cache_bytes=args.kv_cache_bytes,
         kv_dtype=args.kv_dtype,
+        weights=args.weights,
         kv_integrity=args.kv_integrity == "on",
         max_model_len=args.max_model_len,
         speculative=args.speculative,

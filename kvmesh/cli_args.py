@@ -10,6 +10,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--model", default="smollm2-135m", help="alias, .gguf file or HF safetensors folder"
     )
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    _weights_arg(p)
     _kv_args(p)
     p.add_argument("--max-model-len", type=int, default=None)
 
@@ -21,6 +22,15 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "int4"],
+        help="weight precision (auto: --dtype; int4: group-wise INT4, activations in --dtype)",
+    )
 
 
 def _kv_args(p: argparse.ArgumentParser) -> None:
@@ -60,6 +70,7 @@ def _mesh_args(p: argparse.ArgumentParser) -> None:
 
 def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    _weights_arg(p)
     _kv_args(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument(

@@ -8,6 +8,7 @@ from kvmesh.engine.kv.layout import KV_DTYPES
 from kvmesh.errors import InvalidRequestError, ModelFormatError
 
 DTYPES = ("fp32", "bf16")
+WEIGHTS = ("auto", "fp32", "bf16", "int4")
 SPECULATIVE = ("none", "ngram", "eagle")
 
 
@@ -68,6 +69,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     seed: int = 0
     kv_dtype: str = "auto"  # auto (= dtype), fp32, bf16 or fp8_e4m3
+    weights: str = "auto"  # auto (= dtype), fp32, bf16 (also the compute dtype) or int4
     kv_integrity: bool = True  # check every page's tag before each step
     speculative: str = "none"  # none, ngram or eagle
     num_speculative_tokens: int = 4  # drafts verified per step
@@ -75,8 +77,13 @@ class EngineConfig:
     draft_address: str = ""  # EAGLE on a draft service (host:port) instead of in-process
 
     @property
+    def compute_dtype(self) -> str:
+        """Activations (and dense weights): --weights fp32/bf16 sets it, else --dtype."""
+        return self.weights if self.weights in DTYPES else self.dtype
+
+    @property
     def resolved_kv_dtype(self) -> str:
-        return self.dtype if self.kv_dtype == "auto" else self.kv_dtype
+        return self.compute_dtype if self.kv_dtype == "auto" else self.kv_dtype
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -85,6 +92,8 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"kv_dtype must be auto or one of {KV_DTYPES}, got {self.kv_dtype!r}"
             )
+        if self.weights not in WEIGHTS:
+            raise InvalidRequestError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         if self.speculative not in SPECULATIVE:
             raise InvalidRequestError(
                 f"speculative must be one of {SPECULATIVE}, got {self.speculative!r}"

@@ -54,8 +54,9 @@ class Engine:
             config.max_model_len or model_config.max_position_embeddings,
             model_config.max_position_embeddings,
         )
-        dtype = TORCH_DTYPES[config.dtype]
-        model = build_model(model_config, weights, dtype, self.max_model_len)
+        dtype = TORCH_DTYPES[config.compute_dtype]
+        model = build_model(model_config, weights, dtype, self.max_model_len,
+                            self._int4_source() if config.weights == "int4" else None)  # fmt: skip
         self.kv_dtype = config.resolved_kv_dtype
         spec = spec_for_model(model_config, config.page_size, self.kv_dtype)
         num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
@@ -87,12 +88,21 @@ class Engine:
         log.info(
             "engine.ready",
             model=self.source.name,
-            dtype=config.dtype,
+            dtype=config.compute_dtype,
+            weights=config.weights,
             kv_dtype=self.kv_dtype,
             kv_integrity=config.kv_integrity,
             pages=num_pages,
             capacity_tokens=self.kv_cache.capacity_tokens,
         )
+
+    def _int4_source(self) -> dict:
+        """GGUF Q4_0/Q4_1 tensors taken over as INT4 as they are; the rest is quantized."""
+        if self.source.gguf_file is None:
+            return {}
+        from kvmesh.engine.loader.gguf_loader import load_gguf_int4
+
+        return load_gguf_int4(self.source.gguf_file, self.model_config)
 
     @property
     def model_name(self) -> str:

@@ -35,6 +35,7 @@ class WorkerOptions:
     metrics_port: int = 0
     model: str = "smollm2-135m"
     dtype: str = "fp32"
+    weights: str = "auto"  # auto | fp32 | bf16 | int4 (advertised in the etcd registration)
     kv_dtype: str = "auto"
     kv_cache_bytes: int = 512 << 20
     kv_integrity: bool = True
@@ -75,6 +76,7 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
         EngineConfig(
             model=options.model,
             dtype=options.dtype,
+            weights=options.weights,
             kv_cache_bytes=options.kv_cache_bytes,
             kv_dtype=options.kv_dtype,
             kv_integrity=options.kv_integrity,
@@ -118,6 +120,7 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
         page_size=engine.config.page_size,
         kv_dtype=engine.kv_dtype,
         capacity_tokens=engine.kv_cache.capacity_tokens,
+        extra={"weights": engine.config.weights, "compute_dtype": engine.config.compute_dtype},
     )
     try:
         async with Registry(options.etcd, options.cluster) as registry:

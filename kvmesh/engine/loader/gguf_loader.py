@@ -131,3 +131,25 @@ def _replace(config: ModelConfig, **changes: Any) -> ModelConfig:
     from dataclasses import replace
 
     return replace(config, **changes)
+
+
+def load_gguf_int4(path: Path, config: ModelConfig) -> dict[str, Any]:
+    """The Q4_0 / Q4_1 tensors of a GGUF as `Int4Weight`s (HF names, llama.cpp's Q/K row
+    permutation undone), taken over without dequantizing; other tensors are not returned."""
+    from kvmesh.engine.quant.int4 import Int4Weight
+
+    out: dict[str, Any] = {}
+    for tensor in open_gguf(path).tensors:
+        qtype = tensor.tensor_type.name
+        if qtype not in ("Q4_0", "Q4_1") or len(tensor.shape) != 2:
+            continue
+        name = hf_name(tensor.name)
+        cols, rows = (int(d) for d in tensor.shape)
+        weight = Int4Weight.from_gguf_blocks(tensor.data, qtype, rows, cols)
+        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+        part = name.split(".")[-2]
+        if part in heads and config.architecture == "llama":
+            order = unpermute(np.arange(rows)[:, None], heads[part])[:, 0]
+            weight = weight.rows(torch.from_numpy(np.ascontiguousarray(order)))
+        out[name] = weight
+    return out

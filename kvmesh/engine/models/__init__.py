@@ -12,9 +12,13 @@ _ARCHITECTURES = {"llama": LlamaModel, "qwen2": LlamaModel, "mistral": LlamaMode
 
 
 def build_model(
-    config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    max_positions: int,
+    int4: dict | None = None,
 ) -> LlamaModel:
     cls = _ARCHITECTURES.get(config.architecture)
     if cls is None:
         raise ModelFormatError(f"no implementation for architecture {config.architecture!r}")
-    return cls(config, weights, dtype, max_positions)
+    return cls(config, weights, dtype, max_positions, int4)

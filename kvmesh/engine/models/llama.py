@@ -14,18 +14,28 @@ import torch.nn.functional as F
 from kvmesh.engine.attention import AttentionBackend, AttentionMetadata, LayerKV
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.models.rope import RotaryEmbedding, apply_rotary, inv_frequencies
+from kvmesh.engine.quant.int4 import Int4Linear, Int4Weight
 from kvmesh.errors import ModelFormatError
+
+Linear = torch.Tensor | Int4Linear  # a dense [out, in] weight, or an INT4 layer
+
+
+def _mm(x: torch.Tensor, w: Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    out = w(x)
+    return out if bias is None else out + bias
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    qkv: Linear  # [(Hq + 2 Hkv) D, H]
     qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 I, H]
-    down: torch.Tensor
+    gate_up: Linear  # [2 I, H]
+    down: Linear
 
 
 class LlamaModel:
@@ -35,9 +45,15 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
         max_positions: int,
+        int4: dict[str, Int4Weight] | None = None,
     ) -> None:
+        """int4: None keeps the linear layers dense in `dtype`; a dict (possibly empty) makes
+        every decoder-layer linear INT4, taking these pre-quantized weights (e.g. GGUF Q4_1)
+        as they are and quantizing the rest (round-to-nearest, group 32). Embeddings, norms
+        and the LM head stay in `dtype`."""
         self.config = config
         self.dtype = dtype
+        self.int4 = int4
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
@@ -55,15 +71,31 @@ class LlamaModel:
         bias = None
         if self.config.attention_bias:
             bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        linear = self._linear
         return LayerWeights(
             input_norm=take(p + "input_layernorm.weight"),
-            qkv=torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            qkv=linear(take, [p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
             qkv_bias=bias,
-            o_proj=take(p + "self_attn.o_proj.weight"),
+            o_proj=linear(take, [p + "self_attn.o_proj.weight"]),
             post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-            down=take(p + "mlp.down_proj.weight"),
+            gate_up=linear(take, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            down=linear(take, [p + "mlp.down_proj.weight"]),
         )
+
+    def _linear(self, take: _Taker, names: list[str]) -> Linear:
+        """Output rows of `names` fused into one dense or INT4 linear layer."""
+        if self.int4 is None:
+            return torch.cat([take(n) for n in names])
+        parts = []
+        for name in names:
+            if name in self.int4:
+                take.weights.pop(name, None)
+                parts.append(self.int4[name])
+            elif name in take.weights:
+                parts.append(Int4Weight.quantize(take.weights.pop(name).float(), group=32))
+            else:
+                raise ModelFormatError(f"weights lack tensor {name!r}")
+        return Int4Linear(Int4Weight.cat(parts), self.dtype)
 
     @torch.inference_mode()
     def forward(
@@ -92,18 +124,18 @@ class LlamaModel:
 
     def _attention(self, w: LayerWeights, x, cos, sin, meta, cache, attention):
         c = self.config
-        qkv = F.linear(x, w.qkv, w.qkv_bias)
+        qkv = _mm(x, w.qkv, w.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)
         k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
         v = v.reshape(-1, c.num_kv_heads, c.head_dim)
         out = attention.forward(q, k, v, cache, meta, self.scale)
-        return F.linear(out.reshape(-1, self.q_size), w.o_proj)
+        return _mm(out.reshape(-1, self.q_size), w.o_proj)
 
     @staticmethod
     def _mlp(w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w.down)
+        gate, up = _mm(x, w.gate_up).chunk(2, dim=-1)
+        return _mm(F.silu(gate) * up, w.down)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

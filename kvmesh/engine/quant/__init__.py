@@ -1,0 +1,1 @@
+"""Weight-only quantization: INT4 group-wise weights and the linear layers that use them."""
