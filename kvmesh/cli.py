@@ -88,6 +88,8 @@ def _up(args: argparse.Namespace) -> int:
         return run_demo(args.model, args.dtype)
     from kvmesh.mesh.launcher import UpOptions, run_up
 
+    if (args.prefill_weights or args.decode_weights) and args.kv_dtype == "auto":
+        args.kv_dtype = "bf16"  # per-role precisions: one KV format both roles can exchange
     passthrough = _worker_passthrough(args)
     return run_up(
         UpOptions(
@@ -98,6 +100,11 @@ def _up(args: argparse.Namespace) -> int:
             grpc_port=args.grpc_port,
             cluster=args.cluster,
             worker_args=tuple(passthrough),
+            role_args={
+                role: ("--weights", getattr(args, f"{role}_weights"))
+                for role in ("prefill", "decode")
+                if getattr(args, f"{role}_weights")
+            },
             gateway_args=("--routing", args.routing, "--session-ttl", str(args.session_ttl)),
             kvstore=args.kvstore,
             kvstore_args=(

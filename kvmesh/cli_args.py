@@ -144,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--session-ttl", type=int, default=600)
     _worker_args(up)
     _spec_args(up, worker=True)
+    for role in ("prefill", "decode"):
+        up.add_argument(
+            f"--{role}-weights",
+            default=None,
+            choices=["auto", "fp32", "bf16", "int4"],
+            help=f"weight precision of the {role} workers only (default: --weights)",
+        )
     serve = sub.add_parser("serve", help="run one service of the mesh")
     serve_sub = serve.add_subparsers(dest="service", required=True)
     for role in ("prefill", "decode"):

@@ -37,6 +37,7 @@ class UpOptions:
     grpc_port: int | None = None
     cluster: str = "default"
     worker_args: tuple[str, ...] = ()  # passed through to every worker (e.g. --dtype bf16)
+    role_args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # after worker_args
     gateway_args: tuple[str, ...] = ()  # passed through to the gateway (e.g. --routing least-load)
     kvstore: str = "none"  # "builtin": the KV store service; "mooncake": backed by Mooncake Store
     kvstore_args: tuple[str, ...] = ()
@@ -84,6 +85,7 @@ class Mesh:
                         "--model",
                         self.options.model,
                         *self.options.worker_args,
+                        *self.options.role_args.get(role, ()),
                     ],
                 )
         self._spawn(
