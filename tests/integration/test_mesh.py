@@ -234,6 +234,7 @@ def test_affinity_yields_when_the_pinned_worker_is_overloaded(client, mesh):
             temperature=0, extra_headers={"x-session-affinity": session},
         )  # fmt: skip
 
+    _wait_until_idle(mesh)  # the yield compares loads: earlier tests' requests must be gone
     ask("session-yield")  # pins the session to some decode worker D
     started, stop = threading.Event(), threading.Event()
 
@@ -286,6 +287,21 @@ def test_grpc_gateway_bad_input_statuses(mesh):
             with pytest.raises(grpc.RpcError) as info:
                 list(stub.Generate(request, timeout=30))
             assert info.value.code() == status and info.value.details()
+
+
+def _wait_until_idle(mesh, timeout_s: float = 60.0) -> None:
+    """No worker runs a request, and the gateway's 1 s load poll has seen that."""
+    from kvmesh.mesh.status import _collect
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = asyncio.run(_collect(mesh.etcd.endpoint, "default"))
+        loads = [w["load"] or {} for w in workers if w["role"] in ("prefill", "decode")]
+        if all(int(load.get("numRunning", 0)) == 0 for load in loads):
+            time.sleep(2.5)
+            return
+        time.sleep(0.5)
+    raise AssertionError("workers still busy after earlier tests")
 
 
 def _pages_in_use(mesh) -> int:
