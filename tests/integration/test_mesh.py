@@ -257,7 +257,7 @@ def test_affinity_yields_when_the_pinned_worker_is_overloaded(client, mesh):
         kept_before = _decisions(mesh, "decode", "affinity")
         yielded_before = _decisions(mesh, "decode", "affinity_yield_load")
         ask("session-yield")
-        assert _decisions(mesh, "decode", "affinity_yield_load") == yielded_before + 1
+        assert _decisions(mesh, "decode", "affinity_yield_load") > yielded_before
         assert _decisions(mesh, "decode", "affinity") == kept_before
     finally:
         stop.set()
