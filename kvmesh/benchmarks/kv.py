@@ -213,10 +213,10 @@ def weights_loaded_once() -> Iterator[None]:
     load = engine_module.load_weights
     loaded: dict = {}
 
-    def load_once(source):
-        if source not in loaded:
-            loaded[source] = load(source)
-        config, weights = loaded[source]
+    def load_once(source, int4=False):
+        if (source, int4) not in loaded:
+            loaded[source, int4] = load(source, int4)
+        config, weights = loaded[source, int4]
         return config, dict(weights)
 
     engine_module.load_weights = load_once

@@ -47,7 +47,7 @@ class Engine:
         torch.manual_seed(config.seed)
         self.config = config
         self.source = resolve_model(config.model)
-        model_config, weights = load_weights(self.source)
+        model_config, weights = load_weights(self.source, int4=config.weights == "int4")
         self.model_config: ModelConfig = model_config
         self.tokenizer = Tokenizer.from_source(self.source, model_config.eos_token_ids)
         self.max_model_len = min(
@@ -55,8 +55,9 @@ class Engine:
             model_config.max_position_embeddings,
         )
         dtype = TORCH_DTYPES[config.compute_dtype]
-        model = build_model(model_config, weights, dtype, self.max_model_len,
-                            self._int4_source() if config.weights == "int4" else None)  # fmt: skip
+        model = build_model(
+            model_config, weights, dtype, self.max_model_len, int4=config.weights == "int4"
+        )
         self.kv_dtype = config.resolved_kv_dtype
         spec = spec_for_model(model_config, config.page_size, self.kv_dtype)
         num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
@@ -95,14 +96,6 @@ class Engine:
             pages=num_pages,
             capacity_tokens=self.kv_cache.capacity_tokens,
         )
-
-    def _int4_source(self) -> dict:
-        """GGUF Q4_0/Q4_1 tensors taken over as INT4 as they are; the rest is quantized."""
-        if self.source.gguf_file is None:
-            return {}
-        from kvmesh.engine.loader.gguf_loader import load_gguf_int4
-
-        return load_gguf_int4(self.source.gguf_file, self.model_config)
 
     @property
     def model_name(self) -> str:

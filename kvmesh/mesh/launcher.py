@@ -121,9 +121,8 @@ class Mesh:
         from kvmesh.engine.loader import read_config, resolve_model
 
         args = list(self.options.worker_args)
-        dtype = args[args.index("--dtype") + 1] if "--dtype" in args else "fp32"
-        kv_dtype = args[args.index("--kv-dtype") + 1] if "--kv-dtype" in args else "auto"
-        kv_dtype = resolve_kv_dtype(kv_dtype, dtype)
+        kv_dtype = resolve_kv_dtype(_flag(args, "--kv-dtype") or "auto",
+                                    _flag(args, "--dtype") or "fp32")  # fmt: skip
         config = read_config(resolve_model(self.options.model))
         spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, 16, kv_dtype)
         model = resolve_model(self.options.model).name

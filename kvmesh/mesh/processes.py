@@ -1,7 +1,9 @@
-"""Stopping child processes we started in their own session (process group id == pid)."""
+"""Process lifecycle: stopping children we started in their own session (process group id ==
+pid), and a service's own stop signal."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -21,3 +23,12 @@ def terminate_group(proc: subprocess.Popen, timeout: float) -> None:
         except subprocess.TimeoutExpired:
             continue
     proc.wait()
+
+
+async def wait_for_signal() -> None:
+    """Return on SIGTERM or SIGINT (a service's graceful stop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -4,7 +4,6 @@ Prometheus endpoint, etcd registration with keep-alive, graceful stop on SIGTERM
 from __future__ import annotations
 
 import asyncio
-import signal
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from kvmesh.mesh import metrics
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.ports import free_port
+from kvmesh.mesh.processes import wait_for_signal
 from kvmesh.mesh.store_link import StoreLink, StoreLinkOptions
 from kvmesh.mesh.transfer import KvTransferEngine, TransferConfig
 
@@ -126,7 +126,7 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
         async with Registry(options.etcd, options.cluster) as registry:
             registration = await registry.register(info, ttl=options.ttl)
             log.info("worker.ready", grpc=info.grpc_address, metrics=info.metrics_address)
-            await _wait_for_signal()
+            await wait_for_signal()
             await registration.close()
     finally:
         if store_task is not None:
@@ -154,16 +154,8 @@ async def _draft_address(options: WorkerOptions, timeout_s: float = 120.0) -> st
     deadline = time.monotonic() + timeout_s
     async with Registry(options.etcd, options.cluster) as registry:
         while time.monotonic() < deadline:
-            drafts = [w for w in await registry.list_workers() if w.role == "draft"]
+            drafts = await registry.list_workers("draft")
             if drafts:
                 return drafts[0].grpc_address
             await asyncio.sleep(0.5)
     raise RuntimeError(f"no draft service registered in etcd within {timeout_s:.0f}s")
-
-
-async def _wait_for_signal() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()

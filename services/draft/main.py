@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 import uuid
 from dataclasses import dataclass
 
@@ -14,6 +12,7 @@ from kvmesh.mesh import metrics
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.ports import free_port
+from kvmesh.mesh.processes import wait_for_signal
 from services.draft.server import DraftServicer, add_to
 
 log = structlog.get_logger(__name__)
@@ -54,19 +53,15 @@ async def serve_draft(options: DraftOptions) -> None:
     info = WorkerInfo(role="draft", worker_id=worker_id, grpc_address=f"{options.host}:{port}",
                       metrics_address=f"{options.host}:{metrics_port}", model=model_name,
                       extra={"window": proposer.head.config.window})  # fmt: skip
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
         if not options.etcd:
             log.info("draft.ready", grpc=info.grpc_address, registered=False)
-            await stop.wait()
+            await wait_for_signal()
             return
         async with Registry(options.etcd, options.cluster) as registry:
             registration = await registry.register(info, ttl=options.ttl)
             log.info("draft.ready", grpc=info.grpc_address, metrics=info.metrics_address)
-            await stop.wait()
+            await wait_for_signal()
             await registration.close()
     finally:
         await server.stop(grace=2)

@@ -12,10 +12,13 @@ from kvmesh.engine.loader.safetensors_loader import load_hf_folder
 __all__ = ["DEFAULT_MODEL", "ModelSource", "load_weights", "read_config", "resolve_model"]
 
 
-def load_weights(source: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The weight-format registry: GGUF file or HF safetensors folder."""
+def load_weights(
+    source: ModelSource, int4: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The weight-format registry: GGUF file or HF safetensors folder. int4: GGUF Q4_0/Q4_1
+    matrices stay INT4 (`Int4Weight`) instead of being dequantized."""
     if source.gguf_file is not None:
-        return load_gguf(source.gguf_file)
+        return load_gguf(source.gguf_file, int4)
     assert source.hf_dir is not None
     return load_hf_folder(source.hf_dir)
 

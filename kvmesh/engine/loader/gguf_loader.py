@@ -73,7 +73,9 @@ def gguf_metadata(reader: Any) -> dict[str, Any]:
     return meta
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: Path, int4: bool = False) -> tuple[ModelConfig, dict[str, Any]]:
+    """HF-named float tensors; with int4, Q4_0 / Q4_1 matrices come back as `Int4Weight`s taken
+    over without dequantizing (llama.cpp's Q/K row permutation undone on the integer rows)."""
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     vocab = (
@@ -85,6 +87,9 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
+        if int4 and tensor.tensor_type.name in ("Q4_0", "Q4_1") and len(tensor.shape) == 2:
+            weights[name] = _int4(tensor, name, config)
+            continue
         array = _dequantize(tensor)
         if name.endswith(("q_proj.weight", "q_proj.bias")) and config.architecture == "llama":
             array = unpermute(array, config.num_heads)
@@ -95,6 +100,19 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if "lm_head.weight" in weights:
         config = _replace(config, tie_word_embeddings=False)
     return config, weights
+
+
+def _int4(tensor: Any, name: str, config: ModelConfig) -> Any:
+    from kvmesh.engine.quant.int4 import Int4Weight
+
+    cols, rows = (int(d) for d in tensor.shape)
+    weight = Int4Weight.from_gguf_blocks(tensor.data, tensor.tensor_type.name, rows, cols)
+    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+    part = name.split(".")[-2]
+    if part in heads and config.architecture == "llama":
+        order = unpermute(np.arange(rows)[:, None], heads[part])[:, 0]
+        weight = weight.rows(torch.from_numpy(np.ascontiguousarray(order)))
+    return weight
 
 
 def hf_name(name: str) -> str:
@@ -131,25 +149,3 @@ def _replace(config: ModelConfig, **changes: Any) -> ModelConfig:
     from dataclasses import replace
 
     return replace(config, **changes)
-
-
-def load_gguf_int4(path: Path, config: ModelConfig) -> dict[str, Any]:
-    """The Q4_0 / Q4_1 tensors of a GGUF as `Int4Weight`s (HF names, llama.cpp's Q/K row
-    permutation undone), taken over without dequantizing; other tensors are not returned."""
-    from kvmesh.engine.quant.int4 import Int4Weight
-
-    out: dict[str, Any] = {}
-    for tensor in open_gguf(path).tensors:
-        qtype = tensor.tensor_type.name
-        if qtype not in ("Q4_0", "Q4_1") or len(tensor.shape) != 2:
-            continue
-        name = hf_name(tensor.name)
-        cols, rows = (int(d) for d in tensor.shape)
-        weight = Int4Weight.from_gguf_blocks(tensor.data, qtype, rows, cols)
-        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
-        part = name.split(".")[-2]
-        if part in heads and config.architecture == "llama":
-            order = unpermute(np.arange(rows)[:, None], heads[part])[:, 0]
-            weight = weight.rows(torch.from_numpy(np.ascontiguousarray(order)))
-        out[name] = weight
-    return out

@@ -16,7 +16,7 @@ def build_model(
     weights: dict[str, torch.Tensor],
     dtype: torch.dtype,
     max_positions: int,
-    int4: dict | None = None,
+    int4: bool = False,
 ) -> LlamaModel:
     cls = _ARCHITECTURES.get(config.architecture)
     if cls is None:

@@ -45,12 +45,11 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
         max_positions: int,
-        int4: dict[str, Int4Weight] | None = None,
+        int4: bool = False,
     ) -> None:
-        """int4: None keeps the linear layers dense in `dtype`; a dict (possibly empty) makes
-        every decoder-layer linear INT4, taking these pre-quantized weights (e.g. GGUF Q4_1)
-        as they are and quantizing the rest (round-to-nearest, group 32). Embeddings, norms
-        and the LM head stay in `dtype`."""
+        """int4: every decoder-layer linear becomes INT4, taking `Int4Weight`s in `weights`
+        (e.g. GGUF Q4_1) as they are and quantizing float ones (round-to-nearest, group 32).
+        Embeddings, norms and the LM head stay in `dtype`."""
         self.config = config
         self.dtype = dtype
         self.int4 = int4
@@ -84,17 +83,16 @@ class LlamaModel:
 
     def _linear(self, take: _Taker, names: list[str]) -> Linear:
         """Output rows of `names` fused into one dense or INT4 linear layer."""
-        if self.int4 is None:
+        if not self.int4:
             return torch.cat([take(n) for n in names])
         parts = []
         for name in names:
-            if name in self.int4:
-                take.weights.pop(name, None)
-                parts.append(self.int4[name])
-            elif name in take.weights:
-                parts.append(Int4Weight.quantize(take.weights.pop(name).float(), group=32))
-            else:
+            if name not in take.weights:
                 raise ModelFormatError(f"weights lack tensor {name!r}")
+            weight = take.weights.pop(name)
+            if not isinstance(weight, Int4Weight):
+                weight = Int4Weight.quantize(weight.float(), group=32)
+            parts.append(weight)
         return Int4Linear(Int4Weight.cat(parts), self.dtype)
 
     @torch.inference_mode()

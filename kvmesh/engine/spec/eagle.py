@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from kvmesh.engine.models.rope import apply_rotary
 from kvmesh.errors import ModelFormatError
 
 
@@ -74,8 +75,8 @@ class EagleHead(nn.Module):
             dim=-1,
         )
         cos, sin = self._rope(positions)
-        q = _rotate(q.view(*q.shape[:-1], c.num_heads, c.head_dim), cos, sin)
-        k = _rotate(k.view(*k.shape[:-1], c.num_kv_heads, c.head_dim), cos, sin)
+        q = apply_rotary(q.view(*q.shape[:-1], c.num_heads, c.head_dim), cos, sin)
+        k = apply_rotary(k.view(*k.shape[:-1], c.num_kv_heads, c.head_dim), cos, sin)
         return q, k, v.view(*v.shape[:-1], c.num_kv_heads, c.head_dim)
 
     def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -148,11 +149,6 @@ def load_head(path: str | Path | None, model_name: str) -> EagleHead:
             f"EAGLE head {path} drafts for {head.config.target!r}, not {model_name!r}"
         )
     return head
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:

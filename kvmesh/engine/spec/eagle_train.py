@@ -120,10 +120,10 @@ def ttt_loss(head: EagleHead, feats, embeds, labels, steps: int) -> tuple[torch.
     hidden = head.fc(feats)
     q, k0, v0 = head.project(embeds, hidden, positions)
     keys, values = [k0], [v0]
-    total, accuracy = torch.zeros(()), []
+    total, accuracy, out = torch.zeros(()), [], hidden
     for step in range(steps):
         if step:
-            hidden = F.pad(out[:, :-1], (0, 0, 1, 0))  # noqa: F821  (out of the previous step)
+            hidden = F.pad(out[:, :-1], (0, 0, 1, 0))  # the previous step's output, one back
             q, k, v = head.project(embeds, hidden, positions)
             keys.append(k)
             values.append(v)

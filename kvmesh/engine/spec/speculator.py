@@ -4,6 +4,7 @@ keep acceptance statistics."""
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
@@ -112,7 +113,7 @@ def sample_step(
     stats: SpecStats | None,
 ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob | None]]]:  # fmt: skip
     """Tokens (and logprobs) each sampling sequence emits this step."""
-    starts = [sum(result.rows[:i]) for i in range(len(result.rows))]
+    starts = [0, *itertools.accumulate(result.rows)][:-1]  # first row of each sequence
     plain = [i for i, n in enumerate(result.rows) if n == 1]
     tokens: dict[str, list[int]] = {}
     logprobs: dict[str, list[TokenLogprob | None]] = {}
