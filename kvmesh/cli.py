@@ -67,10 +67,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     return 1
 
 
-_WORKER_FLAGS = ("dtype", "weights", "kv_dtype", "kv_cache_bytes", "kv_integrity", "max_num_seqs",
-                 "protocol",
+_WORKER_FLAGS = ("dtype", "weights", "int4_group_size", "int4_embeddings", "kv_dtype",
+                 "kv_cache_bytes", "kv_integrity", "max_num_seqs", "protocol",
                  "local_prefill_tokens", "speculative", "num_speculative_tokens", "draft",
                  "draft_model")  # fmt: skip
+_ON_OFF = ("kv_integrity", "int4_embeddings")  # on|off flags, booleans in WorkerOptions
 
 
 def _worker_passthrough(args: argparse.Namespace) -> list[str]:
@@ -164,8 +165,8 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         metrics_port=args.metrics_port,
         model=args.model,
-        **{name: getattr(args, name) for name in _WORKER_FLAGS if name != "kv_integrity"},
-        kv_integrity=args.kv_integrity == "on",
+        **{name: getattr(args, name) for name in _WORKER_FLAGS if name not in _ON_OFF},
+        **{name: getattr(args, name) == "on" for name in _ON_OFF},
     )
     if args.service == "prefill":
         from services.prefill.main import serve_prefill as serve
@@ -192,6 +193,8 @@ def _generate(args: argparse.Namespace) -> int:
         kv_cache_bytes=args.kv_cache_bytes,
         kv_dtype=args.kv_dtype,
         weights=args.weights,
+        int4_group_size=args.int4_group_size,
+        int4_embeddings=args.int4_embeddings == "on",
         kv_integrity=args.kv_integrity == "on",
         max_model_len=args.max_model_len,
         speculative=args.speculative,

@@ -31,6 +31,28 @@ def _weights_arg(p: argparse.ArgumentParser) -> None:
         choices=["auto", "fp32", "bf16", "int4"],
         help="weight precision (auto: --dtype; int4: group-wise INT4, activations in --dtype)",
     )
+    p.add_argument(
+        "--int4-group-size",
+        type=_int4_group,
+        default=0,
+        metavar="auto|32|64|128",
+        help="INT4 group size (auto: a GGUF's own Q4 blocks as they are, else 32; "
+        "regrouping GGUF blocks requantizes them)",
+    )
+    p.add_argument(
+        "--int4-embeddings",
+        default="off",
+        choices=["on", "off"],
+        help="INT4 token embedding and LM head too (default off: they keep --dtype)",
+    )
+
+
+def _int4_group(text: str) -> int:
+    if text in ("auto", "0"):
+        return 0
+    if text not in ("32", "64", "128"):
+        raise argparse.ArgumentTypeError(f"expected auto, 32, 64 or 128, got {text!r}")
+    return int(text)
 
 
 def _kv_args(p: argparse.ArgumentParser) -> None:

@@ -54,6 +54,20 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class Int4Scheme:
+    """How `--weights int4` stores weights. group 0: a source's own INT4 blocks as they are (GGUF
+    Q4_0/Q4_1: 32), float weights in groups of 32; 32/64/128: everything in groups of that size
+    (regrouping GGUF blocks is a lossy requantization). embeddings: the token embedding and the
+    LM head in INT4 too (else they stay in the compute dtype)."""
+
+    group: int = 0
+    embeddings: bool = False
+
+
+INT4_GROUPS = (0, 32, 64, 128)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What the engine needs beyond the model: dtype, KV pool and batching limits."""
 
@@ -70,6 +84,8 @@ class EngineConfig:
     seed: int = 0
     kv_dtype: str = "auto"  # auto (= dtype), fp32, bf16 or fp8_e4m3
     weights: str = "auto"  # auto (= dtype), fp32, bf16 (also the compute dtype) or int4
+    int4_group_size: int = 0  # with weights=int4: see Int4Scheme
+    int4_embeddings: bool = False
     kv_integrity: bool = True  # check every page's tag before each step
     speculative: str = "none"  # none, ngram or eagle
     num_speculative_tokens: int = 4  # drafts verified per step
@@ -80,6 +96,12 @@ class EngineConfig:
     def compute_dtype(self) -> str:
         """Activations (and dense weights): --weights fp32/bf16 sets it, else --dtype."""
         return self.weights if self.weights in DTYPES else self.dtype
+
+    @property
+    def int4(self) -> Int4Scheme | None:
+        if self.weights != "int4":
+            return None
+        return Int4Scheme(self.int4_group_size, self.int4_embeddings)
 
     @property
     def resolved_kv_dtype(self) -> str:
@@ -94,6 +116,11 @@ class EngineConfig:
             )
         if self.weights not in WEIGHTS:
             raise InvalidRequestError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.int4_group_size not in INT4_GROUPS:
+            raise InvalidRequestError(
+                f"int4_group_size must be one of {INT4_GROUPS} (0: the source's), "
+                f"got {self.int4_group_size!r}"
+            )
         if self.speculative not in SPECULATIVE:
             raise InvalidRequestError(
                 f"speculative must be one of {SPECULATIVE}, got {self.speculative!r}"

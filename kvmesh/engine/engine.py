@@ -47,7 +47,7 @@ class Engine:
         torch.manual_seed(config.seed)
         self.config = config
         self.source = resolve_model(config.model)
-        model_config, weights = load_weights(self.source, int4=config.weights == "int4")
+        model_config, weights = load_weights(self.source, int4=config.int4 is not None)
         self.model_config: ModelConfig = model_config
         self.tokenizer = Tokenizer.from_source(self.source, model_config.eos_token_ids)
         self.max_model_len = min(
@@ -55,9 +55,7 @@ class Engine:
             model_config.max_position_embeddings,
         )
         dtype = TORCH_DTYPES[config.compute_dtype]
-        model = build_model(
-            model_config, weights, dtype, self.max_model_len, int4=config.weights == "int4"
-        )
+        model = build_model(model_config, weights, dtype, self.max_model_len, int4=config.int4)
         self.kv_dtype = config.resolved_kv_dtype
         spec = spec_for_model(model_config, config.page_size, self.kv_dtype)
         num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)

@@ -36,6 +36,8 @@ class WorkerOptions:
     model: str = "smollm2-135m"
     dtype: str = "fp32"
     weights: str = "auto"  # auto | fp32 | bf16 | int4 (advertised in the etcd registration)
+    int4_group_size: int = 0
+    int4_embeddings: bool = False
     kv_dtype: str = "auto"
     kv_cache_bytes: int = 512 << 20
     kv_integrity: bool = True
@@ -77,6 +79,8 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
             model=options.model,
             dtype=options.dtype,
             weights=options.weights,
+            int4_group_size=options.int4_group_size,
+            int4_embeddings=options.int4_embeddings,
             kv_cache_bytes=options.kv_cache_bytes,
             kv_dtype=options.kv_dtype,
             kv_integrity=options.kv_integrity,
@@ -120,7 +124,7 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
         page_size=engine.config.page_size,
         kv_dtype=engine.kv_dtype,
         capacity_tokens=engine.kv_cache.capacity_tokens,
-        extra={"weights": engine.config.weights, "compute_dtype": engine.config.compute_dtype},
+        extra=_precision(engine.config),
     )
     try:
         async with Registry(options.etcd, options.cluster) as registry:
@@ -159,3 +163,12 @@ async def _draft_address(options: WorkerOptions, timeout_s: float = 120.0) -> st
                 return drafts[0].grpc_address
             await asyncio.sleep(0.5)
     raise RuntimeError(f"no draft service registered in etcd within {timeout_s:.0f}s")
+
+
+def _precision(config: EngineConfig) -> dict[str, str]:
+    """What a worker advertises of its weights (etcd `extra`, shown by `kvmesh status`)."""
+    extra = {"weights": config.weights, "compute_dtype": config.compute_dtype}
+    if config.int4 is not None:
+        extra["int4_group_size"] = str(config.int4.group or "auto")
+        extra["int4_embeddings"] = "on" if config.int4.embeddings else "off"
+    return extra

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh import LLM, SamplingParams
+from kvmesh.engine.quant.int4 import Int4Linear
 
 TEXT = Path(__file__).parents[1] / "data" / "public_domain.txt"
 
@@ -35,3 +36,20 @@ def test_int4_with_bf16_activations_stays_close_on_a_fixed_text(llm):
     ref = math.exp(F.cross_entropy(llm.engine.score(ids)[:-1], target).item())
     got = math.exp(F.cross_entropy(int4.engine.score(ids)[:-1], target).item())
     assert abs(got / ref - 1) < 0.03, (ref, got)
+
+
+def test_int4_embeddings_share_one_table_and_cut_weights_to_under_a_third(llm):
+    int4 = LLM(dtype="bf16", weights="int4", int4_embeddings=True, kv_cache_bytes=32 << 20)
+    model = int4.engine.runner.model
+    assert isinstance(model.embed, Int4Linear) and model.lm_head is model.embed
+    dense = llm.engine.runner.model  # fp32: 4 bytes per parameter
+    ratio = model.weight_bytes / (dense.weight_bytes / 2)
+    assert 0.30 < ratio < 0.32, ratio  # Q4_1's own 5 bits per weight, bf16 scales and zeros
+    ids = llm.tokenizer.encode(TEXT.read_text())[:512]
+    target = torch.tensor(ids[1:])
+    ref = math.exp(F.cross_entropy(llm.engine.score(ids)[:-1], target).item())
+    got = math.exp(F.cross_entropy(int4.engine.score(ids)[:-1], target).item())
+    assert 1.0 < got / ref < 1.10, (ref, got)  # the requantized Q8_0 table costs a few percent
+    out = int4.chat([{"role": "user", "content": "What is the capital of Japan?"}],
+                    SamplingParams(max_tokens=16, temperature=0.0))  # fmt: skip
+    assert "Tokyo" in out[0].text

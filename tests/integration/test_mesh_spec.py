@@ -8,12 +8,12 @@ import asyncio
 import os
 import urllib.request
 
-import openai
 import pytest
 
 from kvmesh import SamplingParams
 from kvmesh.engine.spec.prompts import chat_prompts, split, structured_prompts
 from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
+from tests.integration.chat_client import chat_text, client_for
 
 pytestmark = pytest.mark.timeout(600)
 SETUPS = {
@@ -42,8 +42,7 @@ def _metric(address: str, name: str) -> float:
 
 def test_greedy_through_the_mesh_equals_the_engine_without_speculation(mesh, llm):
     name, running = mesh
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{running.http_port}/v1", api_key="x",
-                           max_retries=0, timeout=120)  # fmt: skip
+    client = client_for(running)
     _, held = split(chat_prompts() + structured_prompts(), 24)
     prompts = [p for p in held if p in set(structured_prompts())][:2] + held[:1]
     params = SamplingParams(max_tokens=48, temperature=0.0)
@@ -51,12 +50,8 @@ def test_greedy_through_the_mesh_equals_the_engine_without_speculation(mesh, llm
         messages = [{"role": "user", "content": prompt}]
         llm.engine.block_manager.reset_prefix_cache()
         want = llm.chat(messages, params)[0].text
-        kwargs = dict(model="smollm2-135m", messages=messages, max_tokens=48, temperature=0.0)
-        if i % 2:
-            chunks = client.chat.completions.create(**kwargs, stream=True)
-            got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        else:
-            got = client.chat.completions.create(**kwargs).choices[0].message.content
+        got = chat_text(client, bool(i % 2), model="smollm2-135m", messages=messages,
+                        max_tokens=48, temperature=0.0)  # fmt: skip
         assert got == want, (name, prompt)
     workers = asyncio.run(list_workers(running.etcd.endpoint, "default"))
     decode = next(w for w in workers if w.role == "decode")

@@ -17,10 +17,28 @@ def _weight(n: int = 96, k: int = 128, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("group", [32, 64])
 def test_round_to_nearest_error_is_within_half_a_step(group):
     w = _weight()
-    q = Int4Weight.quantize(w, group)
+    q = Int4Weight.quantize(w, group, search=False)
     step = q.scale.repeat_interleave(group, dim=1)
     assert q.q.max() <= 15 and q.shape == (96, 128)
     assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_scale_search_beats_min_max_in_every_group(group):
+    w = _weight(seed=4)
+    errors = []
+    for search in (False, True):
+        diff = Int4Weight.quantize(w, group, search=search).dequantize() - w
+        errors.append(diff.view(96, -1, group).square().sum(-1))
+    assert (errors[1] <= errors[0] + 1e-9).all()
+    assert errors[1].sum() < 0.9 * errors[0].sum()  # clipping outliers pays on gaussian weights
+
+
+def test_weights_already_on_an_int4_grid_come_back_unchanged():
+    exact = Int4Weight.quantize(_weight(seed=5), 32, search=False).dequantize()
+    again = Int4Weight.quantize(exact, 32).dequantize()
+    torch.testing.assert_close(again, exact, atol=1e-6, rtol=0)
+    assert not torch.allclose(Int4Weight.quantize(exact, 64).dequantize(), exact, atol=1e-4)
 
 
 def test_group_must_divide_the_inputs():
@@ -57,3 +75,61 @@ def test_reordering_rows_moves_scales_with_them():
     q = Int4Weight.quantize(_weight(), 32)
     order = torch.arange(95, -1, -1)
     assert torch.equal(q.rows(order).dequantize(), q.dequantize()[order])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_read_back_from_the_packed_kernel_layout(dtype):
+    q = Int4Weight.quantize(_weight(n=256, k=128, seed=6), 32)
+    layer = Int4Linear(q, dtype)
+    if not layer.can_read_rows:
+        pytest.skip("this CPU's int4 packing is not the blocked layout rows() reads")
+    scale, zero = (t.to(dtype).float() for t in (q.scale, q.zero))  # as the kernel holds them
+    values = q.q.float().view(256, 4, 32)
+    want = ((values - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)).view(256, 128).to(dtype)
+    assert torch.equal(layer.rows(torch.arange(256)), want)
+    ids = torch.tensor([255, 0, 33, 31, 32, 64, 33])
+    assert torch.equal(layer.rows(ids), want[ids])
+
+
+def test_rows_need_the_known_layout():
+    layer = Int4Linear(Int4Weight.quantize(_weight(n=48, k=64), 32), torch.float32)
+    assert not layer.can_read_rows  # 48 rows are not whole blocks of this layout
+    with pytest.raises(ValueError, match="packed layout"):
+        layer.rows(torch.tensor([0]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_int4_linear_matches_the_dequantized_reference():
+    q = Int4Weight.quantize(_weight(n=256, k=256, seed=7), 64)
+    layer = Int4Linear(q, torch.bfloat16, device="cuda")
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(8)).to("cuda", torch.bfloat16)
+    want = x.float() @ q.dequantize().to("cuda").t()
+    got = layer(x).float()
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
+
+
+def test_int4_scheme_is_validated_and_only_applies_to_int4_weights():
+    from kvmesh.engine.config import EngineConfig, Int4Scheme
+    from kvmesh.errors import InvalidRequestError
+
+    assert EngineConfig(model="m", weights="bf16", int4_group_size=64).int4 is None
+    scheme = EngineConfig(model="m", weights="int4", int4_group_size=64, int4_embeddings=True)
+    assert scheme.int4 == Int4Scheme(group=64, embeddings=True)
+    with pytest.raises(InvalidRequestError, match="int4_group_size"):
+        EngineConfig(model="m", weights="int4", int4_group_size=48)
+
+
+def test_int4_flags_reach_the_workers_of_kvmesh_up():
+    from kvmesh.cli import _worker_passthrough
+    from kvmesh.cli_args import build_parser
+
+    parser = build_parser()
+    up = parser.parse_args(["up", "--weights", "int4", "--int4-group-size", "64",
+                            "--int4-embeddings", "on"])  # fmt: skip
+    flags = _worker_passthrough(up)
+    worker = parser.parse_args(["serve", "decode", "--etcd", "127.0.0.1:1", *flags])
+    assert (worker.weights, worker.int4_group_size, worker.int4_embeddings) == ("int4", 64, "on")
+    auto = parser.parse_args(["serve", "decode", "--etcd", "127.0.0.1:1", "--weights", "int4"])
+    assert auto.int4_group_size == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--prompt", "x", "--int4-group-size", "48"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmesh.engine.config import ModelConfig
+from kvmesh.engine.config import Int4Scheme, ModelConfig
 from kvmesh.engine.models.llama import LlamaModel
 from kvmesh.errors import ModelFormatError
 
@@ -16,7 +16,7 @@ def build_model(
     weights: dict[str, torch.Tensor],
     dtype: torch.dtype,
     max_positions: int,
-    int4: bool = False,
+    int4: Int4Scheme | None = None,
 ) -> LlamaModel:
     cls = _ARCHITECTURES.get(config.architecture)
     if cls is None:

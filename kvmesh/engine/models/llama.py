@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.engine.attention import AttentionBackend, AttentionMetadata, LayerKV
-from kvmesh.engine.config import ModelConfig
+from kvmesh.engine.config import Int4Scheme, ModelConfig
 from kvmesh.engine.models.rope import RotaryEmbedding, apply_rotary, inv_frequencies
 from kvmesh.engine.quant.int4 import Int4Linear, Int4Weight
 from kvmesh.errors import ModelFormatError
@@ -45,11 +45,12 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
         max_positions: int,
-        int4: bool = False,
+        int4: Int4Scheme | None = None,
     ) -> None:
         """int4: every decoder-layer linear becomes INT4, taking `Int4Weight`s in `weights`
-        (e.g. GGUF Q4_1) as they are and quantizing float ones (round-to-nearest, group 32).
-        Embeddings, norms and the LM head stay in `dtype`."""
+        (e.g. GGUF Q4_1) as they are and quantizing float ones (round-to-nearest), in the
+        scheme's group size; the embedding / LM head too if the scheme says so. Norms (and
+        otherwise the embedding / LM head) stay in `dtype`."""
         self.config = config
         self.dtype = dtype
         self.int4 = int4
@@ -57,11 +58,11 @@ class LlamaModel:
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         take = _Taker(weights, dtype)
-        self.embed = take("model.embed_tokens.weight")
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        self.embed = self._table(take, "model.embed_tokens.weight")
         self.layers = [self._layer(take, i) for i in range(config.num_layers)]
         self.norm = take("model.norm.weight")
-        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = self.embed if tied else take("lm_head.weight")
+        self.lm_head = self.embed if tied else self._table(take, "lm_head.weight")
         rope_freqs = weights.get("rope_freqs")
         self.rope = RotaryEmbedding(inv_frequencies(config, rope_freqs), max_positions, dtype)
 
@@ -83,17 +84,47 @@ class LlamaModel:
 
     def _linear(self, take: _Taker, names: list[str]) -> Linear:
         """Output rows of `names` fused into one dense or INT4 linear layer."""
-        if not self.int4:
+        if self.int4 is None:
             return torch.cat([take(n) for n in names])
-        parts = []
-        for name in names:
-            if name not in take.weights:
-                raise ModelFormatError(f"weights lack tensor {name!r}")
-            weight = take.weights.pop(name)
-            if not isinstance(weight, Int4Weight):
-                weight = Int4Weight.quantize(weight.float(), group=32)
-            parts.append(weight)
-        return Int4Linear(Int4Weight.cat(parts), self.dtype)
+        return Int4Linear(Int4Weight.cat([self._int4(take, n) for n in names]), self.dtype)
+
+    def _int4(self, take: _Taker, name: str) -> Int4Weight:
+        if name not in take.weights:
+            raise ModelFormatError(f"weights lack tensor {name!r}")
+        weight, group = take.weights.pop(name), self.int4.group  # type: ignore[union-attr]
+        if isinstance(weight, Int4Weight):
+            return weight.regroup(group) if group else weight
+        try:
+            return Int4Weight.quantize(weight.float(), group or 32)
+        except ValueError as exc:
+            raise ModelFormatError(f"{name}: {exc}") from None
+
+    def _table(self, take: _Taker, name: str) -> Linear:
+        """The token embedding or an untied LM head: dense, or INT4 whose rows the CPU kernel
+        layout lets us read back (one copy serves the lookup and the LM head matmul)."""
+        if self.int4 is None or not self.int4.embeddings:
+            return take(name)
+        table = Int4Linear(self._int4(take, name), self.dtype)
+        if not table.can_read_rows:
+            raise ModelFormatError(
+                "INT4 embeddings need the CPU int4 kernel's blocked layout and a vocabulary "
+                f"that is a multiple of its block; {name} has {table.out_features} rows"
+            )
+        return table
+
+    def token_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the token embedding for `ids`, in the compute dtype."""
+        if isinstance(self.embed, Int4Linear):
+            return self.embed.rows(ids)
+        return F.embedding(ids, self.embed)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights the model holds (a tied table counted once)."""
+        held = [self.norm, *{id(t): t for t in (self.embed, self.lm_head)}.values()]
+        for layer in self.layers:
+            held += [v for v in vars(layer).values() if v is not None]
+        return sum(w.nbytes for w in held)
 
     @torch.inference_mode()
     def forward(
@@ -109,7 +140,7 @@ class LlamaModel:
         and, with `capture`, the outputs of those layers concatenated [T, len(capture) * H]
         (the features an EAGLE draft head reads)."""
         cos, sin = self.rope.tables(positions)
-        h = F.embedding(input_ids, self.embed)
+        h = self.token_embeddings(input_ids)
         captured: list[torch.Tensor] = []
         for index, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             h = h + self._attention(
@@ -144,7 +175,7 @@ class LlamaModel:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, V] for the given rows of `forward`'s output."""
-        return F.linear(self._norm(hidden, self.norm), self.lm_head).float()
+        return _mm(self._norm(hidden, self.norm), self.lm_head).float()
 
 
 class _Taker:

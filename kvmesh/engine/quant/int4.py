@@ -4,11 +4,17 @@ convention, so the CPU kernel `_weight_int4pack_mm_for_cpu` consumes it as is.
 
 Sources: round-to-nearest from float weights (min/max per group), or GGUF Q4_1 / Q4_0 blocks
 taken over exactly: a Q4_1 block of 32 is w = d * q + m, i.e. scale = d, zero = m + 8 d (Q4_0:
-w = d * (q - 8), zero = 0) -- no dequantize-requantize round trip.
+w = d * (q - 8), zero = 0) -- no dequantize-requantize round trip. `regroup` is the explicit,
+lossy exception (e.g. Q4_1's groups of 32 into groups of 64, for memory).
+
+Kernels behind one `Int4Linear`: CPU `_weight_int4pack_mm_for_cpu` (activations fp32/bf16), CUDA
+`_weight_int4pack_mm` (tensor-core tinygemm, bf16 activations). On CPU, `Int4Linear.rows` reads
+rows straight out of the packed weight, so a tied embedding / LM head is stored once, in INT4.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,16 +40,19 @@ class Int4Weight:
         return ((q - 8) * self.scale.unsqueeze(-1) + self.zero.unsqueeze(-1)).view(n, k)
 
     @classmethod
-    def quantize(cls, w: torch.Tensor, group: int = 32) -> Int4Weight:
-        """Round-to-nearest, asymmetric min/max per group."""
+    def quantize(cls, w: torch.Tensor, group: int = 32, search: bool = True) -> Int4Weight:
+        """Round-to-nearest, asymmetric per group. search: per group, the clipping of the
+        min/max range (a grid of 6 x 6 shrinks, up to 15 % off each end) and a least-squares
+        refit of (scale, offset) that give the smallest squared error -- never worse than plain
+        min/max, which is one of the candidates."""
         n, k = w.shape
         if k % group:
             raise ValueError(f"input features {k} are not a multiple of the group size {group}")
-        wg = w.float().view(n, k // group, group)
-        low, high = wg.amin(-1), wg.amax(-1)
-        scale = ((high - low) / 15).clamp_min(1e-10)
-        q = ((wg - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15)
-        return cls(q.to(torch.uint8).view(n, k), scale, low + 8 * scale, group)
+        shrinks = torch.linspace(0, 0.15, 6) if search else None
+        parts = [_fit(chunk.float().view(-1, k // group, group), shrinks)
+                 for chunk in w.split(4096)]  # fmt: skip
+        q, scale, offset = (torch.cat(t) for t in zip(*parts, strict=True))
+        return cls(q.to(torch.uint8).view(n, k), scale, offset + 8 * scale, group)
 
     @classmethod
     def from_gguf_blocks(cls, raw: np.ndarray, qtype: str, rows: int, cols: int) -> Int4Weight:
@@ -62,6 +71,11 @@ class Int4Weight:
         return cls(torch.from_numpy(q.reshape(rows, cols).astype(np.uint8)), scale,
                    torch.from_numpy(m) + 8 * scale, 32)  # fmt: skip
 
+    def regroup(self, group: int) -> Int4Weight:
+        """Requantized to another group size (`quantize` of the dequantized weight: lossy,
+        unlike taking GGUF blocks over)."""
+        return self if group == self.group else Int4Weight.quantize(self.dequantize(), group)
+
     def rows(self, order: torch.Tensor) -> Int4Weight:
         """The same weight with its output rows reordered (e.g. llama.cpp's Q/K permutation)."""
         return Int4Weight(self.q[order], self.scale[order], self.zero[order], self.group)
@@ -77,24 +91,118 @@ class Int4Weight:
 
 
 class Int4Linear:
-    """y = x W^T with W in INT4, activations fp32 or bf16 (CPU: torch's tinygemm kernel)."""
+    """y = x W^T with W in INT4: CPU activations fp32 or bf16, CUDA activations bf16."""
 
-    def __init__(self, weight: Int4Weight, dtype: torch.dtype) -> None:
+    def __init__(self, weight: Int4Weight, dtype: torch.dtype, device: str = "cpu") -> None:
         self.out_features, self.in_features = weight.shape
         self.group = weight.group
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            weight.q.to(torch.int32), 1
-        )
+        self.device = torch.device(device)
+        q = weight.q.to(self.device)
+        if self.device.type == "cuda":  # two values per byte, even k in the high nibble
+            pairs = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()
+            tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         scales_zeros = torch.stack([weight.scale, weight.zero], dim=-1)  # [N, K/g, 2]
-        self.scales_zeros = scales_zeros.transpose(0, 1).contiguous().to(dtype)  # [K/g, N, 2]
+        self.scales_zeros = scales_zeros.transpose(0, 1).contiguous().to(self.device, dtype)
+        self._block = _cpu_row_block(self.out_features) if self.device.type == "cpu" else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            flat, self.packed, self.group, self.scales_zeros
-        )
+        if self.device.type == "cuda":
+            out = torch.ops.aten._weight_int4pack_mm(
+                flat, self.packed, self.group, self.scales_zeros
+            )
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                flat, self.packed, self.group, self.scales_zeros
+            )
         return out.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def can_read_rows(self) -> bool:
+        return self._block > 0
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows W[ids] [T, K] in the activation dtype (an embedding lookup), read
+        from the CPU kernel's packed layout: blocks of `b` rows stored [K, b/2] bytes, row
+        j < b/2 in the low nibbles and row j + b/2 in the high ones."""
+        if not self.can_read_rows:
+            raise ValueError("rows() needs the CPU packed layout of a known block size")
+        b, k, g = self._block, self.in_features, self.group
+        blocks = self.packed.view(self.out_features // b, k, b // 2)
+        within = ids % b
+        packed = blocks[ids // b, :, within % (b // 2)]  # [T, K]
+        shift = (within >= b // 2).to(torch.uint8).mul_(4).unsqueeze(-1)
+        q = ((packed >> shift) & 15).float().view(-1, k // g, g)
+        scales_zeros = self.scales_zeros[:, ids].float()  # [K/g, T, 2]
+        scale = scales_zeros[..., 0].T.unsqueeze(-1)
+        zero = scales_zeros[..., 1].T.unsqueeze(-1)
+        return ((q - 8) * scale + zero).view(-1, k).to(self.scales_zeros.dtype)
 
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_zeros.nbytes
+
+
+def _fit(
+    wg: torch.Tensor, shrinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Best (q, scale, offset) per group of wg [R, G, g], w ~= q * scale + offset, over the
+    range clippings `shrinks`, scale and offset refit by least squares for each candidate q
+    (None: plain min/max)."""
+    low, high = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    spread = high - low
+    if shrinks is None:
+        step = (spread / 15).clamp_min(1e-10)
+        return ((wg - low) / step).round_().clamp_(0, 15), step.squeeze(-1), low.squeeze(-1)
+    best: tuple[torch.Tensor, ...] | None = None
+    for a in shrinks:
+        for b in shrinks:
+            lo = low + a * spread
+            step = ((spread * (1 - a - b)) / 15).clamp_min(1e-10)
+            q = ((wg - lo) / step).round_().clamp_(0, 15)
+            q_mean, w_mean = q.mean(-1, keepdim=True), wg.mean(-1, keepdim=True)
+            var = (q - q_mean).square().sum(-1, keepdim=True)
+            cov = ((q - q_mean) * (wg - w_mean)).sum(-1, keepdim=True)
+            scale = torch.where(var > 0, cov / var.clamp_min(1e-12), step)
+            offset = w_mean - scale * q_mean
+            err = (q * scale + offset - wg).square().sum(-1, keepdim=True)
+            if best is None:
+                best = (err, q, scale, offset)
+                continue
+            better = err < best[0]
+            best = tuple(
+                torch.where(better, new, old)
+                for new, old in zip((err, q, scale, offset), best, strict=True)
+            )
+    _, q, scale, offset = best  # type: ignore[misc]
+    return q, scale.squeeze(-1), offset.squeeze(-1)
+
+
+@functools.cache
+def _cpu_row_block(rows: int) -> int:
+    """Rows per block of `_convert_weight_to_int4pack_for_cpu`'s layout (it depends on the CPU's
+    vector ISA), found by packing a probe whose values encode their row; 0 if the layout is not
+    the blocked one `Int4Linear.rows` reads, or `rows` is not a whole number of blocks."""
+    for block in (64, 32, 16):
+        if rows % block:
+            continue
+        n = 2 * block
+        probe = (torch.arange(n) % 16).view(n, 1).expand(n, 8).to(torch.int32)
+        high = (torch.arange(n) // 16).view(n, 1).expand(n, 8).to(torch.int32)
+        got = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(p.contiguous(), 1)
+               for p in (probe, high)]  # fmt: skip
+        if got[0].shape != (n, 4):
+            return 0
+        rows_seen = [((g.view(2, 8, block // 2) >> s) & 15).long() for g in got for s in (0, 4)]
+        low_row = rows_seen[0] + 16 * rows_seen[2]
+        high_row = rows_seen[1] + 16 * rows_seen[3]
+        j = torch.arange(block // 2)
+        base = torch.tensor([0, block]).view(2, 1, 1)
+        if torch.equal(low_row, (base + j).expand_as(low_row)) and torch.equal(
+            high_row, (base + j + block // 2).expand_as(high_row)
+        ):
+            return block
+    return 0

@@ -4,7 +4,7 @@ head's own KV over the last `window` committed positions, extended as the target
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +23,12 @@ class _State:
 
 
 class EagleProposer:
-    def __init__(self, head: EagleHead, embed: torch.Tensor) -> None:
+    def __init__(
+        self, head: EagleHead, embed: torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
         self.head = head
-        self.embed = embed  # the target's token embeddings [V, H]
+        # the target's token embeddings: a [V, H] table or a lookup (INT4 tables)
+        self.embed = embed.__getitem__ if isinstance(embed, torch.Tensor) else embed
         self.window = head.config.window
         self._states: dict[str, _State] = {}
         self._held: set[str] = set()  # states kept after finish (prefill hand-over)
@@ -44,7 +47,7 @@ class EagleProposer:
                      start: int) -> None:  # fmt: skip
         head = self.head
         positions = torch.arange(start, start + len(next_tokens))
-        embeds = self.embed[torch.tensor(next_tokens)].float()
+        embeds = self.embed(torch.tensor(next_tokens)).float()
         q, k, v = head.project(embeds, fused, positions)
         state = self._states.get(seq_id)
         if state is not None and int(state.positions[-1]) + 1 != start:
@@ -82,7 +85,7 @@ class EagleProposer:
         while len(drafts) < limit:
             position += 1
             pos = torch.tensor([position])
-            embed = self.embed[drafts[-1]].float().unsqueeze(0)
+            embed = self.embed(torch.tensor([drafts[-1]])).float()
             q, k, v = head.project(embed, out.unsqueeze(0), pos)
             keys, values = torch.cat([keys, k]), torch.cat([values, v])
             key_pos = torch.cat([key_pos, pos])

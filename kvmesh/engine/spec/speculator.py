@@ -167,5 +167,5 @@ def build_speculator(config, model_name: str, runner: ModelRunner,
 
         head = load_head(config.draft_model, model_name)
         runner.capture = head.config.capture_layers
-        proposer = EagleProposer(head, runner.model.embed)
+        proposer = EagleProposer(head, runner.model.token_embeddings)
     return Speculator(proposer, config.num_speculative_tokens, max_model_len)
