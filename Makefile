@@ -45,6 +45,7 @@ bench: model
 	$(BIN)/kvmesh bench transfer --output bench/results/transfer.json
 	$(BIN)/kvmesh bench kv --output bench/results/kv.json
 	$(BIN)/kvmesh bench spec --output bench/results/spec.json
+	$(BIN)/kvmesh bench weights --output bench/results/weights.json
 
 protos: install
 	$(BIN)/python scripts/gen_protos.py

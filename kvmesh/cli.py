@@ -57,6 +57,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             from kvmesh.benchmarks.spec import run_spec_bench
 
             return run_spec_bench(args)
+        if args.bench == "weights":
+            from kvmesh.benchmarks.weights import run_weights_bench
+
+            return run_weights_bench(args)
         if args.bench == "kv":
             from kvmesh.benchmarks.kv import run_kv_bench
 

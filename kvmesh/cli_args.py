@@ -247,6 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
             "FP8 quality",
         )
     )
+    from kvmesh.benchmarks.weights import add_arguments as weights_arguments
+
+    weights_arguments(
+        bench_sub.add_parser(
+            "weights", help="INT4 vs bf16 vs fp32 weights: memory, decode tok/s, quality"
+        )
+    )
     from kvmesh.benchmarks.spec import add_arguments as spec_arguments
 
     spec_arguments(

@@ -50,7 +50,7 @@ def bench_quality(args, text: str, reference) -> tuple[list[QualityRow], int]:
         argmax = logits.argmax(-1)
         if ref_tokens is None:
             ref_tokens, ref_argmax, ref_ppl = tokens, argmax, ppl
-        prefix = tuple(_common_prefix(a, b) for a, b in zip(tokens, ref_tokens, strict=True))
+        prefix = tuple(common_prefix(a, b) for a, b in zip(tokens, ref_tokens, strict=True))
         rows.append(QualityRow(kv, round(ppl, 4), round(ppl / ref_ppl - 1, 5),
                                round((argmax == ref_argmax).float().mean().item(), 4), prefix))  # fmt: skip
         print(json.dumps(asdict(rows[-1])), flush=True)
@@ -60,7 +60,7 @@ def bench_quality(args, text: str, reference) -> tuple[list[QualityRow], int]:
     return rows, len(ids)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))  # noqa: B905
 
 
