@@ -29,7 +29,8 @@ def _weights_arg(p: argparse.ArgumentParser) -> None:
         "--weights",
         default="auto",
         choices=["auto", "fp32", "bf16", "int4"],
-        help="weight precision (auto: --dtype; int4: group-wise INT4, activations in --dtype)",
+        help="weight precision (auto: --dtype; int4: group-wise INT4, activations in --dtype: "
+        "use --dtype bf16, the CPU kernel's fp32 path is several times slower)",
     )
     p.add_argument(
         "--int4-group-size",

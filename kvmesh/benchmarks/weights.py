@@ -137,7 +137,7 @@ def run_weights_bench(args: argparse.Namespace) -> int:
     tokenizer = next(iter(engines.values())).tokenizer
     speed = bench_speed(args, engines, tokenizer)
     gc.collect()
-    quality = bench_quality(engines, quality_pairs(list(engines)), tokenizer,
+    quality, text_tokens = bench_quality(engines, quality_pairs(list(engines)), tokenizer,
                             Path(args.text).read_text(), args.text_tokens, args.quality_tokens)  # fmt: skip
     env = [f"{k}={os.environ[k]}" for k in ("KVMESH_NUM_THREADS",) if os.environ.get(k)]
     report = {
@@ -149,7 +149,7 @@ def run_weights_bench(args: argparse.Namespace) -> int:
         "model": args.model,
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
-        "text_tokens": args.text_tokens,
+        "text_tokens": text_tokens,
         "quality_tokens": args.quality_tokens,
         "wall_s": round(time.perf_counter() - started, 1),
         "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],

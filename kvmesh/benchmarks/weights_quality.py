@@ -106,13 +106,14 @@ def _copy_pages(src, src_pages: list[int], dst, dst_pages: list[int]) -> None:
 
 
 def bench_quality(engines: dict, pairs: list[tuple[str, str]], tokenizer, text: str,
-                  text_tokens: int, max_tokens: int) -> list[QualityRow]:  # fmt: skip
-    """One row per (prefill, decode) pair of engine names; the first pair is the reference."""
+                  text_tokens: int, max_tokens: int) -> tuple[list[QualityRow], int]:  # fmt: skip
+    """One row per (prefill, decode) pair of engine names (the first pair is the reference),
+    and the number of text tokens used."""
     import torch
     import torch.nn.functional as F
 
     ids = tokenizer.encode(text, add_special_tokens=False)[:text_tokens]
-    context = text_tokens // 2
+    context = len(ids) // 2
     target = torch.tensor(ids[context + 1 :])
     prompts = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     rows: list[QualityRow] = []
@@ -130,4 +131,4 @@ def bench_quality(engines: dict, pairs: list[tuple[str, str]], tokenizer, text: 
         rows.append(QualityRow(p, d, round(ppl, 4), round(ppl / ref_ppl - 1, 5), prefix,
                                round(sum(prefix) / len(prefix), 1)))  # fmt: skip
         print(json.dumps(asdict(rows[-1])), flush=True)
-    return rows
+    return rows, len(ids)

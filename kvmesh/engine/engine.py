@@ -55,6 +55,8 @@ class Engine:
             model_config.max_position_embeddings,
         )
         dtype = TORCH_DTYPES[config.compute_dtype]
+        if config.int4 is not None and config.compute_dtype == "fp32":
+            log.warning("engine.int4_fp32_activations", hint="--dtype bf16 is several times faster")
         model = build_model(model_config, weights, dtype, self.max_model_len, int4=config.int4)
         self.kv_dtype = config.resolved_kv_dtype
         spec = spec_for_model(model_config, config.page_size, self.kv_dtype)
