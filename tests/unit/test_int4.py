@@ -133,3 +133,35 @@ def test_int4_flags_reach_the_workers_of_kvmesh_up():
     assert auto.int4_group_size == 0
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "--prompt", "x", "--int4-group-size", "48"])
+
+
+def _tiny_model(embed, embeddings: bool):
+    from kvmesh.engine.config import Int4Scheme, ModelConfig
+    from kvmesh.engine.models.llama import LlamaModel
+
+    config = ModelConfig("llama", vocab_size=128, hidden_size=64, intermediate_size=64,
+                         num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32,
+                         rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64,
+                         tie_word_embeddings=True)  # fmt: skip
+    p = "model.layers.0."
+    shapes = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64),
+              "self_attn.v_proj": (32, 64), "self_attn.o_proj": (64, 64),
+              "mlp.gate_proj": (64, 64), "mlp.up_proj": (64, 64), "mlp.down_proj": (64, 64)}  # fmt: skip
+    weights = {p + n + ".weight": _weight(*s, seed=i) for i, (n, s) in enumerate(shapes.items())}
+    weights |= {p + "input_layernorm.weight": torch.ones(64),
+                p + "post_attention_layernorm.weight": torch.ones(64),
+                "model.norm.weight": torch.ones(64), "model.embed_tokens.weight": embed}  # fmt: skip
+    return LlamaModel(config, weights, torch.float32, 64, Int4Scheme(embeddings=embeddings))
+
+
+def test_an_int4_source_table_is_dequantized_when_kept_dense_and_shared_when_int4():
+    table = Int4Weight.quantize(_weight(n=128, k=64, seed=9), 32)  # e.g. a GGUF's Q4_0 token_embd
+    dense = _tiny_model(table, embeddings=False)
+    assert isinstance(dense.embed, torch.Tensor) and dense.lm_head is dense.embed
+    assert torch.equal(dense.embed, table.dequantize())
+    packed = _tiny_model(table, embeddings=True)
+    assert isinstance(packed.embed, Int4Linear) and packed.lm_head is packed.embed
+    if packed.embed.can_read_rows:
+        ids = torch.tensor([5, 127, 0])
+        assert torch.equal(packed.token_embeddings(ids), table.dequantize()[ids])
+    assert packed.weight_bytes < dense.weight_bytes

@@ -179,7 +179,9 @@ class LlamaModel:
 
 
 class _Taker:
-    """Pops named tensors from the state dict, cast to the model dtype, with clear errors."""
+    """Named tensors from the state dict, cast to the model dtype, with clear errors (an INT4
+    tensor wanted dense, e.g. a GGUF's Q4 token embedding kept in the compute dtype, is
+    dequantized)."""
 
     def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         self.weights = weights
@@ -188,4 +190,7 @@ class _Taker:
     def __call__(self, name: str) -> torch.Tensor:
         if name not in self.weights:
             raise ModelFormatError(f"weights lack tensor {name!r}")
-        return self.weights[name].to(self.dtype).contiguous()
+        weight = self.weights[name]
+        if isinstance(weight, Int4Weight):
+            weight = weight.dequantize()
+        return weight.to(self.dtype).contiguous()

@@ -130,12 +130,8 @@ class Int4Linear:
         j < b/2 in the low nibbles and row j + b/2 in the high ones."""
         if not self.can_read_rows:
             raise ValueError("rows() needs the CPU packed layout of a known block size")
-        b, k, g = self._block, self.in_features, self.group
-        blocks = self.packed.view(self.out_features // b, k, b // 2)
-        within = ids % b
-        packed = blocks[ids // b, :, within % (b // 2)]  # [T, K]
-        shift = (within >= b // 2).to(torch.uint8).mul_(4).unsqueeze(-1)
-        q = ((packed >> shift) & 15).float().view(-1, k // g, g)
+        k, g = self.in_features, self.group
+        q = _read_nibbles(self.packed, self._block, ids, k).float().view(-1, k // g, g)
         scales_zeros = self.scales_zeros[:, ids].float()  # [K/g, T, 2]
         scale = scales_zeros[..., 0].T.unsqueeze(-1)
         zero = scales_zeros[..., 1].T.unsqueeze(-1)
@@ -181,28 +177,32 @@ def _fit(
     return q, scale.squeeze(-1), offset.squeeze(-1)
 
 
+def _read_nibbles(packed: torch.Tensor, block: int, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Values [T, K] (0..15) of rows `ids` from the CPU layout [N / block, K, block / 2] bytes."""
+    half = block // 2
+    blocks = packed.view(-1, k, half)
+    within = ids % block
+    data = blocks[ids // block, :, within % half]  # [T, K]
+    shift = (within >= half).to(torch.uint8).mul_(4).unsqueeze(-1)
+    return (data >> shift) & 15
+
+
 @functools.cache
 def _cpu_row_block(rows: int) -> int:
     """Rows per block of `_convert_weight_to_int4pack_for_cpu`'s layout (it depends on the CPU's
-    vector ISA), found by packing a probe whose values encode their row; 0 if the layout is not
-    the blocked one `Int4Linear.rows` reads, or `rows` is not a whole number of blocks."""
+    vector ISA): the block size whose reading (`_read_nibbles`) gives back random values packed
+    by torch; 0 if none does or `rows` is not a whole number of blocks."""
     for block in (64, 32, 16):
         if rows % block:
             continue
-        n = 2 * block
-        probe = (torch.arange(n) % 16).view(n, 1).expand(n, 8).to(torch.int32)
-        high = (torch.arange(n) // 16).view(n, 1).expand(n, 8).to(torch.int32)
-        got = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(p.contiguous(), 1)
-               for p in (probe, high)]  # fmt: skip
-        if got[0].shape != (n, 4):
-            return 0
-        rows_seen = [((g.view(2, 8, block // 2) >> s) & 15).long() for g in got for s in (0, 4)]
-        low_row = rows_seen[0] + 16 * rows_seen[2]
-        high_row = rows_seen[1] + 16 * rows_seen[3]
-        j = torch.arange(block // 2)
-        base = torch.tensor([0, block]).view(2, 1, 1)
-        if torch.equal(low_row, (base + j).expand_as(low_row)) and torch.equal(
-            high_row, (base + j + block // 2).expand_as(high_row)
+        n, k = 2 * block, 16
+        values = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(block))
+        try:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32), 1)
+        except RuntimeError:
+            continue
+        if packed.numel() * 2 == n * k and torch.equal(
+            _read_nibbles(packed, block, torch.arange(n), k).long(), values
         ):
             return block
     return 0
