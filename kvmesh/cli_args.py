@@ -9,7 +9,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default="smollm2-135m", help="alias, .gguf file or HF safetensors folder"
     )
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    _dtype_arg(p)
     _weights_arg(p)
     _kv_args(p)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -24,13 +24,22 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16"],
+        help="activations and dense weights (auto: bf16 with --weights int4, else fp32)",
+    )
+
+
 def _weights_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--weights",
         default="auto",
         choices=["auto", "fp32", "bf16", "int4"],
-        help="weight precision (auto: --dtype; int4: group-wise INT4, activations in --dtype: "
-        "use --dtype bf16, the CPU kernel's fp32 path is several times slower)",
+        help="weight precision (auto: --dtype; int4: group-wise INT4, activations in --dtype; "
+        "with --dtype fp32 the CPU kernel is several times slower than with bf16)",
     )
     p.add_argument(
         "--int4-group-size",
@@ -92,7 +101,7 @@ def _mesh_args(p: argparse.ArgumentParser) -> None:
 
 
 def _worker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    _dtype_arg(p)
     _weights_arg(p)
     _kv_args(p)
     p.add_argument("--max-num-seqs", type=int, default=64)

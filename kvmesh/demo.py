@@ -20,7 +20,7 @@ def run_demo(model: str, dtype: str) -> int:
     start = time.perf_counter()
     llm = LLM(model=model, dtype=dtype)
     print(
-        f"kvmesh: loaded {llm.engine.model_name} ({dtype}) in {time.perf_counter() - start:.1f}s; "
+        f"kvmesh: loaded {llm.engine.model_name} ({llm.engine.config.compute_dtype}) in {time.perf_counter() - start:.1f}s; "
         f"KV pool {llm.engine.kv_cache.capacity_tokens} tokens"
     )
     params = SamplingParams(max_tokens=96, temperature=0.0)

@@ -53,6 +53,16 @@ class ModelConfig:
             raise ModelFormatError("model config has a non-positive dimension")
 
 
+def compute_dtype_of(dtype: str, weights: str) -> str:
+    """Activations (and dense weights): --weights fp32/bf16 set it, else --dtype, whose "auto"
+    is bf16 under INT4 weights (the CPU int4 kernel's fp32 path is slow) and fp32 otherwise."""
+    if weights in DTYPES:
+        return weights
+    if dtype == "auto":
+        return "bf16" if weights == "int4" else "fp32"
+    return dtype
+
+
 @dataclass(frozen=True)
 class Int4Scheme:
     """How `--weights int4` stores weights. group 0: a source's own INT4 blocks as they are (GGUF
@@ -72,7 +82,7 @@ class EngineConfig:
     """What the engine needs beyond the model: dtype, KV pool and batching limits."""
 
     model: str
-    dtype: str = "fp32"
+    dtype: str = "fp32"  # or auto: see compute_dtype_of
     page_size: int = 16
     num_pages: int | None = None  # None: derived from kv_cache_bytes
     kv_cache_bytes: int = 512 << 20
@@ -94,8 +104,7 @@ class EngineConfig:
 
     @property
     def compute_dtype(self) -> str:
-        """Activations (and dense weights): --weights fp32/bf16 sets it, else --dtype."""
-        return self.weights if self.weights in DTYPES else self.dtype
+        return compute_dtype_of(self.dtype, self.weights)
 
     @property
     def int4(self) -> Int4Scheme | None:
@@ -108,8 +117,8 @@ class EngineConfig:
         return self.compute_dtype if self.kv_dtype == "auto" else self.kv_dtype
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be auto or one of {DTYPES}, got {self.dtype!r}")
         if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
             raise InvalidRequestError(
                 f"kv_dtype must be auto or one of {KV_DTYPES}, got {self.kv_dtype!r}"

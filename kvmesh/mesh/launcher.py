@@ -117,12 +117,15 @@ class Mesh:
 
     def _kvstore_layout(self) -> list[str]:
         """The store must hold pages of exactly the workers' layout (model, page, dtype)."""
+        from kvmesh.engine.config import compute_dtype_of
         from kvmesh.engine.kv.layout import KVCacheSpec, resolve_kv_dtype
         from kvmesh.engine.loader import read_config, resolve_model
 
         args = list(self.options.worker_args)
-        kv_dtype = resolve_kv_dtype(_flag(args, "--kv-dtype") or "auto",
-                                    _flag(args, "--dtype") or "fp32")  # fmt: skip
+        compute = compute_dtype_of(
+            _flag(args, "--dtype") or "auto", _flag(args, "--weights") or "auto"
+        )
+        kv_dtype = resolve_kv_dtype(_flag(args, "--kv-dtype") or "auto", compute)
         config = read_config(resolve_model(self.options.model))
         spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, 16, kv_dtype)
         model = resolve_model(self.options.model).name

@@ -35,7 +35,7 @@ def mesh(request):
         prefill=1,
         decode=1,
         kvstore="none",
-        worker_args=("--dtype", "bf16", "--kv-dtype", "bf16", "--kv-cache-memory", "64MiB"),
+        worker_args=("--kv-dtype", "bf16", "--kv-cache-memory", "64MiB"),  # --dtype auto: bf16
         role_args={"prefill": ("--weights", prefill), "decode": ("--weights", decode)},
     )
     running = Mesh(options)

@@ -165,3 +165,25 @@ def test_an_int4_source_table_is_dequantized_when_kept_dense_and_shared_when_int
         ids = torch.tensor([5, 127, 0])
         assert torch.equal(packed.token_embeddings(ids), table.dequantize()[ids])
     assert packed.weight_bytes < dense.weight_bytes
+
+
+@pytest.mark.parametrize(
+    ("dtype", "weights", "compute"),
+    [("auto", "auto", "fp32"), ("auto", "int4", "bf16"), ("fp32", "int4", "fp32"),
+     ("fp32", "bf16", "bf16"), ("bf16", "auto", "bf16"), ("auto", "fp32", "fp32")],
+)  # fmt: skip
+def test_compute_dtype_follows_weights_when_dtype_is_auto(dtype, weights, compute):
+    from kvmesh.engine.config import EngineConfig
+
+    config = EngineConfig(model="m", dtype=dtype, weights=weights)
+    assert config.compute_dtype == compute and config.resolved_kv_dtype == compute
+
+
+@pytest.mark.parametrize(("flags", "kv"), [((), "fp32"), (("--weights", "bf16"), "bf16"),
+                                           (("--weights", "int4"), "bf16"),
+                                           (("--weights", "int4", "--dtype", "fp32"), "fp32")])  # fmt: skip
+def test_the_kv_store_is_told_the_workers_kv_layout(flags, kv):
+    from kvmesh.mesh.launcher import Mesh, UpOptions
+
+    layout = Mesh(UpOptions(worker_args=flags))._kvstore_layout()
+    assert layout[layout.index("--kv-dtype") + 1] == kv
