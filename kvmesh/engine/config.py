@@ -82,7 +82,7 @@ class EngineConfig:
     """What the engine needs beyond the model: dtype, KV pool and batching limits."""
 
     model: str
-    dtype: str = "fp32"  # or auto: see compute_dtype_of
+    dtype: str = "auto"  # fp32, bf16, or auto: see compute_dtype_of
     page_size: int = 16
     num_pages: int | None = None  # None: derived from kv_cache_bytes
     kv_cache_bytes: int = 512 << 20

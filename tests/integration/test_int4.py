@@ -53,3 +53,31 @@ def test_int4_embeddings_share_one_table_and_cut_weights_to_under_a_third(llm):
     out = int4.chat([{"role": "user", "content": "What is the capital of Japan?"}],
                     SamplingParams(max_tokens=16, temperature=0.0))  # fmt: skip
     assert "Tokyo" in out[0].text
+
+
+def test_int4_quantized_at_load_from_fp16_safetensors(tmp_path, default_model_source, llm):
+    """The HF-folder path: fp16 safetensors in, INT4 (round-to-nearest with the scale search)
+    out. The fp16 values sit on Q4_1's grid up to fp16 rounding, so the search finds it again."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = default_model_source.gguf_file
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                              dtype=torch.float16)  # fmt: skip
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))  # tied: the LM head is the embedding
+    hf.config.architectures = ["LlamaForCausalLM"]
+    hf.config.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp_path)
+    del hf
+    int4 = LLM(model=str(tmp_path), weights="int4", kv_cache_bytes=32 << 20)
+    layer = int4.engine.runner.model.layers[0]
+    assert all(
+        isinstance(w, Int4Linear) for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+    )
+    assert int4.engine.config.compute_dtype == "bf16"
+    ids = llm.tokenizer.encode(TEXT.read_text())[:512]
+    target = torch.tensor(ids[1:])
+    ref = math.exp(F.cross_entropy(llm.engine.score(ids)[:-1], target).item())
+    got = math.exp(F.cross_entropy(int4.engine.score(ids)[:-1], target).item())
+    assert abs(got / ref - 1) < 0.03, (ref, got)
