@@ -137,7 +137,8 @@ def run_weights_bench(args: argparse.Namespace) -> int:
     tokenizer = next(iter(engines.values())).tokenizer
     speed = bench_speed(args, engines, tokenizer)
     gc.collect()
-    quality, text_tokens = bench_quality(engines, quality_pairs(list(engines)), tokenizer,
+    pairs = quality_pairs(list(engines))
+    quality, text_tokens = bench_quality(engines, pairs, tokenizer,
                             Path(args.text).read_text(), args.text_tokens, args.quality_tokens)  # fmt: skip
     env = [f"{k}={os.environ[k]}" for k in ("KVMESH_NUM_THREADS",) if os.environ.get(k)]
     report = {
@@ -155,6 +156,7 @@ def run_weights_bench(args: argparse.Namespace) -> int:
         "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
         "memory": [asdict(r) for r in memory],
         "speed": [asdict(r) for r in speed],
+        "quality_reference": "{}->{}".format(*pairs[0]),
         "quality": [asdict(r) for r in quality],
     }
     print(markdown(report))
@@ -183,16 +185,17 @@ def markdown(report: dict) -> str:
         out.append(_line(m["config"], f"{m['weight_bytes']:,}", f"**{m['vs_bf16']}x**",
                          m["load_s"], *(f"{speeds[c]['decode_tok_s']} (**{speeds[c]['vs_bf16']}x**)"
                                         for c in levels)))  # fmt: skip
+    ref = r["quality_reference"]
     out += [
-        f"\nQuality: perplexity of tokens {r['text_tokens'] // 2 + 1}..{r['text_tokens'] - 1} of the text "
-        f"(the first half's KV from the prefill precision); greedy tokens equal to fp32's (of "
-        f"{r['quality_tokens']}) per prompt\n",
-        _line("prefill", "decode", "perplexity", "vs fp32", "greedy = fp32 (mean)", "per prompt"),
+        f"\nQuality: perplexity of tokens {r['text_tokens'] // 2 + 1}..{r['text_tokens'] - 1} of "
+        f"the text (the first half's KV from the prefill precision); greedy tokens equal to "
+        f"{ref}'s (of {r['quality_tokens']}) per prompt\n",
+        _line("prefill", "decode", "perplexity", f"vs {ref}", "greedy = ref (mean)", "per prompt"),
         _line("---", "---", "---:", "---:", "---:", "---"),
     ]
     for q in r["quality"]:
         out.append(_line(q["prefill"], q["decode"], f"{q['perplexity']:.3f}",
-                         f"{100 * q['ppl_vs_fp32']:+.2f} %", q["greedy_mean"],
+                         f"{100 * q['ppl_vs_reference']:+.2f} %", q["greedy_mean"],
                          ", ".join(map(str, q["greedy_prefix"]))))  # fmt: skip
     return "\n".join(out)
 

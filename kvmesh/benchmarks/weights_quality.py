@@ -25,8 +25,8 @@ class QualityRow:
     prefill: str
     decode: str
     perplexity: float  # of the scored half, its context's KV from `prefill`
-    ppl_vs_fp32: float  # relative difference
-    greedy_prefix: tuple[int, ...]  # greedy tokens equal to fp32's before divergence, per prompt
+    ppl_vs_reference: float  # relative difference to the first pair's (fp32)
+    greedy_prefix: tuple[int, ...]  # greedy tokens equal to the reference's before divergence
     greedy_mean: float
 
 
@@ -107,8 +107,8 @@ def _copy_pages(src, src_pages: list[int], dst, dst_pages: list[int]) -> None:
 
 def bench_quality(engines: dict, pairs: list[tuple[str, str]], tokenizer, text: str,
                   text_tokens: int, max_tokens: int) -> tuple[list[QualityRow], int]:  # fmt: skip
-    """One row per (prefill, decode) pair of engine names (the first pair is the reference),
-    and the number of text tokens used."""
+    """One row per (prefill, decode) pair of engine names, and the number of text tokens used.
+    The first pair is the reference the rows are compared with (fp32 in the full run)."""
     import torch
     import torch.nn.functional as F
 

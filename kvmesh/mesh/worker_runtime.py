@@ -34,7 +34,7 @@ class WorkerOptions:
     port: int = 0
     metrics_port: int = 0
     model: str = "smollm2-135m"
-    dtype: str = "fp32"
+    dtype: str = "auto"
     weights: str = "auto"  # auto | fp32 | bf16 | int4 (advertised in the etcd registration)
     int4_group_size: int = 0
     int4_embeddings: bool = False

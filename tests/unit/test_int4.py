@@ -135,7 +135,7 @@ def test_int4_flags_reach_the_workers_of_kvmesh_up():
         parser.parse_args(["generate", "--prompt", "x", "--int4-group-size", "48"])
 
 
-def _tiny_model(embed, embeddings: bool):
+def _tiny_model(embed, embeddings: bool, group: int = 0):
     from kvmesh.engine.config import Int4Scheme, ModelConfig
     from kvmesh.engine.models.llama import LlamaModel
 
@@ -151,7 +151,7 @@ def _tiny_model(embed, embeddings: bool):
     weights |= {p + "input_layernorm.weight": torch.ones(64),
                 p + "post_attention_layernorm.weight": torch.ones(64),
                 "model.norm.weight": torch.ones(64), "model.embed_tokens.weight": embed}  # fmt: skip
-    return LlamaModel(config, weights, torch.float32, 64, Int4Scheme(embeddings=embeddings))
+    return LlamaModel(config, weights, torch.float32, 64, Int4Scheme(group, embeddings))
 
 
 def test_an_int4_source_table_is_dequantized_when_kept_dense_and_shared_when_int4():
@@ -161,9 +161,8 @@ def test_an_int4_source_table_is_dequantized_when_kept_dense_and_shared_when_int
     assert torch.equal(dense.embed, table.dequantize())
     packed = _tiny_model(table, embeddings=True)
     assert isinstance(packed.embed, Int4Linear) and packed.lm_head is packed.embed
-    if packed.embed.can_read_rows:
-        ids = torch.tensor([5, 127, 0])
-        assert torch.equal(packed.token_embeddings(ids), table.dequantize()[ids])
+    ids = torch.tensor([5, 127, 0])  # (the model refuses a table whose rows it cannot read)
+    assert torch.equal(packed.token_embeddings(ids), table.dequantize()[ids])
     assert packed.weight_bytes < dense.weight_bytes
 
 
@@ -187,3 +186,11 @@ def test_the_kv_store_is_told_the_workers_kv_layout(flags, kv):
 
     layout = Mesh(UpOptions(worker_args=flags))._kvstore_layout()
     assert layout[layout.index("--kv-dtype") + 1] == kv
+
+
+def test_a_group_that_does_not_divide_the_inputs_is_a_model_format_error():
+    from kvmesh.errors import ModelFormatError
+
+    table = Int4Weight.quantize(_weight(n=128, k=64, seed=9), 32)  # INT4 source: regrouped
+    with pytest.raises(ModelFormatError, match="multiple of the group size 128"):
+        _tiny_model(table, embeddings=True, group=128)

@@ -92,9 +92,9 @@ class LlamaModel:
         if name not in take.weights:
             raise ModelFormatError(f"weights lack tensor {name!r}")
         weight, group = take.weights.pop(name), self.int4.group  # type: ignore[union-attr]
-        if isinstance(weight, Int4Weight):
-            return weight.regroup(group) if group else weight
         try:
+            if isinstance(weight, Int4Weight):
+                return weight.regroup(group) if group else weight
             return Int4Weight.quantize(weight.float(), group or 32)
         except ValueError as exc:
             raise ModelFormatError(f"{name}: {exc}") from None
@@ -105,7 +105,7 @@ class LlamaModel:
         if self.int4 is None or not self.int4.embeddings:
             return take(name)
         table = Int4Linear(self._int4(take, name), self.dtype)
-        if not table.can_read_rows:
+        if name == "model.embed_tokens.weight" and not table.can_read_rows:
             raise ModelFormatError(
                 "INT4 embeddings need the CPU int4 kernel's blocked layout and a vocabulary "
                 f"that is a multiple of its block; {name} has {table.out_features} rows"
