@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -41,33 +42,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_status(args.etcd, args.cluster, args.json)
     if args.command == "bench":
-        if args.bench == "agent" or (args.bench == "serve" and args.workload == "agent"):
-            from kvmesh.benchmarks.agent import run_agent_bench
-
-            return run_agent_bench(args)
-        if args.bench == "serve":
-            from kvmesh.benchmarks.serve import run_serve_bench
-
-            return run_serve_bench(args)
-        if args.bench == "transfer":
-            from kvmesh.benchmarks.transfer import run_transfer_bench
-
-            return run_transfer_bench(args)
-        if args.bench == "spec":
-            from kvmesh.benchmarks.spec import run_spec_bench
-
-            return run_spec_bench(args)
-        if args.bench == "weights":
-            from kvmesh.benchmarks.weights import run_weights_bench
-
-            return run_weights_bench(args)
-        if args.bench == "kv":
-            from kvmesh.benchmarks.kv import run_kv_bench
-
-            return run_kv_bench(args)
-        from kvmesh.benchmarks.offline import run_offline_bench
-
-        return run_offline_bench(args)
+        # `kvmesh bench NAME` runs kvmesh.benchmarks.NAME.run_NAME_bench (serve's agent workload
+        # is the agent bench)
+        bench = "agent" if getattr(args, "workload", "") == "agent" else args.bench
+        module = importlib.import_module(f"kvmesh.benchmarks.{bench}")
+        return getattr(module, f"run_{bench}_bench")(args)
     return 1
 
 

@@ -18,17 +18,13 @@ import argparse
 import contextlib
 import gc
 import json
-import os
-import platform
-import shlex
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
-from datetime import UTC, datetime
 from pathlib import Path
 
 from kvmesh.benchmarks.kv_quality import QUESTIONS, bench_quality, markdown
+from kvmesh.benchmarks.report import BenchRun, write_report
 
 TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "public_domain.txt"
 BF16_REQUESTS = 16  # the default budget holds this many requests' full context in BF16 pages
@@ -227,9 +223,7 @@ def weights_loaded_once() -> Iterator[None]:
 
 
 def run_kv_bench(args: argparse.Namespace) -> int:
-    import torch
-
-    started, load_before = time.perf_counter(), os.getloadavg()
+    run = BenchRun()
     if args.quick:
         args.concurrency, args.integrity_concurrency = "1,2", "1,2"
         args.prompt_tokens, args.max_tokens = 64, 8
@@ -244,31 +238,20 @@ def run_kv_bench(args: argparse.Namespace) -> int:
         levels = [int(c) for c in args.integrity_concurrency.split(",")]
         integrity, reference = bench_integrity(args, text, levels)
         quality, text_tokens = bench_quality(args, text, reference)
-    spec = getattr(sys.modules["__main__"], "__spec__", None)  # None: run as a script
-    module = spec.name.removesuffix(".__main__") if spec else None
-    head = ["python", "-m", module] if module else [Path(sys.argv[0]).name]
-    env = [f"{k}={os.environ[k]}" for k in ("KVMESH_NUM_THREADS",) if os.environ.get(k)]
     report = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "command": shlex.join(env + head + sys.argv[1:]),
+        **run.header(),
         **{k: getattr(args, k) for k in REPORTED_ARGS},
         "kv_budget_bytes": budget,
         "kv_budget": how,
         "text_tokens": text_tokens,
         "quality_tokens": args.quality_tokens,
-        "wall_s": round(time.perf_counter() - started, 1),
-        "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],  # other work on the box
+        **run.footer(),
         "throughput": [asdict(r) for r in throughput],
         "integrity": [asdict(r) for r in integrity],
         "quality": [asdict(r) for r in quality],
     }
     print(markdown(report))
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(report, indent=2))
+    write_report(report, args.output)
     return 0
 
 

@@ -17,17 +17,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
-import shlex
-import sys
 import time
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 from kvmesh.benchmarks.kv import TEXT
 from kvmesh.benchmarks.offline import chat_prompts
+from kvmesh.benchmarks.report import BenchRun, write_report
 from kvmesh.benchmarks.weights_quality import bench_quality
 
 CONFIGS: dict[str, dict] = {
@@ -37,7 +33,10 @@ CONFIGS: dict[str, dict] = {
     "int4+emb": {"dtype": "bf16", "weights": "int4", "int4_embeddings": True},
     "int4-g64+emb": {"dtype": "bf16", "weights": "int4", "int4_group_size": 64,
                      "int4_embeddings": True},
+    # not in the default run: INT4 with fp32 activations (BF16 KV, to pair with bf16 prefill)
+    "int4-fp32act": {"dtype": "fp32", "weights": "int4", "kv_dtype": "bf16"},
 }  # fmt: skip
+DEFAULT_CONFIGS = ("fp32", "bf16", "int4", "int4+emb", "int4-g64+emb")
 
 
 @dataclass(frozen=True)
@@ -127,9 +126,7 @@ def quality_pairs(names: list[str]) -> list[tuple[str, str]]:
 
 
 def run_weights_bench(args: argparse.Namespace) -> int:
-    import torch
-
-    started, load_before = time.perf_counter(), os.getloadavg()
+    run = BenchRun()
     if args.quick:
         args.concurrency, args.max_tokens, args.repeats = "1,2", 8, 1
         args.quality_tokens, args.text_tokens = 8, 128
@@ -140,29 +137,21 @@ def run_weights_bench(args: argparse.Namespace) -> int:
     pairs = quality_pairs(list(engines))
     quality, text_tokens = bench_quality(engines, pairs, tokenizer,
                             Path(args.text).read_text(), args.text_tokens, args.quality_tokens)  # fmt: skip
-    env = [f"{k}={os.environ[k]}" for k in ("KVMESH_NUM_THREADS",) if os.environ.get(k)]
     report = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "command": shlex.join(env + ["kvmesh", *sys.argv[1:]]),
+        **run.header(),
         "model": args.model,
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "text_tokens": text_tokens,
         "quality_tokens": args.quality_tokens,
-        "wall_s": round(time.perf_counter() - started, 1),
-        "loadavg_1m_before_after": [load_before[0], os.getloadavg()[0]],
+        **run.footer(),
         "memory": [asdict(r) for r in memory],
         "speed": [asdict(r) for r in speed],
         "quality_reference": "{}->{}".format(*pairs[0]),
         "quality": [asdict(r) for r in quality],
     }
     print(markdown(report))
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+    write_report(report, args.output)
     return 0
 
 
@@ -202,7 +191,7 @@ def markdown(report: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"of {list(CONFIGS)}")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {list(CONFIGS)}")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs")

@@ -66,9 +66,9 @@ def split_greedy(prefill, decode, prompts: list[list[int]], max_tokens: int) -> 
     from kvmesh.engine.integrity import as_int32
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    if prefill is decode:
-        return _run(decode, {f"g-{next(_ids)}": p for p in prompts}, params)
     rids = {f"g-{next(_ids)}": p for p in prompts}
+    if prefill is decode:
+        return _run(decode, rids, params)
     first = _run(prefill, rids, replace(params, max_tokens=1), keep_pages=True)
     out: dict[str, list[int]] = {}
     for rid, prompt in rids.items():
@@ -82,17 +82,17 @@ def split_greedy(prefill, decode, prompts: list[list[int]], max_tokens: int) -> 
         decode.kv_cache.tags[target] = as_int32(reservation.page_tags[done : done + len(source)])
         prefill.release(rid)
         out[rid] = list(decode.commit_prefilled(rid, first.pop(0)[0], None, 0).new_token_ids)
-    while decode.has_unfinished():
-        for step in decode.step():
-            out[step.request_id] += step.new_token_ids
-    return list(out.values())
+    return _drain(decode, out)
 
 
 def _run(engine, rids: dict[str, list[int]], params, keep_pages: bool = False) -> list[list[int]]:
-    out: dict[str, list[int]] = {}
     for rid, prompt in rids.items():
         engine.add_request(rid, prompt, params, keep_pages=keep_pages)
-        out[rid] = []
+    return _drain(engine, {rid: [] for rid in rids})
+
+
+def _drain(engine, out: dict[str, list[int]]) -> list[list[int]]:
+    """Step until every request finishes, appending each one's tokens to out[request id]."""
     while engine.has_unfinished():
         for step in engine.step():
             out[step.request_id] += step.new_token_ids

@@ -30,7 +30,7 @@ def run_status(etcd: str | None, cluster: str | None, as_json: bool) -> int:
         load = w.get("load") or {}
         print(
             f"{w['role']:8} {w['id']:14} grpc={w['grpc']} metrics={w['metrics']} "
-            f"weights={w['weights']} kv={w['kv_dtype']} capacity={w['capacity_tokens']} "
+            f"weights={w['precision'].get('weights', '?')} kv={w['kv_dtype']} capacity={w['capacity_tokens']} "
             f"running={load.get('numRunning', 0)} pages={load.get('kvPagesUsed', 0)}/{load.get('kvPagesTotal', 0)}"
         )
     return 0
@@ -74,7 +74,6 @@ async def _describe(worker: WorkerInfo) -> dict:
         "grpc": worker.grpc_address,
         "metrics": worker.metrics_address,
         "te_session": worker.te_session,
-        "weights": worker.extra.get("weights", "?"),
         "precision": dict(worker.extra),
         "kv_dtype": worker.kv_dtype,
         "capacity_tokens": worker.capacity_tokens,

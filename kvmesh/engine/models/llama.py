@@ -89,9 +89,7 @@ class LlamaModel:
         return Int4Linear(Int4Weight.cat([self._int4(take, n) for n in names]), self.dtype)
 
     def _int4(self, take: _Taker, name: str) -> Int4Weight:
-        if name not in take.weights:
-            raise ModelFormatError(f"weights lack tensor {name!r}")
-        weight, group = take.weights.pop(name), self.int4.group  # type: ignore[union-attr]
+        weight, group = take.raw(name, pop=True), self.int4.group  # type: ignore[union-attr]
         try:
             if isinstance(weight, Int4Weight):
                 return weight.regroup(group) if group else weight
@@ -187,10 +185,14 @@ class _Taker:
         self.weights = weights
         self.dtype = dtype
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def raw(self, name: str, pop: bool = False) -> torch.Tensor | Int4Weight:
+        """The tensor as loaded (popped: its memory goes once the model holds its own form)."""
         if name not in self.weights:
             raise ModelFormatError(f"weights lack tensor {name!r}")
-        weight = self.weights[name]
+        return self.weights.pop(name) if pop else self.weights[name]
+
+    def __call__(self, name: str) -> torch.Tensor:
+        weight = self.raw(name)
         if isinstance(weight, Int4Weight):
             weight = weight.dequantize()
         return weight.to(self.dtype).contiguous()

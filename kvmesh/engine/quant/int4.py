@@ -106,7 +106,6 @@ class Int4Linear:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         scales_zeros = torch.stack([weight.scale, weight.zero], dim=-1)  # [N, K/g, 2]
         self.scales_zeros = scales_zeros.transpose(0, 1).contiguous().to(self.device, dtype)
-        self._block = _cpu_row_block(self.out_features) if self.device.type == "cpu" else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -119,6 +118,11 @@ class Int4Linear:
                 flat, self.packed, self.group, self.scales_zeros
             )
         return out.view(*x.shape[:-1], self.out_features)
+
+    @functools.cached_property
+    def _block(self) -> int:
+        """Rows per block of the packed layout `rows` reads (0: it cannot read this one)."""
+        return _cpu_row_block(self.out_features) if self.device.type == "cpu" else 0
 
     @property
     def can_read_rows(self) -> bool:
