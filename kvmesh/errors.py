@@ -50,3 +50,82 @@ class KvIntegrityError(KvmeshError):
 
     code = "kv_integrity"
     expose = True  # a server error whose message is safe and useful to show the client
+
+
+class WorkerUnavailableError(KvmeshError):
+    """A worker could not be reached or failed mid-request (a gRPC UNAVAILABLE on the client)."""
+
+    code = "worker_unavailable"
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    """The request body is larger than the server accepts."""
+
+    code = "payload_too_large"
+
+
+class EngineFailure(KvmeshError):
+    code = "engine_failure"
+
+
+class PrefillUnavailable(WorkerUnavailableError):
+    """A decode worker's prefill worker failed or vanished; the gateway may retry the request
+    with another prefill worker (the decode worker itself is fine)."""
+
+    code = "prefill_unavailable"
+
+
+class TransferError(KvmeshError):
+    """A KV transfer engine call failed (init, registration or a page transfer)."""
+
+    code = "kv_transfer_failed"
+
+
+class EtcdError(KvmeshError):
+    code = "etcd_unavailable"
+
+
+class DiscoveryError(KvmeshError):
+    code = "discovery_unavailable"
+
+
+class WorkerInfoError(DiscoveryError):
+    code = "invalid_worker_info"
+
+
+class PortError(KvmeshError):
+    code = "no_free_port"
+
+
+class MooncakeMasterError(KvmeshError):
+    code = "mooncake_master_unavailable"
+
+
+class MooncakeTierError(KvmeshError):
+    code = "mooncake_store_unavailable"
+
+
+class LayoutMismatchError(InvalidRequestError):
+    """The caller's pages have another layout (model, page size, KV dtype) or size."""
+
+    code = "kv_layout_mismatch"
+
+
+class ReservationNotFoundError(InvalidRequestError):
+    """Commit of a reservation that never existed, was committed already, or expired."""
+
+    code = "reservation_not_found"
+
+
+class LaunchError(KvmeshError):
+    code = "launch_failed"
+    user_error = True
+
+
+class NoMeshError(KvmeshError):
+    code = "mesh_not_found"
+    user_error = True
+
+
+class ServeBenchError(KvmeshError):
+    code = "bench_failed"

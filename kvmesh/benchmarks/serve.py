@@ -30,16 +30,12 @@ import httpx
 import numpy as np
 
 from kvmesh.benchmarks.offline import TOPICS
-from kvmesh.errors import KvmeshError
+from kvmesh.errors import ServeBenchError
 
 OVERHEAD_LEVELS = (1, 8)
 TPOT_TARGET = 1.10
 WORKER_KV_CACHE_BYTES = 512 << 20  # `kvmesh serve decode|prefill` default --kv-cache-mib
 Messages = list[dict[str, str]]
-
-
-class ServeBenchError(KvmeshError):
-    code = "bench_failed"
 
 
 @dataclass(frozen=True)

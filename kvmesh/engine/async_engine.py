@@ -20,13 +20,9 @@ from kvmesh.engine.kv.events import KvEvent, PagesStored
 from kvmesh.engine.sampler import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import FinishReason
-from kvmesh.errors import KvmeshError
+from kvmesh.errors import EngineFailure
 
 log = structlog.get_logger(__name__)
-
-
-class EngineFailure(KvmeshError):
-    code = "engine_failure"
 
 
 @dataclass(frozen=True)

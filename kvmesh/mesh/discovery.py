@@ -18,7 +18,7 @@ from typing import Any
 import aetcd
 import structlog
 
-from kvmesh.errors import KvmeshError
+from kvmesh.errors import DiscoveryError, WorkerInfoError
 
 log = structlog.get_logger(__name__)
 
@@ -38,14 +38,6 @@ _CHANNEL_OPTIONS = {
     "grpc.max_reconnect_backoff_ms": 1000,
     "grpc.service_config": json.dumps(_SERVICE_CONFIG),
 }
-
-
-class DiscoveryError(KvmeshError):
-    code = "discovery_unavailable"
-
-
-class WorkerInfoError(DiscoveryError):
-    code = "invalid_worker_info"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from kvmesh.errors import (
     KvIntegrityError,
     KvmeshError,
     ModelNotFoundError,
+    PayloadTooLargeError,
+    WorkerUnavailableError,
 )
 
 # Codes of errors meaning "a part of the mesh is down or failed; retrying may succeed".
@@ -27,20 +29,10 @@ _GENERIC_MESSAGE = "internal server error"
 _CODE_PREFIX = re.compile(r"\b([a-z][a-z0-9_]*): ")
 
 
-class PayloadTooLargeError(InvalidRequestError):
-    """The request body is larger than the server accepts."""
-
-    code = "payload_too_large"
-
-
-class WorkerUnavailableError(KvmeshError):
-    """A worker could not be reached or failed mid-request (a gRPC UNAVAILABLE on the client)."""
-
-    code = "worker_unavailable"
-
-
 def _is_unavailable(exc: BaseException) -> bool:
-    return isinstance(exc, KvmeshError) and exc.code in UNAVAILABLE_CODES
+    return isinstance(exc, WorkerUnavailableError) or (
+        isinstance(exc, KvmeshError) and exc.code in UNAVAILABLE_CODES
+    )
 
 
 def http_status(exc: BaseException) -> int:

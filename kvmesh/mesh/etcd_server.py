@@ -20,7 +20,7 @@ from typing import IO
 
 import structlog
 
-from kvmesh.errors import KvmeshError
+from kvmesh.errors import EtcdError
 from kvmesh.mesh.ports import free_ports
 from kvmesh.mesh.processes import terminate_group
 
@@ -30,10 +30,6 @@ _LOG_NAME = "etcd.log"
 _MAX_PORT_RETRIES = 3
 # No proxy for loopback health checks, whatever http_proxy says.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-class EtcdError(KvmeshError):
-    code = "etcd_unavailable"
 
 
 def etcd_binary() -> Path:

@@ -17,15 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.env import kvmesh_home
-from kvmesh.errors import KvmeshError
+from kvmesh.errors import LaunchError
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.etcd_server import EtcdServer
 from kvmesh.mesh.ports import free_port
-
-
-class LaunchError(KvmeshError):
-    code = "launch_failed"
-    user_error = True
 
 
 @dataclass(frozen=True)

@@ -19,17 +19,13 @@ from typing import IO
 
 import structlog
 
-from kvmesh.errors import KvmeshError
+from kvmesh.errors import MooncakeMasterError
 from kvmesh.mesh.ports import free_ports
 from kvmesh.mesh.processes import terminate_group
 
 log = structlog.get_logger(__name__)
 
 _HOST = "127.0.0.1"
-
-
-class MooncakeMasterError(KvmeshError):
-    code = "mooncake_master_unavailable"
 
 
 def master_binary() -> Path:

@@ -5,15 +5,11 @@ from __future__ import annotations
 import socket
 from contextlib import ExitStack
 
-from kvmesh.errors import KvmeshError
+from kvmesh.errors import PortError
 
 # Mooncake's transfer engine binds inside this range (inclusive); never hand one of these out.
 RESERVED_RANGES: tuple[tuple[int, int], ...] = ((12300, 17000),)
 _MAX_TRIES = 200
-
-
-class PortError(KvmeshError):
-    code = "no_free_port"
 
 
 def is_reserved(port: int) -> bool:

@@ -8,16 +8,11 @@ import json
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from kvmesh.errors import KvmeshError
+from kvmesh.errors import NoMeshError
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import channel
 from kvmesh.mesh.launcher import state_file
 from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
-
-
-class NoMeshError(KvmeshError):
-    code = "mesh_not_found"
-    user_error = True
 
 
 def run_status(etcd: str | None, cluster: str | None, as_json: bool) -> int:

@@ -28,19 +28,13 @@ from typing import Any, NamedTuple
 
 import structlog
 
-from kvmesh.errors import KvmeshError
+from kvmesh.errors import TransferError
 
 log = structlog.get_logger(__name__)
 
 PROTOCOLS = ("tcp", "rdma")
 MAX_BATCH_ENTRIES = 256  # entries per TE batch call (the TCP per-peer queue holds ~2048)
 MAX_INFLIGHT_BATCHES = 4  # batches in flight per engine, over all threads and peers
-
-
-class TransferError(KvmeshError):
-    """A KV transfer engine call failed (init, registration or a page transfer)."""
-
-    code = "kv_transfer_failed"
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import structlog
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import Reservation, TokenOutput
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.errors import CapacityError, KvmeshError
+from kvmesh.errors import CapacityError, PrefillUnavailable
 from kvmesh.mesh import convert
 from kvmesh.mesh.error_mapping import error_from_grpc
 from kvmesh.mesh.grpc_server import channel
@@ -42,12 +42,6 @@ class DecodeJob:
     params: SamplingParams
     prefill_address: str = ""  # empty: prefill here
     cache_salt: str = ""
-
-
-class PrefillUnavailable(KvmeshError):
-    """The prefill worker failed or vanished; the gateway may retry with another one."""
-
-    code = "prefill_unavailable"
 
 
 class DecodeWorker:

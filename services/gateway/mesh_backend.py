@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from kvmesh.errors import KvmeshError
+from kvmesh.errors import PrefillUnavailable
 from kvmesh.mesh import convert
 from kvmesh.mesh.discovery import WorkerInfo
 from kvmesh.mesh.error_mapping import error_from_code, error_from_grpc
@@ -22,14 +22,6 @@ from services.gateway.sessions import Pin, SessionStore
 
 log = structlog.get_logger(__name__)
 MAX_ATTEMPTS = 3
-
-
-class DecodeGone(WorkerUnavailable):
-    """The decode worker failed or vanished (gRPC status on the Generate call)."""
-
-
-class PrefillGone(WorkerUnavailable):
-    """The decode worker reported that its prefill worker failed."""
 
 
 class MeshBackend:
@@ -69,7 +61,7 @@ class MeshBackend:
                 if started or attempt == MAX_ATTEMPTS - 1:
                     raise
                 log.warning("gateway.retry", decode=decode.worker_id, error=str(exc))
-                if isinstance(exc, PrefillGone) and prefill is not None:
+                if isinstance(exc, PrefillUnavailable) and prefill is not None:
                     bad_prefill.add(prefill.worker_id)
                 else:
                     bad_decode.add(decode.worker_id)
@@ -120,7 +112,7 @@ class MeshBackend:
                     call.cancel()  # no-op when finished; cancels decode when the client left
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                raise DecodeGone(
+                raise WorkerUnavailable(
                     f"decode worker {decode.worker_id} unavailable: {exc.details()}"
                 ) from exc
             raise error_from_grpc(exc.code(), exc.details()) from exc
@@ -150,7 +142,7 @@ class MeshBackend:
 
 def _chunk(response: decode_pb2.DecodeResponse) -> GenerateChunk:
     if response.HasField("error"):
-        raise _in_band_error(response.error.code, response.error.message)
+        raise error_from_code(response.error.code, response.error.message)
     finish = convert.finish_from_pb(response.finish_reason)
     return GenerateChunk(
         token_ids=list(response.token_ids),
@@ -159,9 +151,3 @@ def _chunk(response: decode_pb2.DecodeResponse) -> GenerateChunk:
         prompt_tokens=response.usage.prompt_tokens,
         cached_tokens=response.usage.cached_tokens,
     )
-
-
-def _in_band_error(code: str, message: str) -> KvmeshError:
-    if code == "prefill_unavailable":  # the decode worker's PrefillUnavailable
-        return PrefillGone(message)
-    return error_from_code(code, message)

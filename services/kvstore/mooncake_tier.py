@@ -19,7 +19,7 @@ from collections import OrderedDict
 import structlog
 import xxhash
 
-from kvmesh.errors import KvmeshError
+from kvmesh.errors import MooncakeTierError
 from services.kvstore.tiers import DIGEST_BYTES, page_digest
 
 log = structlog.get_logger(__name__)
@@ -29,10 +29,6 @@ _FILL = 0.8  # stay under Mooncake's eviction high watermark (0.9 of the segment
 _STALE_RETRIES = 8  # stale keys whose removal is retried per put
 _NOT_FOUND, _HAS_LEASE = -704, -706  # Mooncake ErrorCode values
 _SETUP_RETRIES = "2"  # MC_STORE_CLIENT_SETUP_RETRIES unless set: a missing master fails fast
-
-
-class MooncakeTierError(KvmeshError):
-    code = "mooncake_store_unavailable"
 
 
 def segment_bytes(capacity_pages: int, page_bytes: int) -> int:

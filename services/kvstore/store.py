@@ -20,24 +20,12 @@ from typing import NamedTuple
 
 import structlog
 
-from kvmesh.errors import InvalidRequestError
+from kvmesh.errors import InvalidRequestError, LayoutMismatchError, ReservationNotFoundError
 from kvmesh.mesh.transfer import KvTransferEngine
 from services.kvstore.mooncake_tier import MooncakeTier
 from services.kvstore.tiers import DiskTier, RamTier, TieredPages
 
 log = structlog.get_logger(__name__)
-
-
-class LayoutMismatchError(InvalidRequestError):
-    """The caller's pages have another layout (model, page size, KV dtype) or size."""
-
-    code = "kv_layout_mismatch"
-
-
-class ReservationNotFoundError(InvalidRequestError):
-    """Commit of a reservation that never existed, was committed already, or expired."""
-
-    code = "reservation_not_found"
 
 
 @dataclass(frozen=True)
