@@ -26,22 +26,54 @@ SERVER_OPTIONS = [
 ]
 
 
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class HealthStatus:
+    """A server's grpc.health.v1 answers: one status for the server ("") and each service."""
+
+    def __init__(self, servicer: health.aio.HealthServicer, names: list[str]) -> None:
+        self.servicer = servicer
+        self._names = [*names, ""]
+        self.serving: bool | None = None  # None until first set
+        self._stopping = False
+
+    async def set_serving(self, serving: bool) -> None:
+        if serving == self.serving or self._stopping:
+            return
+        status = _SERVING if serving else _NOT_SERVING
+        for name in self._names:
+            await self.servicer.set(name, status)
+        self.serving = serving
+
+    async def shutdown(self) -> None:
+        """NOT_SERVING for good (the server is stopping); later `set_serving` calls are no-ops."""
+        self._stopping = True
+        await self.servicer.enter_graceful_shutdown()
+        self.serving = False
+
+
 async def start_server(
-    add_servicers: Iterable[Callable[[grpc.aio.Server], str]], host: str, port: int
-) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Each callable registers one servicer and returns its full service name."""
+    add_servicers: Iterable[Callable[[grpc.aio.Server], str]],
+    host: str,
+    port: int,
+    serving: bool = True,
+) -> tuple[grpc.aio.Server, int, HealthStatus]:
+    """Each callable registers one servicer and returns its full service name. `serving`: the
+    first health status (False: NOT_SERVING until the caller's `set_serving(True)`)."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     names = [add(server) for add in add_servicers]
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in [*names, ""]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    status = HealthStatus(health_servicer, names)
+    await status.set_serving(serving)
     reflection.enable_server_reflection(
         [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    return server, bound, health_servicer
+    return server, bound, status
 
 
 def channel(address: str) -> grpc.aio.Channel:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -79,3 +81,36 @@ def observe_message(service: str, size: int) -> None:
     gauge = GRPC_MESSAGE_BYTES_MAX.labels(service)
     if size > gauge._value.get():  # noqa: SLF001 - prometheus_client has no max gauge
         gauge.set(size)
+
+
+# Label values known before the first event (keep in step with the code that writes them).
+_OUTCOMES = ("ok", "client_error", "server_error", "cancelled")  # gateway openai_api._outcome
+_ROUTING_REASONS = ("least_tokens", "prefix_hit", "affinity", "affinity_worker_gone",
+                    "affinity_yield_load")  # services/gateway/router.py policies  # fmt: skip
+_PREFIX_TIERS = ("prefill_local", "decode", "kvstore")
+_BY_SERVICE = {
+    "gateway": (REQUEST_TTFT, REQUEST_TPOT, PROMPT_TOKENS, PROMPT_CACHED_TOKENS, GENERATION_TOKENS),
+    "prefill": (KV_TRANSFER_BYTES, KV_INTEGRITY_FAILURES, GRPC_MESSAGE_BYTES_MAX),
+    "decode": (GENERATION_TOKENS, KV_INTEGRITY_FAILURES, KV_PAGES_USED, GRPC_MESSAGE_BYTES_MAX,
+               SPEC_DRAFT_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_ACCEPT_LENGTH),
+}  # fmt: skip
+
+
+def init_series(service: str, fault_kinds: Iterable[str] = ()) -> None:
+    """Create at 0 every labelled series this process may write, for the labels known at start:
+    a labelled metric has no series until its first event, so an alert or rate() sees nothing
+    (instead of 0) on a healthy process. Call once at process start."""
+    for family in _BY_SERVICE.get(service, ()):
+        family.labels(service)
+    for kind in fault_kinds:
+        FAULTS_INJECTED.labels(service, kind)
+    if service == "gateway":
+        for outcome in _OUTCOMES:
+            REQUESTS.labels(service, outcome)
+        for role in ("prefill", "decode"):
+            for reason in _ROUTING_REASONS:
+                ROUTING_DECISIONS.labels(role, reason)
+    if service == "prefill":
+        KV_TRANSFER_BYTES.labels("prefill:from_decode")
+        for tier in _PREFIX_TIERS:
+            PREFIX_HIT_TOKENS.labels(tier)

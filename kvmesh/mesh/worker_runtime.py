@@ -13,6 +13,7 @@ import structlog
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine
+from kvmesh.engine.faults import KINDS as FAULT_KINDS
 from kvmesh.mesh import metrics
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
@@ -113,7 +114,10 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
     metrics_port = options.metrics_port or free_port()
     metrics.serve_metrics(metrics_port, options.host)
     metrics.KV_CAPACITY_TOKENS.labels(options.role).set(engine.kv_cache.capacity_tokens)
-    server, port, _ = await start_server(make_servicers(parts), options.host, options.port)
+    metrics.init_series(options.role, fault_kinds=FAULT_KINDS)
+    # gRPC is served only once the engine above is loaded, so SERVING from its first answer is
+    # true. Serving earlier (a faster cold start) must pass serving=False and set it when loaded.
+    server, port, health = await start_server(make_servicers(parts), options.host, options.port)
     info = WorkerInfo(
         role=options.role,
         worker_id=worker_id,
@@ -133,6 +137,7 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
             await wait_for_signal()
             await registration.close()
     finally:
+        await health.shutdown()  # NOT_SERVING while draining
         if store_task is not None:
             store_task.cancel()
         await server.stop(grace=2)

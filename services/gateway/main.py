@@ -11,6 +11,7 @@ import uvicorn
 
 from kvmesh.engine.loader import read_config, resolve_model
 from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.mesh import metrics
 from kvmesh.mesh.discovery import Registry, WorkerWatcher
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.kv_events import PrefixIndex
@@ -18,6 +19,7 @@ from services.gateway import grpc_api
 from services.gateway.mesh_backend import MeshBackend
 from services.gateway.openai_api import create_app
 from services.gateway.prefix_routing import KvEventFollower, PrefixLookup
+from services.gateway.readiness import MeshReadiness, follow
 from services.gateway.router import AffinityPolicy, LeastTokensPolicy, Router
 from services.gateway.sessions import SessionStore
 
@@ -40,6 +42,7 @@ class GatewayOptions:
 
 async def serve_gateway(options: GatewayOptions) -> None:
     structlog.contextvars.bind_contextvars(service="gateway")
+    metrics.init_series("gateway")
     source = resolve_model(options.model)
     tokenizer = Tokenizer.from_source(source)
     config = read_config(source)
@@ -56,14 +59,16 @@ async def serve_gateway(options: GatewayOptions) -> None:
         sessions = SessionStore(registry, options.session_ttl)
         backend = MeshBackend(router, source.name, config.max_position_embeddings, sessions)
         counts = lambda: (len(watcher.alive("prefill")), len(watcher.alive("decode")))  # noqa: E731
-        grpc_server, grpc_port, _ = await start_server(
+        readiness = MeshReadiness(watcher.alive)
+        grpc_server, grpc_port, health = await start_server(
             [grpc_api.add_to(grpc_api.GatewayServicer(backend, tokenizer, counts))],
             options.host,
             options.grpc_port,
+            serving=False,  # until `follow` sees the workers a request needs
         )
         http = uvicorn.Server(
             uvicorn.Config(
-                create_app(backend, tokenizer),
+                create_app(backend, tokenizer, readiness=readiness),
                 host=options.host,
                 port=options.http_port,
                 log_level="warning",
@@ -72,9 +77,10 @@ async def serve_gateway(options: GatewayOptions) -> None:
         )
         http.install_signal_handlers = lambda: None  # we own SIGTERM/SIGINT
         poller = asyncio.create_task(router.poll_loads())
+        health_follower = asyncio.create_task(follow(readiness, health))
         serving = asyncio.create_task(http.serve())
         log.info(
-            "gateway.ready",
+            "gateway.listening",
             http=f"{options.host}:{options.http_port}",
             grpc=f"{options.host}:{grpc_port}",
         )
@@ -82,6 +88,8 @@ async def serve_gateway(options: GatewayOptions) -> None:
             await _wait_for_signal_or(serving)
         finally:
             http.should_exit = True
+            health_follower.cancel()
+            await health.shutdown()
             poller.cancel()
             follower.cancel()
             await asyncio.gather(serving, return_exceptions=True)

@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvmesh.engine.sampler import TokenLogprob
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.errors import InvalidRequestError, KvmeshError
+from kvmesh.errors import InvalidRequestError, KvmeshError, WorkerUnavailableError
 from kvmesh.mesh import error_mapping, metrics
 from kvmesh.mesh.error_mapping import PayloadTooLargeError, http_status, openai_error_body
 from services.gateway import openai_protocol as proto
@@ -38,6 +38,7 @@ from services.gateway import openai_responses as resp
 from services.gateway.backend import GenerateBackend
 from services.gateway.generation import SERVICE, Delta, Generation, Routing
 from services.gateway.openai_responses import LogprobFormatter, ResponseMeta
+from services.gateway.readiness import AlwaysReady, Readiness
 
 log = structlog.get_logger(__name__)
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -45,15 +46,20 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def create_app(
-    backend: GenerateBackend, tokenizer: Tokenizer, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    backend: GenerateBackend,
+    tokenizer: Tokenizer,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    readiness: Readiness | None = None,
 ) -> Starlette:
-    """POST /v1/chat/completions, /v1/completions; GET /v1/models, /health, /metrics."""
+    """POST /v1/chat/completions, /v1/completions; GET /v1/models, /health (readiness: 503
+    until a request would succeed), /live (liveness), /metrics."""
     api = _OpenAIApi(backend, tokenizer, max_body_bytes)
     routes = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
-        Route("/health", _health, methods=["GET"]),
+        Route("/health", _health_endpoint(readiness or AlwaysReady()), methods=["GET"]),
+        Route("/live", _live, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
     ]
     return Starlette(
@@ -255,7 +261,18 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
-async def _health(request: Request) -> Response:
+def _health_endpoint(readiness: Readiness):
+    async def health(request: Request) -> Response:
+        state = readiness.check()
+        if state.ready:
+            return JSONResponse({"status": "ok"})
+        not_ready = WorkerUnavailableError(state.reason)
+        return JSONResponse(openai_error_body(not_ready), status_code=http_status(not_ready))
+
+    return health
+
+
+async def _live(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
