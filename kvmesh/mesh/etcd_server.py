@@ -22,7 +22,7 @@ import structlog
 
 from kvmesh.errors import EtcdError
 from kvmesh.mesh.ports import free_ports
-from kvmesh.mesh.processes import terminate_group
+from kvmesh.mesh.processes import spawn, terminate_group
 
 log = structlog.get_logger(__name__)
 
@@ -59,7 +59,8 @@ def _tail(path: Path, n: int = 20) -> str:
 
 
 class EtcdServer:
-    """One etcd process in its own process group; ports and data dir survive `restart()`."""
+    """One etcd process in its own process group, dying with this process (PR_SET_PDEATHSIG);
+    ports and data dir survive `restart()`."""
 
     def __init__(
         self,
@@ -89,6 +90,11 @@ class EtcdServer:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        """Started and not exited (False once it died on its own, or was stopped)."""
+        return self._proc is not None and self._proc.poll() is None
 
     @property
     def data_dir(self) -> Path | None:
@@ -138,13 +144,7 @@ class EtcdServer:
     def _launch(self) -> None:
         assert self.log_path is not None
         self._log_file = self.log_path.open("ab")
-        self._proc = subprocess.Popen(
-            self._command(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        self._proc = spawn(self._command(), self._log_file)
 
     def _wait_healthy(self, timeout: float) -> bool:
         assert self._proc is not None

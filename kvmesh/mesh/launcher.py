@@ -1,5 +1,11 @@
-"""`kvmesh up`: etcd + one gateway + N prefill + M decode workers as separate processes on
-loopback; waits for health, prints where to send requests, stops everything on Ctrl-C/SIGTERM."""
+"""`kvmesh up`: etcd + one gateway + N prefill + M decode workers (+ KV store, draft service) as
+separate processes on loopback; waits until a request would succeed, prints where to send them.
+
+SIGINT, SIGTERM or SIGHUP at any moment (starting, running, stopping) stops everything it started;
+its children also die when it is SIGKILLed (PR_SET_PDEATHSIG). While the mesh runs, a worker, the
+KV store or the draft service that dies is reported and restarted (up to 3 times, with backoff);
+only etcd or the gateway dying stops the mesh: without either no request can be served.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,10 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +26,13 @@ from kvmesh.errors import LaunchError
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.etcd_server import EtcdServer
 from kvmesh.mesh.ports import free_port
+from kvmesh.mesh.processes import StopSignal, StopSignals
+from kvmesh.mesh.supervisor import Supervisor
+
+CRITICAL = frozenset({"gateway"})  # with etcd: the mesh stops when one of them dies
+STOP_GRACE_S = 6.0  # SIGTERM, then SIGKILL: a stop signal leaves nothing behind within 10 s
+# No proxy for loopback health checks, whatever http_proxy says.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 @dataclass(frozen=True)
@@ -49,11 +61,24 @@ class Mesh:
     run_dir: Path = field(
         default_factory=lambda: kvmesh_home() / "run" / time.strftime("%Y%m%d-%H%M%S")
     )
+    signals: StopSignals | None = None  # `kvmesh up`: held off while a child is being recorded
     etcd: EtcdServer | None = None
     master: Any = None  # MooncakeMaster with --kvstore mooncake
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     http_port: int = 0
     grpc_port: int = 0
+    supervisor: Supervisor = field(init=False)
+    _stopped: bool = field(default=False, init=False)
+    _master_reported: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        self.supervisor = Supervisor(env, say, critical=CRITICAL, defer=self._deferred,
+                                     on_change=self._write_state)  # fmt: skip
+
+    @property
+    def procs(self) -> dict[str, Any]:
+        """The current process of each child (etcd and mooncake_master aside)."""
+        return self.supervisor.procs
 
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -61,6 +86,7 @@ class Mesh:
         self.etcd.start()
         self.http_port = self.options.http_port or free_port()
         self.grpc_port = self.options.grpc_port or free_port()
+        self._write_state()
         if self.options.kvstore in ("builtin", "mooncake"):
             args = [*self._kvstore_layout(), *self._kvstore_backend(), *self.options.kvstore_args]
             self._spawn("kvstore", ["serve", "kvstore", *args])
@@ -68,37 +94,22 @@ class Mesh:
             head = _flag(self.options.worker_args, "--draft-model")
             extra = ["--draft-model", head] if head else []
             self._spawn("draft", ["serve", "draft", "--model", self.options.model, *extra])
-        for role, count in (("prefill", self.options.prefill), ("decode", self.options.decode)):
-            for i in range(count):
-                self._spawn(
-                    f"{role}-{i}",
-                    [
-                        "serve",
-                        role,
-                        "--worker-id",
-                        f"{role}-{i}",
-                        "--model",
-                        self.options.model,
-                        *self.options.worker_args,
-                        *self.options.role_args.get(role, ()),
-                    ],
-                )
-        self._spawn(
-            "gateway",
-            [
-                "serve",
-                "gateway",
-                "--model",
-                self.options.model,
-                "--http-port",
-                str(self.http_port),
-                "--grpc-port",
-                str(self.grpc_port),
-                *self.options.gateway_args,
-            ],
-        )
-        self._write_state()
+        self._spawn_workers()
+        self._spawn_gateway()
         self._wait_ready()
+
+    def _spawn_workers(self) -> None:
+        o = self.options
+        for role, count in (("prefill", o.prefill), ("decode", o.decode)):
+            for i in range(count):
+                name = f"{role}-{i}"
+                self._spawn(name, ["serve", role, "--worker-id", name, "--model", o.model,
+                                   *o.worker_args, *o.role_args.get(role, ())])  # fmt: skip
+
+    def _spawn_gateway(self) -> None:
+        ports = ["--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
+        self._spawn("gateway", ["serve", "gateway", "--model", self.options.model, *ports,
+                                *self.options.gateway_args])  # fmt: skip
 
     def _kvstore_backend(self) -> list[str]:
         """--kvstore mooncake: start mooncake_master; the store's second tier is Mooncake Store."""
@@ -108,6 +119,7 @@ class Mesh:
 
         self.master = MooncakeMaster()
         self.master.start()
+        self._write_state()
         return ["--backend", "mooncake", "--mooncake-master", self.master.address]
 
     def _kvstore_layout(self) -> list[str]:
@@ -129,33 +141,23 @@ class Mesh:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         assert self.etcd is not None
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvmesh.cli",
-            *args,
-            "--etcd",
-            self.etcd.endpoint,
-            "--cluster",
-            self.options.cluster,
-        ]
-        env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-        log = (self.run_dir / f"{name}.log").open("w")
-        self.procs[name] = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        cmd = [sys.executable, "-m", "kvmesh.cli", *args,
+               "--etcd", self.etcd.endpoint, "--cluster", self.options.cluster]  # fmt: skip
+        self.supervisor.spawn(name, cmd, self.run_dir / f"{name}.log")
+
+    def _deferred(self) -> AbstractContextManager[None]:
+        return self.signals.deferred() if self.signals else contextlib.nullcontext()
 
     def _wait_ready(self) -> None:
+        """Until the gateway says a request would succeed and every worker registered."""
         deadline = time.monotonic() + self.options.ready_timeout
         stores = 1 if self.options.kvstore in ("builtin", "mooncake") else 0
         want = (self.options.prefill, self.options.decode, stores, int(self._remote_draft()))
         while time.monotonic() < deadline:
-            dead = [n for n, p in self.procs.items() if p.poll() is not None]
-            if dead:
-                raise LaunchError(
-                    f"{dead[0]} exited during start-up; see {self.run_dir / dead[0]}.log"
-                )
-            if self._live_counts() == want:
+            dead = self.supervisor.first_exited()
+            if dead is not None:
+                raise LaunchError(f"{dead.exited()} during start-up")
+            if gateway_ready(self.http_port) and self._live_counts() == want:
                 return
             time.sleep(0.5)
         raise LaunchError(
@@ -166,22 +168,23 @@ class Mesh:
         args = self.options.worker_args
         return _flag(args, "--speculative") == "eagle" and _flag(args, "--draft") == "remote"
 
-    def _live_counts(self) -> tuple[int, ...] | None:
-        """Workers registered in etcd, once the gateway answers /health."""
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=2):
-                pass
-        except OSError:
-            return None
+    def _live_counts(self) -> tuple[int, ...]:
+        """Workers registered in etcd, by role."""
         assert self.etcd is not None
-        workers = asyncio.run(list_workers(self.etcd.endpoint, self.options.cluster))
+        with self._deferred():  # a signal inside asyncio.run would end up in some task
+            workers = asyncio.run(list_workers(self.etcd.endpoint, self.options.cluster))
         return tuple(
             sum(w.role == role for w in workers)
             for role in ("prefill", "decode", "kvstore", "draft")
         )
 
     def _write_state(self) -> None:
-        assert self.etcd is not None
+        """The run's state file (`kvmesh status` reads it), with the pid of every process."""
+        if self.etcd is None:
+            return  # nothing runs yet
+        pids = {"etcd": self.etcd.pid, **self.supervisor.pids()}
+        if self.master is not None:
+            pids["mooncake_master"] = self.master.pid
         state = {
             "etcd": self.etcd.endpoint,
             "cluster": self.options.cluster,
@@ -189,48 +192,55 @@ class Mesh:
             "http": f"127.0.0.1:{self.http_port}",
             "grpc": f"127.0.0.1:{self.grpc_port}",
             "logs": str(self.run_dir),
+            "pids": pids,
         }
-        state_file().parent.mkdir(parents=True, exist_ok=True)
-        state_file().write_text(json.dumps(state))
+        path = state_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_text(json.dumps(state))
+        partial.replace(path)  # readers never see half a file
 
     def wait(self) -> int:
-        """Block until a signal arrives or a process dies; returns an exit code."""
-        stop = {"sig": None}
-
-        def handler(signum, frame):  # noqa: ARG001
-            stop["sig"] = signum
-
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
-        while stop["sig"] is None:
-            dead = [n for n, p in self.procs.items() if p.poll() is not None]
-            if dead:
-                print(
-                    f"kvmesh: {dead[0]} exited; stopping the mesh (log: {self.run_dir / dead[0]}.log)"
-                )
+        """Watch the mesh until a stop signal (StopSignal, raised out of here) or until etcd or
+        the gateway dies (returns 1). Any other child that dies is reported and restarted (see
+        Supervisor); a dead KV store costs only cache misses meanwhile."""
+        while True:
+            lost = self._critical_loss()
+            if lost is not None:
+                say(f"kvmesh: {lost}; stopping the mesh")
                 return 1
+            self._report_master()
             time.sleep(0.5)
-        return 0
+
+    def _critical_loss(self) -> str | None:
+        if self.etcd is not None and not self.etcd.alive:
+            return "etcd exited"
+        child = self.supervisor.check()
+        return child.exited() if child is not None else None
+
+    def _report_master(self) -> None:
+        """A restarted master would hold no keys: the store runs on without its Mooncake tier."""
+        if self.master is None or self.master.alive or self._master_reported:
+            return
+        self._master_reported = True
+        say(f"kvmesh: mooncake_master exited (log: {self.master.log_path}); the KV store's "
+            "Mooncake tier is gone (cache misses), not restarted")  # fmt: skip
 
     def stop(self) -> None:
-        for name in ["gateway", *[n for n in self.procs if n != "gateway"]]:
-            _terminate_group(self.procs.get(name), signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                _terminate_group(proc, signal.SIGKILL)
-                proc.wait(timeout=5)
+        """Stop everything started here, gateway first; idempotent, and no signal cuts it."""
+        if self.signals is not None:
+            self.signals.disarm()
+        if self._stopped:
+            return
+        self._stopped = True
+        self.supervisor.stop(STOP_GRACE_S, first=("gateway",))
         if self.master is not None:
-            self.master.stop()
+            self.master.stop(timeout=2)
         if self.etcd is not None:
-            self.etcd.stop()
-        if (
-            state_file().is_file()
-            and json.loads(state_file().read_text()).get("pid") == os.getpid()
-        ):
-            state_file().unlink()
+            self.etcd.stop(timeout=2)
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(state_file().read_text()).get("pid") == os.getpid():
+                state_file().unlink()
 
 
 async def list_workers(etcd: str, cluster: str) -> list[WorkerInfo]:
@@ -238,39 +248,50 @@ async def list_workers(etcd: str, cluster: str) -> list[WorkerInfo]:
         return await registry.list_workers()
 
 
-def _terminate_group(proc: subprocess.Popen | None, sig: int) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, sig)  # the child leads its own group (start_new_session)
+def gateway_ready(http_port: int) -> bool:
+    """The gateway's /health is 200: it sees the workers a chat request needs."""
+    try:
+        with _OPENER.open(f"http://127.0.0.1:{http_port}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:  # not listening yet, or 503 (urllib's HTTPError is an OSError)
+        return False
+
+
+def say(text: str) -> None:
+    """CLI output; a closed terminal (SIGHUP) must not cut a stop short."""
+    with contextlib.suppress(OSError):
+        print(text, flush=True)
 
 
 def run_up(options: UpOptions) -> int:
-    mesh = Mesh(options)
+    signals = StopSignals()
+    signals.install()  # first of all: from here on a signal stops whatever was started
+    mesh = Mesh(options, signals=signals)
     try:
-        print(
-            f"kvmesh: starting etcd, 1 gateway, {options.prefill} prefill, {options.decode} decode "
-            f"(logs in {mesh.run_dir}) ...",
-            flush=True,
-        )
+        say(f"kvmesh: starting etcd, 1 gateway, {options.prefill} prefill, {options.decode} "
+            f"decode (logs in {mesh.run_dir}) ...")  # fmt: skip
         mesh.start()
         _print_ready(mesh, options)
         return mesh.wait()
+    except StopSignal as stop:
+        say(f"kvmesh: {stop} received, stopping everything ...")
+        return 0
     finally:
         mesh.stop()
-        print("kvmesh: stopped", flush=True)
+        say("kvmesh: stopped")
+        signals.restore()
 
 
 def _print_ready(mesh: Mesh, options: UpOptions) -> None:
+    assert mesh.etcd is not None
     url = f"http://127.0.0.1:{mesh.http_port}"
-    print(
+    say(
         f"""kvmesh is up: model {options.model}
   REST (OpenAI): {url}/v1    gRPC Gateway: 127.0.0.1:{mesh.grpc_port}    etcd: {mesh.etcd.endpoint}
   try:
     curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{{"model": "{options.model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
-  Ctrl-C stops everything.""",
-        flush=True,
+  Ctrl-C stops everything."""
     )
 
 

@@ -21,7 +21,7 @@ import structlog
 
 from kvmesh.errors import MooncakeMasterError
 from kvmesh.mesh.ports import free_ports
-from kvmesh.mesh.processes import terminate_group
+from kvmesh.mesh.processes import spawn, terminate_group
 
 log = structlog.get_logger(__name__)
 
@@ -53,7 +53,8 @@ def _tail(path: Path, n: int = 20) -> str:
 
 
 class MooncakeMaster:
-    """One `mooncake_master` process in its own process group, logging to `log_path`."""
+    """One `mooncake_master` process in its own process group, dying with this process
+    (PR_SET_PDEATHSIG), logging to `log_path`."""
 
     def __init__(self, rpc_port: int | None = None, metrics_port: int | None = None) -> None:
         picked = free_ports(2)
@@ -70,6 +71,11 @@ class MooncakeMaster:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        """Started and not exited (False once it died on its own, or was stopped)."""
+        return self._proc is not None and self._proc.poll() is None
 
     def _command(self) -> list[str]:
         return [
@@ -89,13 +95,7 @@ class MooncakeMaster:
         os.close(fd)
         self.log_path = Path(name)
         self._log_file = self.log_path.open("ab")
-        self._proc = subprocess.Popen(
-            self._command(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        self._proc = spawn(self._command(), self._log_file)
         if not self._wait_ready(timeout):
             tail = _tail(self.log_path)
             self.stop()
