@@ -46,6 +46,7 @@ bench: model
 	$(BIN)/kvmesh bench kv --output bench/results/kv.json
 	$(BIN)/kvmesh bench spec --output bench/results/spec.json
 	$(BIN)/kvmesh bench weights --output bench/results/weights.json
+	$(BIN)/kvmesh bench coldstart --output bench/results/coldstart.json
 
 protos: install
 	$(BIN)/python scripts/gen_protos.py

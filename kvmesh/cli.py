@@ -1,4 +1,6 @@
-"""`kvmesh` command line: generate, up, serve, status, bench, train-eagle."""
+"""`kvmesh` command line: generate, up, serve, status, bench, train-eagle.
+
+Parsing imports no torch, transformers or grpc: each command imports what it runs."""
 
 from __future__ import annotations
 
@@ -6,14 +8,16 @@ import argparse
 import importlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvmesh.cli_args import build_parser
 from kvmesh.errors import KvmeshError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     from kvmesh.log import configure_logging
 
     configure_logging("cli")
@@ -107,38 +111,34 @@ def _serve(args: argparse.Namespace) -> int:
     from kvmesh.log import configure_logging
 
     configure_logging(args.service, "INFO")
+    serve, options = _service(args)
+    _log_imports_done()
+    asyncio.run(serve(options))
+    return 0
+
+
+def _service(args: argparse.Namespace) -> tuple[Callable[[Any], Any], Any]:
+    """The service's serve coroutine (importing it: torch and all for a worker) and options."""
     if args.service == "kvstore":
         from services.kvstore.main import options_from_args, serve_kvstore
 
-        asyncio.run(serve_kvstore(options_from_args(args)))
-        return 0
+        return serve_kvstore, options_from_args(args)
     if args.service == "draft":
         from services.draft.main import options_from, serve_draft
 
-        asyncio.run(serve_draft(options_from(args)))
-        return 0
+        return serve_draft, options_from(args)
     if args.service == "gateway":
         from services.gateway.main import GatewayOptions, serve_gateway
 
-        asyncio.run(
-            serve_gateway(
-                GatewayOptions(
-                    etcd=args.etcd,
-                    cluster=args.cluster,
-                    model=args.model,
-                    host=args.host,
-                    http_port=args.http_port,
-                    grpc_port=args.grpc_port,
-                    session_ttl=args.session_ttl,
-                    affinity_max_load_ratio=args.affinity_max_load_ratio,
-                    affinity_slack_tokens=args.affinity_slack_tokens,
-                    routing=args.routing,
-                )
-            )
-        )
-        return 0
+        names = ("etcd", "cluster", "model", "host", "http_port", "grpc_port", "session_ttl",
+                 "affinity_max_load_ratio", "affinity_slack_tokens", "routing")  # fmt: skip
+        return serve_gateway, GatewayOptions(**{name: getattr(args, name) for name in names})
     from kvmesh.mesh.worker_runtime import WorkerOptions
 
+    if args.service == "prefill":
+        from services.prefill.main import serve_prefill as serve
+    else:
+        from services.decode.main import serve_decode as serve
     options = WorkerOptions(
         role=args.service,
         etcd=args.etcd,
@@ -151,12 +151,35 @@ def _serve(args: argparse.Namespace) -> int:
         **{name: getattr(args, name) for name in _WORKER_FLAGS if name not in _ON_OFF},
         **{name: getattr(args, name) == "on" for name in _ON_OFF},
     )
-    if args.service == "prefill":
-        from services.prefill.main import serve_prefill as serve
-    else:
-        from services.decode.main import serve_decode as serve
-    asyncio.run(serve(options))
-    return 0
+    return serve, options
+
+
+def _log_imports_done() -> None:
+    """A start-up phase mark for `kvmesh bench coldstart`: when the process was exec'd and
+    when its imports were done (this line's timestamp)."""
+    import time
+
+    import structlog
+
+    now = time.time()
+    exec_at = _exec_time(now)
+    imports_s = None if exec_at is None else round(now - exec_at, 3)
+    structlog.get_logger(__name__).info(
+        "process.imports_done", exec_at=exec_at, imports_s=imports_s
+    )
+
+
+def _exec_time(now: float) -> float | None:
+    """This process's start as a Unix time (Linux /proc: 10 ms ticks), None elsewhere."""
+    import os
+    from pathlib import Path
+
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(now - (uptime - ticks / os.sysconf("SC_CLK_TCK")), 3)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -143,7 +146,11 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The whole parser; given the command line, only the sub-command it names gets the
+    arguments defined in other modules (some import torch or grpc: `kvmesh --help` and every
+    other command must not pay for them)."""
+    lazy = _Lazy(None if argv is None else tuple(argv))
     parser = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: a mesh for serving LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text offline with the in-process engine")
@@ -194,12 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
         worker.add_argument("--metrics-port", type=int, default=0)
         _worker_args(worker)
         _spec_args(worker, worker=True)
-    from services.kvstore.main import add_arguments as kvstore_arguments
-
-    kvstore_arguments(serve_sub.add_parser("kvstore", help="the KV page store (RAM + disk tiers)"))
-    from services.draft.main import add_arguments as draft_arguments
-
-    draft_arguments(serve_sub.add_parser("draft", help="the EAGLE draft service"))
+    lazy.add(serve_sub, ("serve", "kvstore"), "the KV page store (RAM + disk tiers)",
+             "services.kvstore.main")  # fmt: skip
+    lazy.add(serve_sub, ("serve", "draft"), "the EAGLE draft service", "services.draft.main")
     train = sub.add_parser("train-eagle", help="self-distil an EAGLE draft head on CPU")
     train.add_argument("--model", default="smollm2-135m")
     train.add_argument("--output", required=True, help="where to write the head (safetensors)")
@@ -243,49 +247,55 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--dtype", default="fp32,bf16", help="comma-separated: fp32,bf16")
     off.add_argument("--no-transformers", action="store_true")
     off.add_argument("--output", default=None, help="also write the JSON results here")
-    from kvmesh.benchmarks.transfer import add_arguments as transfer_arguments
+    _bench_args(bench_sub, lazy)
+    return parser
 
-    transfer_arguments(
-        bench_sub.add_parser("transfer", help="Mooncake TE vs gRPC bytes for KV pages")
-    )
-    from kvmesh.benchmarks.kv import add_arguments as kv_arguments
 
-    kv_arguments(
-        bench_sub.add_parser(
-            "kv",
-            help="FP8 vs BF16 KV throughput at one memory budget, integrity-check cost, "
-            "FP8 quality",
-        )
-    )
-    from kvmesh.benchmarks.weights import add_arguments as weights_arguments
+_BENCHES = {  # name: (help, module whose add_arguments defines its flags)
+    "transfer": ("Mooncake TE vs gRPC bytes for KV pages", "kvmesh.benchmarks.transfer"),
+    "kv": ("FP8 vs BF16 KV throughput at one memory budget, integrity-check cost, FP8 quality",
+           "kvmesh.benchmarks.kv"),
+    "weights": ("INT4 vs bf16 vs fp32 weights: memory, decode tok/s, quality",
+                "kvmesh.benchmarks.weights"),
+    "spec": ("tokens/s with and without speculative decoding", "kvmesh.benchmarks.spec"),
+    "serve": ("TTFT/TPOT/tok/s through the mesh vs the engine", "kvmesh.cli_args"),
+    "agent": ("multi-turn agent sessions: cache-aware vs least-load routing",
+              "kvmesh.benchmarks.agent"),
+    "coldstart": ("`kvmesh up` to the first streamed token, split by phase",
+                  "kvmesh.benchmarks.coldstart"),
+}  # fmt: skip
 
-    weights_arguments(
-        bench_sub.add_parser(
-            "weights", help="INT4 vs bf16 vs fp32 weights: memory, decode tok/s, quality"
-        )
-    )
-    from kvmesh.benchmarks.spec import add_arguments as spec_arguments
 
-    spec_arguments(
-        bench_sub.add_parser("spec", help="tokens/s with and without speculative decoding")
-    )
-    from kvmesh.benchmarks import agent as agent_bench
-    from kvmesh.benchmarks.serve import add_arguments as serve_arguments
+def _bench_args(bench_sub, lazy: _Lazy) -> None:
+    for name, (text, module) in _BENCHES.items():
+        adder = "add_serve_bench_arguments" if name == "serve" else "add_arguments"
+        lazy.add(bench_sub, ("bench", name), text, module, adder)
 
-    serve_bench = bench_sub.add_parser(
-        "serve", help="TTFT/TPOT/tok/s through the mesh vs the engine"
-    )
-    serve_bench.add_argument(
+
+def add_serve_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """`kvmesh bench serve`: the serve bench's flags plus the agent workload's."""
+    from kvmesh.benchmarks import agent, serve
+
+    p.add_argument(
         "--workload",
         default="chat",
         choices=["chat", "agent"],
         help="agent: multi-turn sessions (see `kvmesh bench agent`)",
     )
-    serve_arguments(serve_bench)
-    agent_bench.add_workload_arguments(serve_bench)
-    agent_bench.add_arguments(
-        bench_sub.add_parser(
-            "agent", help="multi-turn agent sessions: cache-aware vs least-load routing"
-        )
-    )
-    return parser
+    serve.add_arguments(p)
+    agent.add_workload_arguments(p)
+
+
+@dataclass(frozen=True)
+class _Lazy:
+    """Sub-parsers whose arguments live in another module, imported only when `argv` (None:
+    always) names the command and that sub-command."""
+
+    argv: tuple[str, ...] | None
+
+    def add(self, sub, path: tuple[str, str], text: str, module: str,
+            adder: str = "add_arguments") -> None:  # fmt: skip
+        """`sub.add_parser(path[1])`, filled by `module.adder` if argv starts with `path`."""
+        parser = sub.add_parser(path[1], help=text, description=text)
+        if self.argv is None or self.argv[:2] == path:
+            getattr(importlib.import_module(module), adder)(parser)

@@ -23,3 +23,9 @@ def log_level() -> str:
 
 def log_json() -> bool:
     return os.environ.get("KVMESH_LOG_JSON", "1") not in ("0", "false", "")
+
+
+def model_cache() -> bool:
+    """Keep converted models (and GGUF tokenizers) under $KVMESH_HOME/cache
+    (`KVMESH_MODEL_CACHE`, default on; 0 converts the source at every start)."""
+    return os.environ.get("KVMESH_MODEL_CACHE", "1") not in ("0", "false", "off", "")

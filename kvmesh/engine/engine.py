@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -17,7 +18,7 @@ from kvmesh.engine.integrity import PageTags
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
 from kvmesh.engine.kv.events import KvEvent
 from kvmesh.engine.kv_cache import PagedKVCache, spec_for_model
-from kvmesh.engine.loader import load_weights, resolve_model
+from kvmesh.engine.loader import load_hf_tokenizer, load_model, load_weights, resolve_model
 from kvmesh.engine.models import build_model
 from kvmesh.engine.outputs import Reservation, TokenOutput
 from kvmesh.engine.runner import ModelRunner
@@ -42,14 +43,20 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
         if env.num_threads():
             torch.set_num_threads(env.num_threads())
         torch.manual_seed(config.seed)
         self.config = config
         self.source = resolve_model(config.model)
-        model_config, weights = load_weights(self.source, int4=config.int4 is not None)
+        # load_weights by name: a bench may substitute it (kv.py converts once per run)
+        loaded = load_model(
+            self.source, config.int4 is not None, config.compute_dtype, load_weights
+        )
+        log.info("engine.weights_loaded", cache=loaded.cache, seconds=round(loaded.seconds, 3))
+        model_config, weights = loaded.config, loaded.weights
         self.model_config: ModelConfig = model_config
-        self.tokenizer = Tokenizer.from_source(self.source, model_config.eos_token_ids)
+        self.tokenizer = Tokenizer(load_hf_tokenizer(self.source), model_config.eos_token_ids)
         self.max_model_len = min(
             config.max_model_len or model_config.max_position_embeddings,
             model_config.max_position_embeddings,
@@ -57,7 +64,9 @@ class Engine:
         dtype = TORCH_DTYPES[config.compute_dtype]
         if config.int4 is not None and config.compute_dtype == "fp32":
             log.warning("engine.int4_fp32_activations", hint="--dtype bf16 is several times faster")
+        built = time.perf_counter()
         model = build_model(model_config, weights, dtype, self.max_model_len, int4=config.int4)
+        log.info("engine.model_built", seconds=round(time.perf_counter() - built, 3))
         self.kv_dtype = config.resolved_kv_dtype
         spec = spec_for_model(model_config, config.page_size, self.kv_dtype)
         num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
@@ -95,6 +104,7 @@ class Engine:
             kv_integrity=config.kv_integrity,
             pages=num_pages,
             capacity_tokens=self.kv_cache.capacity_tokens,
+            init_s=round(time.perf_counter() - started, 3),
         )
 
     @property

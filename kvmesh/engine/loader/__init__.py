@@ -1,15 +1,25 @@
-"""Model sources -> (ModelConfig, HF-named float state dict)."""
+"""Model sources -> (ModelConfig, HF-named float state dict). Importing this package does not
+import torch (the gateway and `kvmesh up` only read configs)."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
+from kvmesh import env
 from kvmesh.engine.config import ModelConfig
-from kvmesh.engine.loader.gguf_loader import load_gguf
+from kvmesh.engine.loader.model_cache import LoadedModel, cached_config, load_cached
 from kvmesh.engine.loader.resolve import DEFAULT_MODEL, ModelSource, resolve_model
-from kvmesh.engine.loader.safetensors_loader import load_hf_folder
+from kvmesh.engine.loader.tokenizer_cache import load_hf_tokenizer
 
-__all__ = ["DEFAULT_MODEL", "ModelSource", "load_weights", "read_config", "resolve_model"]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
+
+    Loader = Callable[[ModelSource, bool], tuple[ModelConfig, dict]]
+
+__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelSource", "load_hf_tokenizer", "load_model",
+           "load_weights", "read_config", "resolve_model"]  # fmt: skip
 
 
 def load_weights(
@@ -18,23 +28,50 @@ def load_weights(
     """The weight-format registry: GGUF file or HF safetensors folder. int4: GGUF Q4_0/Q4_1
     matrices stay INT4 (`Int4Weight`) instead of being dequantized."""
     if source.gguf_file is not None:
+        from kvmesh.engine.loader.gguf_loader import load_gguf
+
         return load_gguf(source.gguf_file, int4)
+    from kvmesh.engine.loader.safetensors_loader import load_hf_folder
+
     assert source.hf_dir is not None
     return load_hf_folder(source.hf_dir)
+
+
+def load_model(
+    source: ModelSource, int4: bool, dtype: str, load: Loader = load_weights
+) -> LoadedModel:
+    """`load` (`load_weights`) through the converted-model cache (GGUF sources;
+    `KVMESH_MODEL_CACHE=0` turns it off): the same tensors, dense ones already in `dtype`
+    ("fp32" / "bf16") -- what the model would cast them to."""
+    if source.gguf_file is None or not env.model_cache():
+        import time
+
+        start = time.perf_counter()
+        config, weights = load(source, int4)
+        return LoadedModel(config, weights, cache="off", seconds=time.perf_counter() - start)
+    variant = "int4" if int4 else dtype
+    return load_cached(source.gguf_file, variant, lambda: load(source, int4))
 
 
 def read_config(source: ModelSource) -> ModelConfig:
     """The model's config without loading weights (for processes that only tokenize)."""
     if source.gguf_file is not None:
-        from kvmesh.engine.loader.gguf_loader import gguf_metadata, open_gguf
-        from kvmesh.engine.loader.hf_config import config_from_gguf
-
-        reader = open_gguf(source.gguf_file)
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        return config_from_gguf(gguf_metadata(reader), len(tokens.data) if tokens else 0)
+        if env.model_cache():
+            return cached_config(source.gguf_file, lambda: _gguf_config(source))
+        return _gguf_config(source)
     import json
 
     from kvmesh.engine.loader.hf_config import config_from_hf
 
     assert source.hf_dir is not None
     return config_from_hf(json.loads((source.hf_dir / "config.json").read_text()))
+
+
+def _gguf_config(source: ModelSource) -> ModelConfig:
+    from kvmesh.engine.loader.gguf_loader import gguf_metadata, open_gguf
+    from kvmesh.engine.loader.hf_config import config_from_gguf
+
+    assert source.gguf_file is not None
+    reader = open_gguf(source.gguf_file)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return config_from_gguf(gguf_metadata(reader), len(tokens.data) if tokens else 0)

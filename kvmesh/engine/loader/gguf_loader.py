@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.loader.hf_config import config_from_gguf
 from kvmesh.errors import ModelFormatError
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_TYPES = {
     "F32",
@@ -76,6 +78,8 @@ def gguf_metadata(reader: Any) -> dict[str, Any]:
 def load_gguf(path: Path, int4: bool = False) -> tuple[ModelConfig, dict[str, Any]]:
     """HF-named float tensors; with int4, Q4_0 / Q4_1 matrices come back as `Int4Weight`s taken
     over without dequantizing (llama.cpp's Q/K row permutation undone on the integer rows)."""
+    import torch
+
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     vocab = (
@@ -103,6 +107,8 @@ def load_gguf(path: Path, int4: bool = False) -> tuple[ModelConfig, dict[str, An
 
 
 def _int4(tensor: Any, name: str, config: ModelConfig) -> Any:
+    import torch
+
     from kvmesh.engine.quant.int4 import Int4Weight
 
     cols, rows = (int(d) for d in tensor.shape)

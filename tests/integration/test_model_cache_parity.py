@@ -1,0 +1,73 @@
+"""The default model through the converted-model and tokenizer caches: an engine started from
+the cache holds the same weights, computes the same logits and tokenizes the same as the engine
+that converted the GGUF (and filled the cache; a miss uses the converted tensors as they are,
+which tests/unit/test_model_cache.py checks against the uncached loader)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvmesh.engine import engine as engine_module
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.loader import tokenizer_cache
+
+TEXTS = ["Hello, world!", "  leading spaces\tand tabs\n", "naïve café — 東京 🙂", "<|im_end|> x"]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+
+
+def _engine(model: str) -> Engine:
+    return Engine(EngineConfig(model=model, dtype="fp32", kv_cache_bytes=16 << 20))
+
+
+def _tensors(engine: Engine) -> dict[str, torch.Tensor]:
+    model = engine.runner.model
+    out = {"embed": model.embed, "norm": model.norm, "lm_head": model.lm_head}
+    for i, layer in enumerate(model.layers):
+        out |= {f"{i}.{k}": v for k, v in vars(layer).items() if v is not None}
+    return out
+
+
+def _no_conversion(*_: object) -> None:
+    raise AssertionError("converted the GGUF although the cache holds it")
+
+
+@pytest.fixture(scope="module")
+def engines(default_model_source, tmp_path_factory) -> tuple[Engine, Engine]:
+    """(converted the GGUF, started from the cache it filled: fails if it converts anything)."""
+    model = str(default_model_source.gguf_file)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVMESH_HOME", str(Path(tmp_path_factory.mktemp("home"))))
+        mp.delenv("KVMESH_MODEL_CACHE", raising=False)
+        converted = _engine(model)
+        mp.setattr(engine_module, "load_weights", _no_conversion)
+        mp.setattr(tokenizer_cache, "_from_gguf", _no_conversion)
+        cached = _engine(model)
+    return converted, cached
+
+
+def test_weights_and_logits_are_bit_identical(engines) -> None:
+    converted, cached = engines
+    a, b = _tensors(converted), _tensors(cached)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    ids = converted.tokenizer.encode_chat(CHAT)
+    assert torch.equal(converted.score(ids), cached.score(ids))
+
+
+def test_the_cached_tokenizer_tokenizes_the_same(engines) -> None:
+    a, b = (e.tokenizer for e in engines)
+    assert (a.vocab_size, a.eos_token_ids, a.all_special_ids) == (
+        b.vocab_size,
+        b.eos_token_ids,
+        b.all_special_ids,
+    )
+    for text in TEXTS:
+        ids = a.encode(text)
+        assert b.encode(text) == ids
+        assert b.decode(ids, skip_special_tokens=False) == a.decode(ids, skip_special_tokens=False)
+    assert b.render_chat(CHAT) == a.render_chat(CHAT)
