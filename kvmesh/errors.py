@@ -64,6 +64,13 @@ class PayloadTooLargeError(InvalidRequestError):
     code = "payload_too_large"
 
 
+class RequestAbortedError(KvmeshError):
+    """The request was aborted on the worker (an Abort call, a drain) before it finished: not
+    the caller's fault, and another worker may run it (gRPC CANCELLED)."""
+
+    code = "request_aborted"
+
+
 class EngineFailure(KvmeshError):
     code = "engine_failure"
 

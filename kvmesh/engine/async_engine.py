@@ -2,6 +2,8 @@
 
 Every engine call happens under one lock (taken off the event loop with `asyncio.to_thread`),
 so the step loop and RPC handlers never touch the scheduler or the page pool at the same time.
+The engine itself is private: callers get its immutable parts (the KV pool's layout and
+addresses, limits) as properties and everything else through methods that take the lock.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import structlog
 
 from kvmesh.engine.engine import Engine, Reservation, TokenOutput
 from kvmesh.engine.kv.events import KvEvent, PagesStored
+from kvmesh.engine.kv_cache import PagedKVCache
+from kvmesh.engine.page_io import PageIO
 from kvmesh.engine.sampler import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import FinishReason
@@ -38,13 +42,15 @@ class EngineLoad:
 
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+        self._engine = engine
+        self.page_io = PageIO(engine)  # its methods run under the lock: pass them to `call`
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        self._load = self._measure_load()  # published under the lock, read without it
         engine.kv_event_sink = self._fan_out
 
     def start(self) -> None:
@@ -59,8 +65,9 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopped:
             with self._lock:
-                busy = self.engine.has_unfinished()
+                busy = self._engine.has_unfinished()
                 outputs = self._step() if busy else []
+                self._load = self._measure_load()
             if not busy:
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -69,13 +76,13 @@ class AsyncEngine:
 
     def _step(self) -> list[TokenOutput]:
         try:
-            return self.engine.step()
+            return self._engine.step()
         except (
             Exception
         ) as exc:  # a bug or OOM in a step fails the requests in flight, not the worker
             log.exception("engine.step_failed")
             for request_id in list(self._queues):
-                self.engine.abort(request_id)
+                self._engine.abort(request_id)
                 self._deliver(request_id, EngineFailure(f"engine step failed: {exc}"))
             return []
 
@@ -91,7 +98,10 @@ class AsyncEngine:
 
         def locked() -> Any:
             with self._lock:
-                return fn(*args)
+                try:
+                    return fn(*args)
+                finally:
+                    self._load = self._measure_load()
 
         result = await asyncio.to_thread(locked)
         self._wake.set()
@@ -109,7 +119,7 @@ class AsyncEngine:
         queue = self._open(request_id)
         try:
             await self.call(
-                self.engine.add_request, request_id, prompt, params, keep_pages, cache_salt
+                self._engine.add_request, request_id, prompt, params, keep_pages, cache_salt
             )
         except BaseException:
             self._queues.pop(request_id, None)
@@ -132,7 +142,7 @@ class AsyncEngine:
     async def reserve(
         self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str = ""
     ) -> Reservation | None:
-        return await self.call(self.engine.reserve, request_id, prompt, params, cache_salt)
+        return await self.call(self._engine.reserve, request_id, prompt, params, cache_salt)
 
     async def commit(
         self,
@@ -146,7 +156,7 @@ class AsyncEngine:
         queue = self._open(request_id)
         try:
             first = await self.call(
-                self.engine.commit_prefilled,
+                self._engine.commit_prefilled,
                 request_id,
                 first_token,
                 logprob,
@@ -180,7 +190,7 @@ class AsyncEngine:
         finally:
             self._queues.pop(request_id, None)
             if not finished:  # the consumer went away: abort so the pages are freed
-                await self.call(self.engine.abort, request_id)
+                await self.call(self._engine.abort, request_id)
 
     def _open(self, request_id: str) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
@@ -188,15 +198,15 @@ class AsyncEngine:
         return queue
 
     async def abort(self, request_id: str) -> bool:
-        aborted = await self.call(self.engine.abort, request_id)
+        aborted = await self.call(self._engine.abort, request_id)
         self._deliver(request_id, TokenOutput(request_id, [], [], True, FinishReason.ABORT, 0, 0))
         return aborted
 
     async def release(self, request_id: str) -> None:
-        await self.call(self.engine.release, request_id)
+        await self.call(self._engine.release, request_id)
 
     async def cancel_reservation(self, request_id: str) -> None:
-        await self.call(self.engine.cancel_reservation, request_id)
+        await self.call(self._engine.cancel_reservation, request_id)
 
     def _fan_out(self, events: list[KvEvent]) -> None:
         """Engine thread, under the lock: hand a step's KV events to every subscriber."""
@@ -209,7 +219,7 @@ class AsyncEngine:
 
         def subscribe() -> list[int]:
             self._subscribers.append(entry)
-            return self.engine.block_manager.cached_hashes()
+            return self._engine.block_manager.cached_hashes()
 
         snapshot = await self.call(subscribe)
         try:
@@ -219,8 +229,54 @@ class AsyncEngine:
         finally:
             self._subscribers.remove(entry)
 
+    # -- the engine's immutable parts -----------------------------------------------------------
+    @property
+    def kv_cache(self) -> PagedKVCache:
+        """The page pool: its spec and addresses never change (its bytes do, under the lock)."""
+        return self._engine.kv_cache
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self._engine.model_name
+
+    @property
+    def kv_dtype(self) -> str:
+        return self._engine.kv_dtype
+
+    @property
+    def faults(self) -> Any:
+        """The fault injector (tests), or None."""
+        return self._engine.faults
+
+    # -- reads of mutable state, under the lock --------------------------------------------------
+    async def pages_of(self, request_id: str) -> list[int]:
+        return await self.call(self._engine.pages_of, request_id)
+
+    async def computed_pages_of(self, request_id: str) -> tuple[list[int], list[int]]:
+        return await self.call(self._engine.computed_pages_of, request_id)
+
+    async def hand_over_draft(self, request_id: str) -> tuple[Any, int] | None:
+        """EAGLE: the draft window a prefill hands to decode (None without a speculator)."""
+        speculator = self._engine.speculator
+        if speculator is None:
+            return None
+        return await self.call(speculator.hand_over, request_id)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self._load.kv_pages_used
+
     def load(self) -> EngineLoad:
-        scheduler, pool = self.engine.scheduler, self.engine.block_manager
+        """The load after the last step or call: a snapshot the engine thread publishes, so
+        reading it never waits for a step (a long prefill step would stall load polls)."""
+        return self._load
+
+    def _measure_load(self) -> EngineLoad:  # under the lock (or before the thread starts)
+        scheduler, pool = self._engine.scheduler, self._engine.block_manager
         seqs = list(scheduler.running) + list(scheduler.waiting)
         return EngineLoad(
             num_running=len(scheduler.running),
@@ -231,5 +287,5 @@ class AsyncEngine:
             kv_tokens_active=sum(s.num_tokens for s in scheduler.running),
             kv_pages_used=pool.num_used_pages,
             kv_pages_total=pool.config.num_pages,
-            kv_capacity_tokens=self.engine.kv_cache.capacity_tokens,
+            kv_capacity_tokens=self._engine.kv_cache.capacity_tokens,
         )

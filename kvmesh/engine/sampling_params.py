@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from kvmesh.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+_INT_RANGES = {  # the proto field types: uint32 max_tokens, int32 top_k, int64 seed
+    "max_tokens": (1, 2**32 - 1),
+    "top_k": (0, 2**31 - 1),
+    "seed": (-(2**63), 2**63 - 1),
+}
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,22 @@ class SamplingParams:
             self.logprobs is None or 0 <= self.logprobs <= 20,
             f"logprobs must be in [0, 20], got {self.logprobs}",
         )
+        self._check_wire_ranges()
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
         _check(len(self.stop) <= 16, "at most 16 stop strings")
+
+    def _check_wire_ranges(self) -> None:
+        """Integers must fit the fields that carry them between services (common.proto)."""
+        for name, (low, high) in _INT_RANGES.items():
+            value = getattr(self, name)
+            _check(
+                value is None or (isinstance(value, int) and low <= value <= high),
+                f"{name} must be an integer in [{low}, {high}], got {value!r}",
+            )
+        _check(
+            all(isinstance(t, int) and 0 <= t < 2**32 for t in self.stop_token_ids),
+            "stop_token_ids must be integers in [0, 4294967295]",
+        )
 
     @property
     def greedy(self) -> bool:

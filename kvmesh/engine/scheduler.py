@@ -111,6 +111,7 @@ class Scheduler:
         """Join a sequence whose prompt KV another worker wrote into its (allocated) pages.
 
         Returns the finish reason when the first token already ends it (pages freed then).
+        With max_num_seqs running it waits first in line, holding its pages.
         """
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.block_manager.cache_full_pages(seq, seq.num_computed_tokens)
@@ -120,8 +121,12 @@ class Scheduler:
         if reason is not None:
             self._retire(seq, reason)
             return reason
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        if len(self.running) < self.config.max_num_seqs:
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+        else:
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)
         return None
 
     def release(self, seq_id: str) -> bool:
@@ -186,8 +191,9 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            prefix = self.block_manager.match_prefix(seq)
-            num_tokens = min(seq.num_tokens - prefix.num_tokens, budget)
+            prefix = None if seq.block_table else self.block_manager.match_prefix(seq)
+            done = seq.num_computed_tokens if prefix is None else prefix.num_tokens
+            num_tokens = min(seq.num_tokens - done, budget)  # prefilled elsewhere: done > 0
             if not self.block_manager.allocate(seq, num_tokens, prefix):
                 break
             self.waiting.popleft()

@@ -122,11 +122,20 @@ class Registry:
     def worker_key(self, role: str, worker_id: str) -> bytes:
         return self.workers_prefix + f"{role}/{worker_id}".encode()
 
-    async def put(self, key_suffix: str, value: bytes, ttl: int | None = None) -> None:
-        """Put `<prefix><key_suffix>`; with `ttl`, on a fresh lease nobody refreshes."""
+    async def put(self, key_suffix: str, value: bytes, lease: aetcd.Lease | None = None) -> None:
+        """Put `<prefix><key_suffix>`, on `lease` if given (the key goes when it expires)."""
         with _unavailable("put"):
-            lease = await self.client.lease(ttl) if ttl else None
             await self.client.put(self.prefix + key_suffix.encode(), value, lease=lease)
+
+    async def lease(self, ttl: int) -> aetcd.Lease:
+        with _unavailable("lease"):
+            return await self.client.lease(ttl)
+
+    async def refresh(self, lease: aetcd.Lease) -> bool:
+        """Renew `lease`; False when etcd no longer knows it (expired, or etcd was wiped)."""
+        with _unavailable("lease refresh"):
+            reply = await lease.refresh()
+        return reply is not None and reply.TTL > 0
 
     async def get(self, key_suffix: str) -> bytes | None:
         with _unavailable("get"):

@@ -8,6 +8,7 @@ If the service fails, the step simply runs without drafts (speculation never cha
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
@@ -21,6 +22,7 @@ from kvmesh.mesh.grpc_server import CHANNEL_OPTIONS
 from kvmesh.proto.v1 import draft_pb2, draft_pb2_grpc
 
 log = structlog.get_logger(__name__)
+ROUND_TRIPS_KEPT = 4096
 
 
 class RemoteProposer:
@@ -30,7 +32,8 @@ class RemoteProposer:
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = draft_pb2_grpc.DraftStub(self._channel)
         self._pending: dict[str, list[draft_pb2.FeatureRows]] = {}  # sent with the next call
-        self.round_trips: list[float] = []  # seconds per Propose call (bench: remote cost)
+        # Seconds per Propose call, the latest ROUND_TRIPS_KEPT (bench: the remote cost).
+        self.round_trips: deque[float] = deque(maxlen=ROUND_TRIPS_KEPT)
 
     def check_target(self, model_name: str) -> tuple[int, ...]:
         """The target layers the service's head reads; it must draft for `model_name`."""

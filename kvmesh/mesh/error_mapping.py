@@ -18,6 +18,7 @@ from kvmesh.errors import (
     KvmeshError,
     ModelNotFoundError,
     PayloadTooLargeError,
+    RequestAbortedError,
     WorkerUnavailableError,
 )
 
@@ -43,8 +44,8 @@ def http_status(exc: BaseException) -> int:
         return 400  # CapacityError: this request can never fit, so it is the request's fault
     if isinstance(exc, ModelNotFoundError):
         return 404
-    if _is_unavailable(exc):
-        return 503
+    if _is_unavailable(exc) or isinstance(exc, RequestAbortedError):
+        return 503  # aborted on a worker, not by this caller: retrying may succeed
     return 500
 
 
@@ -75,6 +76,8 @@ def grpc_status(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, KvIntegrityError):
         return grpc.StatusCode.DATA_LOSS
+    if isinstance(exc, RequestAbortedError):
+        return grpc.StatusCode.CANCELLED
     return grpc.StatusCode.INTERNAL
 
 

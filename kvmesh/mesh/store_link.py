@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import structlog
 
 from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.page_io import ExportedPages, PageIO
+from kvmesh.engine.page_io import ExportedPages
 from kvmesh.mesh.discovery import Registry
 from kvmesh.mesh.kvstore_client import KVStoreClient, layout_key
 from kvmesh.mesh.transfer import KvTransferEngine
@@ -33,12 +33,10 @@ class StoreLink:
         self.engine = engine
         self.transfer = transfer
         self.service = service
-        self.page_io = PageIO(engine.engine)
-        spec = engine.engine.kv_cache.spec
+        self.page_io = engine.page_io
+        spec = engine.kv_cache.spec
         self.page_bytes = spec.page_bytes
-        self.layout_key = layout_key(
-            engine.engine.model_name, spec.page_size, engine.engine.kv_dtype
-        )
+        self.layout_key = layout_key(engine.model_name, spec.page_size, engine.kv_dtype)
         self._client: KVStoreClient | None = None
         self._address = ""
         self._pending: set[asyncio.Task] = set()
@@ -94,6 +92,6 @@ class StoreLink:
         client = self._client
         if client is None or not block_hashes:
             return
-        cache = self.engine.engine.kv_cache
+        cache = self.engine.kv_cache
         addresses = [cache.page_address(p) for p in page_ids]
         await client.offer(block_hashes, addresses, self.page_bytes, self.layout_key)

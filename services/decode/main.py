@@ -8,7 +8,7 @@ from services.decode.worker import DecodeWorker
 
 
 def servicers(parts: WorkerParts) -> list:
-    pool = parts.engine.engine.kv_cache.pool
+    pool = parts.engine.kv_cache.pool
     worker = DecodeWorker(
         parts.engine,
         parts.transfer.session,

@@ -43,9 +43,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 async for out in stream:
                     generated += len(out.new_token_ids)
                     metrics.GENERATION_TOKENS.labels("decode").inc(len(out.new_token_ids))
-                    metrics.KV_PAGES_USED.labels("decode").set(
-                        self.engine.engine.block_manager.num_used_pages
-                    )
+                    metrics.KV_PAGES_USED.labels("decode").set(self.engine.num_used_pages)
                     response = _response(out, generated)
                     metrics.observe_message("decode", response.ByteSize())
                     yield response
@@ -56,12 +54,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 error=common_pb2.Error(code=exc.code, message=str(exc)),
             )
         finally:
-            metrics.KV_PAGES_USED.labels("decode").set(
-                self.engine.engine.block_manager.num_used_pages
-            )
+            metrics.KV_PAGES_USED.labels("decode").set(self.engine.num_used_pages)
 
     async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:
-        return decode_pb2.AbortResponse(aborted=await self.engine.abort(request.request_id))
+        return decode_pb2.AbortResponse(aborted=await self.worker.abort(request.request_id))
 
     async def SubscribeKvEvents(self, request, context):
         async for batch in stream_kv_events(self.engine, self.worker_id):

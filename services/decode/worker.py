@@ -14,6 +14,7 @@ import structlog
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import Reservation, TokenOutput
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.sequence import FinishReason
 from kvmesh.errors import CapacityError, PrefillUnavailable
 from kvmesh.mesh import convert
 from kvmesh.mesh.error_mapping import error_from_grpc
@@ -22,6 +23,7 @@ from kvmesh.proto.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = structlog.get_logger(__name__)
 RESERVE_TIMEOUT_S = 30.0
+RESERVE_POLL_S = 0.05  # retry a reservation this often while pages are short
 PREFILL_TIMEOUT_S = 120.0
 
 
@@ -59,18 +61,49 @@ class DecodeWorker:
         self.kv_dtype = kv_dtype
         self.local_prefill_tokens = local_prefill_tokens  # prompts this short are prefilled here
         self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
+        self._aborts: dict[str, asyncio.Event] = {}  # requests the engine may not hold yet
 
     async def generate(self, job: DecodeJob) -> AsyncIterator[TokenOutput]:
-        if not job.prefill_address or len(job.prompt) <= self.local_prefill_tokens:
-            stream = self.engine.generate(
-                job.request_id, job.prompt, job.params, cache_salt=job.cache_salt
-            )
+        """Stream the job's outputs; `abort` ends it at any stage (reserving pages, waiting for
+        the prefill worker, decoding) with finish reason abort."""
+        aborted = self._aborts[job.request_id] = asyncio.Event()
+        try:
+            stream = await self._start(job, aborted)
+            if stream is None:
+                yield TokenOutput(
+                    job.request_id, [], [], True, FinishReason.ABORT, len(job.prompt), 0
+                )
+                return
             async with contextlib.aclosing(stream):
                 async for out in stream:
+                    if aborted.is_set():  # an abort that came before the engine had the request
+                        await self.engine.abort(job.request_id)
+                    self._aborts.pop(job.request_id, None)
                     yield out
-            return
-        reservation = await self._reserve(job)
-        response = await self._remote_prefill(job, reservation)
+        finally:
+            self._aborts.pop(job.request_id, None)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request wherever it is; False if this worker does not know it."""
+        event = self._aborts.get(request_id)
+        if event is not None:
+            event.set()
+        return await self.engine.abort(request_id) or event is not None
+
+    async def _start(
+        self, job: DecodeJob, aborted: asyncio.Event
+    ) -> AsyncIterator[TokenOutput] | None:
+        """The engine's output stream for the job, or None when it was aborted before."""
+        if not job.prefill_address or len(job.prompt) <= self.local_prefill_tokens:
+            return self.engine.generate(
+                job.request_id, job.prompt, job.params, cache_salt=job.cache_salt
+            )
+        reservation = await self._reserve(job, aborted)
+        if reservation is None:
+            return None
+        response = await self._remote_prefill(job, reservation, aborted)
+        if response is None:
+            return None
         first_lp = None
         if response.HasField("first_logprob"):
             first_lp = convert.logprob_from_pb(response.first_logprob)
@@ -79,16 +112,11 @@ class DecodeWorker:
         if response.HasField("draft_window") and response.draft_window.rows:
             rows = response.draft_window
             window = (convert.feature_rows_from_pb(rows), rows.start_position)
-        stream = self.engine.commit(
-            job.request_id, response.first_token_id, first_lp, cached, window
-        )
-        async with contextlib.aclosing(stream):
-            async for out in stream:
-                yield out
+        return self.engine.commit(job.request_id, response.first_token_id, first_lp, cached, window)
 
-    async def _reserve(self, job: DecodeJob) -> Reservation:
+    async def _reserve(self, job: DecodeJob, aborted: asyncio.Event) -> Reservation | None:
         deadline = time.monotonic() + RESERVE_TIMEOUT_S
-        while True:
+        while not aborted.is_set():
             reservation = await self.engine.reserve(
                 job.request_id, job.prompt, job.params, job.cache_salt
             )
@@ -99,19 +127,28 @@ class DecodeWorker:
                     f"no free KV pages for {len(job.prompt)} prompt tokens within "
                     f"{RESERVE_TIMEOUT_S}s"
                 )
-            await asyncio.sleep(0.05)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(aborted.wait(), RESERVE_POLL_S)
+        return None
 
     async def _remote_prefill(
-        self, job: DecodeJob, reservation: Reservation
-    ) -> prefill_pb2.PrefillResponse:
-        """Pages are freed only after the Prefill call ended: no transfer can land afterwards."""
+        self, job: DecodeJob, reservation: Reservation, aborted: asyncio.Event
+    ) -> prefill_pb2.PrefillResponse | None:
+        """Pages are freed only after the Prefill call ended: no transfer can land afterwards.
+        None: aborted while the prefill worker was at it (told to abort, pages freed)."""
         address = job.prefill_address
         request = self._prefill_request(job, reservation)
         call = asyncio.ensure_future(
             self._stub(address).Prefill(request, timeout=PREFILL_TIMEOUT_S)
         )
+        abort_wait = asyncio.ensure_future(aborted.wait())
         try:
-            return await asyncio.shield(call)
+            await asyncio.wait({call, abort_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if not call.done():
+                await self._abort_prefill(address, job.request_id, call)
+                await self.engine.cancel_reservation(job.request_id)
+                return None
+            return call.result()
         except asyncio.CancelledError:
             await self._abort_prefill(address, job.request_id, call)
             await self.engine.cancel_reservation(job.request_id)
@@ -122,6 +159,8 @@ class DecodeWorker:
             if exc.code() in _PREFILL_GONE:
                 raise PrefillUnavailable(f"prefill worker {address}: {exc.details()}") from exc
             raise error_from_grpc(exc.code(), f"prefill worker {address}: {exc.details()}") from exc
+        finally:
+            abort_wait.cancel()
 
     async def _abort_prefill(self, address: str, request_id: str, call: asyncio.Future) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):
@@ -134,7 +173,7 @@ class DecodeWorker:
     def _prefill_request(
         self, job: DecodeJob, reservation: Reservation
     ) -> prefill_pb2.PrefillRequest:
-        cache = self.engine.engine.kv_cache
+        cache = self.engine.kv_cache
         spec = cache.spec
         destination = prefill_pb2.KvDestination(
             te_session=self.te_session,

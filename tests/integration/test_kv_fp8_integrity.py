@@ -49,28 +49,44 @@ def test_fp8_capacity_is_about_twice_bf16_at_the_same_budget():
     assert fp8.capacity_tokens / bf16.capacity_tokens > 1.9
 
 
-def test_fp8_prefix_hit_gives_the_cold_tokens(fp8):
-    """Attention always reads what the page holds (a cold prompt too), so a prefix served from
-    the cache -- or from another worker -- changes nothing. (Batching is not bit-invariant
-    under FP8: a last-bit GEMM difference can flip an e4m3 rounding.)"""
-    for prompt in _prompts(fp8):
-        fp8.engine.block_manager.reset_prefix_cache()
-        cold = fp8.generate_ids([prompt], GREEDY)[0]
-        warm = fp8.generate_ids([prompt], GREEDY)[0]
-        assert warm.num_cached_tokens > 0
+@pytest.fixture(scope="module")
+def fp8_page_chunks():
+    """Prefill in page-sized chunks: a cold prompt is cut exactly where a prefix hit ends."""
+    return LLM(
+        dtype="fp32", kv_dtype="fp8_e4m3", kv_cache_bytes=16 << 20, max_num_batched_tokens=16
+    )
+
+
+def test_fp8_prefix_hit_gives_the_tokens_of_a_cold_run_cut_at_the_same_page(fp8_page_chunks):
+    """KV from the prefix cache (or another worker, or the KV store) is bit for bit what this
+    engine computes for the same chunk, and attention reads what the pages hold even for a cold
+    chunk; so a prefix hit equals a cold run that prefilled in chunks cut where the hit ends, on
+    any CPU. (It need not equal a cold run that prefilled the prompt in one chunk: BLAS picks
+    GEMM kernels by the number of rows, the rows' last bits differ, and an e4m3 rounding can
+    flip -- see docs/architecture.md, "What is exact".)"""
+    llm = fp8_page_chunks
+    for prompt in _prompts(llm):
+        llm.engine.block_manager.reset_prefix_cache()
+        cold = llm.generate_ids([prompt], GREEDY)[0]
+        warm = llm.generate_ids([prompt], GREEDY)[0]
+        assert cold.num_cached_tokens == 0
+        assert warm.num_cached_tokens == (len(prompt) - 1) // 16 * 16 > 0
         assert cold.token_ids == warm.token_ids
 
 
 def test_fp8_stays_close_to_fp32_kv_on_a_fixed_text(fp8, llm):
-    """Teacher-forced on tests/data/public_domain.txt: perplexity within 3 % and the same
-    next-token argmax at >= 85 % of positions (measured: see docs/benchmarks.md)."""
-    ids = llm.tokenizer.encode(TEXT.read_text())[:512]
+    """Teacher-forced on all of tests/data/public_domain.txt (722 tokens): perplexity within 4 %
+    of FP32 KV's and the same argmax at >= 85 % of positions. Measured +1.8 .. +2.7 % and
+    88.6 .. 89.7 % on Intel Xeon (AMX) under six ATen / MKL / oneDNN ISA settings, +2.2 % and
+    88.5 % on AMD EPYC (docs/benchmarks.md): which e4m3 roundings flip depends on the last bits
+    of the machine's GEMMs, so the figure moves by machine, not only by code."""
+    ids = llm.tokenizer.encode(TEXT.read_text())
     target = torch.tensor(ids[1:])
     ref = llm.engine.score(ids)[:-1]
     got = fp8.engine.score(ids)[:-1]
     ppl_ref = math.exp(F.cross_entropy(ref, target).item())
     ppl_fp8 = math.exp(F.cross_entropy(got, target).item())
-    assert abs(ppl_fp8 / ppl_ref - 1) < 0.03, (ppl_ref, ppl_fp8)
+    assert abs(ppl_fp8 / ppl_ref - 1) < 0.04, (ppl_ref, ppl_fp8)
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree >= 0.85, agree
 

@@ -14,7 +14,14 @@ import pytest
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
-from kvmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from kvmesh.proto.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    prefill_pb2_grpc,
+)
 
 pytestmark = pytest.mark.timeout(900)
 QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn."]
@@ -328,6 +335,44 @@ def test_client_disconnect_frees_pages(client, mesh):
     while (used := _pages_in_use(mesh)) and time.time() < deadline:
         time.sleep(0.5)
     assert used == 0, "pages stranded on a prefill or decode worker after the client left"
+
+
+def _wait_for(check, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_decode_abort_while_its_prefill_runs_ends_the_request(mesh):
+    """Decode.Abort arriving while the prefill worker computes the prompt: the prefill is told
+    to stop, the stream ends with finish reason abort and no token, no page stays held."""
+    workers = _workers(mesh)
+    decode = next(w for w in workers if w.role == "decode")
+    prefill = next(w for w in workers if w.role == "prefill")
+    with (
+        grpc.insecure_channel(decode.grpc_address) as d,
+        grpc.insecure_channel(prefill.grpc_address) as p,
+    ):
+        stub, prefill_stub = decode_pb2_grpc.DecodeStub(d), prefill_pb2_grpc.PrefillStub(p)
+        call = stub.Generate(decode_pb2.DecodeRequest(
+            request_id="abort-during-prefill", prompt_token_ids=list(range(3000, 4200)),
+            sampling=common_pb2.SamplingParams(max_tokens=64, temperature=0),
+            prefill_address=prefill.grpc_address,
+        ), timeout=120)  # fmt: skip
+
+        def prefilling() -> bool:
+            loads = prefill_stub.GetLoads(decode_pb2.GetLoadsRequest(), timeout=5).loads
+            return loads[0].num_running + loads[0].num_waiting > 0
+
+        _wait_for(prefilling, 60, "the prefill worker never started the prompt")
+        assert stub.Abort(
+            decode_pb2.AbortRequest(request_id="abort-during-prefill"), timeout=10
+        ).aborted
+        responses = list(call)
+    assert [t for r in responses for t in r.token_ids] == []
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    _wait_for(lambda: _pages_in_use(mesh) == 0, 30, "pages held after the abort")
 
 
 def test_kill_prefill_then_requests_still_succeed(client, mesh):

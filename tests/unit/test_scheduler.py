@@ -43,8 +43,9 @@ def step(sched: Scheduler, tokens: dict[str, int] | None = None) -> tuple[Schedu
     sampled = {c.seq.seq_id: next(_tokens) for c in out.chunks if c.sample}
     sampled.update(tokens or {})
     finished = sched.update(out, {seq_id: [token] for seq_id, token in sampled.items()})
-    sched.block_manager.check_integrity(sched.running)
-    assert all(not s.block_table for s in sched.waiting)
+    holding = [s for s in sched.waiting if s.block_table]  # prefilled elsewhere, waiting
+    sched.block_manager.check_integrity([*sched.running, *holding])
+    assert all(s.num_computed_tokens == s.num_prompt_tokens for s in holding)
     return out, finished
 
 
@@ -270,3 +271,26 @@ def test_drafts_are_verified_in_one_chunk_and_rejected_pages_trimmed():
     assert tokens[seq.seq_id] == [1, EOS]  # nothing after the stop is reported
     assert seq.token_ids[-2:] == [1, EOS] and not sched.running
     bm.check_integrity([])
+
+
+def test_prefilled_requests_wait_for_a_slot_under_max_num_seqs() -> None:
+    sched = make_sched(max_seqs=2)
+    for name in ("a", "b"):
+        sched.add(make_seq(name, 6, max_tokens=3, ignore_eos=True))
+    step(sched)
+    remote = make_seq("r", 6, max_tokens=4, ignore_eos=True)
+    assert sched.block_manager.allocate(remote, remote.num_tokens)  # as Engine.reserve does
+    assert sched.add_prefilled(remote, 77) is None
+    assert [s.seq_id for s in sched.running] == ["a", "b"] and sched.waiting[0] is remote
+    table = list(remote.block_table)
+    finished: list[str] = []
+    while True:
+        out = sched.schedule()
+        assert len(sched.running) <= 2
+        mine = [(c.start, c.num_tokens) for c in out.chunks if c.seq is remote]
+        if mine:
+            break
+        done = sched.update(out, {c.seq.seq_id: [500] for c in out.chunks if c.sample})
+        finished += [s.seq_id for s in done]
+    assert mine == [(6, 1)] and finished  # admitted once a slot freed, decoding at once
+    assert remote.block_table[: len(table)] == table  # its prefilled pages were kept
