@@ -38,6 +38,7 @@ class EngineLoad:
     kv_pages_used: int
     kv_pages_total: int
     kv_capacity_tokens: int
+    kv_pages_hashed: int  # what the KV events describe (a router's index should match)
 
 
 class AsyncEngine:
@@ -288,4 +289,5 @@ class AsyncEngine:
             kv_pages_used=pool.num_used_pages,
             kv_pages_total=pool.config.num_pages,
             kv_capacity_tokens=self._engine.kv_cache.capacity_tokens,
+            kv_pages_hashed=pool.num_hashed_pages,
         )

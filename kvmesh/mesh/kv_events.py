@@ -47,6 +47,10 @@ class PrefixIndex:
             hashes.update(event.stored)
             hashes.difference_update(event.removed)
 
+    def size(self, worker_id: str) -> int:
+        """Pages the index knows `worker_id` holds."""
+        return len(self._hashes.get(worker_id, ()))
+
     def drop(self, worker_id: str) -> None:
         self._hashes.pop(worker_id, None)
 

@@ -17,4 +17,5 @@ def load_to_pb(load: EngineLoad, worker_id: str, role: str) -> common_pb2.Worker
         kv_capacity_tokens=load.kv_capacity_tokens,
         kv_pages_used=load.kv_pages_used,
         kv_pages_total=load.kv_pages_total,
+        kv_pages_hashed=load.kv_pages_hashed,
     )

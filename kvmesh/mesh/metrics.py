@@ -69,6 +69,19 @@ GRPC_MESSAGE_BYTES_MAX = Gauge(
 ROUTING_DECISIONS = Counter(
     "kvmesh_routing_decisions_total", "Router choices by role and reason", ["role", "reason"]
 )
+KV_STORE_OFFERS_IN_FLIGHT = Gauge(
+    "kvmesh_kv_store_offers_in_flight", "Page offers to the KV store not finished yet", ["service"]
+)
+ROUTER_INDEX_PAGES = Gauge(
+    "kvmesh_router_index_pages",
+    "Cached pages the gateway's router knows a worker holds",
+    ["worker"],
+)
+ROUTER_WORKER_LOAD = Gauge(
+    "kvmesh_router_worker_load_tokens",
+    "Token load a worker last reported to the gateway",
+    ["worker"],
+)
 
 
 def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
@@ -90,9 +103,11 @@ _ROUTING_REASONS = ("least_tokens", "prefix_hit", "affinity", "affinity_worker_g
 _PREFIX_TIERS = ("prefill_local", "decode", "kvstore")
 _BY_SERVICE = {
     "gateway": (REQUEST_TTFT, REQUEST_TPOT, PROMPT_TOKENS, PROMPT_CACHED_TOKENS, GENERATION_TOKENS),
-    "prefill": (KV_TRANSFER_BYTES, KV_INTEGRITY_FAILURES, GRPC_MESSAGE_BYTES_MAX),
+    "prefill": (KV_TRANSFER_BYTES, KV_INTEGRITY_FAILURES, GRPC_MESSAGE_BYTES_MAX,
+                KV_STORE_OFFERS_IN_FLIGHT),
     "decode": (GENERATION_TOKENS, KV_INTEGRITY_FAILURES, KV_PAGES_USED, GRPC_MESSAGE_BYTES_MAX,
-               SPEC_DRAFT_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_ACCEPT_LENGTH),
+               SPEC_DRAFT_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_ACCEPT_LENGTH,
+               KV_STORE_OFFERS_IN_FLIGHT),
 }  # fmt: skip
 
 

@@ -12,6 +12,7 @@ import structlog
 
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.page_io import ExportedPages
+from kvmesh.mesh import metrics
 from kvmesh.mesh.discovery import Registry
 from kvmesh.mesh.kvstore_client import KVStoreClient, layout_key
 from kvmesh.mesh.transfer import KvTransferEngine
@@ -40,6 +41,7 @@ class StoreLink:
         self._client: KVStoreClient | None = None
         self._address = ""
         self._pending: set[asyncio.Task] = set()
+        self._offers = metrics.KV_STORE_OFFERS_IN_FLIGHT.labels(service)
 
     async def run(self) -> None:
         """Follow the store's registration (it may come, go or move)."""
@@ -70,6 +72,7 @@ class StoreLink:
 
         def sink(pages: ExportedPages) -> None:  # engine thread
             if self._client is not None:
+                self._offers.inc()  # from the moment the pages exist, until the store answered
                 loop.call_soon_threadsafe(self._spawn_offer, pages)
 
         self.page_io.export_on_finish(sink)
@@ -80,12 +83,15 @@ class StoreLink:
         task.add_done_callback(self._pending.discard)
 
     async def _offer_staged(self, pages: ExportedPages) -> None:
-        client = self._client
-        if client is None:
-            return
-        base = pages.staging.data_ptr()
-        addresses = [base + i * self.page_bytes for i in range(len(pages.block_hashes))]
-        await client.offer(pages.block_hashes, addresses, self.page_bytes, self.layout_key)
+        try:
+            client = self._client
+            if client is None:
+                return
+            base = pages.staging.data_ptr()
+            addresses = [base + i * self.page_bytes for i in range(len(pages.block_hashes))]
+            await client.offer(pages.block_hashes, addresses, self.page_bytes, self.layout_key)
+        finally:
+            self._offers.dec()
 
     async def offer_pages(self, block_hashes: list[int], page_ids: list[int]) -> None:
         """Prefill: offer pages still held by a request (the caller releases them afterwards)."""
@@ -94,4 +100,8 @@ class StoreLink:
             return
         cache = self.engine.kv_cache
         addresses = [cache.page_address(p) for p in page_ids]
-        await client.offer(block_hashes, addresses, self.page_bytes, self.layout_key)
+        self._offers.inc()
+        try:
+            await client.offer(block_hashes, addresses, self.page_bytes, self.layout_key)
+        finally:
+            self._offers.dec()

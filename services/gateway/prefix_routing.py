@@ -12,6 +12,7 @@ import grpc
 import structlog
 
 from kvmesh.engine.kv import BlockHasher
+from kvmesh.mesh import metrics
 from kvmesh.mesh.discovery import WorkerInfo
 from kvmesh.mesh.grpc_server import channel
 from kvmesh.mesh.kv_events import PrefixIndex
@@ -69,6 +70,8 @@ class KvEventFollower:
         for worker_id in [w for w in self._tasks if w not in live or self._tasks[w].done()]:
             self._tasks.pop(worker_id).cancel()
             self.index.drop(worker_id)
+            with contextlib.suppress(KeyError):
+                metrics.ROUTER_INDEX_PAGES.remove(worker_id)
         for worker_id, info in live.items():
             if worker_id not in self._tasks:
                 self._tasks[worker_id] = asyncio.create_task(self._follow(info))
@@ -83,4 +86,7 @@ class KvEventFollower:
                     decode_pb2.SubscribeKvEventsRequest()
                 ):
                     self.index.apply(batch)
+                    metrics.ROUTER_INDEX_PAGES.labels(worker.worker_id).set(
+                        self.index.size(worker.worker_id)
+                    )
         log.info("kv_events.stream_ended", worker=worker.worker_id)

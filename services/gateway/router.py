@@ -165,7 +165,9 @@ class Router:
                     if worker.grpc_address not in channels:
                         channels[worker.grpc_address] = channel(worker.grpc_address)
                     ch = channels[worker.grpc_address]
-                    self._reported[worker.worker_id] = await _reported_tokens(ch, role)
+                    reported = await _reported_tokens(ch, role)
+                    self._reported[worker.worker_id] = reported
+                    metrics.ROUTER_WORKER_LOAD.labels(worker.worker_id).set(reported)
             await asyncio.sleep(period)
 
 

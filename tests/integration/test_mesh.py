@@ -22,6 +22,7 @@ from kvmesh.proto.v1 import (
     gateway_pb2_grpc,
     prefill_pb2_grpc,
 )
+from tests.integration.mesh_probes import router_caught_up, router_sees_idle, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn."]
@@ -224,7 +225,8 @@ def test_prefix_aware_routing_without_affinity(client, mesh):
 
     first = ask("Where is item 3?")
     assert first.usage.prompt_tokens > 400
-    time.sleep(1.0)  # KV events reach the gateway asynchronously
+    wait_for(lambda: router_caught_up(mesh), 30, "the router's index lags the KV events")
+    _wait_until_idle(mesh)  # and its load view shows the first request gone
     before = {role: _decisions(mesh, role, "prefix_hit") for role in ("prefill", "decode")}
     second = ask("Where is item 5?")
     assert second.usage.prompt_tokens_details.cached_tokens >= 400
@@ -297,18 +299,8 @@ def test_grpc_gateway_bad_input_statuses(mesh):
 
 
 def _wait_until_idle(mesh, timeout_s: float = 60.0) -> None:
-    """No worker runs a request, and the gateway's 1 s load poll has seen that."""
-    from kvmesh.mesh.status import _collect
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        workers = asyncio.run(_collect(mesh.etcd.endpoint, "default"))
-        loads = [w["load"] or {} for w in workers if w["role"] in ("prefill", "decode")]
-        if all(int(load.get("numRunning", 0)) == 0 for load in loads):
-            time.sleep(2.5)
-            return
-        time.sleep(0.5)
-    raise AssertionError("workers still busy after earlier tests")
+    """No worker has tokens in flight, as the gateway's load poll last saw them."""
+    wait_for(lambda: router_sees_idle(mesh), timeout_s, "workers still busy after earlier tests")
 
 
 def _pages_in_use(mesh) -> int:
@@ -337,13 +329,6 @@ def test_client_disconnect_frees_pages(client, mesh):
     assert used == 0, "pages stranded on a prefill or decode worker after the client left"
 
 
-def _wait_for(check, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 def test_decode_abort_while_its_prefill_runs_ends_the_request(mesh):
     """Decode.Abort arriving while the prefill worker computes the prompt: the prefill is told
     to stop, the stream ends with finish reason abort and no token, no page stays held."""
@@ -365,14 +350,14 @@ def test_decode_abort_while_its_prefill_runs_ends_the_request(mesh):
             loads = prefill_stub.GetLoads(decode_pb2.GetLoadsRequest(), timeout=5).loads
             return loads[0].num_running + loads[0].num_waiting > 0
 
-        _wait_for(prefilling, 60, "the prefill worker never started the prompt")
+        wait_for(prefilling, 60, "the prefill worker never started the prompt")
         assert stub.Abort(
             decode_pb2.AbortRequest(request_id="abort-during-prefill"), timeout=10
         ).aborted
         responses = list(call)
     assert [t for r in responses for t in r.token_ids] == []
     assert responses[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
-    _wait_for(lambda: _pages_in_use(mesh) == 0, 30, "pages held after the abort")
+    wait_for(lambda: _pages_in_use(mesh) == 0, 30, "pages held after the abort")
 
 
 def test_kill_prefill_then_requests_still_succeed(client, mesh):

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 
 from kvmesh.mesh.grpc_server import channel
 from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
 from kvmesh.proto.v1 import kvstore_pb2, kvstore_pb2_grpc
+from tests.integration.mesh_probes import offers_done, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -65,7 +65,7 @@ def test_evicted_prefix_comes_back_from_the_stores_second_tier(client, mesh):
     assert first.usage.prompt_tokens > 300
     for topic in ("granite", "violins", "comets"):  # evict the otters pages from both workers
         _ask(client, topic)
-    time.sleep(1.0)  # offers are asynchronous
+    wait_for(lambda: offers_done(mesh), 30, "page offers to the store still in flight")
     again = _ask(client, "otters")
     assert again.choices[0].message.content == first.choices[0].message.content
     assert (

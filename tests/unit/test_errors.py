@@ -9,7 +9,12 @@ import grpc
 
 import kvmesh
 import services
-from kvmesh.errors import KvmeshError, PrefillUnavailable, WorkerUnavailableError
+from kvmesh.errors import (
+    KvmeshError,
+    PrefillUnavailable,
+    RequestAbortedError,
+    WorkerUnavailableError,
+)
 from kvmesh.mesh.error_mapping import error_from_code, error_from_grpc, grpc_status, http_status
 
 SKIP = ("kvmesh.proto", "kvmesh.engine.kv_fp8_triton")  # generated / needs triton
@@ -45,3 +50,10 @@ def test_a_failed_prefill_is_a_retryable_server_error_not_a_client_error():
     assert isinstance(error_from_code(exc.code, str(exc)), PrefillUnavailable)
     back = error_from_grpc(grpc.StatusCode.UNAVAILABLE, f"{exc.code}: {exc}")
     assert isinstance(back, PrefillUnavailable) and str(back) == str(exc)
+
+
+def test_an_aborted_prefill_is_a_cancelled_request_not_a_client_error():
+    exc = RequestAbortedError("prefill of r1 was aborted")
+    assert http_status(exc) == 503 and grpc_status(exc) == grpc.StatusCode.CANCELLED
+    back = error_from_grpc(grpc.StatusCode.CANCELLED, f"{exc.code}: {exc}")
+    assert isinstance(back, RequestAbortedError)

@@ -85,6 +85,11 @@ class BlockManager:
         return sum(1 for page in self._cached.values() if page.ref_count == 0)
 
     @property
+    def num_hashed_pages(self) -> int:
+        """Pages holding a registered hash, in use or not: the set the KV events describe."""
+        return len(self._cached)
+
+    @property
     def usage(self) -> float:
         return self.num_used_pages / self.config.num_pages
 

@@ -85,7 +85,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "prefill_tokens_queued", "kv_tokens_active", "kv_capacity_tokens", "kv_pages_used", "kv_pages_total")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "prefill_tokens_queued", "kv_tokens_active", "kv_capacity_tokens", "kv_pages_used", "kv_pages_total", "kv_pages_hashed")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class WorkerLoad(_message.Message):
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_HASHED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -104,4 +105,5 @@ class WorkerLoad(_message.Message):
     kv_capacity_tokens: int
     kv_pages_used: int
     kv_pages_total: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefill_tokens_queued: _Optional[int] = ..., kv_tokens_active: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ...) -> None: ...
+    kv_pages_hashed: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefill_tokens_queued: _Optional[int] = ..., kv_tokens_active: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_hashed: _Optional[int] = ...) -> None: ...

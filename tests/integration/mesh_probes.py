@@ -1,0 +1,72 @@
+"""Conditions a mesh test waits on, read from the services' /metrics (never fixed sleeps)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+from collections.abc import Callable
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh.mesh.launcher import list_workers
+from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+
+def samples(address: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """Every sample of metric `name` at http://address/metrics, by its sorted labels."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what} (not within {timeout_s} s)"
+        time.sleep(0.05)
+
+
+def _engines(mesh):
+    workers = asyncio.run(list_workers(mesh.etcd.endpoint, "default"))
+    return [w for w in workers if w.role in ("prefill", "decode")]
+
+
+def _gateway(mesh, name: str) -> dict[str, float]:
+    return {dict(k)["worker"]: v for k, v in samples(f"127.0.0.1:{mesh.http_port}", name).items()}
+
+
+def _hashed_pages(worker) -> int:
+    """Pages holding a prefix hash on `worker` after its last step (its GetLoads)."""
+    is_prefill = worker.role == "prefill"
+    stub_cls = prefill_pb2_grpc.PrefillStub if is_prefill else decode_pb2_grpc.DecodeStub
+    with grpc.insecure_channel(worker.grpc_address) as ch:
+        reply = stub_cls(ch).GetLoads(decode_pb2.GetLoadsRequest(), timeout=5)
+    return reply.loads[0].kv_pages_hashed
+
+
+def router_caught_up(mesh) -> bool:
+    """The gateway's prefix index holds, for every worker, as many pages as the worker hashed:
+    it has applied every KV event the workers' steps so far produced."""
+    index = _gateway(mesh, "kvmesh_router_index_pages")
+    return all(index.get(w.worker_id) == _hashed_pages(w) for w in _engines(mesh))
+
+
+def router_sees_idle(mesh) -> bool:
+    """Every worker's last load report to the gateway was zero tokens."""
+    loads = _gateway(mesh, "kvmesh_router_worker_load_tokens")
+    return all(loads.get(w.worker_id) == 0 for w in _engines(mesh))
+
+
+def offers_done(mesh) -> bool:
+    """No worker has a page offer to the KV store in flight."""
+    return all(
+        sum(samples(w.metrics_address, "kvmesh_kv_store_offers_in_flight").values()) == 0
+        for w in _engines(mesh)
+    )
