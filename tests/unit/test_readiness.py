@@ -4,18 +4,18 @@ follows it, /live is liveness only; labelled metrics exist at 0 from process sta
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client import generate_latest
 from starlette.testclient import TestClient
 
 from kvmesh.engine.faults import KINDS
 from kvmesh.engine.loader import resolve_model
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.mesh import metrics
 from kvmesh.mesh.discovery import WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
 from services.gateway.openai_api import create_app
@@ -124,10 +124,20 @@ def _series(text: str, name: str) -> dict[str, float]:
             if line.startswith(name + "{")}  # fmt: skip
 
 
+_INIT_AND_SCRAPE = """
+import sys
+from prometheus_client import generate_latest
+from kvmesh.mesh import metrics
+metrics.init_series("decode", fault_kinds=sys.argv[1:])
+metrics.init_series("gateway")
+print(generate_latest().decode())
+"""
+
+
 def test_labelled_counters_exist_at_zero_after_init():
-    metrics.init_series("decode", fault_kinds=KINDS)
-    metrics.init_series("gateway")
-    text = generate_latest().decode()
+    # A fresh process: the registry is process-wide, and other tests here increment it.
+    text = subprocess.run([sys.executable, "-c", _INIT_AND_SCRAPE, *KINDS], capture_output=True,
+                          text=True, check=True, timeout=60).stdout  # fmt: skip
     integrity = _series(text, "kvmesh_kv_integrity_failures_total")
     assert integrity['kvmesh_kv_integrity_failures_total{service="decode"}'] == 0
     faults = _series(text, "kvmesh_faults_injected_total")
