@@ -17,6 +17,13 @@ def num_threads() -> int | None:
     return int(value) if value else None
 
 
+def load_threads() -> int | None:
+    """Torch threads while an engine loads its model and KV pool (`KVMESH_LOAD_THREADS`);
+    None: the serving threads (see num_threads)."""
+    value = os.environ.get("KVMESH_LOAD_THREADS")
+    return int(value) if value else None
+
+
 def log_level() -> str:
     return os.environ.get("KVMESH_LOG_LEVEL", "WARNING").upper()
 

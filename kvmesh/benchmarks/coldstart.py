@@ -10,7 +10,8 @@ models/ links to the real one's) so run folders and the converted-model cache ar
 
 Variants: cached (converted-model cache warm: primed once before the runs), nocache
 (KVMESH_MODEL_CACHE=0), coldcache (an empty cache each run: workers race to fill it),
-threads1 (cached, KVMESH_NUM_THREADS=1 in every worker), baseline (--baseline-tree: an older
+threads1 (cached, KVMESH_NUM_THREADS=1 in every worker), load1 (cached, one torch thread
+while each engine loads: KVMESH_LOAD_THREADS=1), baseline (--baseline-tree: an older
 source tree, e.g. `git archive` of a commit, run by this interpreter).
 """
 
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +37,15 @@ from kvmesh.benchmarks import coldstart_phases as phases
 from kvmesh.benchmarks.report import BenchRun, write_report
 from kvmesh.env import kvmesh_home
 
-VARIANTS = ("baseline", "nocache", "coldcache", "cached", "threads1")
+_MARKER = "KVMESH_COLDSTART_RUN"  # in every process of one run's environment
+VARIANTS = ("baseline", "nocache", "coldcache", "cached", "threads1", "load1")
 _PROMPT = [{"role": "user", "content": "Say hello in one short sentence."}]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--meshes", default="1+1,2+2", help="prefill+decode worker counts")
-    p.add_argument("--variants", default="nocache,cached", help=f"comma-separated: {VARIANTS}")
+    p.add_argument("--variants", default="nocache,coldcache,cached,load1",
+                   help=f"comma-separated, of {', '.join(VARIANTS)}")  # fmt: skip
     p.add_argument("--baseline-tree", default="", help="source tree of the baseline variant")
     p.add_argument("--repeats", type=int, default=1, help="runs per mesh and variant")
     p.add_argument("--model", default="smollm2-135m")
@@ -58,9 +62,10 @@ def run_coldstart_bench(args: argparse.Namespace) -> int:
     if bad or ("baseline" in variants and not args.baseline_tree):
         raise SystemExit(f"unknown variants {bad} (baseline needs --baseline-tree)")
     home = Path(args.home) if args.home else _temporary_home()
-    report = {**BenchRun.header(), "home": str(home), "runs": []}
+    knobs = {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVMESH_")}
+    report = {**BenchRun.header(), "env": knobs, "home": str(home), "runs": []}
     report["help_s"] = {v: help_seconds(_tree(args, v)) for v in variants}
-    if {"cached", "threads1"} & set(variants):
+    if {"cached", "threads1", "load1"} & set(variants):
         report["prime_s"] = prime_cache(args, home)
     for mesh in _meshes(args.meshes):
         for _ in range(args.repeats):
@@ -69,6 +74,8 @@ def run_coldstart_bench(args: argparse.Namespace) -> int:
                 result["help_s"] = report["help_s"][variant]
                 report["runs"].append(result)
                 print(json.dumps(result["summary"] | {"variant": variant}), flush=True)
+    if not args.home:
+        shutil.rmtree(home / "cache", ignore_errors=True)  # the run logs stay for reading
     report.update(run.footer())
     report["markdown"] = phases.markdown(report["runs"])
     print(report["markdown"])
@@ -97,6 +104,8 @@ def _env(home: Path, variant: str, tree: Path | None, run_home: Path | None = No
         env["KVMESH_MODEL_CACHE"] = "0"
     if variant == "threads1":
         env["KVMESH_NUM_THREADS"] = "1"
+    if variant == "load1":
+        env["KVMESH_LOAD_THREADS"] = "1"
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
     return env
@@ -115,12 +124,16 @@ def help_seconds(tree: Path | None, times: int = 3) -> float:
 
 
 def prime_cache(args: argparse.Namespace, home: Path) -> float:
-    """Fill the converted-model cache as the workers will read it (one `kvmesh generate`)."""
+    """Fill the caches as the mesh will read them: the converted model and tokenizer (one
+    `kvmesh generate`), the config (`kvmesh up` reads it for the KV store's layout)."""
     flags = [f for f in args.up_args.split() if f]
-    cmd = [sys.executable, "-m", "kvmesh.cli", "generate", "--model", args.model, "--prompt",
-           "hi", "--max-tokens", "1", *_engine_flags(flags)]  # fmt: skip
+    generate = [sys.executable, "-m", "kvmesh.cli", "generate", "--model", args.model,
+                "--prompt", "hi", "--max-tokens", "1", *_engine_flags(flags)]  # fmt: skip
+    config = [sys.executable, "-c", "import sys; from kvmesh.engine.loader import read_config, "
+              "resolve_model; read_config(resolve_model(sys.argv[1]))", args.model]  # fmt: skip
     start = time.perf_counter()
-    subprocess.run(cmd, env=_env(home, "cached", None), check=True, capture_output=True)
+    for cmd in (generate, config):
+        subprocess.run(cmd, env=_env(home, "cached", None), check=True, capture_output=True)
     return round(time.perf_counter() - start, 2)
 
 
@@ -141,15 +154,18 @@ def start_once(args: argparse.Namespace, home: Path, mesh: tuple[int, int], vari
     cmd = [sys.executable, "-m", "kvmesh.cli", "up", "--model", args.model, "--prefill",
            str(mesh[0]), "--decode", str(mesh[1]), "--http-port", str(port),
            *args.up_args.split()]  # fmt: skip
+    env = _env(home, variant, tree, run_home) | {_MARKER: uuid.uuid4().hex}
+    load = os.getloadavg()[0]  # other work on the box when this run started
     launched = time.time()
-    proc = subprocess.Popen(cmd, cwd=tree, env=_env(home, variant, tree, run_home), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
     out, err = _Lines(proc.stdout), _Lines(proc.stderr)
     try:
         first = first_token(port, args.model, launched + args.timeout, proc)
     finally:
-        _stop(proc)
+        _stop(proc, out)
         out.join(), err.join()
+        _reap(env[_MARKER])
         if run_home is not None:
             shutil.rmtree(run_home / "cache", ignore_errors=True)  # ~0.5 GB per run
     run_dir = _run_dir(out.lines)
@@ -157,6 +173,7 @@ def start_once(args: argparse.Namespace, home: Path, mesh: tuple[int, int], vari
     up = _up_marks(out.lines, err.lines, launched) | {"first_token_s": _since(first, launched)}
     output = sorted((round(t - launched, 3), line) for t, line in out.lines + err.lines)
     return {"mesh": f"{mesh[0]}+{mesh[1]}", "variant": variant, "run_dir": str(run_dir),
+            "loadavg_1m": load,
             "summary": phases.summary(processes, up), "processes": phases.process_rows(processes),
             "up_output": output[:60]}  # fmt: skip
 
@@ -211,8 +228,14 @@ def _has_content(lines: Any) -> bool:
     return False
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGINT to `kvmesh up` (it stops its services), then harder if it hangs."""
+def _stop(proc: subprocess.Popen, out: _Lines) -> None:
+    """SIGINT to `kvmesh up` once it says it is up (an older launcher interrupted while
+    starting left its services running), then harder if it hangs."""
+    deadline = time.time() + 60
+    while proc.poll() is None and time.time() < deadline:
+        if any("kvmesh is up" in line for _, line in out.lines):
+            break
+        time.sleep(0.2)
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
     try:
@@ -220,6 +243,17 @@ def _stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def _reap(marker: str) -> None:
+    """SIGKILL whatever this run started that is still alive (found by its environment)."""
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"{_MARKER}={marker}".encode() in environ.read_bytes().split(b"\0"):
+                os.kill(int(environ.parent.name), signal.SIGKILL)
+                print(f"coldstart: killed leftover pid {environ.parent.name}", file=sys.stderr)
+        except (OSError, ValueError):
+            continue
 
 
 def _run_dir(stdout: list[tuple[float, str]]) -> Path | None:

@@ -130,15 +130,21 @@ SUMMARY_COLUMNS = (
 
 
 def markdown(runs: list[dict[str, Any]]) -> str:
-    """One row per run: s since launch at which the slowest worker reached each phase."""
-    head = ["mesh", "variant", "`--help` s", *(title for _, title in SUMMARY_COLUMNS)]
+    """One row per run: s since launch at which the slowest worker reached each phase (load:
+    the 1-minute load average when the run started)."""
+    head = ["mesh", "variant", "load", "`--help` s", *(title for _, title in SUMMARY_COLUMNS)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
     for run in runs:
-        cells = [run["mesh"], run["variant"], _fmt(run.get("help_s"))]
+        cells = [
+            run["mesh"],
+            run["variant"],
+            _fmt(run.get("loadavg_1m"), 1),
+            _fmt(run.get("help_s")),
+        ]
         cells += [_fmt(run["summary"].get(key)) for key, _ in SUMMARY_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _fmt(value: float | None) -> str:
-    return "" if value is None else f"{value:.2f}"
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "" if value is None else f"{value:.{digits}f}"

@@ -46,6 +46,8 @@ class Engine:
         started = time.perf_counter()
         if env.num_threads():
             torch.set_num_threads(env.num_threads())
+        serve_threads = torch.get_num_threads()
+        torch.set_num_threads(env.load_threads() or serve_threads)  # see docs/benchmarks.md
         torch.manual_seed(config.seed)
         self.config = config
         self.source = resolve_model(config.model)
@@ -71,6 +73,7 @@ class Engine:
         spec = spec_for_model(model_config, config.page_size, self.kv_dtype)
         num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
         self.kv_cache = PagedKVCache(spec, num_pages, dtype)
+        torch.set_num_threads(serve_threads)
         self.page_tags = PageTags(self.kv_cache.tags)
         self.faults = FaultInjector.from_env()  # tests only (KVMESH_FAULTS)
         # Called with a request id each time an integrity check aborts that request.

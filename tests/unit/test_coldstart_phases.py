@@ -44,8 +44,8 @@ def test_phases_come_from_the_logs_and_the_slowest_worker_sets_the_path(tmp_path
     assert path["workers_imports_done_s"] == 5.0 and path["workers_ready_s"] == 8.5
     assert path["first_pair_ready_s"] == 8.5
     assert path["gateway_ready_s"] == 7.0 and path["first_token_s"] == 9.0
-    row = markdown([{"mesh": "1+1", "variant": "cached", "help_s": 0.1, "summary": path}])
-    assert row.splitlines()[-1].startswith("| 1+1 | cached | 0.10 | 0.20 |")
+    run = {"mesh": "1+1", "variant": "cached", "loadavg_1m": 2.5, "help_s": 0.1, "summary": path}
+    assert markdown([run]).splitlines()[-1].startswith("| 1+1 | cached | 2.5 | 0.10 | 0.20 |")
 
 
 def test_a_phase_some_worker_did_not_log_is_unknown(tmp_path: Path) -> None:
