@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.engine.sampler import TokenLogprob
 from kvmesh.engine.sequence import FinishReason
 from kvmesh.errors import KvmeshError
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token's log-probability under the raw model distribution."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1-based rank of token_id in the raw distribution
+    top: tuple[tuple[int, float], ...]  # the params.logprobs most likely (token_id, logprob)
 
 
 @dataclass(frozen=True)

@@ -11,20 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import Sequence
 
 _NEG_INF = float("-inf")
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The sampled token's log-probability under the raw model distribution."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1-based rank of token_id in the raw distribution
-    top: tuple[tuple[int, float], ...]  # the params.logprobs most likely (token_id, logprob)
 
 
 @dataclass(frozen=True)

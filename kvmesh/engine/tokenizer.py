@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvmesh.engine.loader.resolve import ModelSource
-from kvmesh.errors import InvalidRequestError, ModelFormatError
+from kvmesh.errors import InvalidRequestError
 
 
 class Tokenizer:
@@ -20,19 +20,11 @@ class Tokenizer:
 
     @classmethod
     def from_source(cls, source: ModelSource, extra_eos: Sequence[int] = ()) -> Tokenizer:
-        from transformers import AutoTokenizer
-        from transformers.utils import logging as hf_logging
+        """The source's tokenizer, from the per-source tokenizer cache when it has one (a GGUF
+        parsed by transformers takes seconds; the saved tokenizer loads in a fraction)."""
+        from kvmesh.engine.loader import load_hf_tokenizer
 
-        hf_logging.set_verbosity_error()
-        try:
-            if source.gguf_file is not None:
-                hf = AutoTokenizer.from_pretrained(
-                    str(source.gguf_file.parent), gguf_file=source.gguf_file.name
-                )
-            else:
-                hf = AutoTokenizer.from_pretrained(str(source.hf_dir))
-        except Exception as exc:
-            raise ModelFormatError(f"cannot build a tokenizer for {source.name}: {exc}") from exc
+        hf = load_hf_tokenizer(source)
         return cls(hf, extra_eos)
 
     @property

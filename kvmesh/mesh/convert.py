@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from kvmesh.engine.sampler import TokenLogprob
+from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import FinishReason
 from kvmesh.proto.v1 import common_pb2 as pb
 from kvmesh.proto.v1 import draft_pb2
+
+if TYPE_CHECKING:  # the gateway imports this module and needs no torch
+    import torch
 
 _FINISH_TO_PB = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -88,6 +91,8 @@ def feature_rows_to_pb(
     rows: torch.Tensor, start: int, next_tokens: list[int], fused: bool
 ) -> draft_pb2.FeatureRows:
     """Float rows [n, width] as float16 bytes."""
+    import torch
+
     data = rows.detach().to(torch.float16).contiguous().numpy().tobytes()
     return draft_pb2.FeatureRows(start_position=start, data=data, rows=rows.shape[0],
                                  width=rows.shape[1], fused=fused, next_tokens=next_tokens)  # fmt: skip
@@ -95,5 +100,7 @@ def feature_rows_to_pb(
 
 def feature_rows_from_pb(msg: draft_pb2.FeatureRows) -> torch.Tensor:
     """[rows, width] float32."""
+    import torch
+
     flat = torch.frombuffer(bytearray(msg.data), dtype=torch.float16)
     return flat.view(msg.rows, msg.width).float()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
-from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.kv.events import AllCleared, KvEvent, PagesRemoved, PagesStored
 from kvmesh.proto.v1 import decode_pb2
+
+if TYPE_CHECKING:  # the gateway imports this module: no engine (torch) at run time
+    from kvmesh.engine.async_engine import AsyncEngine
 
 
 def events_to_pb(events: Sequence[KvEvent]) -> list[decode_pb2.KvEvent]:

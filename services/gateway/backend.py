@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvmesh.engine.sampler import TokenLogprob
+from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 
 

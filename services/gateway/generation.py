@@ -12,7 +12,7 @@ import anyio
 import structlog
 
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
-from kvmesh.engine.sampler import TokenLogprob
+from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidRequestError, KvmeshError
 from kvmesh.mesh import metrics

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvmesh.engine.sampler import TokenLogprob
+from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidRequestError, KvmeshError, WorkerUnavailableError
 from kvmesh.mesh import error_mapping, metrics

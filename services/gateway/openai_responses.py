@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvmesh.engine.sampler import TokenLogprob
+from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from kvmesh.engine.sampler import TokenLogprob
+from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.mesh.error_mapping import WorkerUnavailableError

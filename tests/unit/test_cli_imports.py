@@ -67,3 +67,11 @@ def test_without_a_command_line_the_parser_has_every_flag() -> None:
     parser = build_parser()
     assert parser.parse_args(["bench", "coldstart", "--meshes", "2+2"]).meshes == "2+2"
     assert parser.parse_args(["serve", "draft", "--etcd", "x"]).service == "draft"
+
+
+def test_the_gateway_process_does_not_import_torch() -> None:
+    """The gateway tokenizes and routes: torch (seconds of start-up CPU) stays out of it."""
+    probe = "import sys, services.gateway.main; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    assert out.strip() == "False"
