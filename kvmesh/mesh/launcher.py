@@ -72,6 +72,9 @@ class Mesh:
 
     def __post_init__(self) -> None:
         env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        engines = self.options.prefill + self.options.decode
+        if engines * 2 > (os.cpu_count() or 1):  # parallel loads would thrash the cores
+            env.setdefault("KVMESH_LOAD_THREADS", "1")  # measured: docs/benchmarks.md, cold start
         self.supervisor = Supervisor(env, say, critical=CRITICAL, defer=self._deferred,
                                      on_change=self._write_state)  # fmt: skip
 
