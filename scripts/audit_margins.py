@@ -5,6 +5,7 @@ along the shared greedy path, against the smallest top-1 / top-2 logprob gap on 
 far above the difference means no machine-level last-bit variation can flip a token.
 
     python scripts/audit_margins.py fp32|fp8|hf     (one JSON row per pair on stdout)
+    python scripts/audit_margins.py fp8-quality     (FP8 vs FP32 KV: perplexity, top-1 agreement)
 
 Run it again under other kernels (e.g. ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2) to compare.
 """
@@ -125,5 +126,26 @@ def audit_transformers() -> None:
     report("fp32 ours vs transformers, 4 x 64 greedy", equal, diff, gap)
 
 
+def fp8_quality() -> None:
+    """Teacher-forced on tests/data/public_domain.txt, its first 512 tokens and all of it."""
+    import math
+    from pathlib import Path
+
+    import torch.nn.functional as F
+
+    text = (Path(__file__).parents[1] / "tests" / "data" / "public_domain.txt").read_text()
+    ref_llm = LLM(dtype="fp32", kv_cache_bytes=64 << 20)
+    fp8 = LLM(dtype="fp32", kv_dtype="fp8_e4m3", kv_cache_bytes=48 << 20)
+    all_ids = ref_llm.tokenizer.encode(text)
+    for n in (512, len(all_ids)):
+        ids, target = all_ids[:n], torch.tensor(all_ids[1:n])
+        ref, got = ref_llm.engine.score(ids)[:-1], fp8.engine.score(ids)[:-1]
+        ratio = math.exp(F.cross_entropy(got, target).item() - F.cross_entropy(ref, target).item())
+        agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        row = {"tokens": n, "ppl_vs_fp32": round(100 * (ratio - 1), 2)}
+        print(json.dumps({**row, "top1_agree": round(100 * agree, 1)}), flush=True)
+
+
 if __name__ == "__main__":
-    {"fp32": audit_fp32, "fp8": audit_fp8, "hf": audit_transformers}[sys.argv[1]]()
+    cases = {"fp32": audit_fp32, "fp8": audit_fp8, "hf": audit_transformers}
+    {**cases, "fp8-quality": fp8_quality}[sys.argv[1]]()
