@@ -146,12 +146,10 @@ class DecodeWorker:
             await asyncio.wait({call, abort_wait}, return_when=asyncio.FIRST_COMPLETED)
             if not call.done():
                 await self._abort_prefill(address, job.request_id, call)
-                await self.engine.cancel_reservation(job.request_id)
                 return None
             return call.result()
         except asyncio.CancelledError:
             await self._abort_prefill(address, job.request_id, call)
-            await self.engine.cancel_reservation(job.request_id)
             raise
         except grpc.aio.AioRpcError as exc:
             await self.engine.cancel_reservation(job.request_id)
@@ -163,12 +161,14 @@ class DecodeWorker:
             abort_wait.cancel()
 
     async def _abort_prefill(self, address: str, request_id: str, call: asyncio.Future) -> None:
+        """Tell the prefill worker to stop, wait until its call ended, then free the pages."""
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self._stub(address).Abort(
                 decode_pb2.AbortRequest(request_id=request_id), timeout=5
             )
         with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
             await asyncio.wait_for(asyncio.shield(call), timeout=PREFILL_TIMEOUT_S)
+        await self.engine.cancel_reservation(request_id)
 
     def _prefill_request(
         self, job: DecodeJob, reservation: Reservation
