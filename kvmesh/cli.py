@@ -1,4 +1,4 @@
-"""`kvmesh` command line: generate, up, serve, status, bench, train-eagle.
+"""`kvmesh` command line: generate, up, serve, status, bench, train-eagle, make-tiny-model.
 
 Parsing imports no torch, transformers or grpc: each command imports what it runs."""
 
@@ -41,6 +41,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _serve(args)
     if args.command == "train-eagle":
         return _train_eagle(args)
+    if args.command == "make-tiny-model":
+        from kvmesh.tools.tiny_cli import run_make_tiny_model
+
+        return run_make_tiny_model(args)
     if args.command == "status":
         from kvmesh.mesh.status import run_status
 

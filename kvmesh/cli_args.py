@@ -7,6 +7,8 @@ import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvmesh.tools import tiny_cli  # imports no torch
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -248,6 +250,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     off.add_argument("--no-transformers", action="store_true")
     off.add_argument("--output", default=None, help="also write the JSON results here")
     _bench_args(bench_sub, lazy)
+    tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint for tests")
+    tiny_cli.add_arguments(tiny)
     return parser
 
 
