@@ -34,8 +34,8 @@ def split_logits(prefill, decode, ids: list[int], context: int):
     """Logits predicting ids[context + 1:], computed by `decode` at positions context.. over the
     KV of ids[:context] that `prefill` computed (one engine alone when they are the same)."""
     from kvmesh import SamplingParams
-    from kvmesh.engine.scheduler import ScheduledChunk
     from kvmesh.engine.sequence import Sequence
+    from kvmesh.engine.step import ChunkPlan, StepPlan
 
     if prefill is decode:
         return decode.score(ids)[context:-1]
@@ -48,11 +48,14 @@ def split_logits(prefill, decode, ids: list[int], context: int):
         if not decode.block_manager.allocate(whole, len(ids)):
             raise RuntimeError("the text does not fit in the decode engine's pages")
         try:
-            prefill.runner.score(ScheduledChunk(head, 0, context, True))
+            first = ChunkPlan(head.seq_id, 0, context, True)
+            prefill.runner.score(StepPlan.one_shot(head.seq_id, head.token_ids,
+                                                   head.block_table, first))  # fmt: skip
             pages = len(head.block_table)
             _copy_pages(prefill, head.block_table, decode, whole.block_table[:pages])
-            rest = ScheduledChunk(whole, context, len(ids) - context, True)
-            return decode.runner.score(rest)[:-1]
+            rest = ChunkPlan(whole.seq_id, context, len(ids) - context, True)
+            plan = StepPlan.one_shot(whole.seq_id, whole.token_ids, whole.block_table, rest)
+            return decode.runner.score(plan)[:-1]
         finally:
             decode.block_manager.free(whole)
     finally:

@@ -24,9 +24,10 @@ from kvmesh.engine.outputs import Reservation, TokenOutput
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.sampler import Sampler, TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from kvmesh.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvmesh.engine.sequence import FinishReason, Sequence
 from kvmesh.engine.spec.speculator import build_speculator, sample_step
+from kvmesh.engine.step import ChunkPlan, StepPlan
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import (
     CapacityError,
@@ -67,10 +68,13 @@ class Engine:
         if config.int4 is not None and config.compute_dtype == "fp32":
             log.warning("engine.int4_fp32_activations", hint="--dtype bf16 is several times faster")
         built = time.perf_counter()
+        if model_config.indexer is not None:  # DSA runs as dense MLA: see models/moe.py
+            self.max_model_len = min(self.max_model_len, model_config.indexer.topk)
         model = build_model(model_config, weights, dtype, self.max_model_len, int4=config.int4)
         log.info("engine.model_built", seconds=round(time.perf_counter() - built, 3))
         self.kv_dtype = config.resolved_kv_dtype
         spec = spec_for_model(model_config, config.page_size, self.kv_dtype)
+        self.kv_spec = spec
         num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
         self.kv_cache = PagedKVCache(spec, num_pages, dtype)
         torch.set_num_threads(serve_threads)
@@ -89,7 +93,8 @@ class Engine:
             self.block_manager,
             self.tokenizer.eos_token_ids,
         )
-        self.runner = ModelRunner(model, self.kv_cache, get_backend(config.attention_backend))
+        backend = get_backend(config.attention_backend, spec.layers[0].kind)
+        self.runner = ModelRunner(model, self.kv_cache, backend)
         self.sampler = Sampler()
         self.speculator = build_speculator(
             config, self.source.name, self.runner, self.max_model_len
@@ -227,8 +232,11 @@ class Engine:
         seq = Sequence(f"score-{next(_score_ids)}", list(token_ids), SamplingParams(max_tokens=1))
         if not self.block_manager.allocate(seq, len(token_ids)):
             raise CapacityError(f"{len(token_ids)} tokens do not fit in the free KV pages")
+        chunk = ChunkPlan(seq.seq_id, 0, len(token_ids), True)
         try:
-            return self.runner.score(ScheduledChunk(seq, 0, len(token_ids), True))
+            return self.runner.score(
+                StepPlan.one_shot(seq.seq_id, token_ids, seq.block_table, chunk)
+            )
         finally:
             self.block_manager.free(seq)
 
@@ -259,11 +267,13 @@ class Engine:
             output, failed = self._check_integrity(output)
         if output.is_empty:
             return failed
-        result = self.runner.run(output.chunks)
+        result = self.runner.run(output.step)
         drafts = {c.seq.seq_id: c.draft for c in output.chunks if c.draft}
         stats = self.speculator.stats if self.speculator is not None else None
+        by_id = {c.seq.seq_id: c.seq for c in output.chunks}
+        seqs = [by_id[req_id] for req_id in result.req_ids]
         tokens, logprobs = (
-            sample_step(result, self.sampler, drafts, stats) if result.seqs else ({}, {})
+            sample_step(result, seqs, self.sampler, drafts, stats) if seqs else ({}, {})
         )
         finished = {s.seq_id for s in self.scheduler.update(output, tokens)}
         for seq_id in finished:
@@ -274,7 +284,7 @@ class Engine:
         events = self.block_manager.take_events()
         if events and self.kv_event_sink is not None:
             self.kv_event_sink(events)
-        return [self._output(s, tokens, logprobs, finished) for s in result.seqs] + failed
+        return [self._output(s, tokens, logprobs, finished) for s in seqs] + failed
 
     def _check_integrity(
         self, output: SchedulerOutput
@@ -302,7 +312,9 @@ class Engine:
                                           seq.num_prompt_tokens, seq.num_cached_tokens, error))  # fmt: skip
         bad = {seq.seq_id for seq, _ in mismatched}
         chunks = tuple(c for c in output.chunks if c.seq.seq_id not in bad)
-        return replace(output, chunks=chunks), failed
+        step = replace(output.step, chunks=tuple(c for c in output.step.chunks
+                                                 if c.req_id not in bad))  # fmt: skip
+        return replace(output, chunks=chunks, step=step), failed
 
     @staticmethod
     def _output(seq: Sequence, tokens, logprobs, finished) -> TokenOutput:

@@ -1,9 +1,12 @@
-"""The worker's KV page pool: one contiguous byte tensor, viewed per layer by a codec object.
+"""The worker's KV page pool: one contiguous byte tensor, viewed per layer by the spec's kind.
 
 Layout (fixed in kv/layout.py; transfer code relies on it): page p is bytes
-[p * page_bytes, (p + 1) * page_bytes) and holds K and V of `page_size` tokens for every layer
+[p * page_bytes, (p + 1) * page_bytes), head-major, and holds `page_size` tokens of every layer
 (plus FP8 scales). Token position i of a sequence lives in page block_table[i // page_size] at
 offset i % page_size.
+
+A layer is `GqaLayerKV` (a K and a V `PagedVectors`) or `MlaLayerKV` (one latent
+`PagedVectors`); attention backends for each kind use them (attention/base.py).
 
 Beside the pool, `tags` holds one 32-bit integrity tag per page: the tag of the allocation whose
 KV the page holds (see kv/block_manager.py). It is separate memory, registered with the transfer
@@ -15,66 +18,86 @@ from __future__ import annotations
 import torch
 
 from kvmesh.engine.attention.base import Slots
-from kvmesh.engine.config import ModelConfig
-from kvmesh.engine.kv.layout import KVCacheSpec
+from kvmesh.engine.kv.layout import KVCacheSpec, spec_for_model
 from kvmesh.engine.kv_fp8 import codec_for
 
-__all__ = ["KVCacheSpec", "PagedKVCache", "spec_for_model"]
+__all__ = ["GqaLayerKV", "KVCacheSpec", "MlaLayerKV", "PagedKVCache", "spec_for_model"]
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.int8}
 
 
-def spec_for_model(config: ModelConfig, page_size: int, kv_dtype: str) -> KVCacheSpec:
-    return KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, page_size, kv_dtype)
+class PagedVectors:
+    """One part (K, V or an MLA latent) of one layer: `data` [pages, heads, page_size, dim] in
+    the storage dtype, with FP8 exponents `exps` [pages, heads, page_size] when quantized.
+    Reads and writes take (page, offset) slots and return / accept [*S, heads, dim] in the
+    compute dtype."""
+
+    def __init__(self, data: torch.Tensor, exps: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.data, self.exps, self.dtype = data, exps, dtype
+        self._same = data.dtype == dtype
+        if exps is not None:
+            self.quantize, self.dequantize = codec_for(data.device)
+
+    def write(self, slots: Slots, x: torch.Tensor) -> None:
+        index = (slots.page, slice(None), slots.offset)
+        if self.exps is None:
+            self.data[index] = x.to(self.data.dtype)
+        else:
+            self.data[index], self.exps[index] = self.quantize(x)
+
+    def read(self, slots: Slots) -> torch.Tensor:
+        index = (slots.page, slice(None), slots.offset)
+        if self.exps is not None:
+            return self.dequantize(self.data[index], self.exps[index], self.dtype)
+        x = self.data[index]
+        return x if self._same else x.to(self.dtype)
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """What `read` would return for x after a `write`: attention always sees the cache's
+        values, so a prompt computed cold and one whose prefix came from the cache agree."""
+        if self.exps is not None:
+            return self.dequantize(*self.quantize(x), self.dtype)
+        return x if self._same else x.to(self.data.dtype).to(self.dtype)
 
 
-class PlainLayerKV:
-    """One layer's K and V stored as is (fp32 or bf16): [num_pages, page_size, heads, dim] views.
-    The storage dtype may differ from the compute dtype (e.g. bf16 KV under an fp32 model)."""
+class GqaLayerKV:
+    """One GQA/MHA layer: K and V of each KV head."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
-        self.k, self.v, self.dtype = k, v, dtype
-        self._same = k.dtype == dtype
+    kind = "gqa"
+
+    def __init__(self, k: PagedVectors, v: PagedVectors) -> None:
+        self.k, self.v = k, v
 
     def write(self, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[slots.page, slots.offset] = k.to(self.k.dtype)
-        self.v[slots.page, slots.offset] = v.to(self.v.dtype)
+        """Store K/V [T, Hkv, D] of new tokens at `slots`."""
+        self.k.write(slots, k)
+        self.v.write(slots, v)
 
     def read(self, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.k[slots.page, slots.offset], self.v[slots.page, slots.offset]
-        return (k, v) if self._same else (k.to(self.dtype), v.to(self.dtype))
+        """K and V at `slots` (any shape S) as [*S, Hkv, D] in the compute dtype."""
+        return self.k.read(slots), self.v.read(slots)
 
     def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._same:
-            return k, v
-        return k.to(self.k.dtype).to(self.dtype), v.to(self.v.dtype).to(self.dtype)
+        return self.k.as_stored(k), self.v.as_stored(v)
 
 
-class Fp8LayerKV:
-    """One layer's K and V as e4m3 bits plus a power-of-two exponent per (token, head)."""
+class MlaLayerKV:
+    """One MLA layer: per token the normalized latent then the rotated shared key, one vector."""
 
-    def __init__(self, k, v, k_exp, v_exp, dtype: torch.dtype) -> None:
-        self.k, self.v, self.k_exp, self.v_exp, self.dtype = k, v, k_exp, v_exp, dtype
-        self.quantize, self.dequantize = codec_for(k.device)
+    kind = "mla"
 
-    def write(self, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
-        index = (slots.page, slots.offset)
-        self.k[index], self.k_exp[index] = self.quantize(k)
-        self.v[index], self.v_exp[index] = self.quantize(v)
+    def __init__(self, latent: PagedVectors) -> None:
+        self.latent = latent
 
-    def read(self, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
-        index = (slots.page, slots.offset)
-        return (
-            self.dequantize(self.k[index], self.k_exp[index], self.dtype),
-            self.dequantize(self.v[index], self.v_exp[index], self.dtype),
-        )
+    def write(self, slots: Slots, entry: torch.Tensor) -> None:
+        """Store latent|rope entries [T, D] of new tokens at `slots`."""
+        self.latent.write(slots, entry.unsqueeze(-2))
 
-    def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What `read` would return for k, v: attention always sees the cache's values, so a
-        prompt computed cold and one whose prefix came from the cache give the same tokens."""
-        return (
-            self.dequantize(*self.quantize(k), self.dtype),
-            self.dequantize(*self.quantize(v), self.dtype),
-        )
+    def read(self, slots: Slots) -> torch.Tensor:
+        """Entries at `slots` (any shape S) as [*S, D] in the compute dtype."""
+        return self.latent.read(slots).squeeze(-2)
+
+    def as_stored(self, entry: torch.Tensor) -> torch.Tensor:
+        return self.latent.as_stored(entry.unsqueeze(-2)).squeeze(-2)
 
 
 class PagedKVCache:
@@ -89,22 +112,25 @@ class PagedKVCache:
         self.num_pages = num_pages
         self.pool = torch.zeros(num_pages, spec.page_bytes, dtype=torch.uint8, device=device)
         self.tags = torch.zeros(num_pages, dtype=torch.int32, device=device)
-        shape = (num_pages, spec.num_layers, 2, spec.page_size, spec.num_kv_heads)
-        data = self.pool[:, : spec.data_bytes].view(_TORCH[spec.kv_dtype])
-        data = data.view(*shape, spec.head_dim)
+        blocks = self.pool.view(num_pages, spec.num_heads, spec.head_block_bytes)
+        self.layers = [self._layer(blocks, i, compute_dtype) for i in range(spec.num_layers)]
+
+    def _layer(self, blocks: torch.Tensor, i: int, dtype: torch.dtype):
+        spec, layer = self.spec, self.spec.layers[i]
+        shape = (*blocks.shape[:2], layer.parts, spec.page_size)
+        start = spec.data_offset(i)
+        data = blocks[..., start : start + spec.data_bytes_of(i)].view(_TORCH[spec.kv_dtype])
+        data = data.view(*shape, layer.head_dim)
+        exps = None
         if spec.quantized:
-            exps = self.pool[:, spec.data_bytes :].view(torch.int8).view(*shape)
-            self.layers = [
-                Fp8LayerKV(
-                    data[:, i, 0], data[:, i, 1], exps[:, i, 0], exps[:, i, 1], compute_dtype
-                )  # fmt: skip
-                for i in range(spec.num_layers)
-            ]
-        else:
-            self.layers = [
-                PlainLayerKV(data[:, i, 0], data[:, i, 1], compute_dtype)
-                for i in range(spec.num_layers)
-            ]
+            start = spec.scale_offset(i)
+            exps = blocks[..., start : start + spec.scale_bytes_of(i)].view(torch.int8)
+            exps = exps.view(*shape)
+        parts = [
+            PagedVectors(data[:, :, p], None if exps is None else exps[:, :, p], dtype)
+            for p in range(layer.parts)
+        ]
+        return GqaLayerKV(*parts) if layer.kind == "gqa" else MlaLayerKV(*parts)
 
     @property
     def capacity_tokens(self) -> int:

@@ -1,126 +1,102 @@
-"""Turns a scheduler step into tensors, runs the model and returns logits of the rows to sample."""
+"""Turns a plain-data step (step.py) into tensors, runs the model and returns the logits of the
+rows to sample. The runner keeps its own copy of each request's tokens and pages, updated from
+the step's new requests and diffs; it never sees the scheduler's `Sequence` objects."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from kvmesh.engine.attention import AttentionBackend, AttentionMetadata, PrefillSpan, Slots
+from kvmesh.engine.attention import AttentionBackend, BatchLayout
 from kvmesh.engine.kv_cache import PagedKVCache
-from kvmesh.engine.models.llama import LlamaModel
-from kvmesh.engine.scheduler import ScheduledChunk
-from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.models import CausalLM
+from kvmesh.engine.step import ChunkPlan, StepPlan
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """Logits (float32) of the chunks that sample this step, in `seqs` order: one row per
-    chunk, or 1 + k rows for a chunk verifying k drafts (`rows[i]` rows for seqs[i])."""
+    """Logits (float32) of the chunks that sample this step, in `req_ids` order: one row per
+    chunk, or 1 + k rows for a chunk verifying k drafts (`rows[i]` rows for req_ids[i])."""
 
     logits: torch.Tensor
-    seqs: list[Sequence]
+    req_ids: list[str]
     rows: list[int]
 
 
+@dataclass
+class _Request:
+    token_ids: list[int]
+    block_table: list[int] = field(default_factory=list)
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: PagedKVCache, attention: AttentionBackend) -> None:
+    def __init__(self, model: CausalLM, kv: PagedKVCache, attention: AttentionBackend) -> None:
         self.model = model
         self.kv = kv
         self.attention = attention
         self.page_size = kv.spec.page_size
-        self._page_offsets = torch.arange(self.page_size)
+        self.requests: dict[str, _Request] = {}
         self.capture: tuple[int, ...] = ()  # layers whose outputs the last step kept (EAGLE)
         self.features: torch.Tensor | None = None  # [T, len(capture) * H], rows in step order
-        self.rows_of: dict[str, tuple[int, int]] = {}  # seq_id -> its rows [begin, end) last step
+        self.rows_of: dict[str, tuple[int, int]] = {}  # req_id -> its rows [begin, end) last step
 
-    def _forward(
-        self, chunks: Seq[ScheduledChunk]
-    ) -> tuple[torch.Tensor, list[int], list[Sequence], list[int]]:
-        decodes = [c for c in chunks if c.num_tokens == 1 and not c.draft]
-        prefills = [c for c in chunks if c.num_tokens > 1 or c.draft]
-        ids, positions, slots, sample_rows, seqs, counts = [], [], [], [], [], []
-        decode_gather = decode_mask = None
-        if decodes:
-            decode_gather, decode_mask, decode_slots = self._decode_inputs(decodes)
-            ids.append(torch.tensor([c.seq.token_ids[c.start] for c in decodes]))
-            positions.append(torch.tensor([c.start for c in decodes]))
-            slots.append(decode_slots)
-        spans, row = [], len(decodes)
-        for chunk in prefills:
-            span, chunk_slots = self._prefill_inputs(chunk, row)
-            spans.append(span)
-            ids.append(torch.tensor(_chunk_tokens(chunk)))
-            positions.append(torch.arange(chunk.start, span.context_start + span.end - span.begin))
-            slots.append(chunk_slots)
-            row = span.end
-        for i, chunk in enumerate(decodes):
-            if chunk.sample:
-                sample_rows.append(i)
-                seqs.append(chunk.seq)
-                counts.append(1)
-        for chunk, span in zip(prefills, spans, strict=True):
-            if chunk.sample:
-                first = span.end - 1 - len(chunk.draft)
-                sample_rows.extend(range(first, span.end))
-                seqs.append(chunk.seq)
-                counts.append(1 + len(chunk.draft))
-        self.rows_of = {c.seq.seq_id: (i, i + 1) for i, c in enumerate(decodes)}
-        self.rows_of.update(
-            (c.seq.seq_id, (s.begin, s.end)) for c, s in zip(prefills, spans, strict=True)
-        )
-        meta = AttentionMetadata(
-            Slots.of(torch.cat(slots), self.page_size),
-            len(decodes),
-            decode_gather,
-            decode_mask,
-            tuple(spans),
-        )
-        hidden, self.features = self.model.forward(
-            torch.cat(ids), torch.cat(positions), meta, self.kv.layers, self.attention, self.capture
-        )
-        return hidden, sample_rows, seqs, counts
+    def apply(self, plan: StepPlan) -> None:
+        """Bring the per-request state up to date (finished first: an id may come back new)."""
+        for req_id in plan.finished:
+            self.requests.pop(req_id, None)
+        for new in plan.new:
+            self.requests[new.req_id] = _Request(list(new.token_ids), list(new.block_table))
+        for diff in plan.diffs:
+            state = self.requests[diff.req_id]
+            state.token_ids.extend(diff.new_token_ids)
+            del state.block_table[diff.num_blocks_kept :]
+            state.block_table.extend(diff.new_block_ids)
 
-    def run(self, chunks: Seq[ScheduledChunk]) -> StepResult:
-        hidden, sample_rows, seqs, counts = self._forward(chunks)
+    def run(self, plan: StepPlan) -> StepResult:
+        self.apply(plan)
+        hidden, sample_rows, req_ids, counts = self._forward(plan.chunks)
         logits = self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long)])
-        return StepResult(logits, seqs, counts)
+        return StepResult(logits, req_ids, counts)
 
-    def score(self, chunk: ScheduledChunk) -> torch.Tensor:
-        """Logits [n, V] of every token of one chunk (teacher forcing), e.g. for perplexity."""
-        hidden, _, _, _ = self._forward([chunk])
+    def score(self, plan: StepPlan) -> torch.Tensor:
+        """Logits [n, V] of every token of a one-chunk step (teacher forcing, e.g. perplexity)."""
+        self.apply(plan)
+        try:
+            hidden, _, _, _ = self._forward(plan.chunks)
+        finally:
+            for req_id in plan.finished:
+                self.requests.pop(req_id, None)
         return self.model.logits(hidden)
 
-    def _slots_of(self, block_table: list[int], length: int) -> torch.Tensor:
-        pages = torch.tensor(block_table[: (length + self.page_size - 1) // self.page_size])
-        return (pages.unsqueeze(1) * self.page_size + self._page_offsets).flatten()[:length]
+    def _forward(self, chunks: tuple[ChunkPlan, ...]):
+        ordered = [c for c in chunks if c.is_decode] + [c for c in chunks if not c.is_decode]
+        num_decode = sum(c.is_decode for c in chunks)
+        states = [self.requests[c.req_id] for c in ordered]
+        ids = [t for c, s in zip(ordered, states, strict=True) for t in _chunk_tokens(c, s)]
+        positions = torch.cat([torch.arange(c.start, c.start + c.width) for c in ordered])
+        layout = BatchLayout(
+            num_decode,
+            tuple(tuple(s.block_table) for s in states),
+            tuple(c.start for c in ordered),
+            tuple(c.width for c in ordered),
+            self.page_size,
+        )
+        meta = self.attention.build_metadata(layout)
+        sample_rows, req_ids, counts, row = [], [], [], 0
+        self.rows_of = {}
+        for chunk in ordered:
+            self.rows_of[chunk.req_id] = (row, row + chunk.width)
+            if chunk.sample:
+                sample_rows.extend(range(row + chunk.num_tokens - 1, row + chunk.width))
+                req_ids.append(chunk.req_id)
+                counts.append(1 + len(chunk.draft))
+            row += chunk.width
+        hidden, self.features = self.model.forward(
+            torch.tensor(ids), positions, meta, self.kv.layers, self.attention, self.capture
+        )
+        return hidden, sample_rows, req_ids, counts
 
-    def _decode_inputs(self, decodes: list[ScheduledChunk]):
-        lengths = torch.tensor([c.start + 1 for c in decodes])
-        max_pages = (int(lengths.max()) + self.page_size - 1) // self.page_size
-        tables = torch.tensor([_padded(c.seq.block_table, max_pages) for c in decodes])
-        gather = (tables.unsqueeze(-1) * self.page_size + self._page_offsets).flatten(1)
-        gather = gather[:, : int(lengths.max())]
-        mask = torch.arange(gather.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-        new_slots = gather.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
-        return Slots.of(gather, self.page_size), mask[:, None, None, :], new_slots
 
-    def _prefill_inputs(self, chunk: ScheduledChunk, row: int) -> tuple[PrefillSpan, torch.Tensor]:
-        """A prefill chunk, or a decode token followed by the drafts it verifies."""
-        width = chunk.num_tokens + len(chunk.draft)
-        end = chunk.start + width
-        all_slots = self._slots_of(chunk.seq.block_table, end)
-        gather = Slots.of(all_slots, self.page_size) if chunk.start > 0 else None
-        span = PrefillSpan(row, row + width, chunk.start, gather)
-        return span, all_slots[chunk.start :]
-
-
-def _chunk_tokens(chunk: ScheduledChunk) -> list[int]:
-    tokens = chunk.seq.token_ids[chunk.start : chunk.start + chunk.num_tokens]
-    return tokens + list(chunk.draft)
-
-
-def _padded(table: list[int], width: int) -> list[int]:
-    table = table[:width]
-    return table + [0] * (width - len(table))
+def _chunk_tokens(chunk: ChunkPlan, state: _Request) -> list[int]:
+    return state.token_ids[chunk.start : chunk.start + chunk.num_tokens] + list(chunk.draft)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from kvmesh.engine.kv.block_manager import BlockManager
 from kvmesh.engine.sequence import FinishReason, SeqStatus, Sequence
+from kvmesh.engine.step import ChunkPlan, StepDiffer, StepPlan
 from kvmesh.errors import CapacityError, ContextLengthError
 
 
@@ -43,14 +44,21 @@ class ScheduledChunk:
     sample: bool
     draft: tuple[int, ...] = ()  # speculative tokens after seq's last token (to verify)
 
+    @property
+    def plan(self) -> ChunkPlan:
+        return ChunkPlan(self.seq.seq_id, self.start, self.num_tokens, self.sample, self.draft)
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """One step's work: chunks in batch order and the ids preempted while planning it."""
+    """One step's work: `step` is what the model runner gets (plain data); `chunks` are the
+    same chunks with their live sequences, for the engine's own bookkeeping; and the ids
+    preempted while planning it."""
 
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[str, ...]
     num_batched_tokens: int
+    step: StepPlan
 
     @property
     def is_empty(self) -> bool:
@@ -70,6 +78,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._seqs: dict[str, Sequence] = {}
         self._held: dict[str, Sequence] = {}  # finished with keep_pages: pages await release()
+        self.differ = StepDiffer()  # what the runner knows of each request
         # Called with a finished (not aborted) sequence just before its pages are freed.
         self.on_retire: Callable[[Sequence], None] | None = None
 
@@ -160,9 +169,12 @@ class Scheduler:
         budget = self._schedule_running(self.config.max_num_batched_tokens, chunks, preempted)
         if not preempted:  # as vLLM v1: no admissions in a step that had to preempt
             budget = self._schedule_waiting(budget, chunks)
-        return SchedulerOutput(
-            tuple(chunks), tuple(preempted), self.config.max_num_batched_tokens - budget
+        step = self.differ.plan(
+            ((c.seq.seq_id, c.seq.token_ids, c.seq.block_table) for c in chunks),
+            tuple(c.plan for c in chunks),
         )
+        used = self.config.max_num_batched_tokens - budget
+        return SchedulerOutput(tuple(chunks), tuple(preempted), used, step)
 
     def _schedule_running(
         self, budget: int, chunks: list[ScheduledChunk], preempted: list[str]
@@ -217,6 +229,7 @@ class Scheduler:
         return ScheduledChunk(seq, start, num_tokens, sample, draft)
 
     def _preempt(self, seq: Sequence) -> None:
+        self.differ.forget(seq.seq_id)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -292,6 +305,7 @@ class Scheduler:
         return None
 
     def _retire(self, seq: Sequence, reason: FinishReason) -> None:
+        self.differ.forget(seq.seq_id)
         if seq.keep_pages and reason is not FinishReason.ABORT:
             self._held[seq.seq_id] = seq
         else:

@@ -64,9 +64,10 @@ class WorkerInfo:
             raise WorkerInfoError(f"bad page_size/capacity_tokens in {self!r}")
 
     @property
-    def kv_layout(self) -> tuple[str, int, str]:
-        """(model, page_size, kv_dtype): two workers can exchange pages only if these match."""
-        return self.model, self.page_size, self.kv_dtype
+    def kv_layout(self) -> tuple[str, int, str, str]:
+        """(model, page_size, kv_dtype, KV spec key): two workers can exchange pages only if
+        these match."""
+        return self.model, self.page_size, self.kv_dtype, str(self.extra.get("kv_spec", ""))
 
     @property
     def name(self) -> str:

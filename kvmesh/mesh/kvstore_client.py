@@ -26,9 +26,11 @@ log = structlog.get_logger(__name__)
 _FAILURES = Exception
 
 
-def layout_key(model: str, page_size: int, kv_dtype: str) -> str:
-    """The key that keeps pages of incompatible layouts apart: "model|page_size|kv_dtype"."""
-    return f"{model}|{page_size}|{kv_dtype}"
+def layout_key(model: str, page_size: int, kv_dtype: str, kv_spec: str = "") -> str:
+    """The key that keeps pages of incompatible layouts apart: "model|page_size|kv_dtype", then
+    the KV spec's own key (kv/layout.py: kinds, heads, dims, page order) when given."""
+    base = f"{model}|{page_size}|{kv_dtype}"
+    return f"{base}|{kv_spec}" if kv_spec else base
 
 
 def page_digest_at(address: int, page_bytes: int) -> int:

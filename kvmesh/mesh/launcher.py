@@ -128,7 +128,7 @@ class Mesh:
     def _kvstore_layout(self) -> list[str]:
         """The store must hold pages of exactly the workers' layout (model, page, dtype)."""
         from kvmesh.engine.config import compute_dtype_of
-        from kvmesh.engine.kv.layout import KVCacheSpec, resolve_kv_dtype
+        from kvmesh.engine.kv.layout import resolve_kv_dtype, spec_for_model
         from kvmesh.engine.loader import read_config, resolve_model
 
         args = list(self.options.worker_args)
@@ -137,10 +137,10 @@ class Mesh:
         )
         kv_dtype = resolve_kv_dtype(_flag(args, "--kv-dtype") or "auto", compute)
         config = read_config(resolve_model(self.options.model))
-        spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, 16, kv_dtype)
+        spec = spec_for_model(config, 16, kv_dtype)
         model = resolve_model(self.options.model).name
         return ["--model", model, "--page-size", "16", "--kv-dtype", kv_dtype,
-                "--page-bytes", str(spec.page_bytes)]  # fmt: skip
+                "--page-bytes", str(spec.page_bytes), "--kv-spec", spec.layout_key]  # fmt: skip
 
     def _spawn(self, name: str, args: list[str]) -> None:
         assert self.etcd is not None

@@ -25,7 +25,9 @@ def run_status(etcd: str | None, cluster: str | None, as_json: bool) -> int:
         load = w.get("load") or {}
         print(
             f"{w['role']:8} {w['id']:14} grpc={w['grpc']} metrics={w['metrics']} "
+            f"arch={w['precision'].get('architecture', '?')} "
             f"weights={w['precision'].get('weights', '?')} kv={w['kv_dtype']} capacity={w['capacity_tokens']} "
+            f"kv_spec={w['precision'].get('kv_spec', '?')} "
             f"running={load.get('numRunning', 0)} pages={load.get('kvPagesUsed', 0)}/{load.get('kvPagesTotal', 0)}"
         )
     return 0

@@ -37,7 +37,9 @@ class StoreLink:
         self.page_io = engine.page_io
         spec = engine.kv_cache.spec
         self.page_bytes = spec.page_bytes
-        self.layout_key = layout_key(engine.model_name, spec.page_size, engine.kv_dtype)
+        self.layout_key = layout_key(
+            engine.model_name, spec.page_size, engine.kv_dtype, spec.layout_key
+        )
         self._client: KVStoreClient | None = None
         self._address = ""
         self._pending: set[asyncio.Task] = set()

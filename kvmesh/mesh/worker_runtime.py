@@ -128,7 +128,11 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
         page_size=engine.config.page_size,
         kv_dtype=engine.kv_dtype,
         capacity_tokens=engine.kv_cache.capacity_tokens,
-        extra=_precision(engine.config),
+        extra={
+            **_precision(engine.config),
+            "architecture": engine.model_config.architecture,
+            "kv_spec": engine.kv_cache.spec.layout_key,
+        },  # fmt: skip
     )
     try:
         async with Registry(options.etcd, options.cluster) as registry:

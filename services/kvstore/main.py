@@ -47,6 +47,7 @@ class KVStoreOptions:
     model: str = "smollm2-135m"
     page_size: int = 16
     kv_dtype: str = "fp32"
+    kv_spec: str = ""  # the workers' KV spec key (kv/layout.py), part of the layout key
     ram_mib: int = 256
     disk_mib: int = 1024
     disk_dir: str = ""
@@ -64,7 +65,7 @@ class KVStoreOptions:
 
     @property
     def layout_key(self) -> str:
-        return layout_key(self.model, self.page_size, self.kv_dtype)
+        return layout_key(self.model, self.page_size, self.kv_dtype, self.kv_spec)
 
     def store_config(self) -> StoreConfig:
         return StoreConfig(
@@ -189,6 +190,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="KV dtype of the pages (part of the layout key)",
     )
     p.add_argument("--page-bytes", type=int, required=True, help="bytes per KV page")
+    p.add_argument("--kv-spec", default="", help="the workers' KV spec key (layout key part)")
     p.add_argument("--ram-mib", type=int, default=256, help="RAM tier capacity")
     p.add_argument("--disk-mib", type=int, default=1024, help="disk tier capacity (0: none)")
     p.add_argument("--disk-dir", default="", help="disk tier directory (default: temporary)")

@@ -23,20 +23,25 @@ def _write_layers(cache: PagedKVCache) -> None:
 
 
 def test_written_kv_lands_inside_its_page_bytes():
-    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=4, page_size=4, kv_dtype="fp32")
+    spec = KVCacheSpec.gqa(num_layers=3, num_kv_heads=2, head_dim=4, page_size=4, kv_dtype="fp32")
     cache = PagedKVCache(spec, num_pages=5)
     _write_layers(cache)
-    pages = cache.pool.view(torch.float32).view(5, 3, 2, 4, 2, 4)  # [page, layer, k|v, slot, ..]
+    pages = cache.pool.view(torch.float32).view(5, 2, 3, 2, 4, 4)  # [page, head, layer, k|v, ..]
     for page in range(5):
         values = sorted(set(pages[page].abs().flatten().tolist()))
         assert values == ([0.0, 1.0, 2.0, 3.0] if page in (2, 4) else [0.0])
     assert cache.page_address(2) - cache.page_address(0) == 2 * spec.page_bytes
-    assert torch.equal(pages[2, 1, 0, 1], torch.full((2, 4), 2.0))
-    assert torch.equal(pages[4, 2, 1, 3], torch.full((2, 4), -3.0))
+    assert torch.equal(pages[2, :, 1, 0, 1], torch.full((2, 4), 2.0))
+    assert torch.equal(pages[4, :, 2, 1, 3], torch.full((2, 4), -3.0))
+    head_block = spec.page_bytes // 2  # a head's KV of every layer is one byte range
+    assert torch.equal(cache.pool[2, :head_block].view(torch.float32).view(3, 2, 4, 4),
+                       pages[2, 0])  # fmt: skip
 
 
 def test_fp8_page_holds_its_scales_and_reads_back_within_e4m3_precision():
-    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=4, page_size=4, kv_dtype="fp8_e4m3")
+    spec = KVCacheSpec.gqa(
+        num_layers=3, num_kv_heads=2, head_dim=4, page_size=4, kv_dtype="fp8_e4m3"
+    )
     assert spec.page_bytes == 3 * 2 * 4 * 2 * (4 + 1)
     cache = PagedKVCache(spec, num_pages=5)
     _write_layers(cache)
@@ -55,8 +60,8 @@ def test_fp8_page_holds_its_scales_and_reads_back_within_e4m3_precision():
 
 
 def test_fp8_page_is_about_half_a_bf16_page():
-    bf16 = KVCacheSpec(30, 3, 64, 16, "bf16")
-    fp8 = KVCacheSpec(30, 3, 64, 16, "fp8_e4m3")
+    bf16 = KVCacheSpec.gqa(30, 3, 64, 16, "bf16")
+    fp8 = KVCacheSpec.gqa(30, 3, 64, 16, "fp8_e4m3")
     assert bf16.page_bytes == 368_640
     assert fp8.page_bytes == 187_200
     assert 1.96 < bf16.page_bytes / fp8.page_bytes < 1.98

@@ -1,30 +1,38 @@
-"""Attention backends behind one interface, chosen by name from a registry."""
+"""Attention backends behind one interface, chosen by name and KV kind from a registry."""
 
 from __future__ import annotations
 
 from kvmesh.engine.attention.base import (
     AttentionBackend,
     AttentionMetadata,
-    LayerKV,
+    BatchLayout,
     PrefillSpan,
     Slots,
 )
-from kvmesh.engine.attention.torch_backend import TorchAttention
 from kvmesh.errors import InvalidRequestError
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
-    "LayerKV",
+    "BatchLayout",
     "PrefillSpan",
     "Slots",
     "get_backend",
 ]
 
-_BACKENDS: dict[str, type] = {"torch": TorchAttention}
+# (name, KV kind) -> "module:class", imported on first use
+_BACKENDS = {
+    ("torch", "gqa"): "kvmesh.engine.attention.torch_backend:TorchAttention",
+    ("torch", "mla"): "kvmesh.engine.attention.torch_mla:TorchMlaAttention",
+}
 
 
-def get_backend(name: str) -> AttentionBackend:
-    if name not in _BACKENDS:
-        raise InvalidRequestError(f"unknown attention backend {name!r}; have {sorted(_BACKENDS)}")
-    return _BACKENDS[name]()
+def get_backend(name: str, kind: str = "gqa") -> AttentionBackend:
+    target = _BACKENDS.get((name, kind))
+    if target is None:
+        have = sorted(f"{n}/{k}" for n, k in _BACKENDS)
+        raise InvalidRequestError(f"no attention backend {name!r} for {kind} KV; have {have}")
+    import importlib
+
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)()

@@ -1,13 +1,15 @@
-"""The attention-backend contract and the per-step metadata the runner builds for it.
+"""The attention-backend contracts and the per-step metadata the torch backends build.
 
 Token layout of one step: the `num_decode` single-token rows come first, then each
-prefill chunk's tokens contiguously (`PrefillSpan`).
+multi-token chunk's rows contiguously (`PrefillSpan`). A backend builds its own metadata from
+the step's block tables and sequence lengths (`BatchLayout`), once per step, and every layer of
+its kind reuses it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -26,15 +28,25 @@ class Slots:
 
 
 @dataclass(frozen=True)
+class BatchLayout:
+    """What attention needs to know of a step, per chunk in row order (decode rows first):
+    the request's block table, the tokens already cached before the chunk, the chunk's rows."""
+
+    num_decode: int
+    block_tables: tuple[tuple[int, ...], ...]
+    starts: tuple[int, ...]
+    widths: tuple[int, ...]
+    page_size: int
+
+
+@dataclass(frozen=True)
 class PrefillSpan:
     """One multi-token chunk: rows [begin, end) of the step, at positions [context_start, ...)."""
 
     begin: int
     end: int
     context_start: int  # tokens of this sequence already in the cache before the chunk
-    gather_index: (
-        torch.Tensor | None
-    )  # [context_start + n] cache slots; None when context_start == 0
+    gather_index: Slots | None  # [context_start + n] cache slots; None when context_start == 0
 
 
 @dataclass(frozen=True)
@@ -46,32 +58,12 @@ class AttentionMetadata:
     prefills: tuple[PrefillSpan, ...]
 
 
-class LayerKV(Protocol):
-    """One layer of the paged cache in its storage format (plain or FP8; see kv_cache.py)."""
-
-    def write(self, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V [T, Hkv, D] of new tokens at `slots` (quantizing if the format does)."""
-        ...
-
-    def read(self, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at `slots` (any shape S) as [*S, Hkv, D] in the compute dtype."""
-        ...
-
-    def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v as `read` returns them after a `write` (rounded through the storage format)."""
-        ...
-
-
 class AttentionBackend(Protocol):
-    """Writes the step's new K/V into the paged cache and attends over each row's context."""
+    """Builds a step's metadata; the kind-specific `forward` writes the new tokens' KV into the
+    paged cache and attends over each row's context (GQA: q, k, v; MLA: see torch_mla.py)."""
 
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
-        cache: LayerKV,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [T, Hq, D]
-        ...
+    kind: str  # the KV kind it serves (kv/layout.py)
+
+    def build_metadata(self, layout: BatchLayout) -> Any: ...
+
+    def forward(self, *args: Any) -> torch.Tensor: ...

@@ -1,4 +1,4 @@
-"""Reference CPU backend: torch SDPA with native GQA over gathered pages.
+"""Reference CPU backend for GQA pages: torch SDPA with native GQA over gathered pages.
 
 Decode rows are attended as one padded batch (no per-sequence Python loop); prefill chunks,
 which are few per step, one SDPA call each.
@@ -9,19 +9,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvmesh.engine.attention.base import AttentionMetadata, LayerKV, PrefillSpan
+from kvmesh.engine.attention.base import AttentionMetadata, BatchLayout, PrefillSpan
+from kvmesh.engine.attention.metadata import build_torch_metadata, offset_causal_mask
+from kvmesh.engine.kv_cache import GqaLayerKV
 
 
 class TorchAttention:
+    kind = "gqa"
+
+    def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
+        return build_torch_metadata(layout)
+
     def forward(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cache: LayerKV,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        cache: GqaLayerKV,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # [T, Hq, D]
         cache.write(meta.slot_mapping, k, v)
         out = torch.empty_like(q)
         if meta.num_decode:
@@ -31,7 +38,7 @@ class TorchAttention:
         return out
 
     @staticmethod
-    def _decode(q, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(q, cache: GqaLayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         keys, values = cache.read(meta.decode_gather)  # [B, L, Hkv, D]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         if q.dtype != torch.float32:  # CPU SDPA with a mask falls back to a slow path off fp32
@@ -42,7 +49,7 @@ class TorchAttention:
         return out.squeeze(2)
 
     @staticmethod
-    def _prefill(q, k, v, cache: LayerKV, span: PrefillSpan, scale: float) -> torch.Tensor:
+    def _prefill(q, k, v, cache: GqaLayerKV, span: PrefillSpan, scale: float) -> torch.Tensor:
         query = q[span.begin : span.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if span.gather_index is None:
             keys, values = cache.as_stored(k[span.begin : span.end], v[span.begin : span.end])
@@ -50,7 +57,7 @@ class TorchAttention:
         else:
             keys, values = cache.read(span.gather_index)
             mask, causal = (
-                _offset_causal_mask(span.end - span.begin, span.context_start, q.device),
+                offset_causal_mask(span.end - span.begin, span.context_start, q.device),
                 False,
             )
         out = F.scaled_dot_product_attention(
@@ -63,13 +70,6 @@ class TorchAttention:
             enable_gqa=True,
         )
         return out.squeeze(0).transpose(0, 1)
-
-
-def _offset_causal_mask(n: int, offset: int, device: torch.device) -> torch.Tensor:
-    """Query i (at position offset + i) sees keys 0..offset + i."""
-    rows = torch.arange(n, device=device).unsqueeze(1) + offset
-    cols = torch.arange(offset + n, device=device).unsqueeze(0)
-    return cols <= rows
 
 
 def _grouped_decode(q, keys, values, mask, scale: float) -> torch.Tensor:

@@ -1,25 +1,41 @@
-"""Byte layout of one KV page, per KV dtype (pure Python: the launcher and routers use it too).
+"""Byte layout of one KV page, from the model's KV spec (pure Python: the launcher and routers
+use it too).
 
-A page holds K and V of `page_size` tokens for every layer as ONE contiguous byte range, so the
-transfer engine moves a page as one segment and the KV store stores it as one blob:
+A page holds `page_size` tokens of KV for every layer as ONE contiguous byte range, so the
+transfer engine moves a page as one segment and the KV store stores it as one blob. What a layer
+caches per token is its `LayerKVSpec`:
 
-    data   [layer, k|v, slot, head, dim]   in the KV dtype
-    scales [layer, k|v, slot, head]        fp8_e4m3 only: int8 power-of-two exponents
+    gqa   K and V of `num_heads` KV heads of `head_dim` values       (2 parts per head)
+    mla   one latent vector: kv_lora_rank + qk_rope_head_dim values  (1 part, 1 "head")
 
-FP8 scale granularity: one scale per (token, head) vector of `head_dim` values. A page fills one
-token at a time during decode, so a per-page scale would force re-quantizing the whole page
-whenever a larger value arrives; per token-head, each write is quantized once and never touched
-again, and an outlier only costs the precision of its own vector. The scale is a power of two,
-stored as its exponent in one byte: x ~= q * 2**e with e = ceil(log2(amax / 448)), so |x|/2**e
-uses e4m3's full range up to 448 and dequantizing is exact (a power-of-two multiply). The cost
-is 1 byte per `head_dim` bytes: 65/64 of the data, so a page is 1.97x smaller than BF16's.
+The page is ordered head-major, so one head's KV (all layers, FP8 scales included) is one
+contiguous block, and a tensor-parallel rank's head slice of a page is one byte range:
+
+    page   = [head] x head block
+    block  = data of layer 0, data of layer 1, ...,  scales of layer 0, scales of layer 1, ...
+    data   [part, slot, dim]   in the KV dtype
+    scales [part, slot]        fp8_e4m3 only: int8 power-of-two exponents
+
+FP8 scale granularity: one scale per (token, head, part) vector. A page fills one token at a
+time during decode, so a per-page scale would force re-quantizing the whole page whenever a
+larger value arrives; per vector, each write is quantized once and never touched again, and an
+outlier only costs the precision of its own vector. The scale is a power of two, stored as its
+exponent in one byte: x ~= q * 2**e with e = ceil(log2(amax / 448)), so |x|/2**e uses e4m3's
+full range up to 448 and dequantizing is exact (a power-of-two multiply). The cost is 1 byte
+per vector: 65/64 of the data for 64-dim GQA heads, 577/576 for DeepSeek-V3's MLA latent.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvmesh.engine.config import ModelConfig
 
 KV_DTYPES = ("fp32", "bf16", "fp8_e4m3")
+KV_KINDS = ("gqa", "mla")
+LAYOUT_VERSION = 2  # bump when the byte order of a page changes (pairs P/D workers and stores)
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8_e4m3": 1}
 
 
@@ -32,40 +48,106 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: str) -> str:
 
 
 @dataclass(frozen=True)
-class KVCacheSpec:
-    num_layers: int
-    num_kv_heads: int
+class LayerKVSpec:
+    """What one layer caches per token (see the module docstring)."""
+
+    kind: str
+    num_heads: int
     head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KV_KINDS:
+            raise ValueError(f"KV kind must be one of {KV_KINDS}, got {self.kind!r}")
+        if self.num_heads < 1 or self.head_dim < 1 or (self.kind == "mla" and self.num_heads != 1):
+            raise ValueError(f"bad {self.kind} layer: {self.num_heads} heads of {self.head_dim}")
+
+    @property
+    def parts(self) -> int:
+        return 2 if self.kind == "gqa" else 1
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    layers: tuple[LayerKVSpec, ...]
     page_size: int
     kv_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if not self.layers or len({layer.num_heads for layer in self.layers}) != 1:
+            raise ValueError("every layer of a KV spec must cache the same number of heads")
+
+    @classmethod
+    def gqa(cls, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
+            kv_dtype: str = "fp32") -> KVCacheSpec:  # fmt: skip
+        return cls((LayerKVSpec("gqa", num_kv_heads, head_dim),) * num_layers, page_size, kv_dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_heads(self) -> int:
+        return self.layers[0].num_heads
 
     @property
     def quantized(self) -> bool:
         return self.kv_dtype == "fp8_e4m3"
 
     @property
-    def vectors_per_page(self) -> int:
-        """(layer, k|v, slot, head) vectors of head_dim values in one page."""
-        return 2 * self.num_layers * self.page_size * self.num_kv_heads
+    def element_bytes(self) -> int:
+        return _ELEMENT_BYTES[self.kv_dtype]
+
+    def data_bytes_of(self, layer: int) -> int:
+        """Bytes of one layer's data in one head block."""
+        spec = self.layers[layer]
+        return spec.parts * self.page_size * spec.head_dim * self.element_bytes
+
+    def scale_bytes_of(self, layer: int) -> int:
+        return self.layers[layer].parts * self.page_size if self.quantized else 0
+
+    def data_offset(self, layer: int) -> int:
+        """Where a layer's data starts inside a head block."""
+        return sum(self.data_bytes_of(i) for i in range(layer))
+
+    def scale_offset(self, layer: int) -> int:
+        data = self.data_offset(self.num_layers)
+        return data + sum(self.scale_bytes_of(i) for i in range(layer))
 
     @property
-    def data_bytes(self) -> int:
-        return self.vectors_per_page * self.head_dim * _ELEMENT_BYTES[self.kv_dtype]
-
-    @property
-    def scale_bytes(self) -> int:
-        return self.vectors_per_page if self.quantized else 0
+    def head_block_bytes(self) -> int:
+        return self.scale_offset(self.num_layers)
 
     @property
     def page_bytes(self) -> int:
-        return self.data_bytes + self.scale_bytes
+        return self.num_heads * self.head_block_bytes
+
+    def bytes_per_token(self, layer: int = 0) -> int:
+        """KV bytes one token costs in one layer (scales included)."""
+        return (
+            self.num_heads
+            * (self.data_bytes_of(layer) + self.scale_bytes_of(layer))
+            // (self.page_size)
+        )
+
+    @property
+    def layout_key(self) -> str:
+        """Names the page format: workers and stores exchange pages only under equal keys."""
+        kinds = sorted({f"{s.kind}{s.num_heads}x{s.head_dim}" for s in self.layers})
+        return f"v{LAYOUT_VERSION}:{self.num_layers}L:{'+'.join(kinds)}:p{self.page_size}:{self.kv_dtype}"
 
     def pages_for_budget(self, budget_bytes: int) -> int:
         return max(budget_bytes // self.page_bytes, 1)
+
+
+def spec_for_model(config: ModelConfig, page_size: int, kv_dtype: str) -> KVCacheSpec:
+    """The KV spec a model needs: MLA latent pages or GQA pages."""
+    if config.mla is not None:
+        layer = LayerKVSpec("mla", 1, config.mla.cache_dim)
+    else:
+        layer = LayerKVSpec("gqa", config.num_kv_heads, config.head_dim)
+    return KVCacheSpec((layer,) * config.num_layers, page_size, kv_dtype)
 
 
 def parse_size(text: str) -> int:

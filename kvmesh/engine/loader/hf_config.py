@@ -4,24 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmesh.engine.config import ModelConfig, RopeScaling
+from kvmesh.engine.config import IndexerConfig, MlaConfig, ModelConfig, MoeConfig, RopeScaling
+from kvmesh.engine.models.registry import GGUF_NAMES, by_hf_names
 from kvmesh.errors import ModelFormatError
 
-SUPPORTED_ARCHS = {"llama", "qwen2", "mistral"}
-_HF_ARCHS = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "MistralForCausalLM": "mistral",
-}
+SUPPORTED_ARCHS = set(GGUF_NAMES)
+_QK_NORM = {"qwen3", "qwen3_moe"}
 
 
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
-    archs = cfg.get("architectures") or []
-    arch = next((_HF_ARCHS[a] for a in archs if a in _HF_ARCHS), None)
-    if arch is None:
-        raise ModelFormatError(f"unsupported architecture {archs}; supported: {sorted(_HF_ARCHS)}")
+    arch = by_hf_names(cfg.get("architectures") or []).family
     heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
+    mla = _mla(cfg)
+    head_dim = mla.qk_head_dim if mla else cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {}
+    partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
     return ModelConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -29,8 +27,8 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         intermediate_size=cfg["intermediate_size"],
         num_layers=cfg["num_hidden_layers"],
         num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        num_kv_heads=heads if mla else cfg.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=_rope_theta(cfg),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
@@ -39,7 +37,45 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         rope_scaling=_rope_scaling(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+        qk_norm=arch in _QK_NORM or bool(cfg.get("use_qk_norm")),
+        rotary_dim=0 if mla or partial == 1.0 else int(head_dim * partial),
+        rope_interleave=bool(mla) and cfg.get("rope_interleave", True),
+        mla=mla,
+        moe=_moe(arch, cfg),
+        indexer=IndexerConfig(cfg["index_topk"]) if "index_topk" in cfg else None,
     )
+
+
+def _mla(cfg: dict[str, Any]) -> MlaConfig | None:
+    if "kv_lora_rank" not in cfg:
+        return None
+    return MlaConfig(cfg.get("q_lora_rank"), cfg["kv_lora_rank"], cfg["qk_nope_head_dim"],
+                     cfg["qk_rope_head_dim"], cfg["v_head_dim"])  # fmt: skip
+
+
+def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
+    layers = range(cfg["num_hidden_layers"])
+    if arch == "qwen3_moe":
+        step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+        moe = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+        return MoeConfig(cfg["num_experts"], cfg["num_experts_per_tok"],
+                         cfg["moe_intermediate_size"], moe,
+                         norm_topk_prob=cfg.get("norm_topk_prob", False))  # fmt: skip
+    if "n_routed_experts" not in cfg:
+        return None
+    if cfg.get("mlp_layer_types"):
+        moe = tuple(i for i in layers if cfg["mlp_layer_types"][i] == "sparse")
+    else:
+        first, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
+        moe = tuple(i for i in layers if i >= first and i % freq == 0)
+    return MoeConfig(
+        cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"], moe,
+        num_shared_experts=cfg.get("n_shared_experts") or 0, scoring="sigmoid",
+        norm_topk_prob=cfg.get("norm_topk_prob", True),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        num_groups=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
+        correction_bias=True,
+    )  # fmt: skip
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
@@ -51,14 +87,18 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling:
     if not raw:
         return RopeScaling()
     kind = raw.get("rope_type") or raw.get("type") or "default"
-    if kind not in ("default", "linear", "llama3"):
+    if kind not in ("default", "linear", "llama3", "yarn"):
         raise ModelFormatError(f"unsupported rope scaling {kind!r}")
     return RopeScaling(
         kind=kind,
-        factor=float(raw.get("factor", 1.0)),
+        factor=float(raw.get("factor") or 1.0),
         low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
         high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-        original_max_position=int(raw.get("original_max_position_embeddings", 8192)),
+        original_max_position=int(raw.get("original_max_position_embeddings") or 8192),
+        beta_fast=float(raw.get("beta_fast") or 32.0),
+        beta_slow=float(raw.get("beta_slow") or 1.0),
+        mscale=float(raw.get("mscale") or 0.0) if kind == "yarn" else 1.0,
+        mscale_all_dim=float(raw.get("mscale_all_dim") or 0.0),
     )
 
 

@@ -1,24 +1,24 @@
-"""Model architectures by family name (the registry the loader's config selects from)."""
+"""Model architectures: `build_model` picks the implementation from the registry."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from kvmesh.engine.config import Int4Scheme, ModelConfig
-from kvmesh.engine.models.llama import LlamaModel
-from kvmesh.errors import ModelFormatError
+from kvmesh.engine.models.base import CausalLM
+from kvmesh.engine.models.registry import model_class
 
-_ARCHITECTURES = {"llama": LlamaModel, "qwen2": LlamaModel, "mistral": LlamaModel}
+__all__ = ["CausalLM", "build_model"]
 
 
 def build_model(
     config: ModelConfig,
-    weights: dict[str, torch.Tensor],
+    weights: Mapping[str, Any],
     dtype: torch.dtype,
     max_positions: int,
     int4: Int4Scheme | None = None,
-) -> LlamaModel:
-    cls = _ARCHITECTURES.get(config.architecture)
-    if cls is None:
-        raise ModelFormatError(f"no implementation for architecture {config.architecture!r}")
-    return cls(config, weights, dtype, max_positions, int4)
+) -> CausalLM:
+    return model_class(config.architecture)(config, weights, dtype, max_positions, int4)

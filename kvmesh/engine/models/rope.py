@@ -1,4 +1,7 @@
-"""Rotary position embeddings (HF rotate-half convention) with scaling variants."""
+"""Rotary position embeddings (HF rotate-half convention) with scaling variants: linear, llama3
+and yarn (whose attention factor scales cos and sin, as transformers does). Interleaved rotary
+pairs (DeepSeek's `rope_interleave`) are `deinterleave`d first: the same numbers as rotating
+pairs (x0, x1), (x2, x3), ... directly, in the order rotate-half expects."""
 
 from __future__ import annotations
 
@@ -10,11 +13,45 @@ from kvmesh.engine.config import ModelConfig, RopeScaling
 
 
 def inv_frequencies(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
-    dim = config.head_dim
+    dim = config.rope_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if rope_freqs is not None:  # GGUF carries llama3-style factors precomputed
         return inv / rope_freqs.float()
+    if config.rope_scaling.kind == "yarn":
+        return _yarn(dim, config.rope_theta, config.rope_scaling)
     return _scale(inv, config.rope_scaling)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def attention_factor(s: RopeScaling) -> float:
+    """What yarn multiplies cos and sin by (1 for the other kinds)."""
+    if s.kind != "yarn":
+        return 1.0
+    if s.mscale and s.mscale_all_dim:
+        return yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
+    return yarn_mscale(s.factor)
+
+
+def _yarn(dim: int, base: float, s: RopeScaling) -> torch.Tensor:
+    """Written as transformers computes it, so the floats agree bit for bit."""
+
+    def correction_dim(rotations: float) -> float:
+        return (
+            dim
+            * math.log(s.original_max_position / (rotations * 2 * math.pi))
+            / (2 * math.log(base))
+        )
+
+    low = max(math.floor(correction_dim(s.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return (1.0 / (s.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def _scale(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -37,12 +74,22 @@ def _scale(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 class RotaryEmbedding:
     """Precomputed cos/sin tables indexed by position once per step, shared by all layers."""
 
-    def __init__(self, inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype) -> None:
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype,
+                 factor: float = 1.0) -> None:  # fmt: skip
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        self.cos = cos.to(dtype)
+        self.sin = sin.to(dtype)
+
+    @classmethod
+    def of(cls, config: ModelConfig, max_positions: int, dtype: torch.dtype,
+           rope_freqs: torch.Tensor | None = None) -> RotaryEmbedding:  # fmt: skip
+        factor = attention_factor(config.rope_scaling)
+        return cls(inv_frequencies(config, rope_freqs), max_positions, dtype, factor)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, 1, D] for broadcasting over heads."""
@@ -53,3 +100,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Dims (0, 1, 2, 3, ...) -> (0, 2, ..., 1, 3, ...): interleaved rotary pairs as halves."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)

@@ -109,24 +109,26 @@ class Speculator:
 
 
 def sample_step(
-    result: StepResult, sampler: Sampler, drafts: dict[str, tuple[int, ...]],
-    stats: SpecStats | None,
+    result: StepResult, seqs: list[Sequence], sampler: Sampler,
+    drafts: dict[str, tuple[int, ...]], stats: SpecStats | None,
 ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob | None]]]:  # fmt: skip
-    """Tokens (and logprobs) each sampling sequence emits this step."""
+    """Tokens (and logprobs) each sampling sequence emits this step (`seqs`: the sequences of
+    `result.req_ids`)."""
     starts = [0, *itertools.accumulate(result.rows)][:-1]  # first row of each sequence
     plain = [i for i, n in enumerate(result.rows) if n == 1]
     tokens: dict[str, list[int]] = {}
     logprobs: dict[str, list[TokenLogprob | None]] = {}
     if plain:
         rows = result.logits[torch.tensor([starts[i] for i in plain])]
-        seqs = [result.seqs[i] for i in plain]
-        sampled = sampler(rows, seqs)
-        for seq, token, logprob in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
+        plain_seqs = [seqs[i] for i in plain]
+        sampled = sampler(rows, plain_seqs)
+        for seq, token, logprob in zip(plain_seqs, sampled.token_ids, sampled.logprobs,
+                                       strict=True):  # fmt: skip
             tokens[seq.seq_id], logprobs[seq.seq_id] = [token], [logprob]
     for i, count in enumerate(result.rows):
         if count == 1:
             continue
-        seq = result.seqs[i]
+        seq = seqs[i]
         rows = result.logits[starts[i] : starts[i] + count]
         draft = list(drafts[seq.seq_id])
         if seq.params.greedy:

@@ -1,0 +1,118 @@
+"""Linear methods behind one registry: how a model's matrices are stored and multiplied.
+
+A method turns the weight(s) of one logical layer (output rows of several checkpoint tensors
+fused, e.g. q/k/v) into a callable `Linear`. `dense` keeps them in the compute dtype, `int4`
+stores group-wise INT4 (quant/int4.py) taking INT4 sources as they are (GGUF Q4 blocks,
+compressed-tensors pack-quantized) and quantizing float ones. Models ask `method_for(scheme,
+role)` which method a layer gets; they never test weight types themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kvmesh.engine.config import Int4Scheme
+from kvmesh.engine.quant.int4 import Int4Linear, Int4Weight
+from kvmesh.errors import ModelFormatError
+
+Source = torch.Tensor | Int4Weight  # a checkpoint matrix as loaded
+
+
+class Linear(Protocol):
+    """y = x @ W^T (+ bias)."""
+
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class LinearMethod(Protocol):
+    name: str
+
+    def create(self, parts: Sequence[Source], bias: torch.Tensor | None) -> Linear:
+        """One layer from the output rows of `parts`, in order."""
+        ...
+
+
+class DenseLinear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+
+class BiasedInt4Linear:
+    def __init__(self, inner: Int4Linear, bias: torch.Tensor) -> None:
+        self.inner, self.bias = inner, bias
+        self.out_features = inner.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes + self.bias.nbytes
+
+
+class Dense:
+    name = "dense"
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def create(self, parts: Sequence[Source], bias: torch.Tensor | None) -> Linear:
+        weights = [dense(p, self.dtype) for p in parts]
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        return DenseLinear(weight, bias)
+
+
+class Int4:
+    """Group-wise INT4; `group` 0 keeps an INT4 source's own groups (float sources: 32)."""
+
+    name = "int4"
+
+    def __init__(self, dtype: torch.dtype, group: int = 0) -> None:
+        self.dtype, self.group = dtype, group
+
+    def quantized(self, part: Source) -> Int4Weight:
+        if isinstance(part, Int4Weight):
+            return part.regroup(self.group) if self.group else part
+        return Int4Weight.quantize(part.float(), self.group or 32)
+
+    def create(self, parts: Sequence[Source], bias: torch.Tensor | None) -> Linear:
+        try:
+            weight = Int4Weight.cat([self.quantized(p) for p in parts])
+        except ValueError as exc:
+            raise ModelFormatError(f"cannot store this layer in INT4: {exc}") from None
+        layer = Int4Linear(weight, self.dtype)
+        return layer if bias is None else BiasedInt4Linear(layer, bias)
+
+
+METHODS = {"dense": Dense, "int4": Int4}
+
+
+def method_for(int4: Int4Scheme | None, dtype: torch.dtype) -> LinearMethod:
+    """The method of a model's decoder linears under `int4` (None: dense)."""
+    if int4 is None:
+        return Dense(dtype)
+    return Int4(dtype, int4.group)
+
+
+def dense(part: Source, dtype: torch.dtype) -> torch.Tensor:
+    """A matrix in the compute dtype (an INT4 source dequantized)."""
+    if isinstance(part, Int4Weight):
+        part = part.dequantize()
+    return part.to(dtype).contiguous()

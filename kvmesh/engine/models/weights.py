@@ -1,0 +1,45 @@
+"""A model's view of its checkpoint: named tensors taken one at a time, with clear errors."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kvmesh.engine.layers.linear import Source, dense
+from kvmesh.errors import ModelFormatError
+
+
+class Weights:
+    """Tensors from a (possibly lazy) state dict. `raw` hands a tensor over as loaded and drops
+    it from the mapping, so its memory goes once the model holds its own form; `dense` is that
+    tensor in the compute dtype. The names taken are recorded (`taken`): what a model reads."""
+
+    def __init__(self, state: Mapping[str, Any], dtype: torch.dtype) -> None:
+        self.state, self.dtype = state, dtype
+        self.taken: list[str] = []
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.state
+
+    def raw(self, name: str) -> Source:
+        if name not in self.state:
+            raise ModelFormatError(f"weights lack tensor {name!r}")
+        self.taken.append(name)
+        pop = getattr(self.state, "pop", None)
+        return pop(name) if pop is not None else self.state[name]
+
+    def dense(self, name: str) -> torch.Tensor:
+        return dense(self.raw(name), self.dtype)
+
+    def fp32(self, name: str) -> torch.Tensor:
+        """A tensor the model keeps in float32 whatever its dtype (router weights and biases)."""
+        return dense(self.raw(name), torch.float32)
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        return self.dense(name) if name in self.state else None
+
+    def left_over(self) -> list[str]:
+        """Names the model did not read (reported after a build)."""
+        return sorted(self.state.keys())
