@@ -68,8 +68,14 @@ class Engine:
         if config.int4 is not None and config.compute_dtype == "fp32":
             log.warning("engine.int4_fp32_activations", hint="--dtype bf16 is several times faster")
         built = time.perf_counter()
+        self._context_note = ""
         if model_config.indexer is not None:  # DSA runs as dense MLA: see models/moe.py
             self.max_model_len = min(self.max_model_len, model_config.indexer.topk)
+            self._context_note = (
+                " (DeepSeek Sparse Attention's top-k indexer is not supported: this engine "
+                f"runs the model as dense MLA, exact up to index_topk = {model_config.indexer.topk}"
+                " tokens)"
+            )
         model = build_model(model_config, weights, dtype, self.max_model_len, int4=config.int4)
         log.info("engine.model_built", seconds=round(time.perf_counter() - built, 3))
         self.kv_dtype = config.resolved_kv_dtype
@@ -219,7 +225,7 @@ class Engine:
         if len(prompt) >= self.max_model_len:
             raise ContextLengthError(
                 f"the prompt has {len(prompt)} tokens; this model's context length is "
-                f"{self.max_model_len} tokens, leaving no room to generate"
+                f"{self.max_model_len} tokens{self._context_note}, leaving no room to generate"
             )
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)

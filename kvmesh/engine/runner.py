@@ -59,15 +59,21 @@ class ModelRunner:
         logits = self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long)])
         return StepResult(logits, req_ids, counts)
 
-    def score(self, plan: StepPlan) -> torch.Tensor:
-        """Logits [n, V] of every token of a one-chunk step (teacher forcing, e.g. perplexity)."""
+    def score_rows(self, plan: StepPlan) -> list[torch.Tensor]:
+        """Logits [width, V] of every row of each chunk, in `plan.chunks` order (teacher
+        forcing: perplexity, tests against a reference)."""
         self.apply(plan)
+        hidden, _, _, _ = self._forward(plan.chunks)
+        logits = self.model.logits(hidden)
+        return [logits[slice(*self.rows_of[c.req_id])] for c in plan.chunks]
+
+    def score(self, plan: StepPlan) -> torch.Tensor:
+        """`score_rows` of a one-request step whose request is forgotten afterwards."""
         try:
-            hidden, _, _, _ = self._forward(plan.chunks)
+            return torch.cat(self.score_rows(plan))
         finally:
-            for req_id in plan.finished:
-                self.requests.pop(req_id, None)
-        return self.model.logits(hidden)
+            for chunk in plan.chunks:
+                self.requests.pop(chunk.req_id, None)
 
     def _forward(self, chunks: tuple[ChunkPlan, ...]):
         ordered = [c for c in chunks if c.is_decode] + [c for c in chunks if not c.is_decode]

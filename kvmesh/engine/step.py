@@ -60,9 +60,9 @@ class StepPlan:
     @classmethod
     def one_shot(cls, req_id: str, token_ids: Iterable[int], block_table: Iterable[int],
                  chunk: ChunkPlan) -> StepPlan:  # fmt: skip
-        """A request sent, run once and dropped (scoring)."""
+        """A request sent and run once (the runner's `score` forgets it afterwards)."""
         new = NewRequest(req_id, tuple(token_ids), tuple(block_table))
-        return cls((new,), (), (chunk,), (req_id,))
+        return cls((new,), (), (chunk,), ())
 
 
 class StepDiffer:

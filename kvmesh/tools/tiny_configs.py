@@ -134,7 +134,8 @@ def _routed(spec: TinySpec, scaling: float) -> dict[str, Any]:
 
 
 def _mla(spec: TinySpec, v_head_dim: int) -> dict[str, Any]:
-    return {"num_key_value_heads": spec.size.num_heads, "q_lora_rank": 32, "kv_lora_rank": 32,
+    """kv_lora_rank + rope (80) != qk_nope + rope (48): the softmax scale must be the latter."""
+    return {"num_key_value_heads": spec.size.num_heads, "q_lora_rank": 32, "kv_lora_rank": 64,
             "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": v_head_dim}  # fmt: skip
 
 

@@ -85,7 +85,7 @@ def test_experts_carry_the_hub_per_expert_names(written, arch):
 
 def test_config_fields_an_implementation_needs(written):
     ds = _config(written["deepseek_v3"])
-    assert (ds["q_lora_rank"], ds["kv_lora_rank"], ds["rope_interleave"]) == (32, 32, True)
+    assert (ds["q_lora_rank"], ds["kv_lora_rank"], ds["rope_interleave"]) == (32, 64, True)
     assert (ds["n_group"], ds["topk_group"], ds["first_k_dense_replace"]) == (1, 1, 1)
     assert ds["routed_scaling_factor"] != 1 and ds["num_nextn_predict_layers"] == 0
     assert ds["rope_parameters"]["rope_type"] == "yarn" and ds["rope_parameters"]["mscale"] == 1

@@ -9,8 +9,8 @@ import torch
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.layers.linear import Linear, LinearMethod
 from kvmesh.engine.layers.norm import rms_norm
+from kvmesh.engine.layers.weights import Weights
 from kvmesh.engine.models.rope import apply_rotary
-from kvmesh.engine.models.weights import Weights
 
 
 class GqaAttention:

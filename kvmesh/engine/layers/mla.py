@@ -18,8 +18,8 @@ import torch
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.layers.linear import Linear, LinearMethod
 from kvmesh.engine.layers.norm import rms_norm
+from kvmesh.engine.layers.weights import Weights
 from kvmesh.engine.models.rope import apply_rotary, deinterleave, yarn_mscale
-from kvmesh.engine.models.weights import Weights
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' default, not rms_norm_eps
 

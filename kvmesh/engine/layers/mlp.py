@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.engine.layers.linear import Linear, LinearMethod
-from kvmesh.engine.models.weights import Weights
+from kvmesh.engine.layers.weights import Weights
 
 
 class GatedMLP:

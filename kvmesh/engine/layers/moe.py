@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from kvmesh.engine.config import MoeConfig
 from kvmesh.engine.layers.linear import LinearMethod
 from kvmesh.engine.layers.mlp import GatedMLP
-from kvmesh.engine.models.weights import Weights
+from kvmesh.engine.layers.weights import Weights
 
 
 class Router:

@@ -58,10 +58,10 @@ def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
     if arch == "qwen3_moe":
         step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
         moe = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
-        return MoeConfig(cfg["num_experts"], cfg["num_experts_per_tok"],
+        return MoeConfig(_num_experts(cfg), cfg["num_experts_per_tok"],
                          cfg["moe_intermediate_size"], moe,
                          norm_topk_prob=cfg.get("norm_topk_prob", False))  # fmt: skip
-    if "n_routed_experts" not in cfg:
+    if _num_experts(cfg) is None:
         return None
     if cfg.get("mlp_layer_types"):
         moe = tuple(i for i in layers if cfg["mlp_layer_types"][i] == "sparse")
@@ -69,13 +69,22 @@ def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
         first, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
         moe = tuple(i for i in layers if i >= first and i % freq == 0)
     return MoeConfig(
-        cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"], moe,
+        _num_experts(cfg), cfg["num_experts_per_tok"], cfg["moe_intermediate_size"], moe,
         num_shared_experts=cfg.get("n_shared_experts") or 0, scoring="sigmoid",
         norm_topk_prob=cfg.get("norm_topk_prob", True),
         routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
         num_groups=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
         correction_bias=True,
     )  # fmt: skip
+
+
+def _num_experts(cfg: dict[str, Any]) -> int | None:
+    """Hub configs say num_experts (Qwen) or n_routed_experts (DeepSeek, GLM); transformers 5
+    writes num_local_experts."""
+    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+        if cfg.get(key):
+            return int(cfg[key])
+    return None
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:

@@ -19,8 +19,8 @@ from kvmesh.engine.config import Int4Scheme, ModelConfig
 from kvmesh.engine.layers.linear import LinearMethod, method_for
 from kvmesh.engine.layers.mlp import GatedMLP
 from kvmesh.engine.layers.norm import rms_norm
+from kvmesh.engine.layers.weights import Weights
 from kvmesh.engine.models.rope import RotaryEmbedding
-from kvmesh.engine.models.weights import Weights
 from kvmesh.engine.quant.int4 import Int4Linear
 from kvmesh.errors import ModelFormatError
 
