@@ -118,6 +118,9 @@ class ModelConfig:
     mla: MlaConfig | None = None
     moe: MoeConfig | None = None
     indexer: IndexerConfig | None = None
+    # config.json's `quantization_config` as JSON when the checkpoint ships pack-quantized
+    # INT4 (compressed-tensors, e.g. Kimi K2's routed experts); "" otherwise
+    quantization_config: str = ""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

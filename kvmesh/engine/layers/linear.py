@@ -101,14 +101,30 @@ class Int4:
         return layer if bias is None else BiasedInt4Linear(layer, bias)
 
 
-METHODS = {"dense": Dense, "int4": Int4}
+class Native:
+    """A checkpoint's own INT4 (compressed-tensors experts) stays INT4, the rest stays dense:
+    `--weights int4` on a model that ships INT4 (Kimi K2: attention, shared experts, dense
+    layers and the LM head in bf16, routed experts INT4)."""
+
+    name = "native-int4"
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.int4, self.dense = Int4(dtype), Dense(dtype)
+
+    def create(self, parts: Sequence[Source], bias: torch.Tensor | None) -> Linear:
+        native = all(isinstance(p, Int4Weight) for p in parts)
+        return (self.int4 if native else self.dense).create(parts, bias)
 
 
-def method_for(int4: Int4Scheme | None, dtype: torch.dtype) -> LinearMethod:
-    """The method of a model's decoder linears under `int4` (None: dense)."""
+METHODS = {"dense": Dense, "int4": Int4, "native-int4": Native}
+
+
+def method_for(int4: Int4Scheme | None, dtype: torch.dtype, native: bool = False) -> LinearMethod:
+    """The method of a model's decoder linears under `int4` (None: dense); `native`: the
+    checkpoint ships its own INT4 linears."""
     if int4 is None:
         return Dense(dtype)
-    return Int4(dtype, int4.group)
+    return Native(dtype) if native else Int4(dtype, int4.group)
 
 
 def dense(part: Source, dtype: torch.dtype) -> torch.Tensor:

@@ -14,16 +14,33 @@ from kvmesh.errors import ModelFormatError
 class Weights:
     """Tensors from a (possibly lazy) state dict. `raw` hands a tensor over as loaded and drops
     it from the mapping, so its memory goes once the model holds its own form; `dense` is that
-    tensor in the compute dtype. The names taken are recorded (`taken`): what a model reads."""
+    tensor in the compute dtype. The names taken are recorded (`taken`): what a model reads.
 
-    def __init__(self, state: Mapping[str, Any], dtype: torch.dtype) -> None:
-        self.state, self.dtype = state, dtype
+    With a pack-quantized checkpoint (`packed`: its compressed-tensors scheme), `X.weight` of a
+    linear stored as X.weight_packed / weight_scale / weight_shape is that INT4 weight."""
+
+    def __init__(self, state: Mapping[str, Any], dtype: torch.dtype, packed: Any = None) -> None:
+        self.state, self.dtype, self.packed = state, dtype, packed
         self.taken: list[str] = []
 
     def __contains__(self, name: str) -> bool:
-        return name in self.state
+        return name in self.state or self._packed_base(name) is not None
+
+    def _packed_base(self, name: str) -> str | None:
+        base = name.removesuffix(".weight")
+        if self.packed is None or base == name or f"{base}.weight_packed" not in self.state:
+            return None
+        return base
 
     def raw(self, name: str) -> Source:
+        base = None if name in self.state else self._packed_base(name)
+        if base is not None:
+            from kvmesh.engine.quant.compressed_tensors import read_pack_quantized
+
+            self.taken.extend(
+                f"{base}.{s}" for s in ("weight_packed", "weight_scale", "weight_shape")
+            )
+            return read_pack_quantized(self.state, base, self.packed)
         if name not in self.state:
             raise ModelFormatError(f"weights lack tensor {name!r}")
         self.taken.append(name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kvmesh.engine.config import IndexerConfig, MlaConfig, ModelConfig, MoeConfig, RopeScaling
@@ -43,7 +44,21 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         mla=mla,
         moe=_moe(arch, cfg),
         indexer=IndexerConfig(cfg["index_topk"]) if "index_topk" in cfg else None,
+        quantization_config=_quantization(cfg),
     )
+
+
+def _quantization(cfg: dict[str, Any]) -> str:
+    """The checkpoint's own quantization, if it is one the engine loads (else an error)."""
+    quant = cfg.get("quantization_config") or cfg.get("compression_config")
+    if not quant:
+        return ""
+    if quant.get("quant_method") != "compressed-tensors" or quant.get("format") != "pack-quantized":
+        raise ModelFormatError(
+            f"unsupported checkpoint quantization {quant.get('quant_method')!r} / "
+            f"{quant.get('format')!r}; kvmesh loads compressed-tensors pack-quantized INT4"
+        )
+    return json.dumps(quant, sort_keys=True)
 
 
 def _mla(cfg: dict[str, Any]) -> MlaConfig | None:

@@ -57,6 +57,16 @@ class CausalLM(Protocol):
     def weight_bytes(self) -> int: ...
 
 
+def _packed_scheme(config: ModelConfig) -> Any:
+    if not config.quantization_config:
+        return None
+    import json
+
+    from kvmesh.engine.quant.compressed_tensors import CompressedTensorsScheme
+
+    return CompressedTensorsScheme.from_config(json.loads(config.quantization_config))
+
+
 class DecoderLayer:
     def __init__(self, input_norm, attention, post_norm, mlp) -> None:
         self.input_norm, self.attention, self.post_norm, self.mlp = (
@@ -76,8 +86,9 @@ class DecoderModel:
     def __init__(self, config: ModelConfig, weights: Mapping[str, Any], dtype: torch.dtype,
                  max_positions: int, int4: Int4Scheme | None = None) -> None:  # fmt: skip
         self.config, self.dtype, self.int4 = config, dtype, int4
-        self.weights = Weights(weights, dtype)
-        self.method: LinearMethod = method_for(int4, dtype)
+        packed = _packed_scheme(config)
+        self.weights = Weights(weights, dtype, packed)
+        self.method: LinearMethod = method_for(int4, dtype, native=packed is not None)
         self.rope = RotaryEmbedding.of(config, max_positions, dtype, self._rope_freqs())
         tied = config.tie_word_embeddings or "lm_head.weight" not in self.weights
         self.embed = self._table("model.embed_tokens.weight")

@@ -1,0 +1,89 @@
+"""Kimi K2's native INT4: a DeepSeek-V3 checkpoint whose routed experts are compressed-tensors
+pack-quantized W4A16 (group 32) loads them straight into the INT4 linear under `--weights
+int4` while attention, shared experts, the dense layer and the LM head stay dense; its logits
+equal a bf16 model built from the dequantized weights within bf16 tolerance, and the fp32
+model (experts dequantized exactly) equals transformers on compressed-tensors' dequantization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine import Engine
+from kvmesh.engine.layers.linear import DenseLinear
+from kvmesh.engine.quant.int4 import Int4Linear
+from kvmesh.tools.tiny_configs import TinySpec
+from kvmesh.tools.tiny_models import make_tiny_model
+
+pytest.importorskip("compressed_tensors")
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    return make_tiny_model(TinySpec("deepseek_v3", quantize="int4-experts"),
+                           tmp_path_factory.mktemp("kimi") / "int4").path  # fmt: skip
+
+
+def _engine(path, **kw) -> Engine:
+    return Engine(EngineConfig(model=str(path), num_pages=64, **kw))
+
+
+def _prompt() -> list[int]:
+    return torch.randint(3, 500, (45,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def test_routed_experts_load_as_int4_and_the_rest_stays_dense(kimi):
+    int4 = _engine(kimi, dtype="bf16", weights="int4")
+    bf16 = _engine(kimi, dtype="bf16", weights="bf16")
+    model = int4.runner.model
+    moe = model.layers[1].mlp
+    assert all(isinstance(e.gate_up, Int4Linear) and isinstance(e.down, Int4Linear)
+               for e in moe.experts)  # fmt: skip
+    assert isinstance(moe.shared.gate_up, DenseLinear)
+    assert isinstance(model.layers[0].mlp.gate_up, DenseLinear)  # the dense first layer
+    assert all(isinstance(p, DenseLinear) for p in model.layers[1].attention.proj.values())
+    assert isinstance(model.lm_head, torch.Tensor)
+    assert model.weight_bytes < 0.85 * bf16.runner.model.weight_bytes
+    ours, reference = int4.score(_prompt()), bf16.score(_prompt())
+    torch.testing.assert_close(ours, reference, atol=0.1, rtol=0)  # measured 0.047
+    assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() > 0.95
+
+
+def _dequantized_copy(kimi, target):
+    """The checkpoint with every packed expert dequantized in fp32 by compressed-tensors' own
+    unpack + dequantize, saved as a plain (unquantized) checkpoint."""
+    import json
+    import shutil
+
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from safetensors.torch import load_file, save_file
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                            group_size=32)  # fmt: skip
+    tensors = load_file(str(kimi / "model.safetensors"))
+    plain = {n: t for n, t in tensors.items() if not n.endswith(("_packed", "_scale", "_shape"))}
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        base = name.removesuffix("_packed")
+        shape = torch.Size(tensors[f"{base}_shape"].tolist())
+        values = unpack_from_int32(tensors[name], 4, shape)
+        plain[base] = dequantize(x_q=values, scale=tensors[f"{base}_scale"].float(), args=args)
+    target.mkdir()
+    save_file(plain, str(target / "model.safetensors"), metadata={"format": "pt"})
+    for file in kimi.iterdir():
+        if file.suffix == ".json" and file.name != "config.json":
+            shutil.copy(file, target / file.name)
+    config = json.loads((kimi / "config.json").read_text())
+    config.pop("quantization_config")
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_fp32_model_equals_transformers_on_compressed_tensors_dequantization(kimi, tmp_path):
+    from tests.integration.arch_harness import reference_logits, reference_model
+
+    ours = _engine(kimi, dtype="fp32").score(_prompt())
+    hf = reference_model(_dequantized_copy(kimi, tmp_path / "plain"))
+    torch.testing.assert_close(ours, reference_logits(hf, _prompt()), atol=1e-4, rtol=0)
