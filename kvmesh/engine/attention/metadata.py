@@ -23,7 +23,12 @@ def build_torch_metadata(layout: BatchLayout) -> AttentionMetadata:
         spans.append(PrefillSpan(row, row + width, start, index))
         slots.append(every[start:])
         row += width
-    return AttentionMetadata(Slots.of(torch.cat(slots), size), decode, gather, mask, tuple(spans))
+    padding = None
+    if mask is not None and not bool(mask.all()):
+        padding = ~mask.view(mask.shape[0], -1, 1)
+    return AttentionMetadata(
+        Slots.of(torch.cat(slots), size), decode, gather, mask, tuple(spans), padding
+    )
 
 
 def _slots_of(table: tuple[int, ...], length: int, offsets: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,75 @@
+"""The torch attention backends over paged KV: a decode row never reads what lies in slots it
+does not own (padding), even NaN bytes; MLA's absorbed decode equals attention over the
+expanded keys and values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh.engine.attention import BatchLayout, get_backend
+from kvmesh.engine.kv.layout import KVCacheSpec, LayerKVSpec
+from kvmesh.engine.kv_cache import PagedKVCache
+from kvmesh.engine.layers.mla import MlaWeights
+
+PAGE = 4
+
+
+def _layout(lengths: list[int], tables: list[tuple[int, ...]]) -> BatchLayout:
+    """Decode rows whose contexts (lengths - 1 tokens) are already cached."""
+    n = len(lengths)
+    return BatchLayout(n, tuple(tables), tuple(x - 1 for x in lengths), (1,) * n, PAGE)
+
+
+def _poison(cache: PagedKVCache, page: int) -> None:
+    cache.pool[page] = torch.full((cache.spec.page_bytes,), 0xFF, dtype=torch.uint8)  # NaNs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_decode_ignores_nan_in_padding_slots(dtype):
+    cache = PagedKVCache(KVCacheSpec.gqa(1, 2, 8, PAGE, "fp32"), 8, dtype)
+    backend = get_backend("torch", "gqa")
+    gen = torch.Generator().manual_seed(0)
+    layer = cache.layers[0]
+    for page in (1, 2, 3):  # row 0: pages 1, 2 (6 tokens); row 1: page 3 (2 tokens)
+        x = torch.randn(PAGE, 2, 8, generator=gen)
+        layer.k.data[page], layer.v.data[page] = x.transpose(0, 1), -x.transpose(0, 1)
+    layout = _layout([6, 2], [(1, 2), (3,)])
+    q = torch.randn(2, 4, 8, generator=gen, dtype=dtype)
+    k, v = (torch.randn(2, 2, 8, generator=gen, dtype=dtype) for _ in range(2))
+    clean = backend.forward(q, k, v, layer, backend.build_metadata(layout), 0.3)
+    _poison(cache, 0)  # page 0: what the shorter row's block table is padded with
+    for page in (2, 3):  # slots 2, 3 of each row's last page are unwritten
+        layer.k.data[page, :, 2:] = float("nan")
+        layer.v.data[page, :, 2:] = float("nan")
+    dirty = backend.forward(q, k, v, layer, backend.build_metadata(layout), 0.3)
+    assert torch.isfinite(dirty).all() and torch.equal(clean, dirty)
+
+
+def test_mla_absorbed_decode_equals_expanded_attention_and_ignores_padding():
+    rank, rope, heads, nope, vdim = 16, 8, 3, 6, 5
+    spec = KVCacheSpec((LayerKVSpec("mla", 1, rank + rope),), PAGE, "fp32")
+    cache = PagedKVCache(spec, 8)
+    backend = get_backend("torch", "mla")
+    gen = torch.Generator().manual_seed(1)
+    w = MlaWeights(torch.randn(heads * (nope + vdim), rank, generator=gen), heads, nope, vdim,
+                   0.4)  # fmt: skip
+    context = torch.randn(7, rank + rope, generator=gen)  # row 0's 7 cached tokens
+    cache.layers[0].latent.data[1, 0] = context[:4]
+    cache.layers[0].latent.data[2, 0, :3] = context[4:]
+    _poison(cache, 0)
+    layout = _layout([8, 1], [(1, 2), (3,)])
+    q_nope, q_pe = (
+        torch.randn(2, heads, nope, generator=gen),
+        torch.randn(2, heads, rope, generator=gen),
+    )
+    entry = torch.randn(2, rank + rope, generator=gen)
+    out = backend.forward(q_nope, q_pe, entry, cache.layers[0], backend.build_metadata(layout), w)
+    every = torch.cat([context, entry[:1]])  # row 0 sees its 7 cached tokens and itself
+    kv = torch.nn.functional.linear(every[:, :rank], w.kv_b).view(8, heads, nope + vdim)
+    keys = torch.cat([kv[..., :nope], every[:, None, rank:].expand(-1, heads, -1)], -1)
+    query = torch.cat([q_nope[0], q_pe[0]], -1)
+    probs = (torch.einsum("hd,lhd->hl", query, keys) * 0.4).softmax(-1)
+    expected = torch.einsum("hl,lhv->hv", probs, kv[..., nope:])
+    torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(out).all()
