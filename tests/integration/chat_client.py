@@ -16,3 +16,21 @@ def chat_text(client: openai.OpenAI, stream: bool, **kwargs) -> str:
         return client.chat.completions.create(**kwargs).choices[0].message.content
     chunks = client.chat.completions.create(**kwargs, stream=True)
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def ask_or_error(client: openai.OpenAI, messages, stream: bool, model: str,
+                 max_tokens: int) -> tuple[str, str | None]:  # fmt: skip
+    """(text received, error code or None): greedy, streamed or not."""
+    text = ""
+    kwargs = dict(model=model, messages=messages, max_tokens=max_tokens, temperature=0.0)
+    try:
+        if not stream:
+            return client.chat.completions.create(**kwargs).choices[0].message.content, None
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+        return text, None
+    except openai.APIError as exc:
+        body = exc.body if isinstance(exc.body, dict) else {}
+        error = body.get("error", body)
+        return text, error.get("code") or getattr(exc, "code", None)

@@ -18,6 +18,7 @@ import pytest
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
+from tests.integration.chat_client import ask_or_error
 
 pytestmark = pytest.mark.timeout(600)
 FAULTS = "drop_transfer@3,overwrite@40"
@@ -53,29 +54,6 @@ def _metric(address: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
-def _ask(client, messages, stream: bool) -> tuple[str, str | None]:
-    """(text received, error code or None)."""
-    text = ""
-    try:
-        if not stream:
-            out = client.chat.completions.create(
-                model="smollm2-135m", messages=messages, max_tokens=MAX_TOKENS, temperature=0.0
-            )
-            return out.choices[0].message.content, None
-        chunks = client.chat.completions.create(
-            model="smollm2-135m", messages=messages, max_tokens=MAX_TOKENS, temperature=0.0,
-            stream=True,
-        )  # fmt: skip
-        for chunk in chunks:
-            if chunk.choices and chunk.choices[0].delta.content:
-                text += chunk.choices[0].delta.content
-        return text, None
-    except openai.APIError as exc:
-        body = exc.body if isinstance(exc.body, dict) else {}
-        error = body.get("error", body)
-        return text, error.get("code") or getattr(exc, "code", None)
-
-
 def test_faults_are_detected_and_only_exact_answers_reach_the_client(mesh, reference):
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="x",
                            max_retries=0, timeout=120)  # fmt: skip
@@ -84,7 +62,7 @@ def test_faults_are_detected_and_only_exact_answers_reach_the_client(mesh, refer
     for i, topic in enumerate(TOPICS):
         messages = [{"role": "user", "content": f"Tell me one fact about {topic}."}]
         want = reference.chat(messages, params)[0].text
-        got, code = _ask(client, messages, stream=bool(i % 2))
+        got, code = ask_or_error(client, messages, bool(i % 2), "smollm2-135m", MAX_TOKENS)
         if code is None:
             assert got == want, topic
         else:
