@@ -1,6 +1,7 @@
 """`kvmesh bench kv`: FP8 (e4m3) vs BF16 KV at one memory budget, integrity-check cost, quality.
 
-One process, one run, three tables:
+One process, one run: first the model's KV spec (bytes per token and layer in FP32 / BF16 /
+FP8, capacity at the budget; `--spec-only` stops there), then three tables:
 1. throughput: a `--dtype` model with BF16 KV and with FP8 KV in the same byte budget (default:
    what `BF16_REQUESTS` requests' whole context takes in BF16 pages, so FP8 holds ~31). Per level,
    C distinct chat prompts of ~`--prompt-tokens` tokens are submitted at once, `--max-tokens`
@@ -228,9 +229,17 @@ def run_kv_bench(args: argparse.Namespace) -> int:
         args.concurrency, args.integrity_concurrency = "1,2", "1,2"
         args.prompt_tokens, args.max_tokens = 64, 8
         args.quality_prompts, args.quality_tokens, args.text_tokens = 2, 8, 128
+    from kvmesh.benchmarks.kv_spec import spec_markdown, spec_rows
+
     text = Path(args.text).read_text()
     budget, how = budget_bytes(args)
     print(f"KV budget: {budget} bytes ({budget / 2**20:.2f} MiB) = {how}", flush=True)
+    spec = spec_rows(args.model, args.page_size, budget)
+    print(spec_markdown(args.model, spec, budget), flush=True)
+    if args.spec_only:
+        write_report({**run.header(), "model": args.model, "kv_budget_bytes": budget,
+                      "spec": [asdict(r) for r in spec]}, args.output)  # fmt: skip
+        return 0
     with weights_loaded_once():
         levels = [int(c) for c in args.concurrency.split(",")]
         throughput = bench_throughput(args, text, levels, budget)
@@ -246,6 +255,7 @@ def run_kv_bench(args: argparse.Namespace) -> int:
         "text_tokens": text_tokens,
         "quality_tokens": args.quality_tokens,
         **run.footer(),
+        "spec": [asdict(r) for r in spec],
         "throughput": [asdict(r) for r in throughput],
         "integrity": [asdict(r) for r in integrity],
         "quality": [asdict(r) for r in quality],
@@ -272,6 +282,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", default=str(TEXT), help="text for perplexity")
     parser.add_argument("--text-tokens", type=int, default=1024)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    parser.add_argument(
+        "--spec-only",
+        action="store_true",
+        help="only the KV spec table (page layout and capacity; no model run)",
+    )
     parser.add_argument("--output", default=None, help="also write the JSON report here")
 
 

@@ -104,3 +104,17 @@ def test_injected_page_faults_are_caught(model, reference, monkeypatch, fault):
     for out, ref in zip(outs, reference, strict=True):
         assert out.token_ids == ref[: len(out.token_ids)]
         assert out.error is None or out.error.startswith("kv_integrity: ")
+
+
+def test_bench_kv_prints_the_latent_page_spec(model):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "bench", "kv", "--model", model, "--spec-only"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if "| mla |" in line}
+    assert set(rows) == {"fp32", "bf16", "fp8_e4m3"}
+    assert "| 80 | 160 |" in rows["bf16"] and "| 80 | 81 |" in rows["fp8_e4m3"]
+    assert rows["fp8_e4m3"].rstrip().endswith("| 1.975 |")
