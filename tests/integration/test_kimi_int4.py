@@ -87,3 +87,22 @@ def test_fp32_model_equals_transformers_on_compressed_tensors_dequantization(kim
     ours = _engine(kimi, dtype="fp32").score(_prompt())
     hf = reference_model(_dequantized_copy(kimi, tmp_path / "plain"))
     torch.testing.assert_close(ours, reference_logits(hf, _prompt()), atol=1e-4, rtol=0)
+
+
+def test_bf16_prefill_hands_its_latent_pages_to_an_int4_decode(kimi):
+    """The mesh's hand-over in one process (bench weights' split_greedy): a bf16-weights
+    prefill computes the prompt's BF16 latent pages and first token, an INT4-experts decode
+    engine takes the pages and tags and continues -- as `kvmesh up --prefill-weights bf16
+    --decode-weights int4` does. The first token is the prefill's; the rest follow the bf16
+    run's closely (INT4 experts: at least half of the 32 tokens agree)."""
+    from kvmesh.benchmarks.weights_quality import split_greedy
+
+    prefill = _engine(kimi, dtype="bf16", weights="bf16", kv_dtype="bf16")
+    decode = _engine(kimi, dtype="bf16", weights="int4", kv_dtype="bf16")
+    prompts = [_prompt(), _prompt()[:30]]
+    split = split_greedy(prefill, decode, prompts, 16)
+    alone = split_greedy(prefill, prefill, prompts, 16)  # bf16 throughout
+    assert all(len(s) == 16 for s in split)
+    agree = sum(a == b for s, r in zip(split, alone, strict=True) for a, b in zip(s, r))
+    assert split[0][0] == alone[0][0] and agree >= 16, (split, alone)
+    assert decode.block_manager.num_used_pages == 0 and prefill.block_manager.num_used_pages == 0
