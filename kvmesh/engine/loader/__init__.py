@@ -1,5 +1,6 @@
-"""Model sources -> (ModelConfig, HF-named float state dict). Importing this package does not
-import torch (the gateway and `kvmesh up` only read configs)."""
+"""Model sources -> (ModelConfig, HF-named float state dict read tensor by tensor: a
+`LazyWeights`). Importing this package does not import torch (the gateway and `kvmesh up` only
+read configs)."""
 
 from __future__ import annotations
 
@@ -7,25 +8,23 @@ from typing import TYPE_CHECKING
 
 from kvmesh import env
 from kvmesh.engine.config import ModelConfig
+from kvmesh.engine.loader.lazy_weights import LazyWeights
 from kvmesh.engine.loader.model_cache import LoadedModel, cached_config, load_cached
 from kvmesh.engine.loader.resolve import DEFAULT_MODEL, ModelSource, resolve_model
 from kvmesh.engine.loader.tokenizer_cache import load_hf_tokenizer
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
-    import torch
+    Loader = Callable[[ModelSource, bool], tuple[ModelConfig, Mapping]]
 
-    Loader = Callable[[ModelSource, bool], tuple[ModelConfig, dict]]
-
-__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelSource", "load_hf_tokenizer", "load_model",
-           "load_weights", "read_config", "resolve_model"]  # fmt: skip
+__all__ = ["DEFAULT_MODEL", "LazyWeights", "LoadedModel", "ModelSource", "load_hf_tokenizer",
+           "load_model", "load_weights", "read_config", "resolve_model"]  # fmt: skip
 
 
-def load_weights(
-    source: ModelSource, int4: bool = False
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The weight-format registry: GGUF file or HF safetensors folder. int4: GGUF Q4_0/Q4_1
+def load_weights(source: ModelSource, int4: bool = False) -> tuple[ModelConfig, LazyWeights]:
+    """The weight-format registry: GGUF file or HF safetensors folder, each tensor read when
+    asked for (in the file's dtype; GGUF ones dequantized to float32). int4: GGUF Q4_0/Q4_1
     matrices stay INT4 (`Int4Weight`) instead of being dequantized."""
     if source.gguf_file is not None:
         from kvmesh.engine.loader.gguf_loader import load_gguf
@@ -48,7 +47,8 @@ def load_model(
 
         start = time.perf_counter()
         config, weights = load(source, int4)
-        return LoadedModel(config, weights, cache="off", seconds=time.perf_counter() - start)
+        lazy = LazyWeights.of(weights)  # a substitute `load` may return a dict
+        return LoadedModel(config, lazy, cache="off", seconds=time.perf_counter() - start)
     variant = "int4" if int4 else dtype
     return load_cached(source.gguf_file, variant, lambda: load(source, int4))
 

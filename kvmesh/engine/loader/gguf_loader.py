@@ -1,4 +1,4 @@
-"""Read a GGUF file into a ModelConfig and an HF-named float state dict.
+"""Read a GGUF file into a ModelConfig and HF-named float tensors, one at a time.
 
 llama.cpp's converter permutes the rows of Q and K for its rotary layout; we undo it
 so the weights match HF's rotate-half convention.
@@ -6,7 +6,10 @@ so the weights match HF's rotate-half convention.
 
 from __future__ import annotations
 
+import functools
+import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +17,7 @@ import numpy as np
 
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.loader.hf_config import config_from_gguf
+from kvmesh.engine.loader.lazy_weights import LazyWeights, ReadOnlyFile, as_dtype
 from kvmesh.errors import ModelFormatError
 
 if TYPE_CHECKING:
@@ -75,11 +79,24 @@ def gguf_metadata(reader: Any) -> dict[str, Any]:
     return meta
 
 
-def load_gguf(path: Path, int4: bool = False) -> tuple[ModelConfig, dict[str, Any]]:
-    """HF-named float tensors; with int4, Q4_0 / Q4_1 matrices come back as `Int4Weight`s taken
-    over without dequantizing (llama.cpp's Q/K row permutation undone on the integer rows)."""
-    import torch
+@dataclass(frozen=True)
+class GgufTensor:
+    """Where one tensor lies in a GGUF file (its raw items: blocks of bytes, or floats)."""
 
+    name: str
+    hf: str
+    qtype: str
+    shape: tuple[int, ...]  # row-major (GGUF lists dims innermost first)
+    offset: int
+    items: tuple[int, ...]  # the shape of the raw items
+    item_dtype: np.dtype
+
+
+def load_gguf(path: Path, int4: bool = False) -> tuple[ModelConfig, LazyWeights]:
+    """HF-named float tensors, each read and converted when asked for; with int4, Q4_0 / Q4_1
+    matrices come back as `Int4Weight`s taken over without dequantizing (llama.cpp's Q/K row
+    permutation undone on the integer rows). The parsed reader (~170 MB of Python objects for
+    a 49k-token vocabulary) is dropped before any tensor is read."""
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     vocab = (
@@ -88,35 +105,62 @@ def load_gguf(path: Path, int4: bool = False) -> tuple[ModelConfig, dict[str, An
         else 0
     )
     config = config_from_gguf(meta, vocab)
-    weights: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        name = hf_name(tensor.name)
-        if int4 and tensor.tensor_type.name in ("Q4_0", "Q4_1") and len(tensor.shape) == 2:
-            weights[name] = _int4(tensor, name, config)
-            continue
-        array = _dequantize(tensor)
-        if name.endswith(("q_proj.weight", "q_proj.bias")) and config.architecture == "llama":
-            array = unpermute(array, config.num_heads)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")) and config.architecture == "llama":
-            array = unpermute(array, config.num_kv_heads)
-        array = np.ascontiguousarray(array, dtype=np.float32)
-        weights[name] = torch.from_numpy(array if array.flags.writeable else array.copy())
-    if "lm_head.weight" in weights:
+    tensors = [_tensor(t) for t in reader.tensors]
+    del reader, meta
+    file = ReadOnlyFile(path)
+    readers = {t.hf: functools.partial(_read, file, t, config, int4) for t in tensors}
+    if "lm_head.weight" in readers:
         config = _replace(config, tie_word_embeddings=False)
-    return config, weights
+    return config, LazyWeights(readers, [file])
 
 
-def _int4(tensor: Any, name: str, config: ModelConfig) -> Any:
+def _tensor(tensor: Any) -> GgufTensor:
+    qtype = tensor.tensor_type.name
+    if qtype not in SUPPORTED_TYPES:
+        raise ModelFormatError(f"GGUF tensor {tensor.name} has unsupported type {qtype}")
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return GgufTensor(tensor.name, hf_name(tensor.name), qtype, shape, int(tensor.data_offset),
+                      tuple(tensor.data.shape), tensor.data.dtype)  # fmt: skip
+
+
+def _read(file: ReadOnlyFile, t: GgufTensor, config: ModelConfig, int4: bool, dtype: Any) -> Any:
+    import torch
+
+    raw = np.empty(t.items, t.item_dtype)
+    file.read_into(raw.reshape(-1).view(np.uint8), t.offset)
+    if int4 and t.qtype in ("Q4_0", "Q4_1") and len(t.shape) == 2:
+        return _int4(raw, t, config)
+    heads = _permuted_heads(t.hf, config)
+    if heads is None and dtype not in (None, torch.float32) and len(t.shape) > 1:
+        return _dequantize_into(raw, t, dtype)  # straight into the dtype, a chunk at a time
+    array = _dequantize(raw, t)
+    if heads is not None:
+        array = unpermute(array, heads)
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    return as_dtype(torch.from_numpy(array if array.flags.writeable else array.copy()), dtype)
+
+
+def _permuted_heads(name: str, config: ModelConfig) -> int | None:
+    """Heads of a Q/K projection whose rows llama.cpp permuted (None: not permuted)."""
+    if config.architecture != "llama":
+        return None
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return config.num_heads
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        return config.num_kv_heads
+    return None
+
+
+def _int4(raw: np.ndarray, t: GgufTensor, config: ModelConfig) -> Any:
     import torch
 
     from kvmesh.engine.quant.int4 import Int4Weight
 
-    cols, rows = (int(d) for d in tensor.shape)
-    weight = Int4Weight.from_gguf_blocks(tensor.data, tensor.tensor_type.name, rows, cols)
-    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
-    part = name.split(".")[-2]
-    if part in heads and config.architecture == "llama":
-        order = unpermute(np.arange(rows)[:, None], heads[part])[:, 0]
+    rows, cols = t.shape
+    weight = Int4Weight.from_gguf_blocks(raw, t.qtype, rows, cols)
+    heads = _permuted_heads(t.hf, config)
+    if heads is not None:
+        order = unpermute(np.arange(rows)[:, None], heads)[:, 0]
         weight = weight.rows(torch.from_numpy(np.ascontiguousarray(order)))
     return weight
 
@@ -131,18 +175,42 @@ def hf_name(name: str) -> str:
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
 
 
-def _dequantize(tensor: Any) -> np.ndarray:
+def _dequantize(raw: np.ndarray, t: GgufTensor) -> np.ndarray:
+    """Float32 values in `t.shape`. Row chunks of a few MB at a time: gguf's dequantizer holds
+    every group's output and the result at once (twice the tensor)."""
+    if t.qtype == "F32" and raw.dtype == np.float32:
+        return raw.reshape(t.shape)
+    if len(t.shape) < 2:
+        return _dequantized_rows(raw, t, t.shape)
+    out = np.empty(t.shape, np.float32)
+    for rows in _row_chunks(t.shape):
+        out[rows] = _dequantized_rows(raw[rows], t, out[rows].shape)
+    return out
+
+
+def _dequantize_into(raw: np.ndarray, t: GgufTensor, dtype: Any) -> torch.Tensor:
+    """`_dequantize(raw, t)` (of a matrix) converted to `dtype`, never all in float32."""
+    import torch
+
+    out = torch.empty(t.shape, dtype=dtype)
+    for rows in _row_chunks(t.shape):
+        out[rows].copy_(torch.from_numpy(_dequantized_rows(raw[rows], t, out[rows].shape)))
+    return out
+
+
+def _row_chunks(shape: tuple[int, ...]) -> list[slice]:
+    step = max(1, (4 << 20) // max(1, 4 * math.prod(shape[1:])))
+    return [slice(i, i + step) for i in range(0, shape[0], step)]
+
+
+def _dequantized_rows(raw: np.ndarray, t: GgufTensor, shape: tuple[int, ...]) -> np.ndarray:
     import gguf
 
-    qtype = tensor.tensor_type.name
-    if qtype not in SUPPORTED_TYPES:
-        raise ModelFormatError(f"GGUF tensor {tensor.name} has unsupported type {qtype}")
-    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
     try:
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        array = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[t.qtype])
         return np.asarray(array, dtype=np.float32).reshape(shape)
     except Exception as exc:
-        raise ModelFormatError(f"GGUF tensor {tensor.name} is corrupt: {exc}") from exc
+        raise ModelFormatError(f"GGUF tensor {t.name} is corrupt: {exc}") from exc
 
 
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -1,10 +1,11 @@
-"""The converted-model cache: a GGUF's converted state dict, stored once, mmap-loaded after.
+"""The converted-model cache: a GGUF's converted state dict, stored once, read lazily after.
 
 Converting a GGUF costs seconds at every worker start (parsing ~100k metadata strings,
 dequantizing, undoing llama.cpp's Q/K row permutation). An entry holds exactly what
 `load_gguf` returns, already cast to the compute dtype (dense) or as INT4 (q, scale, zero)
-triplets plus fp32 tensors (int4), in one safetensors file under $KVMESH_HOME/cache/models.
-safetensors maps it privately, so workers on one host share its pages.
+triplets plus fp32 tensors (int4), in one safetensors file under $KVMESH_HOME/cache/models
+(the format: cache_entry.py). A load reads each tensor when the model asks for it, into memory
+of its own (not a mapping of the file: see lazy_weights).
 
 Keyed by the source file's identity (real path, size, mtime, inode), CONVERTER_VERSION and the
 variant: a changed source misses and its stale entries are removed. Each entry is written to
@@ -15,33 +16,36 @@ a temporary file and renamed into place, so workers starting at once never read 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
-import json
 import os
 import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import structlog
 
 from kvmesh import env
-from kvmesh.engine.config import ModelConfig, RopeScaling
+from kvmesh.engine.config import ModelConfig
+from kvmesh.engine.loader.cache_entry import (
+    CONVERTER_VERSION,
+    config_from_json,
+    config_to_json,
+    open_entry,
+    stored_form,
+    write_tensors,
+)
+from kvmesh.engine.loader.lazy_weights import LazyWeights
 from kvmesh.errors import KvmeshError
-
-if TYPE_CHECKING:
-    import torch
 
 log = structlog.get_logger(__name__)
 
-CONVERTER_VERSION = 1  # bump whenever load_gguf's output (names, values, layout) changes
-_INT4_PARTS = ("q", "scale", "zero")
-_UNCAST = frozenset({"rope_freqs"})  # read as they are by the model (not cast to its dtype)
+__all__ = ["CONVERTER_VERSION", "LoadedModel", "config_from_json", "config_to_json",
+           "entry_path", "load_cached", "open_entry", "write_entry"]  # fmt: skip
 CacheStatus = Literal["hit", "miss", "off"]
 _ENTRY_NAME = re.compile(r"^\.?([0-9a-f]{16})\.")  # KEY.kind, or .KEY.kind.pid.uuid.tmp / .lock
 
@@ -51,7 +55,7 @@ class LoadedModel:
     """What a load produced; `cache` says how (off: no cache for this source or disabled)."""
 
     config: ModelConfig
-    weights: dict[str, Any]  # HF names -> tensors (or Int4Weight), fresh dict per load
+    weights: LazyWeights  # HF names -> tensors (or Int4Weight), read on access; fresh per load
     cache: CacheStatus
     seconds: float
 
@@ -76,30 +80,36 @@ def entry_path(path: Path, kind: str) -> Path:
 
 
 def load_cached(
-    gguf: Path, variant: str, convert: Callable[[], tuple[ModelConfig, dict[str, Any]]]
+    gguf: Path, variant: str, convert: Callable[[], tuple[ModelConfig, Mapping[str, Any]]]
 ) -> LoadedModel:
     """The entry for (gguf, variant) if one is complete and readable, else `convert()` stored
-    as one."""
+    as one (tensor by tensor) and then read from it; both lazily (see lazy_weights)."""
     start = time.perf_counter()
     target = entry_path(gguf, f"{variant}.safetensors")
-    found = read_entry(target)
+    found = open_entry(target)
     if found is None:
         with build_lock(target):  # workers starting together: one converts, the rest read
-            found = read_entry(target)
+            found = open_entry(target)
             if found is None:
                 config, weights = convert()
-                weights = stored_form(weights, variant)
-                _logged(target, lambda: write_entry(target, config, weights))
-                return LoadedModel(config, weights, "miss", time.perf_counter() - start)
+                stored = stored_form(weights, variant)
+                if _logged(target, lambda: write_entry(target, config, stored)):
+                    found = open_entry(target)
+                if found is None:  # not written: served from the source, cast as stored
+                    return LoadedModel(config, stored, "miss", time.perf_counter() - start)
+                stored.close()
+                return LoadedModel(*found, cache="miss", seconds=time.perf_counter() - start)
     return LoadedModel(*found, cache="hit", seconds=time.perf_counter() - start)
 
 
-def _logged(target: Path, write: Callable[[], None]) -> None:
+def _logged(target: Path, write: Callable[[], None]) -> bool:
     """`write()`; a failure (a full disk, a read-only home) is logged: the cache only saves time."""
     try:
         write()
     except OSError as exc:
         log.warning("model_cache.write_failed", path=str(target), error=str(exc))
+        return False
+    return True
 
 
 @contextlib.contextmanager
@@ -134,42 +144,10 @@ def _write_text(target: Path, text: str) -> None:
         tmp.write_text(text)
 
 
-def stored_form(weights: dict[str, Any], variant: str) -> dict[str, Any]:
-    """Dense variants: floats cast to the dtype the model would cast them to (bit-identical);
-    int4: as loaded (the model quantizes or casts fp32 sources itself)."""
-    if variant == "int4":
-        return dict(weights)
-    import torch
-
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[variant]
-    return {n: w if n in _UNCAST else w.to(dtype).contiguous() for n, w in weights.items()}
-
-
-def read_entry(path: Path) -> tuple[ModelConfig, dict[str, Any]] | None:
-    """(config, weights) of a complete entry; None if absent or unreadable (then rebuilt)."""
-    if not path.is_file():
-        return None
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-        return config_from_json(meta["config"]), _join_int4(tensors, json.loads(meta["int4"]))
-    except Exception as exc:  # noqa: BLE001 - a torn or foreign file is rebuilt, not fatal
-        log.warning("model_cache.unreadable", path=str(path), error=repr(exc))
-        return None
-
-
-def write_entry(path: Path, config: ModelConfig, weights: dict[str, Any]) -> None:
-    """Atomically: a private temporary file in the same folder, then one rename."""
-    from safetensors.torch import save_file
-
-    tensors, groups = _split_int4(weights)
-    meta = {"config": config_to_json(config), "int4": json.dumps(groups),
-            "converter_version": str(CONVERTER_VERSION)}  # fmt: skip
+def write_entry(path: Path, config: ModelConfig, weights: Mapping[str, Any]) -> None:
+    """Atomically: a private temporary file in the same folder, streamed, then one rename."""
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata=meta)
+        write_tensors(tmp, config, weights)
     remove_stale(path)
     log.info("model_cache.written", path=str(path), bytes=path.stat().st_size)
 
@@ -203,39 +181,3 @@ def remove_stale(path: Path) -> None:
             else:
                 other.unlink()
             log.info("model_cache.removed_stale", path=str(other))
-
-
-def _split_int4(weights: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    from kvmesh.engine.quant.int4 import Int4Weight
-
-    tensors: dict[str, torch.Tensor] = {}
-    groups: dict[str, int] = {}
-    for name, w in weights.items():
-        if isinstance(w, Int4Weight):
-            groups[name] = w.group
-            tensors.update({f"{name}#{p}": getattr(w, p).contiguous() for p in _INT4_PARTS})
-        else:
-            tensors[name] = w.contiguous()
-    return tensors, groups
-
-
-def _join_int4(tensors: dict[str, torch.Tensor], groups: dict[str, int]) -> dict[str, Any]:
-    if not groups:
-        return tensors
-    from kvmesh.engine.quant.int4 import Int4Weight
-
-    weights: dict[str, Any] = {n: t for n, t in tensors.items() if "#" not in n}
-    for name, group in groups.items():
-        weights[name] = Int4Weight(*(tensors[f"{name}#{p}"] for p in _INT4_PARTS), group)
-    return weights
-
-
-def config_to_json(config: ModelConfig) -> str:
-    return json.dumps(dataclasses.asdict(config), sort_keys=True)
-
-
-def config_from_json(text: str) -> ModelConfig:
-    raw = json.loads(text)
-    raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
-    raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
-    return ModelConfig(**raw)

@@ -1,31 +1,38 @@
-"""Read an HF folder: config.json plus one or many (indexed) safetensors files."""
+"""Read an HF folder: config.json plus one or many (indexed) safetensors files, each tensor
+read when asked for (see lazy_weights)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
-import torch
-
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.loader.hf_config import config_from_hf
+from kvmesh.engine.loader.lazy_weights import LazyWeights, Reader
+from kvmesh.engine.loader.safetensors_io import SafetensorsFile
 from kvmesh.errors import ModelFormatError
 
 
-def load_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
+def load_hf_folder(folder: Path) -> tuple[ModelConfig, LazyWeights]:
+    """The config and every shard's tensors by name (a later shard's name wins, as a merged
+    dict would), in the files' own dtypes. Every header is read here: a missing, truncated or
+    foreign shard fails now, not at the first read."""
     try:
         config = config_from_hf(json.loads((folder / "config.json").read_text()))
     except (json.JSONDecodeError, KeyError) as exc:
         raise ModelFormatError(f"{folder}/config.json is invalid: {exc}") from exc
-    weights: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(folder):
-        try:
-            weights.update(load_file(str(file)))
-        except Exception as exc:
-            raise ModelFormatError(f"{file} is not a readable safetensors file: {exc}") from exc
-    return config, weights
+    shards: list[SafetensorsFile] = []
+    readers: dict[str, Reader] = {}
+    try:
+        for file in safetensors_files(folder):
+            shards.append(SafetensorsFile(file))
+            readers.update({n: functools.partial(shards[-1].read, n) for n in shards[-1].names})
+    except BaseException:
+        for shard in shards:
+            shard.close()
+        raise
+    return config, LazyWeights(readers, shards)
 
 
 def safetensors_files(folder: Path) -> list[Path]:

@@ -1,0 +1,51 @@
+"""This process's resident memory, for measuring what a model load costs.
+
+Linux reports `ru_maxrss` in KiB (macOS in bytes); VmRSS counts anonymous and file-backed
+pages mapped now (a mapped file's touched pages count, page cache that is not mapped does not).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import resource
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+def peak_rss_bytes() -> int:
+    """The most this process has had resident since it started (never decreases)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def current_rss_bytes() -> int | None:
+    """Resident now (VmRSS of /proc/self/status); None where /proc is not there."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hands memory that is free inside the C heap back to the OS (glibc's `malloc_trim`; a
+    no-op elsewhere). glibc keeps freed blocks under its mmap threshold -- which rises to 32 MB
+    as large blocks are freed -- mapped, so a load that converts tensor after tensor leaves
+    holes that count as RSS (SmolLM2's INT4 build: ~150 MB of them) unless they are returned."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
