@@ -61,10 +61,11 @@ def test_smollm2_fp32_cache_miss_then_hit(gguf: str, cache_home: str) -> None:
 
 
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,
     reason="the model reads the Q8_0 token embedding as float32 (113 MB) and then casts it to "
-    "bf16 (57 MB): 1.40 x the 123 MB of weights. 1.15 x once layers/weights.py's Weights.dense "
-    "takes `state.pop(name, dtype=self.dtype)` from a LazyWeights (converted in row chunks)",
+    "bf16 (57 MB): ~1.45 x the 123 MB of weights. ~1.2 x (measured 1.15-1.26 x, borderline: "
+    "25 % of a small model) once layers/weights.py's Weights.dense takes "
+    "`state.pop(name, dtype=self.dtype)` from a LazyWeights, converted in row chunks",
 )
 def test_smollm2_int4_cache_hit(gguf: str, cache_home: str) -> None:
     env = {"KVMESH_HOME": cache_home, "KVMESH_MODEL_CACHE": "1"}

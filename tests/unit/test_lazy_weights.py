@@ -23,7 +23,14 @@ from kvmesh.engine.loader import (
     resolve_model,
     safetensors_io,
 )
-from kvmesh.engine.loader.gguf_loader import hf_name, load_gguf, open_gguf, unpermute
+from kvmesh.engine.loader.gguf_header import read_header
+from kvmesh.engine.loader.gguf_loader import (
+    gguf_metadata,
+    hf_name,
+    load_gguf,
+    open_gguf,
+    unpermute,
+)
 from kvmesh.engine.loader.memory import current_rss_bytes, peak_rss_bytes, release_freed_memory
 from kvmesh.engine.loader.safetensors_io import SafetensorsFile, SafetensorsWriter
 from kvmesh.engine.quant.int4 import Int4Weight
@@ -316,3 +323,56 @@ def test_memory_readings() -> None:
     release_freed_memory()
     now = current_rss_bytes()
     assert now is not None and 0 < now <= peak_rss_bytes()
+
+
+# --- the GGUF header -----------------------------------------------------------------------------
+
+
+def assert_header_is_the_readers(path: Path) -> None:
+    reader = open_gguf(path)
+    header = read_header(path)
+    assert header.metadata == gguf_metadata(reader)
+    assert list(header.metadata) == list(gguf_metadata(reader))
+    skipped = {k: len(f.data) for k, f in reader.fields.items() if k not in header.metadata}
+    assert header.lengths == {k: n for k, n in skipped.items() if k.startswith("tokenizer.")}
+    rows = [(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)), t.data_offset,
+             tuple(t.data.shape), t.data.dtype) for t in reader.tensors]  # fmt: skip
+    assert [(t.name, t.qtype, t.shape, t.offset, t.items, t.item_dtype)
+            for t in header.tensors] == rows  # fmt: skip
+
+
+@pytest.mark.parametrize("order", ["LITTLE", "BIG"])
+def test_the_gguf_header_reads_as_the_gguf_reader_does(tmp_path: Path, order: str) -> None:
+    import gguf
+
+    path = tmp_path / "meta.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian[order])
+    writer.add_uint32("llama.block_count", 1)
+    writer.add_bool("tokenizer.ggml.add_bos_token", True)
+    writer.add_float32("llama.rope.freq_base", 1e-5)
+    writer.add_float64("x.f64", 0.1)
+    writer.add_int64("x.i64", -(2**40))
+    writer.add_string("general.name", "naïve 東京")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bc", "東"])
+    writer.add_array("tokenizer.ggml.scores", [0.5, 1.5, 2.5])
+    writer.add_array("tokenizer.ggml.token_type", [1, 2, 3])
+    writer.add_array("x.strings", ["p", "q"])
+    writer.add_array("x.nested", [[1, 2], [3]])
+    writer.add_array("x.empty", [])
+    writer.add_custom_alignment(64)
+    writer.add_tensor("token_embd.weight", np.ones((4, 8), np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(8, np.float16))
+    packed = gguf.quants.quantize(np.ones((2, 64), np.float32), gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output.weight", packed, raw_shape=packed.shape,
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_header_is_the_readers(path)
+    assert read_header(path).lengths["tokenizer.ggml.tokens"] == 3
+
+
+@pytest.mark.slow
+def test_the_default_models_header_reads_as_the_gguf_reader_does(default_model_source) -> None:
+    assert_header_is_the_readers(default_model_source.gguf_file)

@@ -119,9 +119,9 @@ def test_the_cache_can_be_turned_off(home: Path, tmp_path, monkeypatch) -> None:
 def test_read_config_parses_the_gguf_once(home: Path, tmp_path, monkeypatch) -> None:
     source = resolve_model(str(tiny_gguf(tmp_path / "tiny.gguf")))
     first = read_config(source)
-    from kvmesh.engine.loader import gguf_loader
+    from kvmesh.engine.loader import gguf_header
 
-    monkeypatch.setattr(gguf_loader, "open_gguf", lambda _: pytest.fail("parsed again"))
+    monkeypatch.setattr(gguf_header, "read_header", lambda _: pytest.fail("parsed again"))
     assert read_config(source) == first
     assert isinstance(first, ModelConfig)
 

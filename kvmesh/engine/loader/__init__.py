@@ -68,10 +68,9 @@ def read_config(source: ModelSource) -> ModelConfig:
 
 
 def _gguf_config(source: ModelSource) -> ModelConfig:
-    from kvmesh.engine.loader.gguf_loader import gguf_metadata, open_gguf
+    from kvmesh.engine.loader.gguf_header import read_header
     from kvmesh.engine.loader.hf_config import config_from_gguf
 
     assert source.gguf_file is not None
-    reader = open_gguf(source.gguf_file)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    return config_from_gguf(gguf_metadata(reader), len(tokens.data) if tokens else 0)
+    header = read_header(source.gguf_file)
+    return config_from_gguf(header.metadata, header.lengths.get("tokenizer.ggml.tokens", 0))
