@@ -12,14 +12,14 @@ import torch
 
 from kvmesh import env
 from kvmesh.engine.attention import get_backend
-from kvmesh.engine.config import EngineConfig, ModelConfig
+from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.engine_setup import TORCH_DTYPES, load_engine_model
 from kvmesh.engine.faults import FaultInjector
 from kvmesh.engine.integrity import PageTags
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
 from kvmesh.engine.kv.events import KvEvent
 from kvmesh.engine.kv_cache import PagedKVCache, spec_for_model
-from kvmesh.engine.loader import load_hf_tokenizer, load_model, load_weights, resolve_model
-from kvmesh.engine.models import build_model
+from kvmesh.engine.loader import load_weights
 from kvmesh.engine.outputs import Reservation, TokenOutput
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.sampler import Sampler, TokenLogprob
@@ -28,7 +28,6 @@ from kvmesh.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvmesh.engine.sequence import FinishReason, Sequence
 from kvmesh.engine.spec.speculator import build_speculator, sample_step
 from kvmesh.engine.step import ChunkPlan, StepPlan
-from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import (
     CapacityError,
     ContextLengthError,
@@ -39,7 +38,6 @@ from kvmesh.errors import (
 __all__ = ["Engine", "Reservation", "TokenOutput"]
 log = structlog.get_logger(__name__)
 _score_ids = itertools.count()
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class Engine:
@@ -51,35 +49,14 @@ class Engine:
         torch.set_num_threads(env.load_threads() or serve_threads)  # see docs/benchmarks.md
         torch.manual_seed(config.seed)
         self.config = config
-        self.source = resolve_model(config.model)
         # load_weights by name: a bench may substitute it (kv.py converts once per run)
-        loaded = load_model(
-            self.source, config.int4 is not None, config.compute_dtype, load_weights
-        )
-        log.info("engine.weights_loaded", cache=loaded.cache, seconds=round(loaded.seconds, 3))
-        model_config, weights = loaded.config, loaded.weights
-        self.model_config: ModelConfig = model_config
-        self.tokenizer = Tokenizer(load_hf_tokenizer(self.source), model_config.eos_token_ids)
-        self.max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings,
-            model_config.max_position_embeddings,
-        )
+        loaded = load_engine_model(config, load_weights)
+        self.source, self.model_config = loaded.source, loaded.config
+        self.tokenizer, model = loaded.tokenizer, loaded.model
+        self.max_model_len, self._context_note = loaded.max_model_len, loaded.context_note
         dtype = TORCH_DTYPES[config.compute_dtype]
-        if config.int4 is not None and config.compute_dtype == "fp32":
-            log.warning("engine.int4_fp32_activations", hint="--dtype bf16 is several times faster")
-        built = time.perf_counter()
-        self._context_note = ""
-        if model_config.indexer is not None:  # DSA runs as dense MLA: see models/moe.py
-            self.max_model_len = min(self.max_model_len, model_config.indexer.topk)
-            self._context_note = (
-                " (DeepSeek Sparse Attention's top-k indexer is not supported: this engine "
-                f"runs the model as dense MLA, exact up to index_topk = {model_config.indexer.topk}"
-                " tokens)"
-            )
-        model = build_model(model_config, weights, dtype, self.max_model_len, int4=config.int4)
-        log.info("engine.model_built", seconds=round(time.perf_counter() - built, 3))
         self.kv_dtype = config.resolved_kv_dtype
-        spec = spec_for_model(model_config, config.page_size, self.kv_dtype)
+        spec = spec_for_model(self.model_config, config.page_size, self.kv_dtype)
         self.kv_spec = spec
         num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
         self.kv_cache = PagedKVCache(spec, num_pages, dtype)

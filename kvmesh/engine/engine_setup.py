@@ -1,0 +1,53 @@
+"""What an engine is built from: the model's files resolved and loaded, its tokenizer, and the
+model built on them (one function, so engine.py keeps to scheduling and stepping)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+
+from kvmesh.engine.config import EngineConfig, ModelConfig
+from kvmesh.engine.loader import ModelSource, load_hf_tokenizer, load_model, resolve_model
+from kvmesh.engine.models import CausalLM, build_model
+from kvmesh.engine.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LoadedEngineModel:
+    source: ModelSource
+    config: ModelConfig
+    tokenizer: Tokenizer
+    model: CausalLM
+    max_model_len: int  # the model's context, within EngineConfig.max_model_len
+    context_note: str  # why the context is shorter than the model's, for error messages
+
+
+def load_engine_model(config: EngineConfig, load_weights: Any) -> LoadedEngineModel:
+    """`load_weights` is the weight-format registry (a bench may substitute it)."""
+    source = resolve_model(config.model)
+    loaded = load_model(source, config.int4 is not None, config.compute_dtype, load_weights)
+    log.info("engine.weights_loaded", cache=loaded.cache, seconds=round(loaded.seconds, 3))
+    model_config = loaded.config
+    tokenizer = Tokenizer(load_hf_tokenizer(source), model_config.eos_token_ids)
+    max_len = min(config.max_model_len or model_config.max_position_embeddings,
+                  model_config.max_position_embeddings)  # fmt: skip
+    note = ""
+    if model_config.indexer is not None:  # DSA runs as dense MLA: see models/moe.py
+        max_len = min(max_len, model_config.indexer.topk)
+        note = (" (DeepSeek Sparse Attention's top-k indexer is not supported: this engine runs "
+                f"the model as dense MLA, exact up to index_topk = {model_config.indexer.topk} "
+                "tokens)")  # fmt: skip
+    if config.int4 is not None and config.compute_dtype == "fp32":
+        log.warning("engine.int4_fp32_activations", hint="--dtype bf16 is several times faster")
+    built = time.perf_counter()
+    dtype = TORCH_DTYPES[config.compute_dtype]
+    model = build_model(model_config, loaded.weights, dtype, max_len, int4=config.int4)
+    log.info("engine.model_built", seconds=round(time.perf_counter() - built, 3))
+    return LoadedEngineModel(source, model_config, tokenizer, model, max_len, note)
