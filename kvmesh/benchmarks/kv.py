@@ -212,7 +212,8 @@ def weights_loaded_once() -> Iterator[None]:
 
     def load_once(source, int4=False):
         if (source, int4) not in loaded:
-            loaded[source, int4] = load(source, int4)
+            config, weights = load(source, int4)
+            loaded[source, int4] = config, dict(weights)  # read (and converted) once
         config, weights = loaded[source, int4]
         return config, dict(weights)
 

@@ -72,9 +72,8 @@ def test_int4_quantized_at_load_from_fp16_safetensors(tmp_path, default_model_so
     del hf
     int4 = LLM(model=str(tmp_path), weights="int4", kv_cache_bytes=32 << 20)
     layer = int4.engine.runner.model.layers[0]
-    assert all(
-        isinstance(w, Int4Linear) for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-    )
+    linears = (layer.attention.qkv, layer.attention.o_proj, layer.mlp.gate_up, layer.mlp.down)
+    assert all(isinstance(w, Int4Linear) for w in linears)
     assert int4.engine.config.compute_dtype == "bf16"
     ids = llm.tokenizer.encode(TEXT.read_text())[:512]
     target = torch.tensor(ids[1:])

@@ -103,6 +103,8 @@ def test_bf16_prefill_hands_its_latent_pages_to_an_int4_decode(kimi):
     split = split_greedy(prefill, decode, prompts, 16)
     alone = split_greedy(prefill, prefill, prompts, 16)  # bf16 throughout
     assert all(len(s) == 16 for s in split)
-    agree = sum(a == b for s, r in zip(split, alone, strict=True) for a, b in zip(s, r))
+    agree = sum(
+        a == b for s, r in zip(split, alone, strict=True) for a, b in zip(s, r, strict=True)
+    )
     assert split[0][0] == alone[0][0] and agree >= 16, (split, alone)
     assert decode.block_manager.num_used_pages == 0 and prefill.block_manager.num_used_pages == 0

@@ -28,6 +28,10 @@ _SCRIPT = textwrap.dedent(
         "kvmesh.engine.scheduler",
         "kvmesh.engine.sequence",
         "kvmesh.engine.sampling_params",
+        "kvmesh.engine.step",
+        "kvmesh.engine.kv.layout",
+        "kvmesh.engine.models.registry",
+        "kvmesh.engine.loader.hf_config",
     ):
         importlib.import_module(module)
     try:

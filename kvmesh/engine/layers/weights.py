@@ -48,6 +48,9 @@ class Weights:
         return pop(name) if pop is not None else self.state[name]
 
     def dense(self, name: str) -> torch.Tensor:
+        if name in self.state and hasattr(self.state, "read"):  # a LazyWeights: cast as read,
+            self.taken.append(name)  # so no full-size copy in the file's dtype is made
+            return dense(self.state.pop(name, dtype=self.dtype), self.dtype)
         return dense(self.raw(name), self.dtype)
 
     def fp32(self, name: str) -> torch.Tensor:

@@ -11,6 +11,9 @@ from kvmesh.errors import ModelFormatError
 
 SUPPORTED_ARCHS = set(GGUF_NAMES)
 _QK_NORM = {"qwen3", "qwen3_moe"}
+# Methods that describe where float tensors came from, not how they are stored (transformers
+# writes quant_method "gguf" when it saves a model it dequantized from a GGUF).
+_DEQUANTIZED = {"gguf"}
 
 
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
@@ -51,7 +54,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
 def _quantization(cfg: dict[str, Any]) -> str:
     """The checkpoint's own quantization, if it is one the engine loads (else an error)."""
     quant = cfg.get("quantization_config") or cfg.get("compression_config")
-    if not quant:
+    if not quant or quant.get("quant_method") in _DEQUANTIZED:
         return ""
     if quant.get("quant_method") != "compressed-tensors" or quant.get("format") != "pack-quantized":
         raise ModelFormatError(

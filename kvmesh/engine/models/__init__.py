@@ -1,15 +1,18 @@
-"""Model architectures: `build_model` picks the implementation from the registry."""
+"""Model architectures: `build_model` picks the implementation from the registry. Importing
+this package (and models.registry) does not import torch: the gateway reads configs."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from kvmesh.engine.config import Int4Scheme, ModelConfig
-from kvmesh.engine.models.base import CausalLM
 from kvmesh.engine.models.registry import model_class
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvmesh.engine.config import Int4Scheme, ModelConfig
+    from kvmesh.engine.models.base import CausalLM
 
 __all__ = ["CausalLM", "build_model"]
 
@@ -22,3 +25,11 @@ def build_model(
     int4: Int4Scheme | None = None,
 ) -> CausalLM:
     return model_class(config.architecture)(config, weights, dtype, max_positions, int4)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CausalLM":
+        from kvmesh.engine.models.base import CausalLM
+
+        return CausalLM
+    raise AttributeError(name)
