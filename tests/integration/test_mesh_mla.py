@@ -2,7 +2,8 @@
 etcd, gateway, 1 prefill + 1 decode + the KV store as real processes, FP8 latent pages moved by
 the transfer engine (gRPC carries only metadata), every 4th transfer losing its last page.
 Through the openai client, streamed and not, each answer is exactly the single-process FP8
-engine's or a `kv_integrity` error; every injected fault is detected; etcd advertises the
+engine's or a `kv_integrity` error; a repeated prompt is served from the prefix cache; every
+injected fault is detected; etcd advertises the
 architecture and the KV spec, and the store holds pages of that spec."""
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ def test_mla_mesh_answers_exactly_or_reports_the_fault(mesh, model):
             errors += 1
             assert code == "kv_integrity", (topic, code)
             assert want.startswith(got), (topic, got)
+    again = [{"role": "user", "content": f"Tell me one fact about {TOPICS[1]}."}]
+    repeat = client.chat.completions.create(
+        model="kimi", messages=again, max_tokens=24, temperature=0.0
+    )  # fmt: skip (9th transfer: kept)
+    assert repeat.choices[0].message.content == reference.chat(again, params)[0].text
+    assert repeat.usage.prompt_tokens_details.cached_tokens >= 16  # latent pages from the cache
     workers = {w.role: w for w in asyncio.run(list_workers(mesh.etcd.endpoint, "default"))}
     decode, prefill = workers["decode"], workers["prefill"]
     injected = _metric(prefill.metrics_address, "kvmesh_faults_injected_total")
