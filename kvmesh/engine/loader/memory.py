@@ -1,6 +1,6 @@
 """This process's resident memory, for measuring what a model load costs.
 
-Linux reports `ru_maxrss` in KiB (macOS in bytes); VmRSS counts anonymous and file-backed
+The peak is /proc's VmHWM (per address space, so it starts afresh at exec); VmRSS counts anonymous and file-backed
 pages mapped now (a mapped file's touched pages count, page cache that is not mapped does not).
 """
 
@@ -16,19 +16,28 @@ from pathlib import Path
 
 
 def peak_rss_bytes() -> int:
-    """The most this process has had resident since it started (never decreases)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    """The most this process has had resident since it started (never decreases): VmHWM of
+    /proc/self/status. Not `ru_maxrss`, which Linux carries across execve: a process started by
+    a large parent (pytest after many tests) reports the parent's peak from its first line."""
+    peak = _status_bytes("VmHWM:")
+    if peak is not None:
+        return peak
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
 
 
 def current_rss_bytes() -> int | None:
     """Resident now (VmRSS of /proc/self/status); None where /proc is not there."""
+    return _status_bytes("VmRSS:")
+
+
+def _status_bytes(field: str) -> int | None:
     try:
         text = Path("/proc/self/status").read_text()
     except OSError:
         return None
     for line in text.splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field):
             return int(line.split()[1]) * 1024
     return None
 
