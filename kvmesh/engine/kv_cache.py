@@ -5,8 +5,13 @@ Layout (fixed in kv/layout.py; transfer code relies on it): page p is bytes
 (plus FP8 scales). Token position i of a sequence lives in page block_table[i // page_size] at
 offset i % page_size.
 
-A layer is `GqaLayerKV` (a K and a V `PagedVectors`) or `MlaLayerKV` (one latent
-`PagedVectors`); attention backends for each kind use them (attention/base.py).
+A layer is `GqaLayerKV` (K and V side by side per slot) or `MlaLayerKV` (one latent vector per
+slot), both over one `PagedLayer`; attention backends for each kind use them.
+
+The pool has one page more than the block manager hands out, `null_page`: zeros that nothing
+writes. Attention metadata points every padding slot of a batch at it, so a row never reads
+bytes it does not own (another request's, a reassigned page's, stale slots of its own last page:
+0 * NaN would poison it) and no backend has to mask what it gathered.
 
 Beside the pool, `tags` holds one 32-bit integrity tag per page: the tag of the allocation whose
 KV the page holds (see kv/block_manager.py). It is separate memory, registered with the transfer
@@ -25,11 +30,12 @@ __all__ = ["GqaLayerKV", "KVCacheSpec", "MlaLayerKV", "PagedKVCache", "spec_for_
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.int8}
 
 
-class PagedVectors:
-    """One part (K, V or an MLA latent) of one layer: `data` [pages, heads, page_size, dim] in
-    the storage dtype, with FP8 exponents `exps` [pages, heads, page_size] when quantized.
-    Reads and writes take (page, offset) slots and return / accept [*S, heads, dim] in the
-    compute dtype."""
+class PagedLayer:
+    """One layer's slice of the pool: `data` [pages, heads, page_size, parts, dim] in the storage
+    dtype (parts: K|V for GQA, 1 for MLA), with FP8 exponents `exps` [pages, heads, page_size,
+    parts] when quantized. Reads and writes take (page, offset) slots and return / accept
+    [*S, heads, parts, dim] in the compute dtype: one gather per layer and step, K and V of a
+    slot side by side."""
 
     def __init__(self, data: torch.Tensor, exps: torch.Tensor | None, dtype: torch.dtype) -> None:
         self.data, self.exps, self.dtype = data, exps, dtype
@@ -64,20 +70,21 @@ class GqaLayerKV:
 
     kind = "gqa"
 
-    def __init__(self, k: PagedVectors, v: PagedVectors) -> None:
-        self.k, self.v = k, v
+    def __init__(self, layer: PagedLayer) -> None:
+        self.layer = layer
 
     def write(self, slots: Slots, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V [T, Hkv, D] of new tokens at `slots`."""
-        self.k.write(slots, k)
-        self.v.write(slots, v)
+        self.layer.write(slots, torch.stack((k, v), dim=-2))
 
     def read(self, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at `slots` (any shape S) as [*S, Hkv, D] in the compute dtype."""
-        return self.k.read(slots), self.v.read(slots)
+        kv = self.layer.read(slots)
+        return kv[..., 0, :], kv[..., 1, :]
 
     def as_stored(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k.as_stored(k), self.v.as_stored(v)
+        kv = self.layer.as_stored(torch.stack((k, v), dim=-2))
+        return kv[..., 0, :], kv[..., 1, :]
 
 
 class MlaLayerKV:
@@ -85,19 +92,19 @@ class MlaLayerKV:
 
     kind = "mla"
 
-    def __init__(self, latent: PagedVectors) -> None:
-        self.latent = latent
+    def __init__(self, layer: PagedLayer) -> None:
+        self.layer = layer
 
     def write(self, slots: Slots, entry: torch.Tensor) -> None:
         """Store latent|rope entries [T, D] of new tokens at `slots`."""
-        self.latent.write(slots, entry.unsqueeze(-2))
+        self.layer.write(slots, entry[:, None, None, :])
 
     def read(self, slots: Slots) -> torch.Tensor:
         """Entries at `slots` (any shape S) as [*S, D] in the compute dtype."""
-        return self.latent.read(slots).squeeze(-2)
+        return self.layer.read(slots)[..., 0, 0, :]
 
     def as_stored(self, entry: torch.Tensor) -> torch.Tensor:
-        return self.latent.as_stored(entry.unsqueeze(-2)).squeeze(-2)
+        return self.layer.as_stored(entry[:, None, None, :])[:, 0, 0, :]
 
 
 class PagedKVCache:
@@ -110,14 +117,16 @@ class PagedKVCache:
     ) -> None:
         self.spec = spec
         self.num_pages = num_pages
-        self.pool = torch.zeros(num_pages, spec.page_bytes, dtype=torch.uint8, device=device)
-        self.tags = torch.zeros(num_pages, dtype=torch.int32, device=device)
-        blocks = self.pool.view(num_pages, spec.num_heads, spec.head_block_bytes)
+        self.null_page = num_pages  # one more page, never allocated nor written: all zeros
+        rows = num_pages + 1
+        self.pool = torch.zeros(rows, spec.page_bytes, dtype=torch.uint8, device=device)
+        self.tags = torch.zeros(rows, dtype=torch.int32, device=device)
+        blocks = self.pool.view(rows, spec.num_heads, spec.head_block_bytes)
         self.layers = [self._layer(blocks, i, compute_dtype) for i in range(spec.num_layers)]
 
     def _layer(self, blocks: torch.Tensor, i: int, dtype: torch.dtype):
         spec, layer = self.spec, self.spec.layers[i]
-        shape = (*blocks.shape[:2], layer.parts, spec.page_size)
+        shape = (*blocks.shape[:2], spec.page_size, layer.parts)
         start = spec.data_offset(i)
         data = blocks[..., start : start + spec.data_bytes_of(i)].view(_TORCH[spec.kv_dtype])
         data = data.view(*shape, layer.head_dim)
@@ -126,11 +135,8 @@ class PagedKVCache:
             start = spec.scale_offset(i)
             exps = blocks[..., start : start + spec.scale_bytes_of(i)].view(torch.int8)
             exps = exps.view(*shape)
-        parts = [
-            PagedVectors(data[:, :, p], None if exps is None else exps[:, :, p], dtype)
-            for p in range(layer.parts)
-        ]
-        return GqaLayerKV(*parts) if layer.kind == "gqa" else MlaLayerKV(*parts)
+        paged = PagedLayer(data, exps, dtype)
+        return GqaLayerKV(paged) if layer.kind == "gqa" else MlaLayerKV(paged)
 
     @property
     def capacity_tokens(self) -> int:

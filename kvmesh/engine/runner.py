@@ -87,6 +87,7 @@ class ModelRunner:
             tuple(c.start for c in ordered),
             tuple(c.width for c in ordered),
             self.page_size,
+            self.kv.null_page,
         )
         meta = self.attention.build_metadata(layout)
         sample_rows, req_ids, counts, row = [], [], [], 0

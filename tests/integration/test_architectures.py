@@ -2,7 +2,8 @@
 experts) on tiny random checkpoints written by `kvmesh make-tiny-model` (the real checkpoint
 tensor names): prompt logits of a batch of prompts of different lengths crossing page
 boundaries, then 16 decode steps through the paged cache (MLA: absorbed decode after expanded
-prefill), greedy tokens; chunked prefill equals one-shot prefill."""
+prefill), greedy tokens; chunked prefill equals one-shot prefill; a prefix-cache hit equals a
+cold run."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_prefill_then_decode_equal_transformers(checkpoints, arch):
         assert tokens == generated
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_chunked_prefill_equals_one_shot(checkpoints, arch):
     engine = _engine(checkpoints[arch])
     prompts = _prompts(engine.model_config.vocab_size)
@@ -68,3 +69,15 @@ def test_chunked_prefill_equals_one_shot(checkpoints, arch):
     chunked = RunnerDriver(engine).prefill(prompts, chunk=24)  # cuts inside pages
     for a, b in zip(whole, chunked, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_hit_equals_a_cold_run(checkpoints, arch):
+    from kvmesh import LLM, SamplingParams
+
+    llm = LLM(str(checkpoints[arch]), dtype="fp32", num_pages=64)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompt = _prompts(llm.engine.model_config.vocab_size)[1]
+    cold, warm = (llm.generate_ids([prompt], params)[0] for _ in range(2))
+    assert (cold.num_cached_tokens, warm.num_cached_tokens) == (0, len(prompt) // 16 * 16)
+    assert cold.token_ids == warm.token_ids

@@ -117,4 +117,4 @@ def test_bench_kv_prints_the_latent_page_spec(model):
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if "| mla |" in line}
     assert set(rows) == {"fp32", "bf16", "fp8_e4m3"}
     assert "| 80 | 160 |" in rows["bf16"] and "| 80 | 81 |" in rows["fp8_e4m3"]
-    assert rows["fp8_e4m3"].rstrip().endswith("| 1.975 |")
+    assert 1.95 < float(rows["fp8_e4m3"].split("|")[-2]) < 1.99  # 160 / 81 less rounding

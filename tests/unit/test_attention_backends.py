@@ -1,5 +1,5 @@
 """The torch attention backends over paged KV: a decode row never reads what lies in slots it
-does not own (padding), even NaN bytes; MLA's absorbed decode equals attention over the
+does not own (its padding points at the pool's null page), even NaN bytes; MLA's absorbed decode equals attention over the
 expanded keys and values."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from kvmesh.engine.layers.mla import MlaWeights
 PAGE = 4
 
 
-def _layout(lengths: list[int], tables: list[tuple[int, ...]]) -> BatchLayout:
+def _layout(lengths: list[int], tables: list[tuple[int, ...]], null: int) -> BatchLayout:
     """Decode rows whose contexts (lengths - 1 tokens) are already cached."""
     n = len(lengths)
-    return BatchLayout(n, tuple(tables), tuple(x - 1 for x in lengths), (1,) * n, PAGE)
+    return BatchLayout(n, tuple(tables), tuple(x - 1 for x in lengths), (1,) * n, PAGE, null)
 
 
 def _poison(cache: PagedKVCache, page: int) -> None:
@@ -31,19 +31,20 @@ def test_gqa_decode_ignores_nan_in_padding_slots(dtype):
     backend = get_backend("torch", "gqa")
     gen = torch.Generator().manual_seed(0)
     layer = cache.layers[0]
+    data = layer.layer.data  # [page, head, slot, k|v, dim]
     for page in (1, 2, 3):  # row 0: pages 1, 2 (6 tokens); row 1: page 3 (2 tokens)
-        x = torch.randn(PAGE, 2, 8, generator=gen)
-        layer.k.data[page], layer.v.data[page] = x.transpose(0, 1), -x.transpose(0, 1)
-    layout = _layout([6, 2], [(1, 2), (3,)])
+        x = torch.randn(2, PAGE, 8, generator=gen)
+        data[page, :, :, 0], data[page, :, :, 1] = x, -x
+    layout = _layout([6, 2], [(1, 2), (3,)], cache.null_page)
     q = torch.randn(2, 4, 8, generator=gen, dtype=dtype)
     k, v = (torch.randn(2, 2, 8, generator=gen, dtype=dtype) for _ in range(2))
     clean = backend.forward(q, k, v, layer, backend.build_metadata(layout), 0.3)
-    _poison(cache, 0)  # page 0: what the shorter row's block table is padded with
+    _poison(cache, 0)  # another request's page
     for page in (2, 3):  # slots 2, 3 of each row's last page are unwritten
-        layer.k.data[page, :, 2:] = float("nan")
-        layer.v.data[page, :, 2:] = float("nan")
+        data[page, :, 2:] = float("nan")
     dirty = backend.forward(q, k, v, layer, backend.build_metadata(layout), 0.3)
     assert torch.isfinite(dirty).all() and torch.equal(clean, dirty)
+    assert not cache.pool[cache.null_page].any()  # padding reads zeros nothing wrote
 
 
 def test_mla_absorbed_decode_equals_expanded_attention_and_ignores_padding():
@@ -55,10 +56,11 @@ def test_mla_absorbed_decode_equals_expanded_attention_and_ignores_padding():
     w = MlaWeights(torch.randn(heads * (nope + vdim), rank, generator=gen), heads, nope, vdim,
                    0.4)  # fmt: skip
     context = torch.randn(7, rank + rope, generator=gen)  # row 0's 7 cached tokens
-    cache.layers[0].latent.data[1, 0] = context[:4]
-    cache.layers[0].latent.data[2, 0, :3] = context[4:]
+    data = cache.layers[0].layer.data  # [page, 1, slot, 1, rank + rope]
+    data[1, 0, :, 0] = context[:4]
+    data[2, 0, :3, 0] = context[4:]
     _poison(cache, 0)
-    layout = _layout([8, 1], [(1, 2), (3,)])
+    layout = _layout([8, 1], [(1, 2), (3,)], cache.null_page)
     q_nope, q_pe = (
         torch.randn(2, heads, nope, generator=gen),
         torch.randn(2, heads, rope, generator=gen),

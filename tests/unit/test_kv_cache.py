@@ -26,15 +26,18 @@ def test_written_kv_lands_inside_its_page_bytes():
     spec = KVCacheSpec.gqa(num_layers=3, num_kv_heads=2, head_dim=4, page_size=4, kv_dtype="fp32")
     cache = PagedKVCache(spec, num_pages=5)
     _write_layers(cache)
-    pages = cache.pool.view(torch.float32).view(5, 2, 3, 2, 4, 4)  # [page, head, layer, k|v, ..]
+    pages = cache.pool.view(torch.float32).view(
+        6, 2, 3, 4, 2, 4
+    )  # [page, head, layer, slot, k|v, ..]
+    assert cache.null_page == 5 and not pages[5].any()  # the null page: zeros nothing writes
     for page in range(5):
         values = sorted(set(pages[page].abs().flatten().tolist()))
         assert values == ([0.0, 1.0, 2.0, 3.0] if page in (2, 4) else [0.0])
     assert cache.page_address(2) - cache.page_address(0) == 2 * spec.page_bytes
-    assert torch.equal(pages[2, :, 1, 0, 1], torch.full((2, 4), 2.0))
-    assert torch.equal(pages[4, :, 2, 1, 3], torch.full((2, 4), -3.0))
+    assert torch.equal(pages[2, :, 1, 1, 0], torch.full((2, 4), 2.0))
+    assert torch.equal(pages[4, :, 2, 3, 1], torch.full((2, 4), -3.0))
     head_block = spec.page_bytes // 2  # a head's KV of every layer is one byte range
-    assert torch.equal(cache.pool[2, :head_block].view(torch.float32).view(3, 2, 4, 4),
+    assert torch.equal(cache.pool[2, :head_block].view(torch.float32).view(3, 4, 2, 4),
                        pages[2, 0])  # fmt: skip
 
 

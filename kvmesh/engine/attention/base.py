@@ -37,6 +37,7 @@ class BatchLayout:
     starts: tuple[int, ...]
     widths: tuple[int, ...]
     page_size: int
+    null_page: int  # an all-zero page nothing writes: where padding slots point (kv_cache.py)
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,6 @@ class AttentionMetadata:
     decode_gather: Slots | None  # [B, Lmax]: cache slots of each decode row's context
     decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] bool: True where a slot is real context
     prefills: tuple[PrefillSpan, ...]
-    # [B, Lmax, 1] bool, True at padding slots (None: no row is padded). Padding gathers slots
-    # of other requests or stale bytes; backends zero what they read there, since 0 * NaN
-    # (a corrupt page's bits) would poison a row that never attends to it.
-    decode_padding: torch.Tensor | None = None
 
 
 class AttentionBackend(Protocol):

@@ -13,7 +13,8 @@ def build_torch_metadata(layout: BatchLayout) -> AttentionMetadata:
     slots: list[torch.Tensor] = []
     gather = mask = None
     if decode:
-        gather, mask, new = _decode(layout.block_tables[:decode], layout.starts[:decode], offsets)
+        tables, starts = layout.block_tables[:decode], layout.starts[:decode]
+        gather, mask, new = _decode(tables, starts, offsets, layout.null_page)
         slots.append(new)
     spans, row = [], decode
     for table, start, width in zip(layout.block_tables[decode:], layout.starts[decode:],
@@ -23,12 +24,7 @@ def build_torch_metadata(layout: BatchLayout) -> AttentionMetadata:
         spans.append(PrefillSpan(row, row + width, start, index))
         slots.append(every[start:])
         row += width
-    padding = None
-    if mask is not None and not bool(mask.all()):
-        padding = ~mask.view(mask.shape[0], -1, 1)
-    return AttentionMetadata(
-        Slots.of(torch.cat(slots), size), decode, gather, mask, tuple(spans), padding
-    )
+    return AttentionMetadata(Slots.of(torch.cat(slots), size), decode, gather, mask, tuple(spans))
 
 
 def _slots_of(table: tuple[int, ...], length: int, offsets: torch.Tensor) -> torch.Tensor:
@@ -37,15 +33,18 @@ def _slots_of(table: tuple[int, ...], length: int, offsets: torch.Tensor) -> tor
     return (pages.unsqueeze(1) * size + offsets).flatten()[:length]
 
 
-def _decode(tables, starts, offsets: torch.Tensor):
+def _decode(tables, starts, offsets: torch.Tensor, null_page: int):
+    """Each row's context slots, padded to the longest with slots of the null page."""
     size = len(offsets)
     lengths = torch.tensor(starts) + 1
     longest = int(lengths.max())
     width = (longest + size - 1) // size
-    padded = torch.tensor([list(t[:width]) + [0] * (width - len(t[:width])) for t in tables])
+    padded = torch.tensor([list(t[:width]) + [null_page] * (width - len(t[:width]))
+                           for t in tables])  # fmt: skip
     gather = (padded.unsqueeze(-1) * size + offsets).flatten(1)[:, :longest]
     mask = torch.arange(longest).unsqueeze(0) < lengths.unsqueeze(1)
     new_slots = gather.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
+    gather = torch.where(mask, gather, null_page * size)  # stale slots of a last page too
     return Slots.of(gather, size), mask[:, None, None, :], new_slots
 
 

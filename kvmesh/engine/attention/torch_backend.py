@@ -40,9 +40,6 @@ class TorchAttention:
     @staticmethod
     def _decode(q, cache: GqaLayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         keys, values = cache.read(meta.decode_gather)  # [B, L, Hkv, D]
-        if meta.decode_padding is not None:
-            keys.masked_fill_(meta.decode_padding.unsqueeze(-1), 0)
-            values.masked_fill_(meta.decode_padding.unsqueeze(-1), 0)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         if q.dtype != torch.float32:  # CPU SDPA with a mask falls back to a slow path off fp32
             return _grouped_decode(q, keys, values, meta.decode_mask, scale)

@@ -48,8 +48,6 @@ class TorchMlaAttention:
         q_latent = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)  # [B, H, rank]
         query = torch.cat((q_latent, q_pe), dim=-1)
         context = cache.read(meta.decode_gather)  # [B, L, rank + rope]
-        if meta.decode_padding is not None:
-            context.masked_fill_(meta.decode_padding, 0)
         scores = torch.bmm(query, context.transpose(1, 2)).float() * w.scale  # [B, H, L]
         mask = meta.decode_mask.view(scores.shape[0], 1, -1)
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(query.dtype)

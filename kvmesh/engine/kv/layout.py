@@ -13,8 +13,8 @@ contiguous block, and a tensor-parallel rank's head slice of a page is one byte 
 
     page   = [head] x head block
     block  = data of layer 0, data of layer 1, ...,  scales of layer 0, scales of layer 1, ...
-    data   [part, slot, dim]   in the KV dtype
-    scales [part, slot]        fp8_e4m3 only: int8 power-of-two exponents
+    data   [slot, part, dim]   in the KV dtype (K and V of a slot side by side: one gather)
+    scales [slot, part]        fp8_e4m3 only: int8 power-of-two exponents
 
 FP8 scale granularity: one scale per (token, head, part) vector. A page fills one token at a
 time during decode, so a per-page scale would force re-quantizing the whole page whenever a
@@ -138,7 +138,8 @@ class KVCacheSpec:
         return f"v{LAYOUT_VERSION}:{self.num_layers}L:{'+'.join(kinds)}:p{self.page_size}:{self.kv_dtype}"
 
     def pages_for_budget(self, budget_bytes: int) -> int:
-        return max(budget_bytes // self.page_bytes, 1)
+        """Pages a pool of `budget_bytes` holds; one page of it is the pool's null page."""
+        return max(budget_bytes // self.page_bytes - 1, 1)
 
 
 def spec_for_model(config: ModelConfig, page_size: int, kv_dtype: str) -> KVCacheSpec:
