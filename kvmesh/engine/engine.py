@@ -18,7 +18,7 @@ from kvmesh.engine.faults import FaultInjector
 from kvmesh.engine.integrity import PageTags
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
 from kvmesh.engine.kv.events import KvEvent
-from kvmesh.engine.kv_cache import PagedKVCache, spec_for_model
+from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.loader import load_weights
 from kvmesh.engine.outputs import Reservation, TokenOutput
 from kvmesh.engine.runner import ModelRunner
@@ -56,7 +56,7 @@ class Engine:
         self.max_model_len, self._context_note = loaded.max_model_len, loaded.context_note
         dtype = TORCH_DTYPES[config.compute_dtype]
         self.kv_dtype = config.resolved_kv_dtype
-        spec = spec_for_model(self.model_config, config.page_size, self.kv_dtype)
+        spec = model.kv_spec(config.page_size, self.kv_dtype)
         self.kv_spec = spec
         num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
         self.kv_cache = PagedKVCache(spec, num_pages, dtype)

@@ -12,6 +12,7 @@ import torch
 
 from kvmesh.engine.config import EngineConfig, ModelConfig
 from kvmesh.engine.loader import ModelSource, load_hf_tokenizer, load_model, resolve_model
+from kvmesh.engine.loader.memory import current_rss_bytes, peak_rss_bytes
 from kvmesh.engine.models import CausalLM, build_model
 from kvmesh.engine.tokenizer import Tokenizer
 
@@ -49,5 +50,7 @@ def load_engine_model(config: EngineConfig, load_weights: Any) -> LoadedEngineMo
     built = time.perf_counter()
     dtype = TORCH_DTYPES[config.compute_dtype]
     model = build_model(model_config, loaded.weights, dtype, max_len, int4=config.int4)
-    log.info("engine.model_built", seconds=round(time.perf_counter() - built, 3))
+    log.info("engine.model_built", seconds=round(time.perf_counter() - built, 3),
+             weight_mib=model.weight_bytes >> 20, rss_mib=(current_rss_bytes() or 0) >> 20,
+             peak_rss_mib=peak_rss_bytes() >> 20)  # fmt: skip
     return LoadedEngineModel(source, model_config, tokenizer, model, max_len, note)

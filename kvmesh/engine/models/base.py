@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.engine.config import Int4Scheme, ModelConfig
+from kvmesh.engine.kv.layout import KVCacheSpec, spec_for_model
 from kvmesh.engine.layers.linear import LinearMethod, method_for
 from kvmesh.engine.layers.mlp import GatedMLP
 from kvmesh.engine.layers.norm import rms_norm
@@ -52,6 +53,10 @@ class CausalLM(Protocol):
         ...
 
     def token_embeddings(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def kv_spec(self, page_size: int, kv_dtype: str) -> KVCacheSpec:
+        """The pages it caches into (GQA or MLA latent pages, per layer)."""
+        ...
 
     @property
     def weight_bytes(self) -> int: ...
@@ -136,6 +141,9 @@ class DecoderModel:
         unread = [n for n in self.weights.left_over() if not n.endswith(_IGNORED)]
         if unread:
             log.warning("model.unread_tensors", count=len(unread), first=unread[:5])
+
+    def kv_spec(self, page_size: int, kv_dtype: str) -> KVCacheSpec:
+        return spec_for_model(self.config, page_size, kv_dtype)
 
     def token_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the token embedding for `ids`, in the compute dtype."""
