@@ -6,7 +6,8 @@ noise hits both alike; prints the median tok/s and new/old ratio per (dtype, con
     python scripts/bench_commits.py OLD_REV [NEW_REV=HEAD] --rounds 3 --concurrency 1,8,32
 
 Each commit is checked out into a temporary git worktree and run with it first on PYTHONPATH
-(the same venv and model), in a fresh process per measurement.
+(the same venv and model; the editable install's import hook is dropped), in a fresh process
+per measurement.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 _MEASURE = """
 import json, sys
+# the venv's editable install of kvmesh would win over PYTHONPATH: drop its finder
+sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
 from kvmesh import LLM
 from kvmesh.benchmarks.offline import bench_kvmesh, chat_prompts
 import kvmesh
@@ -37,7 +40,7 @@ def measure(tree: Path, dtype: str, levels: str, max_tokens: int) -> dict[str, f
     env = {"PYTHONPATH": str(tree), "KVMESH_LOG_LEVEL": "ERROR"}
     proc = subprocess.run(
         [sys.executable, "-c", _MEASURE, dtype, levels, str(max_tokens)],
-        capture_output=True, text=True, check=True, env={**_base_env(), **env},
+        capture_output=True, text=True, check=True, env={**_base_env(), **env}, cwd=tree,
     )  # fmt: skip
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     if not result["source"].startswith(str(tree)):
