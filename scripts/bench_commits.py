@@ -75,14 +75,18 @@ def main() -> int:
             for tree in trees.values():
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
                                 str(tree)], check=False, capture_output=True)  # fmt: skip
-    print(
-        f"| dtype | concurrency | old tok/s | new tok/s | new / old |  ({args.old} -> {args.new},"
-        f" median of {args.rounds} alternating rounds, {args.max_tokens} tokens each)"
-    )
-    print("|---|---:|---:|---:|---:|")
+    print(f"{args.old} -> {args.new}: medians of {args.rounds} alternating rounds, "
+          f"{args.max_tokens} tokens per request; per-round ratios new / old (each round's "
+          "pair ran back to back)\n")  # fmt: skip
+    print("| dtype | concurrency | old tok/s | new tok/s | new / old (medians) | "
+          "median of per-round ratios | per-round ratios |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---|")
     for (dtype, c), by in sorted(runs.items()):
         old, new = statistics.median(by["old"]), statistics.median(by["new"])
-        print(f"| {dtype} | {c} | {old:.1f} | {new:.1f} | {new / old:.3f} |")
+        ratios = [n / o for n, o in zip(by["new"], by["old"], strict=True)]
+        listed = ", ".join(f"{r:.2f}" for r in ratios)
+        print(f"| {dtype} | {c} | {old:.1f} | {new:.1f} | {new / old:.3f} | "
+              f"{statistics.median(ratios):.3f} | {listed} |")  # fmt: skip
     return 0
 
 

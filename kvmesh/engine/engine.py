@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import structlog
 import torch
@@ -293,11 +292,7 @@ class Engine:
                 )
                 failed.append(TokenOutput(seq.seq_id, [], [], True, FinishReason.ABORT,
                                           seq.num_prompt_tokens, seq.num_cached_tokens, error))  # fmt: skip
-        bad = {seq.seq_id for seq, _ in mismatched}
-        chunks = tuple(c for c in output.chunks if c.seq.seq_id not in bad)
-        step = replace(output.step, chunks=tuple(c for c in output.step.chunks
-                                                 if c.req_id not in bad))  # fmt: skip
-        return replace(output, chunks=chunks, step=step), failed
+        return output.without({seq.seq_id for seq, _ in mismatched}), failed
 
     @staticmethod
     def _output(seq: Sequence, tokens, logprobs, finished) -> TokenOutput:

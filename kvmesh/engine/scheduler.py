@@ -9,60 +9,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 from kvmesh.engine.kv.block_manager import BlockManager
+from kvmesh.engine.scheduled import ScheduledChunk, SchedulerConfig, SchedulerOutput
 from kvmesh.engine.sequence import FinishReason, SeqStatus, Sequence
-from kvmesh.engine.step import ChunkPlan, StepDiffer, StepPlan
+from kvmesh.engine.step import StepDiffer
+
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
 from kvmesh.errors import CapacityError, ContextLengthError
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Per-step limits: sequences in flight, tokens per forward pass, context length."""
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 8192
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.max_model_len < 2:
-            raise ValueError("max_model_len must leave room for a prompt token and an output")
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Tokens [start, start + num_tokens) of seq run this step; `sample` when they reach the end."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    sample: bool
-    draft: tuple[int, ...] = ()  # speculative tokens after seq's last token (to verify)
-
-    @property
-    def plan(self) -> ChunkPlan:
-        return ChunkPlan(self.seq.seq_id, self.start, self.num_tokens, self.sample, self.draft)
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """One step's work: `step` is what the model runner gets (plain data); `chunks` are the
-    same chunks with their live sequences, for the engine's own bookkeeping; and the ids
-    preempted while planning it."""
-
-    chunks: tuple[ScheduledChunk, ...]
-    preempted: tuple[str, ...]
-    num_batched_tokens: int
-    step: StepPlan
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
 
 
 class Scheduler:

@@ -29,6 +29,7 @@ _SCRIPT = textwrap.dedent(
         "kvmesh.engine.sequence",
         "kvmesh.engine.sampling_params",
         "kvmesh.engine.step",
+        "kvmesh.engine.scheduled",
         "kvmesh.engine.kv.layout",
         "kvmesh.engine.models.registry",
         "kvmesh.engine.loader.hf_config",
