@@ -4,6 +4,8 @@ n-gram speculation and integrity faults give the tokens a plain run gives."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -118,3 +120,17 @@ def test_bench_kv_prints_the_latent_page_spec(model):
     assert set(rows) == {"fp32", "bf16", "fp8_e4m3"}
     assert "| 80 | 160 |" in rows["bf16"] and "| 80 | 81 |" in rows["fp8_e4m3"]
     assert 1.95 < float(rows["fp8_e4m3"].split("|")[-2]) < 1.99  # 160 / 81 less rounding
+
+
+def test_generate_cli_serves_the_tiny_checkpoint(model):
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "generate", "--model", model, "--prompt", "Hello",
+         "--chat", "--max-tokens", "6", "--json"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["model"] == Path(model).name and 1 <= result["completion_tokens"] <= 6
