@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.mesh.launcher import list_workers
+from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
 from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 
@@ -24,6 +26,29 @@ def samples(address: str, name: str) -> dict[tuple[tuple[str, str], ...], float]
         for s in family.samples
         if s.name == name
     }
+
+
+def metric_sum(address: str, name: str) -> float:
+    """The sum of metric `name` over all its labels at http://address/metrics."""
+    return sum(samples(address, name).values())
+
+
+@contextlib.contextmanager
+def mesh_with_faults(options: UpOptions, faults: str) -> Iterator[Mesh]:
+    """A running mesh whose processes inherit KVMESH_FAULTS (the test's own environment is
+    restored as soon as they are started); stopped on exit."""
+    saved = dict(os.environ)
+    os.environ.update(MC_TCP_BIND_ADDRESS="127.0.0.1", KVMESH_FAULTS=faults)
+    running = Mesh(options)
+    try:
+        running.start()
+        os.environ.clear()
+        os.environ.update(saved)
+        yield running
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        running.stop()
 
 
 def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:

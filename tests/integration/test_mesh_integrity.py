@@ -10,15 +10,14 @@ injected fault is counted as detected.
 from __future__ import annotations
 
 import asyncio
-import os
-import urllib.request
 
 import openai
 import pytest
 
 from kvmesh import LLM, SamplingParams
-from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
+from kvmesh.mesh.launcher import UpOptions, list_workers
 from tests.integration.chat_client import ask_or_error
+from tests.integration.mesh_probes import mesh_with_faults, metric_sum
 
 pytestmark = pytest.mark.timeout(600)
 FAULTS = "drop_transfer@3,overwrite@40"
@@ -29,29 +28,14 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def mesh():
-    saved = dict(os.environ)
-    os.environ.update(MC_TCP_BIND_ADDRESS="127.0.0.1", KVMESH_FAULTS=FAULTS)
-    running = Mesh(UpOptions(prefill=1, decode=1, kvstore="none", worker_args=WORKER_ARGS))
-    try:
-        running.start()
-        os.environ.clear()
-        os.environ.update(saved)
+    options = UpOptions(prefill=1, decode=1, kvstore="none", worker_args=WORKER_ARGS)
+    with mesh_with_faults(options, FAULTS) as running:
         yield running
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        running.stop()
 
 
 @pytest.fixture(scope="module")
 def reference():
     return LLM(dtype="fp32", kv_dtype="fp8_e4m3", kv_cache_bytes=48 << 20)
-
-
-def _metric(address: str, name: str) -> float:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
 def test_faults_are_detected_and_only_exact_answers_reach_the_client(mesh, reference):
@@ -72,8 +56,8 @@ def test_faults_are_detected_and_only_exact_answers_reach_the_client(mesh, refer
     workers = asyncio.run(list_workers(mesh.etcd.endpoint, "default"))
     decode = next(w for w in workers if w.role == "decode")
     prefill = next(w for w in workers if w.role == "prefill")
-    failures = _metric(decode.metrics_address, "kvmesh_kv_integrity_failures_total")
-    injected = _metric(decode.metrics_address, "kvmesh_faults_injected_total") + _metric(
+    failures = metric_sum(decode.metrics_address, "kvmesh_kv_integrity_failures_total")
+    injected = metric_sum(decode.metrics_address, "kvmesh_faults_injected_total") + metric_sum(
         prefill.metrics_address, "kvmesh_faults_injected_total"
     )
     assert errors >= 2  # drops alone hit at least 8 // 3 requests

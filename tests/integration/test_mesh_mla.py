@@ -9,16 +9,15 @@ architecture and the KV spec, and the store holds pages of that spec."""
 from __future__ import annotations
 
 import asyncio
-import os
-import urllib.request
 
 import pytest
 
 from kvmesh import LLM, SamplingParams
-from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
+from kvmesh.mesh.launcher import UpOptions, list_workers
 from kvmesh.tools.tiny_configs import TinySpec
 from kvmesh.tools.tiny_models import make_tiny_model
 from tests.integration.chat_client import ask_or_error
+from tests.integration.mesh_probes import mesh_with_faults, metric_sum
 
 pytestmark = pytest.mark.timeout(600)
 WORKER_ARGS = ("--dtype", "fp32", "--kv-dtype", "fp8_e4m3", "--kv-cache-memory", "8MiB")
@@ -32,26 +31,10 @@ def model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def mesh(model):
-    saved = dict(os.environ)
-    os.environ.update(MC_TCP_BIND_ADDRESS="127.0.0.1", KVMESH_FAULTS="drop_transfer@4")
     options = UpOptions(model=model, prefill=1, decode=1, kvstore="builtin",
                         worker_args=WORKER_ARGS)  # fmt: skip
-    running = Mesh(options)
-    try:
-        running.start()
-        os.environ.clear()
-        os.environ.update(saved)
+    with mesh_with_faults(options, "drop_transfer@4") as running:
         yield running
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        running.stop()
-
-
-def _metric(address: str, name: str) -> float:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
 def test_mla_mesh_answers_exactly_or_reports_the_fault(mesh, model):
@@ -81,13 +64,13 @@ def test_mla_mesh_answers_exactly_or_reports_the_fault(mesh, model):
     assert repeat.usage.prompt_tokens_details.cached_tokens >= 16  # latent pages from the cache
     workers = {w.role: w for w in asyncio.run(list_workers(mesh.etcd.endpoint, "default"))}
     decode, prefill = workers["decode"], workers["prefill"]
-    injected = _metric(prefill.metrics_address, "kvmesh_faults_injected_total")
+    injected = metric_sum(prefill.metrics_address, "kvmesh_faults_injected_total")
     assert errors >= 1 and exact >= 4
-    assert _metric(decode.metrics_address, "kvmesh_kv_integrity_failures_total") == injected
+    assert metric_sum(decode.metrics_address, "kvmesh_kv_integrity_failures_total") == injected
     assert injected >= errors
-    assert _metric(prefill.metrics_address, "kvmesh_kv_transfer_bytes_total") > 0
+    assert metric_sum(prefill.metrics_address, "kvmesh_kv_transfer_bytes_total") > 0
     for worker in (decode, prefill):
-        assert 0 < _metric(worker.metrics_address, "kvmesh_grpc_message_bytes_max") < 64 << 10
+        assert 0 < metric_sum(worker.metrics_address, "kvmesh_grpc_message_bytes_max") < 64 << 10
         assert worker.extra["architecture"] == "deepseek_v3"
         assert ":mla1x80:" in worker.extra["kv_spec"] and worker.kv_dtype == "fp8_e4m3"
     assert decode.extra["kv_spec"] in workers["kvstore"].extra["layout_key"]
