@@ -121,6 +121,13 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _cpus_arg(p: argparse.ArgumentParser, flag: str, env_name: str, text: str) -> None:
+    from kvmesh.mesh.affinity import ExportCpus  # no torch, no structlog: parsing stays fast
+
+    p.add_argument(flag, action=ExportCpus, env_name=env_name, default=None, metavar="LIST",
+                   help=f"{text} (e.g. 0, 0-1, 0,2-3; exported as {env_name})")  # fmt: skip
+
+
 def _spec_args(p: argparse.ArgumentParser, worker: bool = False) -> None:
     p.add_argument(
         "--speculative",
@@ -192,6 +199,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
             choices=["auto", "fp32", "bf16", "int4"],
             help=f"weight precision of the {role} workers only (default: --weights)",
         )
+        _cpus_arg(up, f"--{role}-cpus", f"KVMESH_{role.upper()}_CPUS",
+                  f"pin every {role} worker to these CPUs, a torch thread per CPU")  # fmt: skip
     serve = sub.add_parser("serve", help="run one service of the mesh")
     serve_sub = serve.add_subparsers(dest="service", required=True)
     for role in ("prefill", "decode"):
@@ -201,6 +210,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         worker.add_argument("--worker-id", default="")
         worker.add_argument("--port", type=int, default=0)
         worker.add_argument("--metrics-port", type=int, default=0)
+        _cpus_arg(worker, "--cpus", "KVMESH_CPUS", "pin this worker to these CPUs; torch "
+                  "threads = their number unless KVMESH_NUM_THREADS says otherwise")  # fmt: skip
         _worker_args(worker)
         _spec_args(worker, worker=True)
     lazy.add(serve_sub, ("serve", "kvstore"), "the KV page store (RAM + disk tiers)",
@@ -262,11 +273,14 @@ _BENCHES = {  # name: (help, module whose add_arguments defines its flags)
     "weights": ("INT4 vs bf16 vs fp32 weights: memory, decode tok/s, quality",
                 "kvmesh.benchmarks.weights"),
     "spec": ("tokens/s with and without speculative decoding", "kvmesh.benchmarks.spec"),
-    "serve": ("TTFT/TPOT/tok/s through the mesh vs the engine", "kvmesh.cli_args"),
+    "serve": ("TTFT/TPOT/tok/s of any OpenAI-compatible server (--url), or the mesh vs the engine",
+              "kvmesh.cli_args"),
     "agent": ("multi-turn agent sessions: cache-aware vs least-load routing",
               "kvmesh.benchmarks.agent"),
     "coldstart": ("`kvmesh up` to the first streamed token, split by phase",
                   "kvmesh.benchmarks.coldstart"),
+    "pd": ("steady decode streams + long prompts: colocated vs disaggregated P/D, pinned cores",
+           "kvmesh.benchmarks.pd"),
 }  # fmt: skip
 
 

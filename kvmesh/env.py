@@ -12,7 +12,7 @@ def kvmesh_home() -> Path:
 
 
 def num_threads() -> int | None:
-    """Torch intra-op threads (`KVMESH_NUM_THREADS`); None keeps torch's default."""
+    """Torch intra-op threads (`KVMESH_NUM_THREADS`); None: see serve_threads."""
     value = os.environ.get("KVMESH_NUM_THREADS")
     return int(value) if value else None
 
@@ -36,3 +36,36 @@ def model_cache() -> bool:
     """Keep converted models (and GGUF tokenizers) under $KVMESH_HOME/cache
     (`KVMESH_MODEL_CACHE`, default on; 0 converts the source at every start)."""
     return os.environ.get("KVMESH_MODEL_CACHE", "1") not in ("0", "false", "off", "")
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """A CPU list as taskset and cgroups write it: `0`, `0-1`, `0,2-3`; ValueError when malformed
+    or empty."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        low, dash, high = part.partition("-")
+        high = high if dash else low
+        if not (low.isdigit() and high.isdigit()) or int(low) > int(high):
+            raise ValueError(f"expected a CPU list like 0, 0-1 or 0,2-3, got {text!r}")
+        cpus.update(range(int(low), int(high) + 1))
+    return frozenset(cpus)
+
+
+def worker_cpus() -> str | None:
+    """The CPU list a worker pins itself to when it starts (`KVMESH_CPUS`, e.g. `0` or `0-1`;
+    set by `kvmesh serve prefill|decode --cpus` and per role by `kvmesh up`); None: every CPU it
+    was started with."""
+    return os.environ.get("KVMESH_CPUS", "").strip() or None
+
+
+def role_cpus(role: str) -> str | None:
+    """`kvmesh up`: the CPU list of every worker of `role` (`KVMESH_PREFILL_CPUS`,
+    `KVMESH_DECODE_CPUS`; set by --prefill-cpus / --decode-cpus); None: not pinned."""
+    return os.environ.get(f"KVMESH_{role.upper()}_CPUS", "").strip() or None
+
+
+def serve_threads() -> int:
+    """Torch intra-op threads while serving: `KVMESH_NUM_THREADS`, else one per CPU this process
+    may run on now (its affinity: torch fixes its own default when it loads, so a process pinned
+    after importing torch would keep a pool sized for the CPUs it had before)."""
+    return num_threads() or len(os.sched_getaffinity(0))

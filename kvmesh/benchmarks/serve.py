@@ -1,14 +1,14 @@
-"""`kvmesh bench serve`: TTFT, TPOT and tokens/s through the gateway's OpenAI REST API.
+"""`kvmesh bench serve`: a serving benchmark for any OpenAI-compatible server, or for the mesh.
 
-For each concurrency C, C client loops stream `POST /v1/chat/completions` (greedy, EOS ignored,
-`max_tokens` fixed) until N requests are done. Per request: TTFT = first content delta - send;
-TPOT = (last content delta - first) / (tokens - 1), tokens from the final usage chunk. tok/s =
-all output tokens / wall time of the level.
+`--url URL` measures a running server -- kvmesh, vLLM, llama.cpp's llama-server, SGLang -- over
+its streaming OpenAI API (what, how and how lengths are kept exact: serve_suite.py and
+serve_client.py): single-stream decode tok/s, TTFT on a ~500-token prompt, aggregate tok/s at
+1/4/16/64 streams. `--model` defaults to the first model its `GET /v1/models` lists.
 
-Mesh overhead (only when this command starts the mesh): for C in (1, 8) the same prompts run
-first through the in-process engine (`LLM.chat`, C conversations at a time, same dtype and KV
-budget as a worker), then the engine is dropped and the mesh started, so the two never share
-the CPU. Reported as mesh p50 / engine p50 for TPOT (target <= 1.10) and TTFT.
+Without `--url` it starts the mesh (etcd + gateway + prefill and decode workers) and measures
+the same, plus, for C in (1, 8), the same prompts through the in-process engine (`LLM.chat`, C
+conversations at a time, same dtype and KV budget as a worker), run first and freed before the
+mesh starts, so the two never share the CPU: mesh p50 / engine p50 for TPOT (target <= 1.10).
 """
 
 from __future__ import annotations
@@ -19,116 +19,40 @@ import gc
 import json
 import os
 import platform
+import shlex
+import sys
 import time
-from collections import deque
-from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
-import numpy as np
-
-from kvmesh.benchmarks.offline import TOPICS
+from kvmesh.benchmarks.serve_client import Messages, RequestTiming, Target, first_model, stream_one
+from kvmesh.benchmarks.serve_suite import (
+    client_loops,
+    level_prompts,
+    measure_long_prompt,
+    measure_single_stream,
+    requests_for,
+    summarize,
+)
+from kvmesh.benchmarks.serve_suite import measure_level as measure_target_level
+from kvmesh.benchmarks.serve_suite import ms as _ms
 from kvmesh.errors import ServeBenchError
 
+__all__ = ["Messages", "ServeBenchError", "_ms", "level_prompts", "measure_level", "stream_one"]
 OVERHEAD_LEVELS = (1, 8)
 TPOT_TARGET = 1.10
 WORKER_KV_CACHE_BYTES = 512 << 20  # `kvmesh serve decode|prefill` default --kv-cache-mib
-Messages = list[dict[str, str]]
-
-
-@dataclass(frozen=True)
-class RequestTiming:
-    """One streamed request; tpot_s is None when it produced a single token."""
-
-    ttft_s: float
-    tpot_s: float | None
-    tokens: int
-
-
-def level_prompts(concurrency: int, n: int) -> list[Messages]:
-    """Distinct per level, so one level never reuses another's prompt (prefix cache)."""
-    return [
-        [
-            {
-                "role": "user",
-                "content": f"Level {concurrency}, request {i}: write a short story about "
-                f"{TOPICS[i % len(TOPICS)]}.",
-            }
-        ]
-        for i in range(n)
-    ]
-
-
-def requests_for(concurrency: int, requests_per_level: int | None) -> int:
-    return requests_per_level or max(2 * concurrency, 4)
-
-
-# ---- mesh: streaming clients ------------------------------------------------------------------
-
-
-async def stream_one(
-    client: httpx.AsyncClient, url: str, model: str, messages: Messages, max_tokens: int
-) -> RequestTiming:
-    body = {
-        "model": model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    first = last = tokens = None
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            raise ServeBenchError(f"HTTP {response.status_code}: {response.text}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if "error" in chunk:
-                raise ServeBenchError(f"in-band error: {chunk['error']}")
-            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                last = time.perf_counter()
-                first = last if first is None else first
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    if first is None or last is None or not tokens:
-        raise ServeBenchError("stream ended without content or without a usage chunk")
-    return RequestTiming(first - start, _tpot(last - first, tokens), tokens)
-
-
-async def _client_loops(
-    url: str, model: str, prompts: list[Messages], concurrency: int, max_tokens: int
-) -> tuple[list[RequestTiming], float]:
-    """C loops, each taking the next prompt until none is left; returns timings and wall time."""
-    todo = deque(enumerate(prompts))
-    timings: list[RequestTiming | None] = [None] * len(prompts)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=300.0, limits=limits) as client:
-
-        async def loop() -> None:
-            while todo:
-                i, messages = todo.popleft()
-                timings[i] = await stream_one(client, url, model, messages, max_tokens)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(loop() for _ in range(concurrency)))
-        wall = time.perf_counter() - start
-    return [t for t in timings if t is not None], wall
+DEFAULT_MODEL = "smollm2-135m"  # the mesh's; with --url: what the server lists first
+URL_LEVELS, MESH_LEVELS = "1,4,16,64", "1,8"
+LONG_PROMPT_OUTPUT = 8  # tokens generated after each long prompt (TTFT is what counts)
 
 
 def measure_level(
     url: str, model: str, concurrency: int, n_requests: int, max_tokens: int
 ) -> dict[str, Any]:
-    """One concurrency level against a running gateway at `url` (http://host:port)."""
-    prompts = level_prompts(concurrency, n_requests)
-    timings, wall = asyncio.run(_client_loops(url, model, prompts, concurrency, max_tokens))
-    return summarize("mesh", concurrency, timings, wall)
+    """One concurrency level of chat requests against a running gateway at `url`."""
+    return measure_target_level(Target(url, model), concurrency, n_requests, max_tokens, "mesh")
 
 
 # ---- in-process engine ------------------------------------------------------------------------
@@ -151,47 +75,17 @@ def measure_engine(
             start = time.perf_counter()
             outs = llm.chat(prompts[i : i + c], params)
             wall += time.perf_counter() - start
-            timings += [_engine_timing(o) for o in outs]
+            timings += [_engine_timing(o, max_tokens) for o in outs]
         results[c] = summarize("engine", c, timings, wall)
     del llm
     gc.collect()
     return results
 
 
-def _engine_timing(out: Any) -> RequestTiming:
+def _engine_timing(out: Any, max_tokens: int) -> RequestTiming:
     n = len(out.token_ids)
-    return RequestTiming(out.ttft_s, _tpot(out.total_s - out.ttft_s, n), n)
-
-
-# ---- summary and report -----------------------------------------------------------------------
-
-
-def _tpot(decode_s: float, tokens: int) -> float | None:
-    return decode_s / (tokens - 1) if tokens > 1 else None
-
-
-def _ms(values: list[float], q: float) -> float | None:
-    return round(float(np.percentile(values, q)) * 1e3, 2) if values else None
-
-
-def summarize(
-    path: str, concurrency: int, timings: list[RequestTiming], wall_s: float
-) -> dict[str, Any]:
-    ttfts = [t.ttft_s for t in timings]
-    tpots = [t.tpot_s for t in timings if t.tpot_s is not None]
-    tokens = sum(t.tokens for t in timings)
-    return {
-        "path": path,
-        "concurrency": concurrency,
-        "num_requests": len(timings),
-        "ttft_p50_ms": _ms(ttfts, 50),
-        "ttft_p90_ms": _ms(ttfts, 90),
-        "tpot_p50_ms": _ms(tpots, 50),
-        "tpot_p90_ms": _ms(tpots, 90),
-        "output_tok_s": round(tokens / wall_s, 1) if wall_s > 0 else None,
-        "wall_s": round(wall_s, 3),
-        "requests": [asdict(t) for t in timings],
-    }
+    tpot = (out.total_s - out.ttft_s) / (n - 1) if n > 1 else None
+    return RequestTiming(out.ttft_s, tpot, n, len(out.prompt_token_ids), "engine", n == max_tokens)
 
 
 def overhead(mesh: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
@@ -208,70 +102,97 @@ def overhead(mesh: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# ---- report -----------------------------------------------------------------------------------
+
+
 def markdown(report: dict[str, Any]) -> str:
+    where = report["url"] or f"the mesh ({report['prefill']} prefill + {report['decode']} decode)"
     lines = [
-        f"{report['date']} {report['machine']}, model {report['model']} {report['dtype']}, "
-        f"{report['prefill']} prefill + {report['decode']} decode, "
-        f"{report['max_tokens']} tokens per request",
-        "| path | concurrency | requests | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms "
-        "| tok/s |",
-        "|---|---|---|---|---|---|---|---|",
+        f"{report['date']} {report['machine']}: {where}, model {report['model']}, "
+        f"{report['max_tokens']} tokens per request, lengths exact: {report['lengths_exact']}",
+        "| phase | streams | requests | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms "
+        "| tok/s | exact lengths |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in report["mesh"] + report["engine"]:
+    single, long = report["single_stream"], report["long_prompt"]
+    rows = [(f"single stream: {single['decode_tok_s']} decode tok/s", single)] if single else []
+    if long:
+        rows.append((f"long prompt ({_prompt_size(long)} tokens)", long))
+    rows += [(r["path"], r) for r in report["levels"] + report["engine"]]
+    for name, r in rows:
         lines.append(
-            f"| {r['path']} | {r['concurrency']} | {r['num_requests']} | {r['ttft_p50_ms']} "
+            f"| {name} | {r['concurrency']} | {r['num_requests']} | {r['ttft_p50_ms']} "
             f"| {r['ttft_p90_ms']} | {r['tpot_p50_ms']} | {r['tpot_p90_ms']} "
-            f"| {r['output_tok_s']} |"
+            f"| {r['output_tok_s']} | {r['num_requests'] - r['inexact_requests']}"
+            f"/{r['num_requests']} ({', '.join(r['counted_by'])}) |"
         )
     for o in report["overhead"]:
         lines.append(
             f"| mesh / engine | {o['concurrency']} | | {o['ttft_p50_ratio']} | "
-            f"| {o['tpot_p50_ratio']} (target <= {TPOT_TARGET}) | | {o['tok_s_ratio']} |"
+            f"| {o['tpot_p50_ratio']} (target <= {TPOT_TARGET}) | | {o['tok_s_ratio']} | |"
         )
     return "\n".join(lines)
+
+
+def _prompt_size(long: dict[str, Any]) -> str:
+    sizes = long["prompt_tokens"]
+    return f"{min(sizes)}-{max(sizes)}" if sizes else f"~{long['target_prompt_tokens']}"
 
 
 # ---- entry points -----------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--concurrency", default="1,8", help="comma-separated levels to sweep")
+    parser.add_argument(
+        "--url", default=None, help="a running OpenAI-compatible server (http://host:port[/v1])"
+    )
+    parser.add_argument(
+        "--model", default=None, help=f"with --url: the first of /v1/models; else {DEFAULT_MODEL}"
+    )
+    parser.add_argument(
+        "--concurrency", default=None, help=f"levels (--url: {URL_LEVELS}; else {MESH_LEVELS})"
+    )
     parser.add_argument(
         "--requests-per-level", type=int, default=None, help="default: max(2 * C, 4)"
     )
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    parser.add_argument("--decode", type=int, default=1, help="decode workers")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    parser.add_argument("--single-stream-requests", type=int, default=3, help="0: skip")
+    parser.add_argument("--long-prompt-requests", type=int, default=3, help="0: skip")
+    parser.add_argument("--long-prompt-tokens", type=int, default=500)
+    parser.add_argument("--api", default="chat", choices=["chat", "completions"])
+    parser.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
     parser.add_argument(
-        "--url", default=None, help="use this running gateway (http://host:port), no engine rows"
+        "--no-min-tokens", action="store_true", help="do not send min_tokens (strict servers)"
     )
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers (no --url)")
+    parser.add_argument("--decode", type=int, default=1, help="decode workers (no --url)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="no --url")
     parser.add_argument("--output", default=None, help="also write the JSON report here")
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
-    levels = [int(c) for c in args.concurrency.split(",")]
-    compared = [c for c in levels if c in OVERHEAD_LEVELS]
-    engine = (
-        {}
-        if args.url
-        else measure_engine(
-            args.model, args.dtype, compared, args.requests_per_level, args.max_tokens
-        )
-    )
-    mesh_rows = _measure_mesh(args, levels)
-    by_level = {r["concurrency"]: r for r in mesh_rows}
+    default_levels = URL_LEVELS if args.url else MESH_LEVELS
+    levels = [int(c) for c in (args.concurrency or default_levels).split(",")]
+    model = args.model or (first_model(args.url, args.api_key) if args.url else DEFAULT_MODEL)
+    compared = [] if args.url else [c for c in levels if c in OVERHEAD_LEVELS]
+    engine = measure_engine(model, args.dtype, compared, args.requests_per_level,
+                            args.max_tokens) if compared else {}  # fmt: skip
+    suite = _measure(args, model, levels)
+    by_level = {r["concurrency"]: r for r in suite["levels"]}
+    phases = [suite["single_stream"], suite["long_prompt"], *suite["levels"]]
     report = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-        "model": args.model,
-        "dtype": args.dtype,
+        "command": shlex.join(["kvmesh", *sys.argv[1:]]),
+        "url": args.url,
+        "model": model,
+        "api": args.api,
+        "dtype": None if args.url else args.dtype,
         "prefill": None if args.url else args.prefill,
         "decode": None if args.url else args.decode,
-        "url": args.url,
         "max_tokens": args.max_tokens,
-        "mesh": mesh_rows,
+        **suite,
+        "lengths_exact": all(p["lengths_exact"] for p in phases if p),
         "engine": list(engine.values()),
         "overhead": [overhead(by_level[c], e) for c, e in engine.items()],
     }
@@ -282,29 +203,40 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure_mesh(args: argparse.Namespace, levels: list[int]) -> list[dict[str, Any]]:
+def _measure(args: argparse.Namespace, model: str, levels: list[int]) -> dict[str, Any]:
     if args.url:
-        return sweep(args.url.rstrip("/"), args, levels)
+        return measure_suite(_target(args, args.url, model), args, levels, "server")
     from kvmesh.mesh.launcher import Mesh, UpOptions
 
-    options = UpOptions(
-        model=args.model,
-        prefill=args.prefill,
-        decode=args.decode,
-        worker_args=("--dtype", args.dtype),
-    )
+    options = UpOptions(model=model, prefill=args.prefill, decode=args.decode,
+                        worker_args=("--dtype", args.dtype))  # fmt: skip
     mesh = Mesh(options)
     try:
         mesh.start()
-        return sweep(f"http://127.0.0.1:{mesh.http_port}", args, levels)
+        target = _target(args, f"http://127.0.0.1:{mesh.http_port}", model)
+        return measure_suite(target, args, levels, "mesh")
     finally:
         mesh.stop()
 
 
-def sweep(url: str, args: argparse.Namespace, levels: list[int]) -> list[dict[str, Any]]:
-    asyncio.run(_client_loops(url, args.model, level_prompts(0, 2), 2, 8))  # warm-up
-    n = args.requests_per_level
-    return [measure_level(url, args.model, c, requests_for(c, n), args.max_tokens) for c in levels]
+def _target(args: argparse.Namespace, url: str, model: str) -> Target:
+    return Target(url, model, args.api, args.api_key, min_tokens=not args.no_min_tokens)
+
+
+def measure_suite(
+    target: Target, args: argparse.Namespace, levels: list[int], path: str
+) -> dict[str, Any]:
+    """Warm-up, then single stream, long prompt and every level, one after the other."""
+    asyncio.run(client_loops(target, list(level_prompts(0, 2)), 2, 8))
+    n, tokens = args.requests_per_level, args.max_tokens
+    single = long = None
+    if args.single_stream_requests:
+        single = measure_single_stream(target, args.single_stream_requests, tokens)
+    if args.long_prompt_requests:
+        long = measure_long_prompt(target, args.long_prompt_requests, args.long_prompt_tokens,
+                                   LONG_PROMPT_OUTPUT)  # fmt: skip
+    rows = [measure_target_level(target, c, requests_for(c, n), tokens, path) for c in levels]
+    return {"single_stream": single, "long_prompt": long, "levels": rows}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvmesh.env import kvmesh_home
 from kvmesh.errors import LaunchError
+from kvmesh.mesh.affinity import worker_env
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.etcd_server import EtcdServer
 from kvmesh.mesh.ports import free_port
@@ -45,6 +46,8 @@ class UpOptions:
     cluster: str = "default"
     worker_args: tuple[str, ...] = ()  # passed through to every worker (e.g. --dtype bf16)
     role_args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # after worker_args
+    # CPU list per role, e.g. {"prefill": "0"} (else KVMESH_<ROLE>_CPUS): see mesh/affinity.py
+    role_cpus: dict[str, str] = field(default_factory=dict)
     gateway_args: tuple[str, ...] = ()  # passed through to the gateway (e.g. --routing least-load)
     kvstore: str = "none"  # "builtin": the KV store service; "mooncake": backed by Mooncake Store
     kvstore_args: tuple[str, ...] = ()
@@ -107,7 +110,8 @@ class Mesh:
             for i in range(count):
                 name = f"{role}-{i}"
                 self._spawn(name, ["serve", role, "--worker-id", name, "--model", o.model,
-                                   *o.worker_args, *o.role_args.get(role, ())])  # fmt: skip
+                                   *o.worker_args, *o.role_args.get(role, ())],
+                            worker_env(role, o.role_cpus.get(role)))  # fmt: skip
 
     def _spawn_gateway(self) -> None:
         ports = ["--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
@@ -142,11 +146,11 @@ class Mesh:
         return ["--model", model, "--page-size", "16", "--kv-dtype", kv_dtype,
                 "--page-bytes", str(spec.page_bytes), "--kv-spec", spec.layout_key]  # fmt: skip
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         assert self.etcd is not None
         cmd = [sys.executable, "-m", "kvmesh.cli", *args,
                "--etcd", self.etcd.endpoint, "--cluster", self.options.cluster]  # fmt: skip
-        self.supervisor.spawn(name, cmd, self.run_dir / f"{name}.log")
+        self.supervisor.spawn(name, cmd, self.run_dir / f"{name}.log", env)
 
     def _deferred(self) -> AbstractContextManager[None]:
         return self.signals.deferred() if self.signals else contextlib.nullcontext()

@@ -33,6 +33,7 @@ class Child:
     log_path: Path
     proc: subprocess.Popen
     started_at: float
+    env: Mapping[str, str] | None = None  # None: the supervisor's environment
     restarts: int = 0
     restart_at: float | None = None  # monotonic time of a scheduled restart
     given_up: bool = False
@@ -76,15 +77,22 @@ class Supervisor:
     def pids(self) -> dict[str, int]:
         return {name: child.proc.pid for name, child in self.children.items()}
 
-    def spawn(self, name: str, cmd: list[str], log_path: Path) -> None:
+    def spawn(
+        self, name: str, cmd: list[str], log_path: Path, env: Mapping[str, str] | None = None
+    ) -> None:
+        """Start child `name`; `env` (e.g. its KVMESH_CPUS) is added to the supervisor's
+        environment, for this child and its restarts."""
+        child_env = {**self.env, **env} if env else None
         with self.defer():
-            self.children[name] = Child(name, cmd, log_path, self._start(cmd, log_path, "w"),
-                                        time.monotonic())  # fmt: skip
+            proc = self._start(cmd, log_path, "w", child_env)
+            self.children[name] = Child(name, cmd, log_path, proc, time.monotonic(), child_env)
         self.on_change()
 
-    def _start(self, cmd: list[str], log_path: Path, mode: str) -> subprocess.Popen:
+    def _start(
+        self, cmd: list[str], log_path: Path, mode: str, env: Mapping[str, str] | None
+    ) -> subprocess.Popen:
         with log_path.open(mode + "b") as log:  # the child keeps its own copy of the fd
-            return spawn(cmd, log, self.env)
+            return spawn(cmd, log, self.env if env is None else env)
 
     def first_exited(self) -> Child | None:
         return next((c for c in self.children.values() if c.proc.poll() is not None), None)
@@ -122,7 +130,7 @@ class Supervisor:
 
     def _restart(self, child: Child) -> None:
         with self.defer():
-            child.proc = self._start(child.cmd, child.log_path, "a")
+            child.proc = self._start(child.cmd, child.log_path, "a", child.env)
             child.started_at, child.restart_at = time.monotonic(), None
             child.restarts += 1
         self.say(f"kvmesh: {child.name} restarted (pid {child.proc.pid})")

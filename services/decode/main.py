@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvmesh.mesh.affinity import apply_worker_cpus
 from kvmesh.mesh.worker_runtime import WorkerOptions, WorkerParts, serve_worker
 from services.decode.server import DecodeServicer, add_to
 from services.decode.worker import DecodeWorker
@@ -22,4 +23,5 @@ def servicers(parts: WorkerParts) -> list:
 
 
 async def serve_decode(options: WorkerOptions) -> None:
+    apply_worker_cpus()  # KVMESH_CPUS / --cpus, before the engine sizes its torch pool
     await serve_worker(options, servicers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvmesh.mesh.affinity import apply_worker_cpus
 from kvmesh.mesh.worker_runtime import WorkerOptions, WorkerParts, serve_worker
 from services.prefill.server import PrefillServicer, add_to
 from services.prefill.worker import PrefillWorker
@@ -13,4 +14,5 @@ def servicers(parts: WorkerParts) -> list:
 
 
 async def serve_prefill(options: WorkerOptions) -> None:
+    apply_worker_cpus()  # KVMESH_CPUS / --cpus, before the engine sizes its torch pool
     await serve_worker(options, servicers)

@@ -1,0 +1,108 @@
+"""A worker's CPU set: every thread of the process pinned to it (os.sched_setaffinity) and torch's
+intra-op pool sized to it, so prefill, decode and gateway sharing a machine do not oversubscribe
+its cores. The set travels as `KVMESH_CPUS` (kvmesh.env): `kvmesh up` gives each worker its
+role's set, `kvmesh serve prefill|decode --cpus` its own."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvmesh import env
+from kvmesh.errors import LaunchError
+
+
+@dataclass(frozen=True)
+class WorkerCpus:
+    """What a worker runs on after `apply_worker_cpus`."""
+
+    cpus: frozenset[int]
+    torch_threads: int
+    pinned: bool  # False: KVMESH_CPUS unset, the process kept the CPUs it was started with
+
+
+def format_cpus(cpus: Iterable[int]) -> str:
+    """The shortest CPU list: {0, 1, 2, 5} -> "0-2,5"."""
+    ordered = sorted(set(cpus))
+    runs: list[list[int]] = []
+    for cpu in ordered:
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def checked_cpus(text: str) -> frozenset[int]:
+    """`text` parsed, and only CPUs this process may use (LaunchError otherwise)."""
+    try:
+        cpus = env.parse_cpus(text)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise LaunchError(
+            f"CPUs {format_cpus(cpus - allowed)} are not available here (allowed: "
+            f"{format_cpus(allowed)})"
+        )
+    return cpus
+
+
+def worker_env(role: str, cpus: str | None = None) -> dict[str, str]:
+    """The environment that pins a worker of `role` launched from here: KVMESH_CPUS = `cpus`,
+    else KVMESH_<ROLE>_CPUS; checked here, so a bad list stops the launch, not the worker."""
+    cpus = cpus or env.role_cpus(role)
+    return {"KVMESH_CPUS": format_cpus(checked_cpus(cpus))} if cpus else {}
+
+
+def pin_process(cpus: frozenset[int]) -> None:
+    """Restrict every thread of this process to `cpus`; threads started later inherit it."""
+    for tid in _thread_ids():
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(tid, cpus)
+
+
+def _thread_ids() -> list[int]:
+    tasks = Path("/proc/self/task")
+    return [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]
+
+
+def apply_worker_cpus() -> WorkerCpus:
+    """At a worker's start, before its engine loads: pin to KVMESH_CPUS when set, then size
+    torch's pool to env.serve_threads() (KVMESH_NUM_THREADS, else one thread per CPU)."""
+    import structlog  # here, not at the top: the CLI's parser imports this module
+    import torch
+
+    wanted = env.worker_cpus()
+    if wanted:
+        pin_process(checked_cpus(wanted))
+    threads = env.serve_threads()
+    torch.set_num_threads(threads)
+    placed = WorkerCpus(frozenset(os.sched_getaffinity(0)), threads, wanted is not None)
+    log = structlog.get_logger(__name__)
+    log.info("worker.cpus", cpus=format_cpus(placed.cpus), torch_threads=threads,
+             pinned=placed.pinned)  # fmt: skip
+    return placed
+
+
+class ExportCpus(argparse.Action):
+    """`--cpus LIST` (and `kvmesh up --prefill-cpus/--decode-cpus`): checked, kept as the
+    canonical list, and exported to this process's environment (`env_name`), where the worker
+    (KVMESH_CPUS) or the launcher (KVMESH_<ROLE>_CPUS) reads it."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, env_name: str, **kwargs: Any):
+        super().__init__(option_strings, dest, **kwargs)
+        self.env_name = env_name
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        try:
+            cpus = format_cpus(checked_cpus(str(values)))
+        except LaunchError as exc:
+            parser.error(f"{option_string}: {exc}")
+        setattr(namespace, self.dest, cpus)
+        os.environ[self.env_name] = cpus

@@ -1,0 +1,112 @@
+"""CPU sets for workers: parsing and printing CPU lists, `--cpus` / `--<role>-cpus` exported to the
+environment, a process pinned by KVMESH_CPUS with one torch thread per CPU, the launcher's
+per-worker KVMESH_CPUS and the supervisor's per-child environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvmesh import env
+from kvmesh.cli_args import build_parser
+from kvmesh.errors import LaunchError
+from kvmesh.mesh.affinity import checked_cpus, format_cpus, worker_env
+from kvmesh.mesh.supervisor import Supervisor
+
+REPO = Path(__file__).resolve().parents[2]
+TWO_CPUS = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs CPUs 0 and 1")
+
+
+@pytest.mark.parametrize(
+    ("text", "cpus"),
+    [("0", {0}), ("0-1", {0, 1}), ("3,0-1", {0, 1, 3}), (" 2 , 4-5 ", {2, 4, 5})],
+)
+def test_cpu_lists_parse(text: str, cpus: set[int]) -> None:
+    assert env.parse_cpus(text) == cpus
+
+
+@pytest.mark.parametrize("text", ["", "a", "1-0", "0,", "-1", "0-", "1--2"])
+def test_malformed_cpu_lists_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="CPU list"):
+        env.parse_cpus(text)
+
+
+def test_cpu_lists_print_as_runs() -> None:
+    assert format_cpus({5, 0, 1, 2}) == "0-2,5"
+    assert format_cpus([7]) == "7"
+
+
+def test_cpus_outside_this_process_are_a_launch_error() -> None:
+    missing = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(LaunchError, match=f"CPUs {missing} are not available"):
+        checked_cpus(str(missing))
+
+
+def test_serve_threads_follow_the_affinity_unless_set(monkeypatch) -> None:
+    monkeypatch.delenv("KVMESH_NUM_THREADS", raising=False)
+    assert env.serve_threads() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("KVMESH_NUM_THREADS", "3")
+    assert env.serve_threads() == 3
+
+
+@TWO_CPUS
+def test_cpus_flags_are_exported_to_the_environment(monkeypatch) -> None:
+    for name in ("KVMESH_CPUS", "KVMESH_PREFILL_CPUS", "KVMESH_DECODE_CPUS"):
+        monkeypatch.delenv(name, raising=False)
+    argv = ["serve", "decode", "--etcd", "127.0.0.1:1", "--cpus", "1,0"]
+    assert build_parser(argv).parse_args(argv).cpus == "0-1"
+    assert env.worker_cpus() == "0-1"
+    argv = ["up", "--prefill-cpus", "0", "--decode-cpus", "1"]
+    args = build_parser(argv).parse_args(argv)
+    assert (args.prefill_cpus, args.decode_cpus) == ("0", "1")
+    assert (env.role_cpus("prefill"), env.role_cpus("decode")) == ("0", "1")
+
+
+PROBE = """
+import json, os, sys
+from kvmesh.cli_args import build_parser
+argv = ["serve", "prefill", "--etcd", "127.0.0.1:1", "--cpus", "0"]
+build_parser(argv).parse_args(argv)
+import torch  # loaded before the pinning, as in a worker
+from kvmesh.mesh.affinity import apply_worker_cpus
+placed = apply_worker_cpus()
+tids = [int(t) for t in os.listdir("/proc/self/task")]
+print(json.dumps({"cpus": sorted(placed.cpus), "threads": torch.get_num_threads(),
+                  "all": [sorted(os.sched_getaffinity(t)) for t in tids]}))
+"""
+
+
+@TWO_CPUS
+def test_a_worker_started_with_cpus_0_runs_on_cpu_0_with_one_torch_thread() -> None:
+    clean = {k: v for k, v in os.environ.items() if k not in ("KVMESH_CPUS", "KVMESH_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=clean, capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["cpus"] == [0] and result["threads"] == 1
+    assert all(cpus == [0] for cpus in result["all"])
+
+
+@TWO_CPUS
+def test_the_launcher_gives_each_role_its_cpus(monkeypatch) -> None:
+    monkeypatch.setenv("KVMESH_DECODE_CPUS", "0-1")
+    assert worker_env("prefill", "1") == {"KVMESH_CPUS": "1"}  # UpOptions.role_cpus first
+    assert worker_env("decode") == {"KVMESH_CPUS": "0-1"}  # else KVMESH_<ROLE>_CPUS
+    monkeypatch.delenv("KVMESH_DECODE_CPUS")
+    assert worker_env("decode") == {}
+
+
+def test_a_child_gets_its_own_environment_on_top_and_keeps_it(tmp_path: Path) -> None:
+    supervisor = Supervisor({**os.environ, "SHARED": "s"}, say=lambda _: None)
+    show = ["sh", "-c", 'echo "$SHARED $OWN"']
+    supervisor.spawn("a", show, tmp_path / "a.log", {"OWN": "x"})
+    supervisor.spawn("b", show, tmp_path / "b.log")
+    for child in supervisor.children.values():
+        child.proc.wait(timeout=10)
+    assert (tmp_path / "a.log").read_text().split() == ["s", "x"]
+    assert (tmp_path / "b.log").read_text().split() == ["s"]
+    assert supervisor.children["a"].env["OWN"] == "x"  # what a restart starts it with
