@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 export MC_TCP_BIND_ADDRESS ?= 127.0.0.1
 
-.PHONY: install sysdeps model up test lint bench protos clean
+.PHONY: install sysdeps kernels model up test lint bench protos clean
 
 # Mooncake's engine links libibverbs/librdmacm even for TCP: install them when missing (root).
 sysdeps:
@@ -24,8 +24,13 @@ $(STAMP): pyproject.toml | sysdeps
 
 install: $(STAMP)
 
+# The C++ CPU kernels, compiled here by the machine's compiler (a no-op once built; skipped with
+# a message on CPUs without AVX-512, where the torch paths run).
+kernels: install
+	$(BIN)/python -m kvmesh.engine.kernels.build
+
 # Fetch (once) and verify the default model into $$KVMESH_HOME (default ~/.cache/kvmesh).
-model: install
+model: kernels
 	$(BIN)/python -c "from kvmesh.engine.loader import DEFAULT_MODEL, resolve_model; print('model:', resolve_model(DEFAULT_MODEL).gguf_file)"
 
 up: model

@@ -69,3 +69,8 @@ def serve_threads() -> int:
     may run on now (its affinity: torch fixes its own default when it loads, so a process pinned
     after importing torch would keep a pool sized for the CPUs it had before)."""
     return num_threads() or len(os.sched_getaffinity(0))
+
+
+def cpu_kernels() -> bool:
+    """Use the C++ CPU kernels where the CPU can run them (`KVMESH_KERNELS`, default on)."""
+    return os.environ.get("KVMESH_KERNELS", "1") not in ("0", "false", "off", "")

@@ -188,7 +188,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto, torch or cpu (attention/__init__.py)
     seed: int = 0
     kv_dtype: str = "auto"  # auto (= dtype), fp32, bf16 or fp8_e4m3
     weights: str = "auto"  # auto (= dtype), fp32, bf16 (also the compute dtype) or int4

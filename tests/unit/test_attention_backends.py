@@ -1,4 +1,4 @@
-"""The torch attention backends over paged KV: a decode row never reads what lies in slots it
+"""The attention backends over paged KV (torch reference, and the CPU kernels where they run): a decode row never reads what lies in slots it
 does not own (its padding points at the pool's null page), even NaN bytes; MLA's absorbed decode equals attention over the
 expanded keys and values."""
 
@@ -8,11 +8,16 @@ import pytest
 import torch
 
 from kvmesh.engine.attention import BatchLayout, get_backend
+from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.kv.layout import KVCacheSpec, LayerKVSpec
 from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.layers.mla import MlaWeights
 
 PAGE = 4
+BACKENDS = [
+    "torch",
+    pytest.param("cpu", marks=pytest.mark.skipif(cpu_ops() is None, reason="no CPU kernels here")),
+]
 
 
 def _layout(lengths: list[int], tables: list[tuple[int, ...]], null: int) -> BatchLayout:
@@ -25,10 +30,11 @@ def _poison(cache: PagedKVCache, page: int) -> None:
     cache.pool[page] = torch.full((cache.spec.page_bytes,), 0xFF, dtype=torch.uint8)  # NaNs
 
 
+@pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gqa_decode_ignores_nan_in_padding_slots(dtype):
+def test_gqa_decode_ignores_nan_in_padding_slots(dtype, name):
     cache = PagedKVCache(KVCacheSpec.gqa(1, 2, 8, PAGE, "fp32"), 8, dtype)
-    backend = get_backend("torch", "gqa")
+    backend = get_backend(name, "gqa")
     gen = torch.Generator().manual_seed(0)
     layer = cache.layers[0]
     data = layer.layer.data  # [page, head, slot, k|v, dim]
@@ -47,11 +53,12 @@ def test_gqa_decode_ignores_nan_in_padding_slots(dtype):
     assert not cache.pool[cache.null_page].any()  # padding reads zeros nothing wrote
 
 
-def test_mla_absorbed_decode_equals_expanded_attention_and_ignores_padding():
+@pytest.mark.parametrize("name", BACKENDS)
+def test_mla_absorbed_decode_equals_expanded_attention_and_ignores_padding(name):
     rank, rope, heads, nope, vdim = 16, 8, 3, 6, 5
     spec = KVCacheSpec((LayerKVSpec("mla", 1, rank + rope),), PAGE, "fp32")
     cache = PagedKVCache(spec, 8)
-    backend = get_backend("torch", "mla")
+    backend = get_backend(name, "mla")
     gen = torch.Generator().manual_seed(1)
     w = MlaWeights(torch.randn(heads * (nope + vdim), rank, generator=gen), heads, nope, vdim,
                    0.4)  # fmt: skip

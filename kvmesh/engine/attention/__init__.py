@@ -24,10 +24,28 @@ __all__ = [
 _BACKENDS = {
     ("torch", "gqa"): "kvmesh.engine.attention.torch_backend:TorchAttention",
     ("torch", "mla"): "kvmesh.engine.attention.torch_mla:TorchMlaAttention",
+    ("cpu", "gqa"): "kvmesh.engine.attention.paged:PagedAttention",
+    ("cpu", "mla"): "kvmesh.engine.attention.paged:PagedMlaAttention",
 }
+NAMES = ("auto", "torch", "cpu")
+
+
+def resolve(name: str, device: str = "cpu") -> str:
+    """`auto`: the paged CPU kernels where they run (kernels/build.py), else the torch ones."""
+    if name != "auto":
+        return name
+    from kvmesh.engine.kernels import cpu_ops
+
+    return "cpu" if device == "cpu" and cpu_ops() is not None else "torch"
 
 
 def get_backend(name: str, kind: str = "gqa") -> AttentionBackend:
+    name = resolve(name)
+    if name == "cpu":
+        from kvmesh.engine.kernels import cpu_ops
+
+        if cpu_ops() is None:
+            raise InvalidRequestError("attention backend 'cpu' needs the CPU kernels (see logs)")
     target = _BACKENDS.get((name, kind))
     if target is None:
         have = sorted(f"{n}/{k}" for n, k in _BACKENDS)

@@ -16,7 +16,17 @@ def build_torch_metadata(layout: BatchLayout) -> AttentionMetadata:
         tables, starts = layout.block_tables[:decode], layout.starts[:decode]
         gather, mask, new = _decode(tables, starts, offsets, layout.null_page)
         slots.append(new)
-    spans, row = [], decode
+    spans_slots, spans = prefill_spans(layout)
+    slots.extend(spans_slots)
+    return AttentionMetadata(Slots.of(torch.cat(slots), size), decode, gather, mask, spans)
+
+
+def prefill_spans(layout: BatchLayout) -> tuple[list[torch.Tensor], tuple[PrefillSpan, ...]]:
+    """Each multi-token chunk's span and the cache slots its new tokens are written to."""
+    size, offsets = layout.page_size, torch.arange(layout.page_size)
+    decode, row = layout.num_decode, layout.num_decode
+    slots: list[torch.Tensor] = []
+    spans: list[PrefillSpan] = []
     for table, start, width in zip(layout.block_tables[decode:], layout.starts[decode:],
                                    layout.widths[decode:], strict=True):  # fmt: skip
         every = _slots_of(table, start + width, offsets)
@@ -24,7 +34,7 @@ def build_torch_metadata(layout: BatchLayout) -> AttentionMetadata:
         spans.append(PrefillSpan(row, row + width, start, index))
         slots.append(every[start:])
         row += width
-    return AttentionMetadata(Slots.of(torch.cat(slots), size), decode, gather, mask, tuple(spans))
+    return slots, tuple(spans)
 
 
 def _slots_of(table: tuple[int, ...], length: int, offsets: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.engine.config import Int4Scheme
+from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.quant.int4 import Int4Linear, Int4Weight
 from kvmesh.errors import ModelFormatError
 
@@ -41,13 +42,28 @@ class LinearMethod(Protocol):
         ...
 
 
+SMALL_BATCH = 8  # rows up to which bf16 products go through the CPU kernel (docs/benchmarks.md)
+
+
+def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """x @ weight^T (+ bias). Small bf16 batches on CPU stream the weight through the GEMV
+    kernel (kernels/csrc/gemv.cpp: memory speed, each row's sum in a fixed order whatever the
+    batch); larger ones are compute bound and go to torch's GEMM (AMX where the CPU has it)."""
+    if (x.dtype is torch.bfloat16 and x.dim() == 2 and x.shape[0] <= SMALL_BATCH
+            and weight.dtype is torch.bfloat16 and x.device.type == "cpu"):  # fmt: skip
+        ops = cpu_ops()
+        if ops is not None:
+            return ops.linear_bf16(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class DenseLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
         self.out_features = weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense_matmul(x, self.weight, self.bias)
 
     @property
     def nbytes(self) -> int:

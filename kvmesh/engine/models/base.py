@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from kvmesh.engine.config import Int4Scheme, ModelConfig
 from kvmesh.engine.kv.layout import KVCacheSpec, spec_for_model
-from kvmesh.engine.layers.linear import LinearMethod, method_for
+from kvmesh.engine.layers.linear import LinearMethod, dense_matmul, method_for
 from kvmesh.engine.layers.mlp import GatedMLP
 from kvmesh.engine.layers.norm import rms_norm
 from kvmesh.engine.layers.weights import Weights
@@ -179,5 +179,5 @@ class DecoderModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         normed = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
         if isinstance(self.lm_head, torch.Tensor):
-            return F.linear(normed, self.lm_head).float()
+            return dense_matmul(normed, self.lm_head).float()
         return self.lm_head(normed).float()

@@ -1,0 +1,91 @@
+"""Build (once per source, torch and compiler) and load the C++ CPU kernels of csrc/.
+
+The extension is compiled by the machine's own compiler through torch.utils.cpp_extension into
+`$KVMESH_HOME/kernels/<key>/`, where `key` hashes the sources, torch's version and the flags:
+`make install` builds it ahead (`python -m kvmesh.engine.kernels.build`), and a process that
+finds no build compiles it on first use (torch's lock file keeps concurrent builds apart).
+The kernels need AVX-512 (F, BW, VL, DQ) with FMA and F16C; AVX512-BF16 dot products are used
+where the CPU has them. Elsewhere, or with `KVMESH_KERNELS=0`, nothing is built and the torch
+reference paths run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+
+from kvmesh import env
+
+log = structlog.get_logger(__name__)
+SOURCES = Path(__file__).parent / "csrc"
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c")
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+          "-fno-math-errno"]  # fmt: skip
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def missing_reason() -> str | None:
+    """Why the kernels cannot run here (None: they can)."""
+    if not env.cpu_kernels():
+        return "disabled by KVMESH_KERNELS=0"
+    if sys.platform != "linux":
+        return f"built for Linux x86-64 only, not {sys.platform}"
+    lacking = [f for f in REQUIRED_FLAGS if f not in cpu_flags()]
+    return f"the CPU lacks {', '.join(lacking)}" if lacking else None
+
+
+def build_key() -> str:
+    import torch
+
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(CFLAGS).encode())
+    for path in sorted(SOURCES.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def load() -> ModuleType:
+    """The compiled module, building it if this key has no build yet (raises on failure)."""
+    from torch.utils import cpp_extension
+
+    directory = env.kvmesh_home() / "kernels" / build_key()
+    directory.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    module = cpp_extension.load(
+        name="kvmesh_cpu_kernels",
+        sources=[str(p) for p in sorted(SOURCES.glob("*.cpp"))],
+        extra_cflags=CFLAGS,
+        extra_include_paths=[str(SOURCES)],
+        build_directory=str(directory),
+        verbose=False,
+    )
+    seconds = time.perf_counter() - started
+    if seconds > 2:
+        log.info("kernels.built", directory=str(directory), seconds=round(seconds, 1))
+    return module
+
+
+def main() -> int:
+    reason = missing_reason()
+    if reason:
+        print(f"CPU kernels not built: {reason}; the torch paths will run")
+        return 0
+    module = load()
+    print(f"CPU kernels ready (AVX512-BF16 dot: {module.has_bf16_dot()})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+// Plain-pointer kernel entry points; ops.cpp wraps them for torch and splits the work across
+// torch's own thread pool (at::parallel_for), so the kernels never start threads themselves.
+#pragma once
+
+#include <cstdint>
+
+namespace kvmesh {
+
+// One layer's paged KV as the pool lays it out (kv/layout.py): element strides of the data
+// view [page, head, slot, part, dim] and, for FP8, of the int8 exponents [page, head, slot, part].
+struct PagedKV {
+  const void* data;
+  const int8_t* exps;  // FP8 only: value = e4m3(byte) * 2**exp
+  int storage;         // simd.h Storage
+  int64_t page_stride, head_stride, slot_stride, part_stride;
+  int64_t exp_page, exp_head, exp_slot, exp_part;
+  int page_size;
+  int k_part, v_part;  // GQA: K = part 0, V = part 1; MLA: both part 0 (V = first v_dim dims)
+  int k_dim, v_dim;
+};
+
+// Decode rows: query b attends over lengths[b] tokens whose pages are block_tables[b, :].
+struct DecodeRows {
+  const void* q;  // [B, H, k_dim], fp32 or bf16
+  bool bf16;      // q and out dtype
+  int64_t q_row, q_head;
+  void* out;  // [B, H, v_dim]
+  int64_t out_row, out_head;
+  const int32_t* block_tables;
+  int64_t table_row;
+  const int32_t* lengths;
+  int num_heads, num_kv_heads;
+  float scale;
+};
+
+// Query heads [h0, h1) of row b, all of KV head kv_head's group: online softmax over the
+// context in tiles of up to 16 tokens of one page, everything in fp32.
+void paged_decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_head, int h0,
+                       int h1);
+
+// y[b, n] = bf16(sum_k x[b, k] w[n, k] + bias[n]) for rows n in [n0, n1); x, w, bias, y bf16;
+// batch <= 8. The sum over k runs in a fixed order whatever the batch or the row range.
+void gemv_bf16(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int64_t ldw,
+               int64_t k, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1,
+               bool dot_bf16);
+
+bool cpu_has_bf16_dot();
+
+}  // namespace kvmesh

@@ -1,0 +1,111 @@
+// torch bindings of the CPU kernels: argument checks, then the work split over torch's threads.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+
+#include "kernels.h"
+#include "simd.h"
+
+namespace {
+
+int storage_of(const torch::Tensor& data) {
+  switch (data.scalar_type()) {
+    case torch::kFloat: return kvmesh::kF32;
+    case torch::kBFloat16: return kvmesh::kBF16;
+    case torch::kChar: return kvmesh::kFP8;
+    default: TORCH_CHECK(false, "KV pages must be fp32, bf16 or fp8 (int8) bytes, got ", data.scalar_type());
+  }
+}
+
+// q [B, H, k_dim]; data [pages, kv_heads, page_size, parts, dim] (a view into the pool);
+// exps [pages, kv_heads, page_size, parts] int8 for FP8; block_tables [B, W] int32;
+// lengths [B] int32 -> [B, H, v_dim] in q's dtype.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor data, c10::optional<torch::Tensor> exps,
+                           torch::Tensor block_tables, torch::Tensor lengths, int64_t k_part,
+                           int64_t v_part, int64_t v_dim, double scale) {
+  TORCH_CHECK(q.dim() == 3 && data.dim() == 5, "q [B, H, D] and pages [P, Hkv, S, parts, D]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16,
+              "q must be fp32 or bf16");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt && lengths.scalar_type() == torch::kInt,
+              "block tables and lengths must be int32");
+  TORCH_CHECK(data.stride(4) == 1 && q.stride(2) == 1, "rows must be contiguous");
+  const int64_t batch = q.size(0), heads = q.size(1), kv_heads = data.size(1);
+  TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(2) <= data.size(4) && v_dim <= data.size(4), "dims exceed the page rows");
+  block_tables = block_tables.contiguous();
+  lengths = lengths.contiguous();
+  kvmesh::PagedKV kv{};
+  kv.data = data.data_ptr();
+  kv.storage = storage_of(data);
+  kv.page_stride = data.stride(0), kv.head_stride = data.stride(1);
+  kv.slot_stride = data.stride(2), kv.part_stride = data.stride(3);
+  if (kv.storage == kvmesh::kFP8) {
+    TORCH_CHECK(exps.has_value() && exps->scalar_type() == torch::kChar, "FP8 pages need exps");
+    kv.exps = exps->data_ptr<int8_t>();
+    kv.exp_page = exps->stride(0), kv.exp_head = exps->stride(1);
+    kv.exp_slot = exps->stride(2), kv.exp_part = exps->stride(3);
+  }
+  kv.page_size = (int)data.size(2);
+  kv.k_part = (int)k_part, kv.v_part = (int)v_part;
+  kv.k_dim = (int)q.size(2), kv.v_dim = (int)v_dim;
+  auto out = torch::empty({batch, heads, v_dim}, q.options());
+  if (batch == 0) return out;
+  TORCH_CHECK(block_tables.size(0) == batch && lengths.size(0) == batch, "one table and length per row");
+  kvmesh::DecodeRows rows{};
+  rows.q = q.data_ptr(), rows.bf16 = q.scalar_type() == torch::kBFloat16;
+  rows.q_row = q.stride(0), rows.q_head = q.stride(1);
+  rows.out = out.data_ptr(), rows.out_row = out.stride(0), rows.out_head = out.stride(1);
+  rows.block_tables = block_tables.data_ptr<int32_t>(), rows.table_row = block_tables.stride(0);
+  rows.lengths = lengths.data_ptr<int32_t>();
+  rows.num_heads = (int)heads, rows.num_kv_heads = (int)kv_heads, rows.scale = (float)scale;
+  // Work items: (row, KV head, slice of its query heads). Slicing only splits the work; every
+  // head's result is the same whatever the split.
+  const int64_t group = heads / kv_heads, threads = at::get_num_threads();
+  const int64_t slices = std::clamp<int64_t>((2 * threads + batch * kv_heads - 1) / (batch * kv_heads), 1, group);
+  const int64_t per = (group + slices - 1) / slices;
+  at::parallel_for(0, batch * kv_heads * slices, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (kv_heads * slices), rest = item % (kv_heads * slices);
+      const int64_t kvh = rest / slices, h0 = kvh * group + (rest % slices) * per;
+      const int64_t h1 = std::min(h0 + per, (kvh + 1) * group);
+      if (h0 < h1) kvmesh::paged_decode_item(kv, rows, (int)b, (int)kvh, (int)h0, (int)h1);
+    }
+  });
+  return out;
+}
+
+// x [B, K] bf16 (B <= 8), w [N, K] bf16 -> [B, N] bf16 (+ bias [N] bf16).
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16,
+              "bf16 inputs only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [B, K] and w [N, K]");
+  TORCH_CHECK(x.size(0) <= 8, "at most 8 rows");
+  x = x.contiguous();
+  TORCH_CHECK(w.stride(1) == 1, "weight rows must be contiguous");
+  const uint16_t* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous(), "bf16 bias");
+    b = reinterpret_cast<const uint16_t*>(bias->data_ptr());
+  }
+  const int64_t batch = x.size(0), n = w.size(0), k = w.size(1);
+  auto y = torch::empty({batch, n}, x.options());
+  if (batch == 0 || n == 0) return y;
+  auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  static const bool dot = kvmesh::cpu_has_bf16_dot();
+  at::parallel_for(0, (n + 15) / 16, 8, [&](int64_t begin, int64_t end) {
+    kvmesh::gemv_bf16(xp, k, (int)batch, wp, w.stride(0), k, b, yp, n, begin * 16,
+                      std::min(end * 16, n), dot);
+  });
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "decode attention over paged KV");
+  m.def("linear_bf16", &linear_bf16, "small-batch bf16 x bf16 linear");
+  m.def("has_bf16_dot", &kvmesh::cpu_has_bf16_dot, "AVX512-BF16 dot products available");
+}

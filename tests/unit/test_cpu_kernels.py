@@ -1,0 +1,143 @@
+"""The C++ CPU kernels against the torch reference: decode attention over random pages (GQA and
+MLA, fp32 / bf16 / FP8 pages, fp32 / bf16 compute, contexts crossing and ending inside pages,
+pages in random pool order), and the small-batch bf16 linear (fixed-order sums: a row's result
+is the same bits whatever the batch or the thread count)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvmesh.engine.attention import BatchLayout, get_backend
+from kvmesh.engine.attention.base import Slots
+from kvmesh.engine.kernels import cpu_ops
+from kvmesh.engine.kv.layout import KVCacheSpec, LayerKVSpec
+from kvmesh.engine.kv_cache import PagedKVCache
+from kvmesh.engine.layers.mla import MlaWeights
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels do not run here")
+LENGTHS = [1, 5, 16, 17, 40, 203]
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _random_cache(spec: KVCacheSpec, dtype: torch.dtype, page: int, seed: int):
+    """A pool whose pages are filled at random and handed to the rows in shuffled order."""
+    pages = sum(-(-n // page) for n in LENGTHS) + 3
+    cache = PagedKVCache(spec, pages, dtype)
+    order = list(range(pages))
+    random.Random(seed).shuffle(order)
+    tables = []
+    for n in LENGTHS:
+        take = -(-n // page)
+        tables.append(tuple(order[:take]))
+        order = order[take:]
+    gen = torch.Generator().manual_seed(seed)
+    layer = cache.layers[0]
+    for table, n in zip(tables, LENGTHS, strict=True):
+        flat = torch.tensor(
+            [table[i // page] * page + i % page for i in range(n - 1)], dtype=torch.long
+        )
+        slots = Slots.of(flat, page)
+        if spec.layers[0].kind == "gqa":
+            heads, dim = spec.layers[0].num_heads, spec.layers[0].head_dim
+            k, v = (torch.randn(n - 1, heads, dim, generator=gen) * 2 for _ in range(2))
+            layer.write(slots, k.to(dtype), v.to(dtype))
+        else:
+            layer.write(slots, torch.randn(n - 1, spec.layers[0].head_dim, generator=gen).to(dtype))
+    rows = len(LENGTHS)
+    layout = BatchLayout(rows, tuple(tables), tuple(n - 1 for n in LENGTHS), (1,) * rows, page,
+                         cache.null_page)  # fmt: skip
+    return layer, layout, gen
+
+
+def _both(kind, layout, *args):
+    out = []
+    for name in ("torch", "cpu"):
+        backend = get_backend(name, kind)
+        out.append(backend.forward(*args[:3], args[3], backend.build_metadata(layout), args[4]))
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,page", [(9, 3, 64, 16), (4, 4, 40, 8), (6, 1, 128, 16)]
+)
+def test_gqa_kernel_matches_reference(kv_dtype, dtype, heads, kv_heads, dim, page):
+    spec = KVCacheSpec.gqa(1, kv_heads, dim, page, kv_dtype)
+    layer, layout, gen = _random_cache(spec, dtype, page, seed=dim + heads)
+    rows = len(LENGTHS)
+    q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+    k, v = (torch.randn(rows, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    reference, kernel = _both("gqa", layout, q, k, v, layer, dim**-0.5)
+    assert kernel.dtype == dtype and kernel.shape == reference.shape
+    torch.testing.assert_close(kernel.float(), reference.float(), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank,rope,heads", [(64, 16, 4), (512, 64, 16)])
+def test_mla_kernel_matches_reference(kv_dtype, dtype, rank, rope, heads):
+    nope, vdim, page = 16, 16, 16
+    spec = KVCacheSpec((LayerKVSpec("mla", 1, rank + rope),), page, kv_dtype)
+    layer, layout, gen = _random_cache(spec, dtype, page, seed=rank)
+    w = MlaWeights((torch.randn(heads * (nope + vdim), rank, generator=gen) * 0.1).to(dtype),
+                   heads, nope, vdim, (nope + rope) ** -0.5)  # fmt: skip
+    rows = len(LENGTHS)
+    q_nope = torch.randn(rows, heads, nope, generator=gen).to(dtype)
+    q_pe = torch.randn(rows, heads, rope, generator=gen).to(dtype)
+    entry = torch.randn(rows, rank + rope, generator=gen).to(dtype)
+    reference, kernel = _both("mla", layout, q_nope, q_pe, entry, layer, w)
+    tol = TOLERANCE[dtype] * 2
+    torch.testing.assert_close(kernel.float(), reference.float(), atol=tol, rtol=tol)
+
+
+def test_decode_kernel_is_the_same_bits_for_any_thread_count_and_batch():
+    spec = KVCacheSpec.gqa(1, 2, 64, 16, "fp8_e4m3")
+    layer, layout, gen = _random_cache(spec, torch.bfloat16, 16, seed=7)
+    q = torch.randn(len(LENGTHS), 4, 64, generator=gen).bfloat16()
+    k = v = torch.randn(len(LENGTHS), 2, 64, generator=gen).bfloat16()
+    backend = get_backend("cpu", "gqa")
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(backend.forward(q, k, v, layer, backend.build_metadata(layout), 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    last = BatchLayout(1, layout.block_tables[-1:], layout.starts[-1:], (1,), 16, layout.null_page)
+    alone = backend.forward(q[-1:], k[-1:], v[-1:], layer, backend.build_metadata(last), 0.125)
+    assert torch.equal(alone[0], outs[0][-1])
+
+
+@pytest.mark.parametrize("n,k", [(49, 576), (64, 100), (1536, 33)])
+def test_small_batch_linear_matches_reference_and_is_batch_invariant(n, k):
+    gen = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    x = torch.randn(8, k, generator=gen).bfloat16()
+    ops = cpu_ops()
+    full = ops.linear_bf16(x, w, bias)
+    expected = (x.double() @ w.double().T + bias.double()).to(torch.bfloat16)
+    torch.testing.assert_close(full, expected, atol=0.03, rtol=0.01)
+    for rows in range(1, 8):
+        assert torch.equal(ops.linear_bf16(x[:rows], w, bias), full[:rows])
+    assert torch.equal(ops.linear_bf16(x[:3], w, None), ops.linear_bf16(x, w, None)[:3])
+    assert ops.linear_bf16(x[:0], w, None).shape == (0, n)
+
+
+def test_kernels_reject_bad_inputs_with_a_message():
+    ops = cpu_ops()
+    with pytest.raises(RuntimeError, match="at most 8 rows"):
+        ops.linear_bf16(torch.zeros(9, 32).bfloat16(), torch.zeros(4, 32).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="bf16"):
+        ops.linear_bf16(torch.zeros(1, 32), torch.zeros(4, 32), None)
+    data = torch.zeros(2, 1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="int32"):
+        ops.paged_decode(torch.zeros(1, 1, 8), data, None, torch.zeros(1, 1, dtype=torch.long),
+                         torch.ones(1, dtype=torch.int32), 0, 1, 8, 1.0)  # fmt: skip
