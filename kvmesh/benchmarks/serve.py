@@ -135,8 +135,10 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def _prompt_size(long: dict[str, Any]) -> str:
-    sizes = long["prompt_tokens"]
-    return f"{min(sizes)}-{max(sizes)}" if sizes else f"~{long['target_prompt_tokens']}"
+    sizes = sorted(set(long["prompt_tokens"] or []))
+    if not sizes:
+        return f"~{long['target_prompt_tokens']}"
+    return f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
 
 
 # ---- entry points -----------------------------------------------------------------------------
