@@ -281,6 +281,10 @@ _BENCHES = {  # name: (help, module whose add_arguments defines its flags)
                   "kvmesh.benchmarks.coldstart"),
     "pd": ("steady decode streams + long prompts: colocated vs disaggregated P/D, pinned cores",
            "kvmesh.benchmarks.pd"),
+    "kernels": ("the CPU kernels vs torch and vs the memory-read ceiling measured in the run",
+                "kvmesh.benchmarks.kernels"),
+    "step": ("a decode step split into model compute and host work, per concurrency",
+             "kvmesh.benchmarks.step"),
 }  # fmt: skip
 
 

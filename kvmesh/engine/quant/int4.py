@@ -7,7 +7,8 @@ taken over exactly: a Q4_1 block of 32 is w = d * q + m, i.e. scale = d, zero = 
 w = d * (q - 8), zero = 0) -- no dequantize-requantize round trip. `regroup` is the explicit,
 lossy exception (e.g. Q4_1's groups of 32 into groups of 64, for memory).
 
-Kernels behind one `Int4Linear`: CPU `_weight_int4pack_mm_for_cpu` (activations fp32/bf16), CUDA
+Kernels behind one `Int4Linear`: CPU `_weight_int4pack_mm_for_cpu` (activations fp32/bf16; up to
+SMALL_BATCH rows the GEMV of kernels/csrc/int4_gemv.cpp over the same packed bytes), CUDA
 `_weight_int4pack_mm` (tensor-core tinygemm, bf16 activations). On CPU, `Int4Linear.rows` reads
 rows straight out of the packed weight, so a tied embedding / LM head is stored once, in INT4.
 """
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+SMALL_BATCH = 4  # rows up to which the CPU GEMV kernel runs (docs/benchmarks.md)
 
 
 @dataclass(frozen=True)
@@ -113,11 +116,23 @@ class Int4Linear:
             out = torch.ops.aten._weight_int4pack_mm(
                 flat, self.packed, self.group, self.scales_zeros
             )
+        elif flat.shape[0] <= SMALL_BATCH and self._small_batch is not None:
+            out = self._small_batch.int4_linear(flat, self.packed, self.group, self.scales_zeros)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 flat, self.packed, self.group, self.scales_zeros
             )
         return out.view(*x.shape[:-1], self.out_features)
+
+    @functools.cached_property
+    def _small_batch(self):
+        """The CPU kernel for a few rows (kernels/csrc/int4_gemv.cpp), which reads this same
+        packed weight when it is in 64-row blocks; None: torch's kernel for every batch."""
+        if self._block != 64 or self.group % 16 or self.device.type != "cpu":
+            return None
+        from kvmesh.engine.kernels import cpu_ops
+
+        return cpu_ops()
 
     @functools.cached_property
     def _block(self) -> int:

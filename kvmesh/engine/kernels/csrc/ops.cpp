@@ -102,10 +102,76 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   return y;
 }
 
+// x [B, K] (B <= 4), packed [N / 64, K, 32] uint8 (torch's CPU int4pack with 64-row blocks),
+// scales_zeros [K / group, N, 2] in x's dtype -> [B, N] in x's dtype.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t group,
+                          torch::Tensor scales_zeros) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) <= 4, "x [B, K] with B <= 4");
+  TORCH_CHECK(x.scalar_type() == scales_zeros.scalar_type(), "x and scales must share a dtype");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16,
+              "x must be fp32 or bf16");
+  const int64_t batch = x.size(0), k = x.size(1), n = scales_zeros.size(1);
+  TORCH_CHECK(k % group == 0 && group % 16 == 0 && n % 64 == 0, "shape not in 64-row blocks");
+  TORCH_CHECK(packed.numel() == n * k / 2 && packed.is_contiguous(), "packed weight size");
+  TORCH_CHECK(scales_zeros.is_contiguous() && scales_zeros.size(0) == k / group, "scales shape");
+  auto xf = x.to(torch::kFloat).contiguous();
+  auto sums = xf.view({batch, k / group, group}).sum(-1).contiguous();
+  auto y = torch::empty({batch, n}, x.options());
+  if (batch == 0) return y;
+  kvmesh::Int4Gemv g{xf.data_ptr<float>(), sums.data_ptr<float>(), (int)batch,
+                     packed.data_ptr<uint8_t>(), scales_zeros.data_ptr(),
+                     x.scalar_type() == torch::kBFloat16, n, k, group, y.data_ptr()};
+  at::parallel_for(0, n / 64, 4, [&](int64_t begin, int64_t end) {
+    kvmesh::int4_gemv_blocks(g, begin, end);
+  });
+  return y;
+}
+
+// rms_norm(x) or, with residual, (rms_norm(x + residual), x + residual); x [rows, dim].
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                                    c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(), "contiguous [rows, dim]");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && weight.numel() == x.size(1),
+              "weight [dim] in x's dtype");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16, "fp32 or bf16");
+  auto out = torch::empty_like(x);
+  torch::Tensor sum;
+  kvmesh::NormRows r{x.data_ptr(), nullptr, weight.data_ptr(), out.data_ptr(), nullptr,
+                     x.scalar_type() == torch::kBFloat16, x.size(1), (float)eps};
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                    residual->scalar_type() == x.scalar_type(), "residual like x");
+    sum = torch::empty_like(x);
+    r.residual = residual->data_ptr(), r.sum_out = sum.data_ptr();
+  }
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, x.size(1)));
+  at::parallel_for(0, x.size(0), grain, [&](int64_t b, int64_t e) { kvmesh::rms_norm_rows(r, b, e); });
+  if (residual.has_value()) return {out, sum};
+  return {out};
+}
+
+// logits [rows, V] fp32 or bf16 -> int64 [rows]: the first index of each row's maximum, -1 for
+// a row holding NaN (the caller asks torch about those).
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits [rows, V], rows contiguous");
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat || logits.scalar_type() == torch::kBFloat16,
+              "fp32 or bf16 logits");
+  auto out = torch::empty({logits.size(0)}, logits.options().dtype(torch::kLong));
+  const bool bf16 = logits.scalar_type() == torch::kBFloat16;
+  at::parallel_for(0, logits.size(0), 1, [&](int64_t b, int64_t e) {
+    kvmesh::argmax_rows(logits.data_ptr(), bf16, logits.size(1), logits.stride(0),
+                        out.data_ptr<int64_t>(), b, e);
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over paged KV");
   m.def("linear_bf16", &linear_bf16, "small-batch bf16 x bf16 linear");
+  m.def("int4_linear", &int4_linear, "small-batch linear over torch's CPU int4pack weights");
+  m.def("rms_norm", &rms_norm, "RMSNorm (after an optional residual add), HF's rounding");
+  m.def("argmax_rows", &argmax_rows, "row-wise argmax (first maximum), -1 for NaN rows");
   m.def("has_bf16_dot", &kvmesh::cpu_has_bf16_dot, "AVX512-BF16 dot products available");
 }

@@ -1,0 +1,169 @@
+"""`kvmesh bench kernels`: the CPU kernels against torch and against the machine's ceiling.
+
+All in one process and one run, each pair timed back to back (best of `--repeats`):
+- the memory-read ceiling: an fp32 matrix x vector product over a buffer of SmolLM2's decoder
+  weight size (torch's fp32 GEMV streams at memory speed here), in GB/s;
+- one token's worth of SmolLM2-135M linears (30 layers of q|k|v, o, gate|up, down + the LM head,
+  distinct tensors so they come from DRAM) at 1-8 rows: bf16 through the GEMV kernel vs torch's
+  F.linear, INT4 through the kernel vs `_weight_int4pack_mm_for_cpu`, as GB/s of weight bytes
+  and as a fraction of the ceiling;
+- decode attention over pages at B streams x L tokens (SmolLM2's 3 KV heads x 64, bf16 and FP8
+  pages, bf16 compute): the paged kernel vs the torch backend (gather + grouped matmuls), ms per
+  layer and the ratio;
+- bf16 RMSNorm of one row: kernel vs torch, microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from kvmesh.benchmarks.report import BenchRun, write_report
+from kvmesh.errors import InvalidRequestError
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M, per layer
+LAYERS, VOCAB, HIDDEN = 30, 49152, 576
+
+
+def best(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def ceiling(repeats: int) -> float:
+    """GB/s of an fp32 GEMV over 256 MiB: how fast this machine streams weights from memory."""
+    w = torch.randn(65536, 1024)
+    x = torch.randn(1024)
+    return w.nbytes / best(lambda: torch.mv(w, x), repeats) / 1e9
+
+
+def linears(ops, rows_levels: list[int], repeats: int, peak: float) -> list[dict]:
+    from kvmesh.engine.quant.int4 import Int4Linear, Int4Weight
+
+    bf16 = [[torch.randn(n, k).bfloat16() for n, k in SHAPES] for _ in range(LAYERS)]
+    bf16.append([torch.randn(VOCAB, HIDDEN).bfloat16()])
+    weights = [w for layer in bf16 for w in layer]
+    int4 = [Int4Linear(Int4Weight.quantize(w.float(), 32, search=False), torch.bfloat16)
+            for w in weights[:-1]]  # fmt: skip
+    dense_bytes = sum(w.nbytes for w in weights)
+    int4_bytes = sum(q.nbytes for q in int4)
+    out = []
+    for rows in rows_levels:
+        xs = {k: torch.randn(rows, k).bfloat16() for k in (576, 1536)}
+        torch_s = best(partial(_dense, torch.nn.functional.linear, xs, weights), repeats)
+        kernel_s = best(partial(_dense, ops.linear_bf16, xs, weights), repeats)
+        row = {"rows": rows, "bf16_torch_gbs": dense_bytes / torch_s / 1e9,
+               "bf16_kernel_gbs": dense_bytes / kernel_s / 1e9}  # fmt: skip
+        if rows <= 4:
+            t4 = best(partial(_int4, torch.ops.aten._weight_int4pack_mm_for_cpu, xs, int4), repeats)
+            k4 = best(partial(_int4, ops.int4_linear, xs, int4), repeats)
+            row |= {
+                "int4_torch_gbs": int4_bytes / t4 / 1e9,
+                "int4_kernel_gbs": int4_bytes / k4 / 1e9,
+            }
+        row |= {
+            k.replace("_gbs", "_of_ceiling"): v / peak for k, v in row.items() if k.endswith("_gbs")
+        }
+        out.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+        print(out[-1], flush=True)
+    return out
+
+
+def _dense(matmul, xs, weights) -> None:
+    for w in weights:
+        matmul(xs[w.shape[1]], w, None)
+
+
+def _int4(matmul, xs, layers) -> None:
+    for q in layers:
+        matmul(xs[q.in_features], q.packed, 32, q.scales_zeros)
+
+
+def attention(streams: int, tokens: int, repeats: int) -> list[dict]:
+    from kvmesh.engine.attention import BatchLayout, get_backend
+    from kvmesh.engine.kv.layout import KVCacheSpec
+    from kvmesh.engine.kv_cache import PagedKVCache
+
+    out, pages = [], streams * tokens // 16
+    for kv_dtype in ("bf16", "fp8_e4m3"):
+        cache = PagedKVCache(KVCacheSpec.gqa(1, 3, 64, 16, kv_dtype), pages, torch.bfloat16)
+        cache.pool[:pages] = torch.randint(0, 100, cache.pool[:pages].shape, dtype=torch.uint8)
+        order = list(range(pages))
+        random.Random(0).shuffle(order)
+        per = tokens // 16
+        tables = tuple(tuple(order[i * per : (i + 1) * per]) for i in range(streams))
+        layout = BatchLayout(streams, tables, (tokens - 1,) * streams, (1,) * streams, 16,
+                             cache.null_page)  # fmt: skip
+        q = torch.randn(streams, 9, 64).bfloat16()
+        k = v = torch.randn(streams, 3, 64).bfloat16()
+        ms = {}
+        for name in ("torch", "cpu"):
+            backend = get_backend(name, "gqa")
+            meta = backend.build_metadata(layout)
+            step = partial(backend.forward, q, k, v, cache.layers[0], meta, 0.125)
+            ms[name] = 1e3 * best(step, repeats)
+        out.append({"kv_dtype": kv_dtype, "streams": streams, "tokens": tokens,
+                    "torch_ms_per_layer": round(ms["torch"], 3),
+                    "kernel_ms_per_layer": round(ms["cpu"], 3),
+                    "speedup": round(ms["torch"] / ms["cpu"], 2)})  # fmt: skip
+        print(out[-1], flush=True)
+    return out
+
+
+def norm(ops, repeats: int) -> dict:
+    from kvmesh.engine.layers.norm import rms_norm
+
+    x, w = torch.randn(1, HIDDEN).bfloat16(), torch.rand(HIDDEN).bfloat16()
+    f32 = lambda: torch.nn.functional.rms_norm(x.float(), (HIDDEN,), None, 1e-5)  # noqa: E731
+    reference = lambda: w * f32().bfloat16()  # noqa: E731  (what layers/norm.py did before)
+    loops = 200
+    t = best(lambda: [reference() for _ in range(loops)], repeats) / loops
+    k = best(lambda: [rms_norm(x, w, 1e-5) for _ in range(loops)], repeats) / loops
+    return {
+        "torch_us": round(t * 1e6, 2),
+        "kernel_us": round(k * 1e6, 2),
+        "speedup": round(t / k, 2),
+    }
+
+
+def run_kernels_bench(args: argparse.Namespace) -> int:
+    from kvmesh.engine.kernels import build, cpu_ops
+
+    ops = cpu_ops()
+    if ops is None:
+        raise InvalidRequestError(f"the CPU kernels do not run here: {build.missing_reason()}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run = BenchRun()
+    peak = ceiling(args.repeats)
+    print(f"memory-read ceiling (fp32 GEMV over 256 MiB): {peak:.1f} GB/s", flush=True)
+    report = {
+        **run.header(),
+        "ceiling_gbs": round(peak, 2),
+        "linears": linears(ops, [int(r) for r in args.rows.split(",")], args.repeats, peak),
+        "attention": attention(args.streams, args.tokens, args.repeats),
+        "rms_norm": norm(ops, args.repeats),
+        **run.footer(),
+    }
+    print(report["rms_norm"])
+    write_report(report, args.output)
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rows", default="1,2,4,8", help="batch rows of the linears")
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=512, help="context per stream")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
+    parser.add_argument("--output", default=None, help="also write the JSON report here")

@@ -1,0 +1,125 @@
+"""`kvmesh bench step`: where a decode step's time goes, at each concurrency.
+
+One engine (same options as `kvmesh generate`), C requests prefilled, then `--steps` decode
+steps timed one by one. Each step is split into the model's compute (`forward` + `logits`, which
+includes the per-layer Python of the eager model) and the host work around it: scheduling,
+integrity checks, building the attention plan (timed on its own too), sampling, updating the
+sequences, building outputs. The issue's bar is host work below 1 ms per step at 64 streams.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import numpy as np
+
+from kvmesh.benchmarks.report import BenchRun, write_report
+
+
+class _Clock:
+    """Wraps methods so each call adds its wall time to `spent[name]`."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = defaultdict(float)
+
+    def wrap(self, owner, method: str, name: str) -> None:
+        inner = getattr(owner, method)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.spent[name] += time.perf_counter() - started
+
+        setattr(owner, method, timed)
+
+    @contextmanager
+    def step(self):
+        self.spent.clear()
+        started = time.perf_counter()
+        yield
+        self.spent["step"] = time.perf_counter() - started
+
+
+PARTS = ("step", "model", "plan", "schedule", "update", "integrity", "sample")
+
+
+def measure(engine, concurrency: int, steps: int, prompt_tokens: int) -> dict:
+    from kvmesh.engine import engine as engine_module
+    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.engine.spec.speculator import sample_step
+
+    clock = _Clock()
+    runner = engine.runner
+    clock.wrap(runner.model, "forward", "model")
+    clock.wrap(runner.model, "logits", "model")
+    clock.wrap(runner.attention, "build_metadata", "plan")
+    clock.wrap(engine.scheduler, "schedule", "schedule")
+    clock.wrap(engine.scheduler, "update", "update")
+    clock.wrap(engine, "_check_integrity", "integrity")
+    clock.wrap(engine_module, "sample_step", "sample")
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(
+            f"step-{concurrency}-{i}", [1 + (i * 7 + j) % 500 for j in range(prompt_tokens)], params
+        )
+    while (
+        any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running)
+        or engine.scheduler.waiting
+    ):
+        engine.step()  # prefill every request first
+    rows = []
+    for _ in range(steps):
+        with clock.step():
+            engine.step()
+        rows.append(tuple(clock.spent[n] for n in PARTS))
+    while engine.has_unfinished():
+        engine.step()
+    for owner, name in ((runner.model, "forward"), (runner.model, "logits"),
+                        (runner.attention, "build_metadata"), (engine.scheduler, "schedule"),
+                        (engine.scheduler, "update"), (engine, "_check_integrity")):  # fmt: skip
+        vars(owner).pop(name, None)
+    engine_module.sample_step = sample_step
+    ms = {n: float(np.median([r[i] for r in rows])) * 1e3 for i, n in enumerate(PARTS)}
+    return {
+        "streams": concurrency,
+        "host_ms": round(ms["step"] - ms["model"], 3),
+        **{f"{n}_ms": round(v, 3) for n, v in ms.items()},
+        "tok_s": round(concurrency / ms["step"] * 1e3, 1),
+    }
+
+
+def run_step_bench(args: argparse.Namespace) -> int:
+    from kvmesh.engine.config import EngineConfig
+    from kvmesh.engine.engine import Engine
+
+    run = BenchRun()
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights,
+                                 kv_dtype=args.kv_dtype, max_num_seqs=256,
+                                 attention_backend=args.attention_backend))  # fmt: skip
+    levels = [int(c) for c in args.concurrency.split(",")]
+    results = []
+    for c in levels:
+        results.append(measure(engine, c, args.steps, args.prompt_tokens))
+        print(results[-1], flush=True)
+    report = {**run.header(), "model": args.model, "dtype": args.dtype, "weights": args.weights,
+              "kv_dtype": args.kv_dtype, "attention_backend": args.attention_backend,
+              "levels": results, **run.footer()}  # fmt: skip
+    write_report(report, args.output)
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    parser.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int4"])
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp8_e4m3"])
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per level")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--output", default=None, help="also write the JSON report here")
