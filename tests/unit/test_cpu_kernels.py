@@ -193,3 +193,21 @@ def test_bf16_rms_norm_kernel_is_the_same_bits_as_hf(dim):
     normed, total = add_rms_norm(x, delta, weight, 1e-5)
     assert torch.equal(total, x + delta) and torch.equal(normed, hf(x + delta))
     assert torch.equal(rms_norm(x.view(37, 1, dim), weight, 1e-5), hf(x).view(37, 1, dim))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 40])
+def test_rope_kernel_is_the_same_bits_as_the_torch_expression(dtype, dim):
+    from kvmesh.engine.models import rope
+
+    gen = torch.Generator().manual_seed(dim)
+    qkv = torch.randn(7, 15 * dim, generator=gen).to(dtype)
+    q, k = qkv[:, : 9 * dim].view(7, 9, dim), qkv[:, 9 * dim : 12 * dim].view(7, 3, dim)
+    angle = torch.randn(7, dim // 2, generator=gen)
+    cos = torch.cat([angle.cos()] * 2, -1).to(dtype).unsqueeze(1)
+    sin = torch.cat([angle.sin()] * 2, -1).to(dtype).unsqueeze(1)
+    assert rope._kernel_fits(q, cos, sin)
+    for x in (q, k):  # strided views of one fused projection, as the layers pass them
+        half = dim // 2
+        expected = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+        assert torch.equal(rope.apply_rotary(x, cos, sin), expected)

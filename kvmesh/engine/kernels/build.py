@@ -26,7 +26,7 @@ SOURCES = Path(__file__).parent / "csrc"
 NAME = "kvmesh_cpu_kernels"
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c")
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
-          "-fno-math-errno"]  # fmt: skip
+          "-fno-math-errno", "-ffp-contract=off"]  # fmt: skip
 
 
 def cpu_flags() -> set[str]:

@@ -79,6 +79,20 @@ void rms_norm_rows(const NormRows& r, int64_t row0, int64_t row1);
 void argmax_rows(const void* logits, bool bf16, int64_t width, int64_t stride, int64_t* out,
                  int64_t row0, int64_t row1);
 
+// Rotary embedding (rotate-half form) of x [T, heads, dim] (row / head strides, dim contiguous)
+// with cos / sin [T, dim] into out [T, heads, dim] (contiguous); fp32 or bf16 throughout.
+struct RopeRows {
+  const void* x;
+  const void* cos;
+  const void* sin;
+  void* out;
+  bool bf16;
+  int heads;
+  int64_t dim, row_stride, head_stride, out_row;
+};
+
+void rope_rows(const RopeRows& r, int64_t row0, int64_t row1);
+
 bool cpu_has_bf16_dot();
 
 }  // namespace kvmesh

@@ -165,6 +165,23 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
+// x [T, H, D] (any row / head strides, D contiguous), cos / sin [T, D] contiguous, same dtype
+// -> [T, H, D] contiguous: models/rope.apply_rotary bit for bit.
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "x [T, H, D] with even D");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
+                  sin.numel() == cos.numel(), "cos / sin [T, D]");
+  TORCH_CHECK(x.scalar_type() == cos.scalar_type() && x.scalar_type() == sin.scalar_type() &&
+                  (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              "fp32 or bf16, one dtype");
+  auto out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  kvmesh::RopeRows r{x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                     x.scalar_type() == torch::kBFloat16, (int)x.size(1), x.size(2), x.stride(0),
+                     x.stride(1), out.stride(0)};
+  at::parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) { kvmesh::rope_rows(r, b, e); });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -173,5 +190,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "small-batch linear over torch's CPU int4pack weights");
   m.def("rms_norm", &rms_norm, "RMSNorm (after an optional residual add), HF's rounding");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax (first maximum), -1 for NaN rows");
+  m.def("rope", &rope, "rotary embedding, rotate-half form, torch's rounding");
   m.def("has_bf16_dot", &kvmesh::cpu_has_bf16_dot, "AVX512-BF16 dot products available");
 }
