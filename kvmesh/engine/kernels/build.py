@@ -26,7 +26,8 @@ SOURCES = Path(__file__).parent / "csrc"
 NAME = "kvmesh_cpu_kernels"
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c")
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
-          "-fno-math-errno", "-ffp-contract=off"]  # fmt: skip
+          "-fno-math-errno", "-ffp-contract=off",
+          "-fopenmp"]  # at::parallel_for is inline OpenMP: without it every call runs serially  # fmt: skip
 
 
 def cpu_flags() -> set[str]:
@@ -78,6 +79,7 @@ def load() -> ModuleType:
         name=NAME,
         sources=[str(p) for p in sorted(SOURCES.glob("*.cpp"))],
         extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],  # libgomp.so.1: the one torch has loaded already
         extra_include_paths=[str(SOURCES)],
         build_directory=str(directory),
         verbose=False,
