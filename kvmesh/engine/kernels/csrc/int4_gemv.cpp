@@ -38,6 +38,8 @@ void block_rows(const Int4Gemv& g, int64_t block) {
       for (int i = 0; i < 4; ++i) part[b][i] = _mm512_setzero_ps();
     for (int64_t kk = gi * g.group; kk < (gi + 1) * g.group; ++kk) {
       const uint8_t* bytes = w + kk * (kBlock / 2);
+      // the next block's line at the same place (a line holds two inputs' 64 rows)
+      if (!(kk & 1)) _mm_prefetch(reinterpret_cast<const char*>(bytes + k * (kBlock / 2)), _MM_HINT_T0);
       __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
       __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16)));
       const __m512i nibble = _mm512_set1_epi32(15);
