@@ -91,13 +91,16 @@ def _int4(matmul, xs, layers) -> None:
 
 def attention(streams: int, tokens: int, repeats: int) -> list[dict]:
     from kvmesh.engine.attention import BatchLayout, get_backend
+    from kvmesh.engine.attention.base import Slots
     from kvmesh.engine.kv.layout import KVCacheSpec
     from kvmesh.engine.kv_cache import PagedKVCache
 
     out, pages = [], streams * tokens // 16
     for kv_dtype in ("bf16", "fp8_e4m3"):
         cache = PagedKVCache(KVCacheSpec.gqa(1, 3, 64, 16, kv_dtype), pages, torch.bfloat16)
-        cache.pool[:pages] = torch.randint(0, 100, cache.pool[:pages].shape, dtype=torch.uint8)
+        every = torch.arange(pages * 16)
+        kv = torch.randn(2, pages * 16, 3, 64).bfloat16()  # real values (random bytes: denormals)
+        cache.layers[0].write(Slots.of(every, 16), kv[0], kv[1])
         order = list(range(pages))
         random.Random(0).shuffle(order)
         per = tokens // 16
