@@ -12,6 +12,7 @@ import torch
 from kvmesh import LLM, SamplingParams
 from kvmesh.engine.kv.layout import spec_for_model
 from kvmesh.engine.loader import read_config, resolve_model
+from kvmesh.engine.spec.policy import FixedPolicy
 from kvmesh.tools.tiny_configs import TinySpec
 from kvmesh.tools.tiny_models import make_tiny_model
 
@@ -74,6 +75,7 @@ def test_preemption_recomputes_to_the_same_tokens(model, reference):
 
 def test_ngram_speculation_equals_plain_decoding(model, reference):
     llm = LLM(model, dtype="fp32", num_pages=64, speculative="ngram", enable_prefix_caching=False)
+    llm.engine.speculator.policy = FixedPolicy(4)  # verify every step (the policy may not)
     assert [o.token_ids for o in llm.generate_ids(_prompts(), GREEDY)] == reference
     assert llm.engine.speculator.stats.draft_tokens > 0
 

@@ -1,25 +1,24 @@
 """Drafting with an EAGLE head in the decode process (or the draft service): per request, the
-head's own KV over the last `window` committed positions, extended as the target commits tokens.
+head's own KV over the last `window` committed positions.
+
+Committing is lazy: `observe` only queues the target's features (a copy of the rows), and the
+head runs over them -- the last `window` positions at most, every request of the step in one
+batch (eagle_batch.py) -- when drafts are asked for. A step whose policy drafts nothing costs
+the head nothing, and a request can start drafting again later without a gap in its window.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Sequence as Seq
 
 import torch
 
 from kvmesh.engine.sequence import Sequence
-from kvmesh.engine.spec.eagle import EagleHead, window_mask
-
-
-@dataclass
-class _State:
-    keys: torch.Tensor  # [n, Hkv, D] of the last <= window committed positions
-    values: torch.Tensor
-    positions: torch.Tensor  # [n]
-    fused: torch.Tensor  # [n, H] fused target features of those positions (for hand-over)
-    last_out: torch.Tensor | None = None  # the head's output at the last committed position
+from kvmesh.engine.spec import eagle_batch
+from kvmesh.engine.spec.eagle import EagleHead
+from kvmesh.engine.spec.eagle_batch import HeadState, Pending
 
 
 class EagleProposer:
@@ -30,72 +29,79 @@ class EagleProposer:
         # the target's token embeddings: a [V, H] table or a lookup (INT4 tables)
         self.embed = embed.__getitem__ if isinstance(embed, torch.Tensor) else embed
         self.window = head.config.window
-        self._states: dict[str, _State] = {}
+        self._states: dict[str, HeadState] = {}
+        self._pending: dict[str, deque[Pending]] = {}  # committed, not run by the head yet
         self._held: set[str] = set()  # states kept after finish (prefill hand-over)
 
-    @torch.inference_mode()
     def observe(self, seq_id: str, features: torch.Tensor, next_tokens: list[int],
                 start: int) -> None:  # fmt: skip
         """Commit target features [m, len(capture) * H] of positions start..start+m-1, whose
-        following tokens are next_tokens."""
-        if not next_tokens:
-            return
-        self.commit_fused(seq_id, self.head.fc(features.float()), next_tokens, start)
-
-    @torch.inference_mode()
-    def commit_fused(self, seq_id: str, fused: torch.Tensor, next_tokens: list[int],
-                     start: int) -> None:  # fmt: skip
-        head = self.head
-        positions = torch.arange(start, start + len(next_tokens))
-        embeds = self.embed(torch.tensor(next_tokens)).float()
-        q, k, v = head.project(embeds, fused, positions)
-        state = self._states.get(seq_id)
-        if state is not None and int(state.positions[-1]) + 1 != start:
-            state = None  # a gap (preemption, re-prefill): start over from these positions
-        if state is None:
-            empty = k[:0]
-            state = _State(empty, empty, positions[:0], fused[:0])
-        keys = torch.cat([state.keys, k])
-        values = torch.cat([state.values, v])
-        key_pos = torch.cat([state.positions, positions])
-        attended = head.attend(q, keys, values, window_mask(positions, key_pos, self.window))
-        out = head.finish(fused, attended)
-        keep = slice(-self.window, None)
-        self._states[seq_id] = _State(keys[keep], values[keep], key_pos[keep],
-                                      torch.cat([state.fused, fused])[keep], out[-1])  # fmt: skip
+        following tokens are next_tokens. The rows are kept by reference until the head runs
+        over them: the caller must not write into `features` afterwards."""
+        cut = max(len(next_tokens) - self.window, 0)  # older positions leave the window
+        if next_tokens:
+            rows = features[cut : len(next_tokens)]
+            self._queue(seq_id, Pending(rows, list(next_tokens[cut:]), start + cut))
 
     def seed(self, seq_id: str, fused: torch.Tensor, start: int, next_tokens: list[int]) -> None:
-        """Start from another worker's window (see `hand_over`)."""
+        """Start from another worker's window (fused features, see `hand_over`)."""
         self._states.pop(seq_id, None)
-        self.commit_fused(seq_id, fused.float(), next_tokens, start)
+        self._pending.pop(seq_id, None)
+        if next_tokens:
+            self._queue(seq_id, Pending(fused, list(next_tokens), start, True))
+
+    def _queue(self, seq_id: str, item: Pending) -> None:
+        queue = self._pending.setdefault(seq_id, deque())
+        if item.start != self._next_position(seq_id):  # a gap (preemption, re-prefill, cut)
+            self._states.pop(seq_id, None)
+            queue.clear()
+        queue.append(item)
+        while len(queue) > 1 and item.end - queue[1].start >= self.window:
+            queue.popleft()  # the items after it span the window: never needed
+
+    def _next_position(self, seq_id: str) -> int | None:
+        queue = self._pending.get(seq_id)
+        if queue:
+            return queue[-1].end
+        state = self._states.get(seq_id)
+        return int(state.positions[-1]) + 1 if state is not None else None
+
+    def _catch_up(self, seq_ids: Seq[str]) -> None:
+        """Run the head over the requests' pending positions, all requests in one batch."""
+        ids = [seq_id for seq_id in seq_ids if self._pending.get(seq_id)]
+        if not ids:
+            return
+        states = [self._states.get(seq_id) for seq_id in ids]
+        pending = [list(self._pending.pop(seq_id)) for seq_id in ids]
+        for seq_id, state in zip(ids, eagle_batch.commit(self.head, self.embed, states, pending),
+                                 strict=True):  # fmt: skip
+            self._states[seq_id] = state
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         return self.draft(seq.seq_id, limit)
 
-    @torch.inference_mode()
     def draft(self, seq_id: str, limit: int) -> list[int]:
         """Up to `limit` greedy draft tokens after the request's last committed position."""
-        state = self._states.get(seq_id)
-        if state is None or state.last_out is None or limit <= 0:
-            return []
-        head = self.head
-        keys, values, key_pos = state.keys, state.values, state.positions
-        out, position = state.last_out, int(state.positions[-1])
-        drafts = [int(head.d2t[head.logits(out).argmax()])]
-        while len(drafts) < limit:
-            position += 1
-            pos = torch.tensor([position])
-            embed = self.embed(torch.tensor([drafts[-1]])).float()
-            q, k, v = head.project(embed, out.unsqueeze(0), pos)
-            keys, values = torch.cat([keys, k]), torch.cat([values, v])
-            key_pos = torch.cat([key_pos, pos])
-            attended = head.attend(q, keys, values, window_mask(pos, key_pos, self.window))
-            out = head.finish(out.unsqueeze(0), attended)[0]
-            drafts.append(int(head.d2t[head.logits(out).argmax()]))
-        return drafts
+        return self.draft_batch([(seq_id, limit)])[0]
+
+    def propose_batch(self, requests: Seq[tuple[Sequence, int]]) -> list[list[int]]:
+        return self.draft_batch([(seq.seq_id, limit) for seq, limit in requests])
+
+    def draft_batch(self, requests: Seq[tuple[str, int]]) -> list[list[int]]:
+        """Drafts for several requests at once, in order (empty where it cannot draft)."""
+        wanted = [(seq_id, limit) for seq_id, limit in requests if limit > 0]
+        self._catch_up([seq_id for seq_id, _ in wanted])
+        ready = [(seq_id, limit) for seq_id, limit in wanted if seq_id in self._states]
+        drafts: dict[str, list[int]] = {}
+        if ready:
+            states = [self._states[seq_id] for seq_id, _ in ready]
+            made = eagle_batch.draft(self.head, self.embed, states, [n for _, n in ready])
+            drafts = {seq_id: d for (seq_id, _), d in zip(ready, made, strict=True)}
+        return [drafts.get(seq_id, []) for seq_id, _ in requests]
 
     def hand_over(self, seq_id: str) -> tuple[torch.Tensor, int] | None:
         """(fused features [n, H], first position) of the committed window, for another worker."""
+        self._catch_up([seq_id])
         state = self._states.get(seq_id)
         if state is None or not len(state.positions):
             return None
@@ -111,3 +117,4 @@ class EagleProposer:
                 self._held.discard(seq_id)
             if seq_id not in self._held:
                 self._states.pop(seq_id, None)
+                self._pending.pop(seq_id, None)

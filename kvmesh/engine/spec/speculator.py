@@ -1,23 +1,37 @@
-"""The engine's side of speculative decoding: ask the proposer for drafts before a step, turn
-the step's logits into emitted tokens (plain rows sampled as a batch, draft rows verified), and
-keep acceptance statistics."""
+"""The engine's side of speculative decoding: before a step, ask the policy how many drafts each
+sequence verifies and the proposer for them; after it, turn the step's logits into emitted
+tokens (plain rows sampled as a batch, draft rows verified), and hand the policy what the step
+measured (its rows and seconds, the drafting seconds, each verification's acceptance)."""
 
 from __future__ import annotations
 
 import itertools
-from collections import Counter
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
+import structlog
 import torch
 
 from kvmesh.engine.runner import ModelRunner, StepResult
 from kvmesh.engine.sampler import Sampler, TokenLogprob
 from kvmesh.engine.scheduler import ScheduledChunk
 from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.spec.cost import StepSample
+from kvmesh.engine.spec.policy import (
+    AdaptivePolicy,
+    Candidate,
+    DraftPlan,
+    DraftPolicy,
+    PolicyConfig,
+)
+from kvmesh.engine.spec.stats import SpecStats
 from kvmesh.engine.spec.verify import verify_greedy, verify_sampled
+
+log = structlog.get_logger(__name__)
+LOG_EVERY = 512  # policy steps between two `spec.policy` log lines
 
 
 class Proposer(Protocol):
@@ -30,18 +44,13 @@ class Proposer(Protocol):
     def release(self, seq_ids: Iterable[str], force: bool = False) -> None: ...
 
 
-@dataclass
-class SpecStats:
-    draft_tokens: int = 0  # proposed and verified
-    accepted_tokens: int = 0  # drafts the target agreed with
-    steps: int = 0  # verification steps (sequence x step)
-    accept_lengths: Counter[int] = field(default_factory=Counter)  # tokens emitted per step
-    listener: Callable[[int, int], None] | None = None  # (drafted, emitted) per verification
+@dataclass(frozen=True)
+class _Mark:
+    """When the step's model work began, and what drafting cost before it."""
 
-    @property
-    def mean_emitted(self) -> float:
-        """Tokens emitted per verification step (accepted drafts + the target's token)."""
-        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+    at: float
+    drafted: int
+    draft_s: float
 
 
 def speculable(seq: Sequence) -> bool:
@@ -51,31 +60,68 @@ def speculable(seq: Sequence) -> bool:
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, num_tokens: int, max_model_len: int) -> None:
+    def __init__(self, proposer: Proposer, num_tokens: int, max_model_len: int,
+                 policy: DraftPolicy | None = None) -> None:  # fmt: skip
         self.proposer = proposer
         self.num_tokens = num_tokens
         self.max_model_len = max_model_len
-        self.stats = SpecStats()
+        self.policy: DraftPolicy = policy or AdaptivePolicy(PolicyConfig(max_draft=num_tokens))
+        self.stats = SpecStats(on_verify=self._verified)
+        self._mark: _Mark | None = None
+        self._shadows: dict[str, int] = {}  # seq_id -> its shadow draft this step
+
+    def _verified(self, seq_id: str, drafted: int, accepted: int) -> None:
+        self.policy.record_verify(seq_id, drafted, accepted)
 
     def propose(self, running: Seq[Sequence]) -> None:
-        """Set draft_token_ids on every running sequence (empty where it cannot speculate)."""
-        requests: list[tuple[Sequence, int]] = []
+        """Set draft_token_ids on every running sequence (empty where it does not draft)."""
+        candidates: list[tuple[Sequence, int]] = []
         for seq in running:
             seq.draft_token_ids = []
             decoding = seq.num_computed_tokens == seq.num_tokens - 1 and seq.finalizing is None
             if decoding and speculable(seq):
                 remaining = seq.params.max_tokens - seq.num_output_tokens - 1
                 room = self.max_model_len - seq.num_tokens - 1
-                limit = min(self.num_tokens, remaining, room)
-                if limit > 0:
-                    requests.append((seq, limit))
+                cap = min(self.num_tokens, remaining, room)
+                if cap > 0:
+                    candidates.append((seq, cap))
+        drafted, started = 0, time.perf_counter()
+        self._shadows = {}
+        if candidates:
+            plan = self.policy.plan(len(running), [Candidate(s.seq_id, c) for s, c in candidates])
+            self._count(plan, len(running))
+            shadows = set(plan.shadows)
+            requests = [(s, plan.limits.get(s.seq_id) or 1) for s, _ in candidates
+                        if s.seq_id in plan.limits or s.seq_id in shadows]  # fmt: skip
+            for (seq, limit), draft in zip(requests, self._drafts(requests), strict=True):
+                if seq.seq_id in shadows:
+                    if draft:
+                        self._shadows[seq.seq_id] = draft[0]
+                    continue
+                seq.draft_token_ids = list(draft[:limit])
+                drafted += len(seq.draft_token_ids)
+        now = time.perf_counter()
+        self._mark = _Mark(now, drafted, now - started)
+
+    def _drafts(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
+        if not requests:
+            return []
         batch = getattr(self.proposer, "propose_batch", None)
         if batch is not None:
-            drafts = batch(requests)
-        else:
-            drafts = [self.proposer.propose(seq, limit) for seq, limit in requests]
-        for (seq, limit), draft in zip(requests, drafts, strict=True):
-            seq.draft_token_ids = list(draft[:limit])
+            return batch(requests)
+        return [self.proposer.propose(seq, limit) for seq, limit in requests]
+
+    def _count(self, plan: DraftPlan, batch: int) -> None:
+        stats = self.stats
+        stats.count(plan)
+        if stats.policy_steps % LOG_EVERY == 0:
+            log.info("spec.policy", steps=stats.policy_steps, off_steps=stats.off_steps,
+                     shadow_drafts=stats.shadow_drafts, shadow_hits=stats.shadow_hits,
+                     drafts_per_step=_round(stats.drafts_per_step),
+                     accepted_per_draft=_round(stats.accepted_per_draft),
+                     acceptance=_round(self.policy.acceptance()), batch=batch,
+                     drafts_now=sum(plan.limits.values()),
+                     predicted_speedup=_round(plan.predicted_speedup))  # fmt: skip
 
     def seed(self, seq: Sequence, fused: torch.Tensor, start: int) -> None:
         """Take over a prefill worker's draft window (fused features of positions start...)."""
@@ -89,10 +135,21 @@ class Speculator:
 
     def observe(self, chunks: Seq[ScheduledChunk], runner: ModelRunner) -> None:
         """After a step: hand the target's features of the newly committed positions to a
-        proposer that reads them (EAGLE)."""
+        proposer that reads them (EAGLE); a decode step's rows, chunks and seconds to the
+        policy."""
+        mark, self._mark = self._mark, None
+        if mark is not None and all(chunk.num_tokens == 1 for chunk in chunks):
+            drafts = sum(len(chunk.draft) for chunk in chunks)
+            verifying = sum(bool(chunk.draft) for chunk in chunks)
+            seconds = time.perf_counter() - mark.at
+            self.policy.record_step(StepSample(len(chunks), drafts, verifying, seconds,
+                                               mark.drafted, mark.draft_s))  # fmt: skip
+        if self._shadows:
+            self._score_shadows(chunks)
         observe = getattr(self.proposer, "observe", None)
         if observe is None or runner.features is None:
             return
+        features = runner.features.clone()  # one copy per step; a proposer may keep its rows
         for chunk in chunks:
             seq = chunk.seq
             count = seq.num_computed_tokens - chunk.start
@@ -102,10 +159,29 @@ class Speculator:
                 self.proposer.hold(seq.seq_id)  # type: ignore[attr-defined]
             begin, _ = runner.rows_of[seq.seq_id]
             next_tokens = seq.token_ids[chunk.start + 1 : chunk.start + 1 + count]
-            observe(seq.seq_id, runner.features[begin : begin + count], next_tokens, chunk.start)
+            observe(seq.seq_id, features[begin : begin + count], next_tokens, chunk.start)
+
+    def _score_shadows(self, chunks: Seq[ScheduledChunk]) -> None:
+        """Each shadow draft against the token the target emitted after the same position."""
+        for chunk in chunks:
+            seq = chunk.seq
+            shadow = self._shadows.get(seq.seq_id)
+            if shadow is None or len(seq.token_ids) <= chunk.start + 1:
+                continue
+            hit = seq.token_ids[chunk.start + 1] == shadow
+            self.stats.shadow_drafts += 1
+            self.stats.shadow_hits += hit
+            self.policy.record_verify(seq.seq_id, 1, int(hit))
+        self._shadows = {}
 
     def release(self, seq_ids: Iterable[str], force: bool = False) -> None:
-        self.proposer.release(seq_ids, force)
+        ids = list(seq_ids)
+        self.proposer.release(ids, force)
+        self.policy.forget(ids)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def sample_step(
@@ -139,12 +215,7 @@ def sample_step(
             )
         tokens[seq.seq_id], logprobs[seq.seq_id] = emitted, [None] * len(emitted)
         if stats is not None:
-            stats.steps += 1
-            stats.draft_tokens += len(draft)
-            stats.accepted_tokens += len(emitted) - 1
-            stats.accept_lengths[len(emitted)] += 1
-            if stats.listener is not None:
-                stats.listener(len(draft), len(emitted))
+            stats.record(seq.seq_id, len(draft), len(emitted))
     return tokens, logprobs
 
 
