@@ -60,8 +60,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 _WORKER_FLAGS = ("dtype", "weights", "int4_group_size", "int4_embeddings", "kv_dtype",
                  "kv_cache_bytes", "kv_integrity", "max_num_seqs", "protocol",
-                 "local_prefill_tokens", "speculative", "num_speculative_tokens", "draft",
-                 "draft_model")  # fmt: skip
+                 "local_prefill_tokens", "speculative", "num_speculative_tokens",
+                 "speculative_policy", "draft", "draft_model")  # fmt: skip
 _ON_OFF = ("kv_integrity", "int4_embeddings")  # on|off flags, booleans in WorkerOptions
 
 
@@ -209,6 +209,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
+        speculative_policy=args.speculative_policy,
         draft_model=args.draft_model or None,
     )
     if args.chat:

@@ -10,6 +10,7 @@ from kvmesh.errors import InvalidRequestError, ModelFormatError
 DTYPES = ("fp32", "bf16")
 WEIGHTS = ("auto", "fp32", "bf16", "int4")
 SPECULATIVE = ("none", "ngram", "eagle")
+SPEC_POLICIES = ("adaptive", "fixed")  # spec/policy.py
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,8 @@ class EngineConfig:
     int4_embeddings: bool = False
     kv_integrity: bool = True  # check every page's tag before each step
     speculative: str = "none"  # none, ngram or eagle
-    num_speculative_tokens: int = 4  # drafts verified per step
+    num_speculative_tokens: int = 4  # drafts verified per step (at most, when adaptive)
+    speculative_policy: str = "adaptive"  # adaptive (lengths from measurements) or fixed
     draft_model: str | None = None  # EAGLE head (safetensors); None: the shipped default
     draft_address: str = ""  # EAGLE on a draft service (host:port) instead of in-process
 
@@ -231,6 +233,10 @@ class EngineConfig:
         if self.speculative not in SPECULATIVE:
             raise InvalidRequestError(
                 f"speculative must be one of {SPECULATIVE}, got {self.speculative!r}"
+            )
+        if self.speculative_policy not in SPEC_POLICIES:
+            raise InvalidRequestError(
+                f"speculative_policy must be one of {SPEC_POLICIES}, got {self.speculative_policy!r}"
             )
         if not 1 <= self.num_speculative_tokens <= 16:
             raise InvalidRequestError("num_speculative_tokens must be in 1..16")

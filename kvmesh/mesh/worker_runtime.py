@@ -48,6 +48,7 @@ class WorkerOptions:
     local_prefill_tokens: int = 0
     speculative: str = "none"  # decode: none | ngram | eagle (prefill: eagle hands the window)
     num_speculative_tokens: int = 4
+    speculative_policy: str = "adaptive"  # adaptive | fixed
     draft: str = "local"  # eagle: "local" head in-process or "remote" draft service (etcd)
     draft_model: str = ""
     use_kvstore: bool = True  # pull/push pages from/to a KV store registered in etcd, if any
@@ -87,6 +88,7 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
             kv_integrity=options.kv_integrity,
             speculative=options.speculative,
             num_speculative_tokens=options.num_speculative_tokens,
+            speculative_policy=options.speculative_policy,
             draft_model=options.draft_model or None,
             draft_address=await _draft_address(options),
             max_num_seqs=options.max_num_seqs,

@@ -34,6 +34,12 @@ def mesh(request):
         running.stop()
 
 
+# Drafts that the target accepts (copying the prompt): the adaptive policy turns speculation off
+# on a workload whose drafts it measures as rejected, so acceptance > 0 needs one it accepts.
+COPY = ('Copy this JSON exactly, nothing else: {"name": "Ada Lovelace", "born": 1815, '
+        '"fields": ["mathematics", "computing"], "city": "London"}')  # fmt: skip
+
+
 def _metric(address: str, name: str) -> float:
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
         text = r.read().decode()
@@ -44,7 +50,7 @@ def test_greedy_through_the_mesh_equals_the_engine_without_speculation(mesh, llm
     name, running = mesh
     client = client_for(running)
     _, held = split(chat_prompts() + structured_prompts(), 24)
-    prompts = [p for p in held if p in set(structured_prompts())][:2] + held[:1]
+    prompts = [COPY] + [p for p in held if p in set(structured_prompts())][:2] + held[:1]
     params = SamplingParams(max_tokens=48, temperature=0.0)
     for i, prompt in enumerate(prompts):
         messages = [{"role": "user", "content": prompt}]

@@ -225,3 +225,24 @@ def test_policy_and_cost_import_without_torch():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=60)  # fmt: skip
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("name, kind", [("adaptive", AdaptivePolicy), ("fixed", FixedPolicy)])
+def test_the_engine_config_chooses_the_policy(name, kind):
+    from kvmesh.engine.config import EngineConfig
+    from kvmesh.engine.spec.speculator import build_speculator
+
+    config = EngineConfig(
+        "smollm2-135m", speculative="ngram", num_speculative_tokens=3, speculative_policy=name
+    )
+    speculator = build_speculator(config, "smollm2-135m", runner=None, max_model_len=64)
+    assert isinstance(speculator.policy, kind)
+    assert speculator.policy.plan(1, [Candidate("a", 9)]).limits in ({}, {"a": 3})
+
+
+def test_an_unknown_policy_is_a_clear_error():
+    from kvmesh.engine.config import EngineConfig
+    from kvmesh.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="speculative_policy must be one of"):
+        EngineConfig("smollm2-135m", speculative_policy="greedy")

@@ -25,6 +25,7 @@ from kvmesh.engine.spec.policy import (
     Candidate,
     DraftPlan,
     DraftPolicy,
+    FixedPolicy,
     PolicyConfig,
 )
 from kvmesh.engine.spec.stats import SpecStats
@@ -241,4 +242,6 @@ def build_speculator(config, model_name: str, runner: ModelRunner,
         head = load_head(config.draft_model, model_name)
         runner.capture = head.config.capture_layers
         proposer = EagleProposer(head, runner.model.token_embeddings)
-    return Speculator(proposer, config.num_speculative_tokens, max_model_len)
+    k = config.num_speculative_tokens
+    policy = FixedPolicy(k) if config.speculative_policy == "fixed" else None
+    return Speculator(proposer, k, max_model_len, policy)
