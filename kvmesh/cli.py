@@ -61,7 +61,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 _WORKER_FLAGS = ("dtype", "weights", "int4_group_size", "int4_embeddings", "kv_dtype",
                  "kv_cache_bytes", "kv_integrity", "max_num_seqs", "protocol",
                  "local_prefill_tokens", "speculative", "num_speculative_tokens",
-                 "speculative_policy", "draft", "draft_model")  # fmt: skip
+                 "speculative_policy", "decode_step", "draft", "draft_model")  # fmt: skip
 _ON_OFF = ("kv_integrity", "int4_embeddings")  # on|off flags, booleans in WorkerOptions
 
 
@@ -210,6 +210,7 @@ def _generate(args: argparse.Namespace) -> int:
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_policy=args.speculative_policy,
+        decode_step=args.decode_step,
         draft_model=args.draft_model or None,
     )
     if args.chat:

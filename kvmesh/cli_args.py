@@ -136,6 +136,12 @@ def _spec_args(p: argparse.ArgumentParser, worker: bool = False) -> None:
         help="speculative decoding: n-gram prompt lookup or the EAGLE draft head",
     )
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step")
+    p.add_argument(
+        "--decode-step",
+        default="eager",
+        choices=["eager", "compiled"],
+        help="compiled: torch.compile decode-only steps (opt-in; see docs/benchmarks.md)",
+    )
     p.add_argument("--speculative-policy", default="adaptive", choices=["adaptive", "fixed"],
                    help="draft lengths per step from measured acceptance and step costs, "
                    "or always --num-speculative-tokens")  # fmt: skip

@@ -11,6 +11,7 @@ DTYPES = ("fp32", "bf16")
 WEIGHTS = ("auto", "fp32", "bf16", "int4")
 SPECULATIVE = ("none", "ngram", "eagle")
 SPEC_POLICIES = ("adaptive", "fixed")  # spec/policy.py
+DECODE_STEPS = ("eager", "compiled")  # compiled.py
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
+    decode_step: str = "eager"  # eager, or compiled (torch.compile of decode steps: compiled.py)
     attention_backend: str = "auto"  # auto, torch or cpu (attention/__init__.py)
     seed: int = 0
     kv_dtype: str = "auto"  # auto (= dtype), fp32, bf16 or fp8_e4m3
@@ -233,6 +235,10 @@ class EngineConfig:
         if self.speculative not in SPECULATIVE:
             raise InvalidRequestError(
                 f"speculative must be one of {SPECULATIVE}, got {self.speculative!r}"
+            )
+        if self.decode_step not in DECODE_STEPS:
+            raise InvalidRequestError(
+                f"decode_step must be one of {DECODE_STEPS}, got {self.decode_step!r}"
             )
         if self.speculative_policy not in SPEC_POLICIES:
             raise InvalidRequestError(

@@ -11,6 +11,7 @@ import torch
 
 from kvmesh import env
 from kvmesh.engine.attention import get_backend
+from kvmesh.engine.compiled import compile_decode
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine_setup import TORCH_DTYPES, load_engine_model
 from kvmesh.engine.faults import FaultInjector
@@ -80,6 +81,7 @@ class Engine:
         self.speculator = build_speculator(
             config, self.source.name, self.runner, self.max_model_len
         )
+        compile_decode(self.runner, config.decode_step, config.max_num_seqs, self.max_model_len)
         self._reserved: dict[str, Sequence] = {}  # decode: pages awaiting a prefill worker
         self._kept: dict[str, Sequence] = {}  # prefill: keep_pages requests
         # Receives the prefix cache's stored/removed events after each step (None: dropped).

@@ -20,14 +20,19 @@ engine on its own, so a prefill worker writes it after the page bytes.
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 
 from kvmesh.engine.attention.base import Slots
+from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.kv.layout import KVCacheSpec, spec_for_model
 from kvmesh.engine.kv_fp8 import codec_for
 
 __all__ = ["GqaLayerKV", "KVCacheSpec", "MlaLayerKV", "PagedKVCache", "spec_for_model"]
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.int8}
+_KEYS = itertools.count()
 
 
 class PagedLayer:
@@ -40,6 +45,8 @@ class PagedLayer:
     def __init__(self, data: torch.Tensor, exps: torch.Tensor | None, dtype: torch.dtype) -> None:
         self.data, self.exps, self.dtype = data, exps, dtype
         self._same = data.dtype == dtype
+        self.key = torch.tensor(next(_KEYS))  # a tensor: one compiled graph serves every layer
+        _register(self)
         if exps is not None:
             self.quantize, self.dequantize = codec_for(data.device)
 
@@ -63,6 +70,16 @@ class PagedLayer:
         if self.exps is not None:
             return self.dequantize(*self.quantize(x), self.dtype)
         return x if self._same else x.to(self.data.dtype).to(self.dtype)
+
+
+def _register(layer: PagedLayer) -> None:
+    """Make the pages reachable by the kernels' write-and-attend op under `layer.key`, for as
+    long as the layer lives (kernels/csrc/kv_write.cpp)."""
+    ops = cpu_ops() if layer.data.device.type == "cpu" else None
+    if ops is not None:
+        key = int(layer.key)
+        ops.register_layer(key, layer.data, layer.exps)
+        weakref.finalize(layer, ops.forget_layer, key)
 
 
 class GqaLayerKV:
@@ -118,7 +135,10 @@ class PagedKVCache:
         self.spec = spec
         self.num_pages = num_pages
         self.null_page = num_pages  # one more page, never allocated nor written: all zeros
-        rows = num_pages + 1
+        self.scratch_page = (
+            num_pages + 1
+        )  # never allocated: padding rows of compiled steps write here
+        rows = num_pages + 2
         self.pool = torch.zeros(rows, spec.page_bytes, dtype=torch.uint8, device=device)
         self.tags = torch.zeros(rows, dtype=torch.int32, device=device)
         blocks = self.pool.view(rows, spec.num_heads, spec.head_block_bytes)

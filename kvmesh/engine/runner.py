@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.engine.attention import AttentionBackend, BatchLayout
+from kvmesh.engine.compiled import CompiledDecode
 from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.models import CausalLM
 from kvmesh.engine.step import ChunkPlan, StepPlan
@@ -40,6 +41,7 @@ class ModelRunner:
         self.capture: tuple[int, ...] = ()  # layers whose outputs the last step kept (EAGLE)
         self.features: torch.Tensor | None = None  # [T, len(capture) * H], rows in step order
         self.rows_of: dict[str, tuple[int, int]] = {}  # req_id -> its rows [begin, end) last step
+        self.compiled: CompiledDecode | None = None  # decode-only steps' graphs (compiled.py)
 
     def apply(self, plan: StepPlan) -> None:
         """Bring the per-request state up to date (finished first: an id may come back new)."""
@@ -80,16 +82,9 @@ class ModelRunner:
         num_decode = sum(c.is_decode for c in chunks)
         states = [self.requests[c.req_id] for c in ordered]
         ids = [t for c, s in zip(ordered, states, strict=True) for t in _chunk_tokens(c, s)]
-        positions = torch.cat([torch.arange(c.start, c.start + c.width) for c in ordered])
-        layout = BatchLayout(
-            num_decode,
-            tuple(tuple(s.block_table) for s in states),
-            tuple(c.start for c in ordered),
-            tuple(c.width for c in ordered),
-            self.page_size,
-            self.kv.null_page,
-        )
-        meta = self.attention.build_metadata(layout)
+        starts = [c.start for c in ordered]
+        widths = [c.width for c in ordered]
+        tables = [tuple(s.block_table) for s in states]
         sample_rows, req_ids, counts, row = [], [], [], 0
         self.rows_of = {}
         for chunk in ordered:
@@ -99,10 +94,44 @@ class ModelRunner:
                 req_ids.append(chunk.req_id)
                 counts.append(1 + len(chunk.draft))
             row += chunk.width
-        hidden, self.features = self.model.forward(
-            torch.tensor(ids), positions, meta, self.kv.layers, self.attention, self.capture
-        )
+        pad = None
+        if self.compiled is not None and num_decode == len(ordered) == row:
+            pad = self.compiled.padding(row)
+        if pad is not None:
+            extra = pad.bucket - row
+            ids += [0] * extra
+            starts += [0] * extra
+            widths += [1] * extra
+            tables += [(pad.scratch_page,)] * extra
+            num_decode = pad.bucket
+        hidden = self._run_model(ids, starts, widths, tables, num_decode, pad)
         return hidden, sample_rows, req_ids, counts
+
+    def _run_model(self, ids, starts, widths, tables, num_decode, pad):
+        positions = torch.cat([torch.arange(s, s + w) for s, w in zip(starts, widths, strict=True)])
+        layout = BatchLayout(num_decode, tuple(tables), tuple(starts), tuple(widths),
+                             self.page_size, self.kv.null_page,
+                             pad.table_width if pad is not None else 0)  # fmt: skip
+        meta = self.attention.build_metadata(layout)
+        args = (torch.tensor(ids), positions, meta, self.kv.layers, self.attention, self.capture)
+        out = self.compiled.try_forward(*args) if pad is not None else None
+        if out is None:
+            out = self.model.forward(*args)
+        hidden, self.features = out
+        return hidden
+
+    def run_padding(self, bucket: int, forward) -> None:
+        """One step of `bucket` padding rows only (their KV into the scratch page) through
+        `forward`: how the compiled step is warmed up without touching any request's pages."""
+        scratch = self.kv.scratch_page
+        layout = BatchLayout(bucket, ((scratch,),) * bucket, (0,) * bucket, (1,) * bucket,
+                             self.page_size, self.kv.null_page, self.compiled.max_pages)  # fmt: skip
+        meta = self.attention.build_metadata(layout)
+        ids, positions = (
+            torch.zeros(bucket, dtype=torch.long),
+            torch.zeros(bucket, dtype=torch.long),
+        )
+        forward(ids, positions, meta, self.kv.layers, self.attention, self.capture)
 
 
 def _chunk_tokens(chunk: ChunkPlan, state: _Request) -> list[int]:

@@ -49,6 +49,7 @@ class WorkerOptions:
     speculative: str = "none"  # decode: none | ngram | eagle (prefill: eagle hands the window)
     num_speculative_tokens: int = 4
     speculative_policy: str = "adaptive"  # adaptive | fixed
+    decode_step: str = "eager"  # eager | compiled
     draft: str = "local"  # eagle: "local" head in-process or "remote" draft service (etcd)
     draft_model: str = ""
     use_kvstore: bool = True  # pull/push pages from/to a KV store registered in etcd, if any
@@ -89,6 +90,7 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
             speculative=options.speculative,
             num_speculative_tokens=options.num_speculative_tokens,
             speculative_policy=options.speculative_policy,
+            decode_step=options.decode_step,
             draft_model=options.draft_model or None,
             draft_address=await _draft_address(options),
             max_num_seqs=options.max_num_seqs,

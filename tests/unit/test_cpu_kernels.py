@@ -95,6 +95,30 @@ def test_mla_kernel_matches_reference(kv_dtype, dtype, rank, rope, heads):
     torch.testing.assert_close(kernel.float(), reference.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_writes_the_same_page_bytes_as_the_torch_write(kv_dtype, dtype):
+    spec = KVCacheSpec.gqa(2, 3, 40, 8, kv_dtype)
+    torch_pages, kernel_pages = PagedKVCache(spec, 6, dtype), PagedKVCache(spec, 6, dtype)
+    gen = torch.Generator().manual_seed(3)
+    flat = torch.tensor([0, 9, 17, 40, 47], dtype=torch.long)  # pages 0, 1, 2, 5, 5
+    slots = Slots.of(flat, 8)
+    fresh = (torch.randn(5, 3, 2, 40, generator=gen) * 30).to(dtype)
+    fresh[1, 2] = 0.0  # an all-zero row: exponent 0
+    fresh[2, 0, 1, :3] = torch.tensor([1e-30, -5e4, 3e-3])  # subnormals and saturation's edge
+    tables = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    lengths = torch.tensor([20], dtype=torch.int32)
+    q = torch.randn(1, 6, 40, generator=gen).to(dtype)
+    torch_pages.layers[1].layer.write(slots, fresh)
+    layer = kernel_pages.layers[1].layer
+    cpu_ops().paged_write_decode(q, fresh, layer.key, slots.page, slots.offset, tables, lengths,
+                                 1, 40, 0.1)  # fmt: skip
+    assert torch.equal(kernel_pages.pool, torch_pages.pool)
+    with pytest.raises(RuntimeError, match="outside the pages"):
+        cpu_ops().paged_write_decode(q, fresh[:1], layer.key, torch.tensor([99]), torch.tensor([0]),
+                                     tables, lengths, 1, 40, 0.1)  # fmt: skip
+
+
 def test_decode_kernel_is_the_same_bits_for_any_thread_count_and_batch():
     spec = KVCacheSpec.gqa(1, 2, 64, 16, "fp8_e4m3")
     layer, layout, gen = _random_cache(spec, torch.bfloat16, 16, seed=7)

@@ -38,6 +38,7 @@ class BatchLayout:
     widths: tuple[int, ...]
     page_size: int
     null_page: int  # an all-zero page nothing writes: where padding slots point (kv_cache.py)
+    table_width: int = 0  # decode block tables padded to at least this many pages (compiled.py)
 
 
 @dataclass(frozen=True)

@@ -35,41 +35,68 @@ def build_paged_metadata(layout: BatchLayout) -> PagedMetadata:
     decode = layout.num_decode
     tables = layout.block_tables[:decode]
     lengths = [start + 1 for start in layout.starts[:decode]]
-    width = max((-(-n // layout.page_size) for n in lengths), default=0)
-    padded = [list(t[:width]) + [layout.null_page] * (width - len(t[:width])) for t in tables]
     size = layout.page_size
+    counts = [-(-n // size) for n in lengths]
+    width = max(max(counts, default=0), layout.table_width)
     new = [t[(n - 1) // size] * size + (n - 1) % size for t, n in zip(tables, lengths, strict=True)]
     slots, spans = prefill_spans(layout)
     flat = torch.cat([torch.tensor(new, dtype=torch.long), *slots])
     return PagedMetadata(
         Slots.of(flat, size),
         decode,
-        torch.tensor(padded, dtype=torch.int32).view(decode, width),
+        _padded_tables(tables, counts, width, layout.null_page),
         torch.tensor(lengths, dtype=torch.int32),
         spans,
     )
 
 
-def _decode(q: torch.Tensor, layer: PagedLayer, meta: PagedMetadata, v_part: int, v_dim: int,
-            scale: float) -> torch.Tensor:  # fmt: skip
-    return cpu_ops().paged_decode(
-        q.contiguous(), layer.data, layer.exps, meta.block_tables, meta.lengths, 0, v_part,
-        v_dim, scale,
-    )  # fmt: skip
+def _padded_tables(tables, counts: list[int], width: int, null_page: int) -> torch.Tensor:
+    """[rows, width] int32: each row's first `counts[i]` pages, then the null page (a few
+    tensor ops whatever the width, not a Python list of rows x width)."""
+    out = torch.full((len(tables), width), null_page, dtype=torch.int32)
+    pages = [p for t, n in zip(tables, counts, strict=True) for p in t[:n]]
+    if pages:
+        per_row = torch.tensor(counts)
+        row = torch.repeat_interleave(torch.arange(len(tables)), per_row)
+        first = torch.repeat_interleave(torch.cumsum(per_row, 0) - per_row, per_row)
+        out[row, torch.arange(len(pages)) - first] = torch.tensor(pages, dtype=torch.int32)
+    return out
+
+
+def _write_decode(q: torch.Tensor, new: torch.Tensor, layer: PagedLayer, meta: PagedMetadata,
+                  v_part: int, v_dim: int, scale: float) -> torch.Tensor:  # fmt: skip
+    """new [T, heads, parts, dim] written into the layer's pages, then the first B rows of the
+    step (q [B, H, k_dim]) attended over theirs: one op (kernels/csrc/kv_write.cpp)."""
+    slots = meta.slot_mapping
+    return cpu_ops().paged_write_decode(
+        q,
+        new,
+        layer.key,
+        slots.page,
+        slots.offset,
+        meta.block_tables,
+        meta.lengths,
+        v_part,
+        v_dim,
+        scale,
+    )
 
 
 class PagedAttention:
     kind = "gqa"
+    compilable = True  # its decode rows are one op a compiled graph holds (engine/compiled.py)
 
     def build_metadata(self, layout: BatchLayout) -> PagedMetadata:
         return build_paged_metadata(layout)
 
     def forward(self, q, k, v, cache: GqaLayerKV, meta: PagedMetadata, scale: float):
-        cache.write(meta.slot_mapping, k, v)
-        out = torch.empty_like(q)
         d = meta.num_decode
-        if d:
-            out[:d] = _decode(q[:d], cache.layer, meta, 1, q.shape[-1], scale)
+        decoded = _write_decode(q[:d], torch.stack((k, v), dim=-2), cache.layer, meta, 1,
+                                q.shape[-1], scale)  # fmt: skip
+        if not meta.prefills:
+            return decoded
+        out = torch.empty_like(q)
+        out[:d] = decoded
         for span in meta.prefills:
             out[span.begin : span.end] = TorchAttention._prefill(q, k, v, cache, span, scale)
         return out
@@ -77,21 +104,22 @@ class PagedAttention:
 
 class PagedMlaAttention:
     kind = "mla"
+    compilable = True
 
     def build_metadata(self, layout: BatchLayout) -> PagedMetadata:
         return build_paged_metadata(layout)
 
     def forward(self, q_nope, q_pe, entry, cache: MlaLayerKV, meta: PagedMetadata,
                 w: MlaWeights) -> torch.Tensor:  # fmt: skip
-        cache.write(meta.slot_mapping, entry)
+        d, rank = meta.num_decode, w.kv_b.shape[1]
+        q_latent = torch.bmm(q_nope[:d].transpose(0, 1), w.w_uk).transpose(0, 1)
+        query = torch.cat((q_latent, q_pe[:d]), dim=-1)  # [B, H, rank + rope]
+        latent = _write_decode(query, entry[:, None, None, :], cache.layer, meta, 0, rank, w.scale)
+        decoded = torch.bmm(latent.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)
+        if not meta.prefills:
+            return decoded
         out = q_nope.new_empty(q_nope.shape[0], w.num_heads, w.v_dim)
-        d = meta.num_decode
-        if d:
-            rank = w.kv_b.shape[1]
-            q_latent = torch.bmm(q_nope[:d].transpose(0, 1), w.w_uk).transpose(0, 1)
-            query = torch.cat((q_latent, q_pe[:d]), dim=-1)  # [B, H, rank + rope]
-            latent = _decode(query, cache.layer, meta, 0, rank, w.scale)  # [B, H, rank]
-            out[:d] = torch.bmm(latent.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)
+        out[:d] = decoded
         for span in meta.prefills:
             rows = slice(span.begin, span.end)
             out[rows] = TorchMlaAttention._prefill(

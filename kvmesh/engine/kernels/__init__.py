@@ -1,27 +1,39 @@
-"""The C++ CPU kernels (csrc/): paged decode attention and small-batch bf16 linears.
+"""The C++ CPU kernels (csrc/): paged decode attention, small-batch linears, norms, RoPE, argmax.
 
-`cpu_ops()` is the loaded extension, or None where it cannot run (see build.py); callers keep
-a torch path for None. A failed build is logged once with its reason, never raised.
+`cpu_ops()` is the `torch.ops.kvmesh` namespace once the extension is loaded (loading it
+registers the ops with torch's dispatcher, so eager code and torch.compile graphs call the same
+C++), or None where it cannot run (see build.py); callers keep a torch path for None. A failed
+build is logged once with its reason, never raised.
 """
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
+from typing import Any
 
 import structlog
 
 log = structlog.get_logger(__name__)
+_RESOLVED: list[Any] = []  # [ops or None] once resolved: a plain global that dynamo can read
 
 
-@functools.cache
-def cpu_ops() -> ModuleType | None:
+def cpu_ops() -> Any | None:
+    if not _RESOLVED:
+        _RESOLVED.append(_resolve())
+    return _RESOLVED[0]
+
+
+def _resolve() -> Any | None:
     from kvmesh.engine.kernels import build
 
     reason = build.missing_reason()
     if reason is None:
         try:
-            return build.load()
+            build.load()
+            import torch
+
+            from kvmesh.engine.kernels import fake  # noqa: F401  (shapes for graph capture)
+
+            return torch.ops.kvmesh
         except Exception as exc:  # a compiler error must not take the engine down
             reason = f"build failed: {exc}"
     log.warning("kernels.unavailable", reason=reason.splitlines()[0][:300])

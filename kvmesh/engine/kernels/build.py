@@ -95,8 +95,10 @@ def main() -> int:
     if reason:
         print(f"CPU kernels not built: {reason}; the torch paths will run")
         return 0
-    module = load()
-    print(f"CPU kernels ready (AVX512-BF16 dot: {module.has_bf16_dot()})")
+    load()
+    import torch
+
+    print(f"CPU kernels ready (AVX512-BF16 dot: {torch.ops.kvmesh.has_bf16_dot()})")
     return 0
 
 

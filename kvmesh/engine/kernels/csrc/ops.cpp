@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "kernels.h"
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -21,7 +22,9 @@ int storage_of(const torch::Tensor& data) {
 // q [B, H, k_dim]; data [pages, kv_heads, page_size, parts, dim] (a view into the pool);
 // exps [pages, kv_heads, page_size, parts] int8 for FP8; block_tables [B, W] int32;
 // lengths [B] int32 -> [B, H, v_dim] in q's dtype.
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor data, c10::optional<torch::Tensor> exps,
+}  // namespace
+
+torch::Tensor kvmesh::paged_decode(torch::Tensor q, torch::Tensor data, c10::optional<torch::Tensor> exps,
                            torch::Tensor block_tables, torch::Tensor lengths, int64_t k_part,
                            int64_t v_part, int64_t v_dim, double scale) {
   TORCH_CHECK(q.dim() == 3 && data.dim() == 5, "q [B, H, D] and pages [P, Hkv, S, parts, D]");
@@ -74,6 +77,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor data, c10::optional<to
   });
   return out;
 }
+
+namespace {
 
 // x [B, K] bf16 (B <= 8), w [N, K] bf16 -> [B, N] bf16 (+ bias [N] bf16).
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
@@ -182,14 +187,59 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   return out;
 }
 
+// Split so that each op has a fixed number of outputs (graph capture needs fake shapes).
+// fp32 rows go to torch's fused rms_norm (the eager step's bits; the kernel's reduction order
+// differs): one op either way, so a compiler keeps them as they are.
+torch::Tensor rms_norm_only(torch::Tensor x, torch::Tensor weight, double eps) {
+  if (x.scalar_type() == torch::kFloat) return at::rms_norm(x, {x.size(-1)}, weight, eps);
+  return rms_norm(x, weight, eps, c10::nullopt)[0];
+}
+
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
+                                                      torch::Tensor weight, double eps) {
+  if (x.scalar_type() == torch::kFloat) {
+    auto total = x + residual;
+    return {at::rms_norm(total, {x.size(-1)}, weight, eps), total};
+  }
+  auto both = rms_norm(x, weight, eps, residual);
+  return {both[0], both[1]};
+}
+
+bool has_bf16_dot() { return kvmesh::cpu_has_bf16_dot(); }
+
+// silu(gate) * up of a fused gate|up row: torch's own ops (the eager step's bits), one op in a
+// graph so that a compiler does not re-derive them with its own exp.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  auto parts = gate_up.chunk(2, -1);
+  return at::silu(parts[0]) * parts[1];
+}
+
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over paged KV");
-  m.def("linear_bf16", &linear_bf16, "small-batch bf16 x bf16 linear");
-  m.def("int4_linear", &int4_linear, "small-batch linear over torch's CPU int4pack weights");
-  m.def("rms_norm", &rms_norm, "RMSNorm (after an optional residual add), HF's rounding");
-  m.def("argmax_rows", &argmax_rows, "row-wise argmax (first maximum), -1 for NaN rows");
-  m.def("rope", &rope, "rotary embedding, rotate-half form, torch's rounding");
-  m.def("has_bf16_dot", &kvmesh::cpu_has_bf16_dot, "AVX512-BF16 dot products available");
+// Dispatcher ops (torch.ops.kvmesh.*): eager calls and torch.compile graphs call the same C++;
+// their fake (shape) functions are in kernels/fake.py.
+TORCH_LIBRARY(kvmesh, m) {
+  m.def("paged_decode(Tensor q, Tensor data, Tensor? exps, Tensor block_tables, Tensor lengths, "
+        "int k_part, int v_part, int v_dim, float scale) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, int group, Tensor scales_zeros) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("has_bf16_dot() -> bool", &has_bf16_dot);
 }
+
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
+  m.impl("paged_decode", &kvmesh::paged_decode);
+  m.impl("linear_bf16", &linear_bf16);
+  m.impl("int4_linear", &int4_linear);
+  m.impl("rms_norm", &rms_norm_only);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("argmax_rows", &argmax_rows);
+  m.impl("rope", &rope);
+  m.impl("silu_mul", &silu_mul);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}  // importing the module registers the ops above
