@@ -294,6 +294,8 @@ _BENCHES = {  # name: (help, module whose add_arguments defines its flags)
                 "kvmesh.benchmarks.kernels"),
     "step": ("a decode step split into model compute and host work, per concurrency",
              "kvmesh.benchmarks.step"),
+    "compiled": ("the compiled decode step vs the eager one, side by side in one engine",
+                 "kvmesh.benchmarks.compiled"),
 }  # fmt: skip
 
 

@@ -70,6 +70,7 @@ class CompiledDecode:
         self.buckets = buckets_for(max_rows)
         self.max_pages, self.scratch_page = max_pages, scratch_page
         self.ready: set[int] = set()
+        self.seconds: dict[int, float] = {}  # bucket -> seconds its warm-up compile took
         self.failed: str | None = None
         raw = type(model).forward.__wrapped__  # the forward without its inference_mode
         self._compiled = torch.compile(raw, fullgraph=True, dynamic=False)

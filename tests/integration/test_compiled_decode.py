@@ -50,6 +50,25 @@ def _counting(llm: LLM) -> list[int]:
     return seen
 
 
+def _checking_bits(llm: LLM) -> list[bool]:
+    """Runs each compiled step eager too (same inputs: the KV written is the same) and records
+    whether the hidden states are the same bits."""
+    runner, same = llm.engine.runner, []
+    run_model = runner._run_model
+
+    def both(ids, starts, widths, tables, num_decode, pad):
+        if pad is not None:
+            eager = run_model(list(ids), list(starts), list(widths), list(tables), num_decode,
+                              None).clone()  # fmt: skip
+            compiled = run_model(ids, starts, widths, tables, num_decode, pad)
+            same.append(torch.equal(compiled[: len(eager)], eager))
+            return compiled
+        return run_model(ids, starts, widths, tables, num_decode, pad)
+
+    runner._run_model = both
+    return same
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> str:
     return str(make_tiny_model(TinySpec("llama"), tmp_path_factory.mktemp("llama") / "m").path)
@@ -72,6 +91,9 @@ def test_compiled_steps_give_the_eager_tokens(llama, dtype, kv_dtype):
     kv = llm.engine.kv_cache
     assert not kv.pool[kv.null_page].any(), "padding rows must not write the null page"
     assert kv.pool[kv.scratch_page].any(), "padding rows write the scratch page"
+    same = _checking_bits(llm)
+    llm.generate_ids(_prompts()[:2], SamplingParams(max_tokens=6, temperature=0.0))
+    assert same and all(same), "compiled hidden states must be eager's bits"
 
 
 def test_a_model_that_does_not_compile_whole_stays_eager(tmp_path):

@@ -27,9 +27,10 @@ def test_written_kv_lands_inside_its_page_bytes():
     cache = PagedKVCache(spec, num_pages=5)
     _write_layers(cache)
     pages = cache.pool.view(torch.float32).view(
-        6, 2, 3, 4, 2, 4
+        7, 2, 3, 4, 2, 4
     )  # [page, head, layer, slot, k|v, ..]
     assert cache.null_page == 5 and not pages[5].any()  # the null page: zeros nothing writes
+    assert cache.scratch_page == 6 and not pages[6].any()  # written by compiled padding only
     for page in range(5):
         values = sorted(set(pages[page].abs().flatten().tolist()))
         assert values == ([0.0, 1.0, 2.0, 3.0] if page in (2, 4) else [0.0])

@@ -138,8 +138,9 @@ class KVCacheSpec:
         return f"v{LAYOUT_VERSION}:{self.num_layers}L:{'+'.join(kinds)}:p{self.page_size}:{self.kv_dtype}"
 
     def pages_for_budget(self, budget_bytes: int) -> int:
-        """Pages a pool of `budget_bytes` holds; one page of it is the pool's null page."""
-        return max(budget_bytes // self.page_bytes - 1, 1)
+        """Pages a pool of `budget_bytes` holds; two pages of it are the pool's null and scratch
+        pages (kv_cache.py)."""
+        return max(budget_bytes // self.page_bytes - 2, 1)
 
 
 def spec_for_model(config: ModelConfig, page_size: int, kv_dtype: str) -> KVCacheSpec:
