@@ -112,10 +112,9 @@ class CompiledDecode:
                 self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
                 log.warning("compile.failed", bucket=bucket, reason=self.failed)
                 return
+            self.seconds[bucket] = round(time.perf_counter() - started, 2)
             self.ready.add(bucket)
-            log.info(
-                "compile.ready", bucket=bucket, seconds=round(time.perf_counter() - started, 1)
-            )
+            log.info("compile.ready", bucket=bucket, seconds=self.seconds[bucket])
 
     def start(self, run_bucket) -> threading.Thread:
         thread = threading.Thread(target=self.warm_up, args=(run_bucket,), name="kvmesh-compile",

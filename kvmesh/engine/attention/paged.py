@@ -51,8 +51,14 @@ def build_paged_metadata(layout: BatchLayout) -> PagedMetadata:
 
 
 def _padded_tables(tables, counts: list[int], width: int, null_page: int) -> torch.Tensor:
-    """[rows, width] int32: each row's first `counts[i]` pages, then the null page (a few
-    tensor ops whatever the width, not a Python list of rows x width)."""
+    """[rows, width] int32: each row's first `counts[i]` pages, then the null page. A small
+    table is built from a list; a wide one (compiled steps pad to the longest context) by a
+    few tensor ops, not a Python list of rows x width."""
+    if len(tables) * width <= 4096:
+        padded = [
+            list(t[:n]) + [null_page] * (width - n) for t, n in zip(tables, counts, strict=True)
+        ]
+        return torch.tensor(padded, dtype=torch.int32).view(len(tables), width)
     out = torch.full((len(tables), width), null_page, dtype=torch.int32)
     pages = [p for t, n in zip(tables, counts, strict=True) for p in t[:n]]
     if pages:

@@ -109,6 +109,9 @@ class Int4Linear:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         scales_zeros = torch.stack([weight.scale, weight.zero], dim=-1)  # [N, K/g, 2]
         self.scales_zeros = scales_zeros.transpose(0, 1).contiguous().to(self.device, dtype)
+        # Rows per block of the packed layout `rows` reads (0: it cannot read this one).
+        self._block = _cpu_row_block(self.out_features) if self.device.type == "cpu" else 0
+        self._small_batch = self._small_batch_ops()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -124,20 +127,15 @@ class Int4Linear:
             )
         return out.view(*x.shape[:-1], self.out_features)
 
-    @functools.cached_property
-    def _small_batch(self):
+    def _small_batch_ops(self):
         """The CPU kernel for a few rows (kernels/csrc/int4_gemv.cpp), which reads this same
-        packed weight when it is in 64-row blocks; None: torch's kernel for every batch."""
+        packed weight when it is in 64-row blocks; None: torch's kernel for every batch. Set
+        once at construction: a compiled graph reads it as a plain attribute."""
         if self._block != 64 or self.group % 16 or self.device.type != "cpu":
             return None
         from kvmesh.engine.kernels import cpu_ops
 
         return cpu_ops()
-
-    @functools.cached_property
-    def _block(self) -> int:
-        """Rows per block of the packed layout `rows` reads (0: it cannot read this one)."""
-        return _cpu_row_block(self.out_features) if self.device.type == "cpu" else 0
 
     @property
     def can_read_rows(self) -> bool:

@@ -196,7 +196,8 @@ def sample_step(
     tokens: dict[str, list[int]] = {}
     logprobs: dict[str, list[TokenLogprob | None]] = {}
     if plain:
-        rows = result.logits[torch.tensor([starts[i] for i in plain])]
+        every = len(plain) == len(result.rows)  # no drafts: the rows are the logits, in order
+        rows = result.logits if every else result.logits[torch.tensor([starts[i] for i in plain])]
         plain_seqs = [seqs[i] for i in plain]
         sampled = sampler(rows, plain_seqs)
         for seq, token, logprob in zip(plain_seqs, sampled.token_ids, sampled.logprobs,
