@@ -246,3 +246,47 @@ def test_an_unknown_policy_is_a_clear_error():
 
     with pytest.raises(InvalidRequestError, match="speculative_policy must be one of"):
         EngineConfig("smollm2-135m", speculative_policy="greedy")
+
+
+def test_the_drafting_seconds_are_charged_to_every_token_drafted_shadows_included():
+    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.engine.sequence import Sequence
+    from kvmesh.engine.spec.policy import DraftPlan
+    from kvmesh.engine.spec.speculator import Speculator
+
+    class Planned(FixedPolicy):  # two drafts for "a", a shadow draft for "b"
+        samples: list = []
+
+        def plan(self, batch, candidates):
+            return DraftPlan({"a": 2}, ("b",))
+
+        def record_step(self, sample):
+            self.samples.append(sample)
+
+    class Drafts:
+        def propose(self, seq, limit):
+            return [7, 8, 9][:limit]
+
+        def release(self, seq_ids, force=False):
+            pass
+
+    seqs = []
+    for name in "ab":
+        seq = Sequence(name, [1, 2, 3], SamplingParams(max_tokens=16))
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seqs.append(seq)
+    policy = Planned(4)
+    speculator = Speculator(Drafts(), 4, 64, policy)
+    speculator.propose(seqs)
+    assert seqs[0].draft_token_ids == [7, 8] and seqs[1].draft_token_ids == []
+
+    class Chunk:
+        def __init__(self, seq, draft):
+            self.seq, self.draft, self.num_tokens, self.start = seq, draft, 1, seq.num_tokens - 1
+
+    class Runner:
+        features = None
+
+    speculator.observe([Chunk(seqs[0], [7, 8]), Chunk(seqs[1], [])], Runner())
+    (sample,) = policy.samples
+    assert (sample.batch, sample.drafts, sample.chunks, sample.proposed) == (2, 2, 1, 3)

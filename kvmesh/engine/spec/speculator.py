@@ -50,7 +50,7 @@ class _Mark:
     """When the step's model work began, and what drafting cost before it."""
 
     at: float
-    drafted: int
+    drafted: int  # tokens proposed, shadow drafts included (the drafting seconds cover them)
     draft_s: float
 
 
@@ -95,12 +95,12 @@ class Speculator:
             requests = [(s, plan.limits.get(s.seq_id) or 1) for s, _ in candidates
                         if s.seq_id in plan.limits or s.seq_id in shadows]  # fmt: skip
             for (seq, limit), draft in zip(requests, self._drafts(requests), strict=True):
+                drafted += len(draft[:limit])  # what the drafting seconds paid for, shadows too
                 if seq.seq_id in shadows:
                     if draft:
                         self._shadows[seq.seq_id] = draft[0]
                     continue
                 seq.draft_token_ids = list(draft[:limit])
-                drafted += len(seq.draft_token_ids)
         now = time.perf_counter()
         self._mark = _Mark(now, drafted, now - started)
 
