@@ -13,6 +13,7 @@ import statistics
 import time
 
 from kvmesh.benchmarks.report import BenchRun, write_report
+from kvmesh.benchmarks.step import engine_arguments, start_decoding
 
 
 def _ready(engine, timeout_s: float = 3600.0):
@@ -31,13 +32,7 @@ def _level(engine, compiled, streams: int, rounds: int, block: int, prompt_token
     from kvmesh.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=2 * rounds * block + 8, temperature=0.0, ignore_eos=True)
-    for i in range(streams):
-        prompt = [1 + (i * 7 + j) % 500 for j in range(prompt_tokens)]
-        engine.add_request(f"compiled-{streams}-{i}", prompt, params)
-    while engine.scheduler.waiting or any(
-        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
-    ):
-        engine.step()
+    start_decoding(engine, f"compiled-{streams}", streams, prompt_tokens, params)
     ms: dict[str, list[float]] = {"eager": [], "compiled": []}
     for _ in range(rounds):
         for mode in ("eager", "compiled"):
@@ -79,12 +74,6 @@ def run_compiled_bench(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
-    parser.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int4"])
-    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp8_e4m3"])
-    parser.add_argument("--concurrency", default="1,16,64")
+    engine_arguments(parser)
     parser.add_argument("--rounds", type=int, default=6, help="eager / compiled block pairs")
     parser.add_argument("--block", type=int, default=8, help="decode steps per block")
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--output", default=None, help="also write the JSON report here")

@@ -63,15 +63,7 @@ def measure(engine, concurrency: int, steps: int, prompt_tokens: int) -> dict:
     clock.wrap(engine, "_check_integrity", "integrity")
     clock.wrap(engine_module, "sample_step", "sample")
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    for i in range(concurrency):
-        engine.add_request(
-            f"step-{concurrency}-{i}", [1 + (i * 7 + j) % 500 for j in range(prompt_tokens)], params
-        )
-    while (
-        any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running)
-        or engine.scheduler.waiting
-    ):
-        engine.step()  # prefill every request first
+    start_decoding(engine, f"step-{concurrency}", concurrency, prompt_tokens, params)
     rows = []
     for _ in range(steps):
         with clock.step():
@@ -91,6 +83,17 @@ def measure(engine, concurrency: int, steps: int, prompt_tokens: int) -> dict:
         **{f"{n}_ms": round(v, 3) for n, v in ms.items()},
         "tok_s": round(concurrency / ms["step"] * 1e3, 1),
     }
+
+
+def start_decoding(engine, prefix: str, streams: int, prompt_tokens: int, params) -> None:
+    """`streams` requests of `prompt_tokens` tokens, stepped until every one is prefilled."""
+    for i in range(streams):
+        prompt = [1 + (i * 7 + j) % 500 for j in range(prompt_tokens)]
+        engine.add_request(f"{prefix}-{i}", prompt, params)
+    while engine.scheduler.waiting or any(
+        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
+    ):
+        engine.step()
 
 
 def run_step_bench(args: argparse.Namespace) -> int:
@@ -113,13 +116,18 @@ def run_step_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine options of the decode-step benches (this one and `bench compiled`)."""
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     parser.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int4"])
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp8_e4m3"])
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     parser.add_argument("--concurrency", default="1,16,64")
-    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per level")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output", default=None, help="also write the JSON report here")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    engine_arguments(parser)
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
+    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per level")

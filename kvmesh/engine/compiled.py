@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
 
 import structlog
 import torch
@@ -32,16 +31,6 @@ from kvmesh import env
 
 log = structlog.get_logger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
-
-@dataclass(frozen=True)
-class Padding:
-    """How a step of `rows` decode rows is widened to its bucket."""
-
-    rows: int
-    bucket: int
-    scratch_page: int
-    table_width: int
 
 
 def buckets_for(max_rows: int) -> tuple[int, ...]:
@@ -64,11 +53,11 @@ def configure_inductor() -> None:
 class CompiledDecode:
     """Compiled forwards of one model, one graph per bucket of decode rows."""
 
-    def __init__(self, model, max_rows: int, max_pages: int, scratch_page: int) -> None:
+    def __init__(self, model, max_rows: int, max_pages: int) -> None:
         configure_inductor()
         self.model = model
         self.buckets = buckets_for(max_rows)
-        self.max_pages, self.scratch_page = max_pages, scratch_page
+        self.max_pages = max_pages  # decode block tables are padded to this width
         self.ready: set[int] = set()
         self.seconds: dict[int, float] = {}  # bucket -> seconds its warm-up compile took
         self.failed: str | None = None
@@ -76,14 +65,12 @@ class CompiledDecode:
         self._compiled = torch.compile(raw, fullgraph=True, dynamic=False)
         self._lock = threading.Lock()  # one graph runs or compiles at a time
 
-    def padding(self, rows: int) -> Padding | None:
+    def bucket(self, rows: int) -> int | None:
         """The bucket of a decode-only step of `rows` rows, if its graph is ready."""
         if self.failed is not None:
             return None
         bucket = next((b for b in self.buckets if b >= rows), None)
-        if bucket is None or bucket not in self.ready:
-            return None
-        return Padding(rows, bucket, self.scratch_page, self.max_pages)
+        return bucket if bucket in self.ready else None
 
     def try_forward(self, input_ids, positions, meta, kv_caches, attention, capture):
         """The compiled forward, or None while the warm-up thread is compiling (dynamo's caches
@@ -132,6 +119,6 @@ def compile_decode(runner, decode_step: str, max_rows: int, max_model_len: int):
         log.info("compile.skipped", reason="the attention backend is not the CPU kernels'")
         return None
     max_pages = -(-max_model_len // runner.page_size)
-    runner.compiled = CompiledDecode(runner.model, max_rows, max_pages, runner.kv.scratch_page)
+    runner.compiled = CompiledDecode(runner.model, max_rows, max_pages)
     runner.compiled.start(runner.run_padding)
     return runner.compiled

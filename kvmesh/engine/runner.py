@@ -94,27 +94,28 @@ class ModelRunner:
                 req_ids.append(chunk.req_id)
                 counts.append(1 + len(chunk.draft))
             row += chunk.width
-        pad = None
+        bucket = None
         if self.compiled is not None and num_decode == len(ordered) == row:
-            pad = self.compiled.padding(row)
-        if pad is not None:
-            extra = pad.bucket - row
+            bucket = self.compiled.bucket(row)
+        if bucket is not None:  # padding rows up to the bucket, their KV into the scratch page
+            extra = bucket - row
             ids += [0] * extra
             starts += [0] * extra
             widths += [1] * extra
-            tables += [(pad.scratch_page,)] * extra
-            num_decode = pad.bucket
-        hidden = self._run_model(ids, starts, widths, tables, num_decode, pad)
+            tables += [(self.kv.scratch_page,)] * extra
+            num_decode = bucket
+        hidden = self._run_model(ids, starts, widths, tables, num_decode, bucket)
         return hidden, sample_rows, req_ids, counts
 
-    def _run_model(self, ids, starts, widths, tables, num_decode, pad):
+    def _run_model(self, ids, starts, widths, tables, num_decode, bucket):
+        """The model over these rows; through the compiled graph of `bucket` if not None."""
         positions = torch.cat([torch.arange(s, s + w) for s, w in zip(starts, widths, strict=True)])
+        width = self.compiled.max_pages if bucket is not None else 0
         layout = BatchLayout(num_decode, tuple(tables), tuple(starts), tuple(widths),
-                             self.page_size, self.kv.null_page,
-                             pad.table_width if pad is not None else 0)  # fmt: skip
+                             self.page_size, self.kv.null_page, width)  # fmt: skip
         meta = self.attention.build_metadata(layout)
         args = (torch.tensor(ids), positions, meta, self.kv.layers, self.attention, self.capture)
-        out = self.compiled.try_forward(*args) if pad is not None else None
+        out = self.compiled.try_forward(*args) if bucket is not None else None
         if out is None:
             out = self.model.forward(*args)
         hidden, self.features = out

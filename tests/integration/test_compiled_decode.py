@@ -56,14 +56,14 @@ def _checking_bits(llm: LLM) -> list[bool]:
     runner, same = llm.engine.runner, []
     run_model = runner._run_model
 
-    def both(ids, starts, widths, tables, num_decode, pad):
-        if pad is not None:
+    def both(ids, starts, widths, tables, num_decode, bucket):
+        if bucket is not None:
             eager = run_model(list(ids), list(starts), list(widths), list(tables), num_decode,
                               None).clone()  # fmt: skip
-            compiled = run_model(ids, starts, widths, tables, num_decode, pad)
+            compiled = run_model(ids, starts, widths, tables, num_decode, bucket)
             same.append(torch.equal(compiled[: len(eager)], eager))
             return compiled
-        return run_model(ids, starts, widths, tables, num_decode, pad)
+        return run_model(ids, starts, widths, tables, num_decode, bucket)
 
     runner._run_model = both
     return same
@@ -104,7 +104,7 @@ def test_a_model_that_does_not_compile_whole_stays_eager(tmp_path):
     compiled = llm.engine.runner.compiled
     if compiled.failed is None:
         pytest.skip("this MoE model compiled whole here: nothing to fall back from")
-    assert compiled.padding(1) is None
+    assert compiled.bucket(1) is None
     assert [o.token_ids for o in llm.generate_ids(_prompts(), GREEDY)] == want
 
 
