@@ -1,5 +1,5 @@
 """Peak RSS while a model loads -- the engine's path: load_model, then build_model -- stays
-within its resident weights + 25 %: the loader reads, converts and hands over one tensor at a
+within its resident weights + 25 % + a fixed 32 MiB: the loader reads, converts and hands over one tensor at a
 time and keeps none. Each load runs in a fresh process (load_memory_probe), as ru_maxrss is a
 lifetime peak; the baseline is that process's RSS once torch and the loader are imported."""
 
@@ -15,9 +15,11 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parents[2]
-BOUND = 1.25  # peak - baseline <= BOUND * the model's weight_bytes
-INT4_BOUND = 1.35  # SmolLM2 INT4 holds only 123 MB: 25 % is 30 MB, within allocator noise;
-# measured 1.15-1.26 x (the Q8_0 embedding converted to bf16 in row chunks as it is read)
+BOUND = 1.25  # peak - baseline <= BOUND * the model's weight_bytes + FIXED
+FIXED = 32 << 20  # what a process pays once, whatever the model's size: torch's first ops
+# (thread pools, allocator arenas), RoPE tables. SmolLM2 INT4 (117 MiB of weights) kept
+# 15 MiB beyond its weights on Intel Xeon and 28 MiB on a CI machine (1.26 x and 1.36 x
+# without FIXED); a loader that kept a copy of what it read would pass neither bound.
 MiB = 1 << 20
 
 
@@ -29,12 +31,11 @@ def probe(*args: str, **env: str) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1]) if args[0] == "load" else {}
 
 
-def assert_within_bound(report: dict, bound: float | None = None) -> None:
-    bound = bound or BOUND
+def assert_within_bound(report: dict) -> None:
     grown, weights = report["peak"] - report["baseline"], report["weight_bytes"]
-    assert grown <= bound * weights, (
+    assert grown <= BOUND * weights + FIXED, (
         f"peak RSS {grown / MiB:.0f} MiB above the baseline for {weights / MiB:.0f} MiB of "
-        f"weights ({grown / weights:.2f} x, bound {bound}): {report}"
+        f"weights ({grown / weights:.2f} x, bound {BOUND} x + {FIXED / MiB:.0f} MiB): {report}"
     )
 
 
@@ -68,7 +69,7 @@ def test_smollm2_int4_cache_hit(gguf: str, cache_home: str) -> None:
     probe("load", gguf, "--weights", "int4", **env)
     hit = probe("load", gguf, "--weights", "int4", **env)
     assert hit["cache"] == "hit"
-    assert_within_bound(hit, INT4_BOUND)
+    assert_within_bound(hit)
 
 
 @pytest.fixture(scope="module")
