@@ -4,8 +4,8 @@ All in one process and one run, each pair timed back to back (best of `--repeats
 - the memory-read ceiling: an fp32 matrix x vector product over a buffer of SmolLM2's decoder
   weight size (torch's fp32 GEMV streams at memory speed here), in GB/s;
 - one token's worth of SmolLM2-135M linears (30 layers of q|k|v, o, gate|up, down + the LM head,
-  distinct tensors so they come from DRAM) at 1-8 rows: bf16 through the GEMV kernel vs torch's
-  F.linear, INT4 through the kernel vs `_weight_int4pack_mm_for_cpu`, as GB/s of weight bytes
+  distinct tensors so they come from DRAM) at 1-64 rows: bf16 through the GEMV kernel, the AMX
+  kernel (where the CPU has AMX) and torch's F.linear, INT4 through the kernel vs `_weight_int4pack_mm_for_cpu`, as GB/s of weight bytes
   and as a fraction of the ceiling;
 - decode attention over pages at B streams x L tokens (SmolLM2's 3 KV heads x 64, bf16 and FP8
   pages, bf16 compute): the paged kernel vs the torch backend (gather + grouped matmuls), ms per
@@ -64,6 +64,9 @@ def linears(ops, rows_levels: list[int], repeats: int, peak: float) -> list[dict
         kernel_s = best(partial(_dense, ops.linear_bf16, xs, weights), repeats)
         row = {"rows": rows, "bf16_torch_gbs": dense_bytes / torch_s / 1e9,
                "bf16_kernel_gbs": dense_bytes / kernel_s / 1e9}  # fmt: skip
+        if ops.has_amx() and rows <= 64:
+            amx_s = best(partial(_dense, ops.linear_bf16_amx, xs, weights), repeats)
+            row["bf16_amx_gbs"] = dense_bytes / amx_s / 1e9
         if rows <= 4:
             t4 = best(partial(_int4, torch.ops.aten._weight_int4pack_mm_for_cpu, xs, int4), repeats)
             k4 = best(partial(_int4, ops.int4_linear, xs, int4), repeats)
@@ -164,7 +167,7 @@ def run_kernels_bench(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", default="1,2,4,8", help="batch rows of the linears")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64", help="batch rows of the linears")
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=512, help="context per stream")
     parser.add_argument("--repeats", type=int, default=5)

@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (csrc/): paged decode attention, small-batch linears, norms, RoPE, argmax.
+"""The C++ CPU kernels (csrc/): paged decode attention, small-batch linears (AVX512-BF16 GEMV,
+AMX tiles), norms, RoPE, argmax.
 
 `cpu_ops()` is the `torch.ops.kvmesh` namespace once the extension is loaded (loading it
 registers the ops with torch's dispatcher, so eager code and torch.compile graphs call the same
@@ -14,6 +15,16 @@ import structlog
 
 log = structlog.get_logger(__name__)
 _RESOLVED: list[Any] = []  # [ops or None] once resolved: a plain global that dynamo can read
+_AMX: list[bool] = []
+
+
+def has_amx() -> bool:
+    """True where the kernels run and this CPU lets the process use AMX tiles (Intel Xeon 4th
+    generation on; never on AMD): bf16 linears of 5-64 rows then go to the AMX kernel."""
+    if not _AMX:
+        ops = cpu_ops()
+        _AMX.append(ops is not None and bool(ops.has_amx()))
+    return _AMX[0]
 
 
 def cpu_ops() -> Any | None:

@@ -16,6 +16,11 @@ def _linear_bf16(x, w, bias):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
+@torch.library.register_fake("kvmesh::linear_bf16_amx")
+def _linear_bf16_amx(x, w, bias):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
 @torch.library.register_fake("kvmesh::int4_linear")
 def _int4_linear(x, packed, group, scales_zeros):
     return x.new_empty(x.shape[0], scales_zeros.shape[1])

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.engine.config import Int4Scheme
-from kvmesh.engine.kernels import cpu_ops
+from kvmesh.engine.kernels import cpu_ops, has_amx
 from kvmesh.engine.quant.int4 import Int4Linear, Int4Weight
 from kvmesh.errors import ModelFormatError
 
@@ -42,18 +42,26 @@ class LinearMethod(Protocol):
         ...
 
 
-SMALL_BATCH = 8  # rows up to which bf16 products go through the CPU kernel (docs/benchmarks.md)
+GEMV_ROWS = 4  # bf16 rows up to which products go through the AVX512-BF16 GEMV kernel
+SMALL_BATCH = 8  # ... or up to this many where the CPU has no AMX (docs/benchmarks.md)
+AMX_ROWS = 64  # bf16 rows up to which the AMX kernel runs where the CPU has it
 
 
 def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x @ weight^T (+ bias). Small bf16 batches on CPU stream the weight through the GEMV
-    kernel (kernels/csrc/gemv.cpp: memory speed, each row's sum in a fixed order whatever the
-    batch); larger ones are compute bound and go to torch's GEMM (AMX where the CPU has it)."""
-    if (x.dtype is torch.bfloat16 and x.dim() == 2 and x.shape[0] <= SMALL_BATCH
-            and weight.dtype is torch.bfloat16 and x.device.type == "cpu"):  # fmt: skip
-        ops = cpu_ops()
+    """x @ weight^T (+ bias). Small bf16 batches on CPU stream the weight through a kernel that
+    reads it once at memory speed, each row's sum in a fixed order whatever the batch: the GEMV
+    (kernels/csrc/gemv.cpp) up to GEMV_ROWS rows, then AMX tiles (amx_linear.cpp) up to AMX_ROWS
+    where the CPU has AMX (else the GEMV up to SMALL_BATCH); larger batches go to torch's GEMM."""
+    if (x.dtype is torch.bfloat16 and x.dim() == 2 and weight.dtype is torch.bfloat16
+            and x.device.type == "cpu" and x.shape[0] <= AMX_ROWS):  # fmt: skip
+        ops, rows = cpu_ops(), x.shape[0]
         if ops is not None:
-            return ops.linear_bf16(x, weight, bias)
+            if rows <= GEMV_ROWS:
+                return ops.linear_bf16(x, weight, bias)
+            if has_amx() and weight.shape[1] % 32 == 0 and weight.shape[0] % 16 == 0:
+                return ops.linear_bf16_amx(x, weight, bias)
+            if rows <= SMALL_BATCH:
+                return ops.linear_bf16(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

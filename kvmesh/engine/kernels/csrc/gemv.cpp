@@ -1,5 +1,7 @@
 // Small-batch bf16 matrix x vector products that stream the weights at memory speed: R weight
 // rows at a time against every batch row, fp32 accumulators, one horizontal sum per output.
+#include <algorithm>
+
 #include "kernels.h"
 #include "simd.h"
 
@@ -83,6 +85,21 @@ void dispatch(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int6
   }
 }
 
+// More than 8 batch rows: kGroupRows weight rows at a time (a few KB, so they stay in L1) against
+// every group of 8 batch rows in turn. The weights still come from memory once; each output's
+// sum is the one the 8-row kernel computes, whatever the batch.
+template <bool kDot>
+void grouped(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int64_t ldw, int64_t k,
+             const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr int64_t kGroupRows = 4;
+  for (int64_t n = n0; n < n1; n += kGroupRows) {
+    const int64_t end = std::min(n + kGroupRows, n1);
+    for (int b = 0; b < batch; b += 8)
+      dispatch<kDot>(x + b * ldx, ldx, std::min(8, batch - b), w, ldw, k, bias, y + b * ldy, ldy,
+                     n, end);
+  }
+}
+
 }  // namespace
 
 bool cpu_has_bf16_dot() { return __builtin_cpu_supports("avx512bf16"); }
@@ -90,6 +107,9 @@ bool cpu_has_bf16_dot() { return __builtin_cpu_supports("avx512bf16"); }
 void gemv_bf16(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int64_t ldw,
                int64_t k, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1,
                bool dot_bf16) {
+  if (batch > 8)
+    return dot_bf16 ? grouped<true>(x, ldx, batch, w, ldw, k, bias, y, ldy, n0, n1)
+                    : grouped<false>(x, ldx, batch, w, ldw, k, bias, y, ldy, n0, n1);
   if (dot_bf16)
     dispatch<true>(x, ldx, batch, w, ldw, k, bias, y, ldy, n0, n1);
   else

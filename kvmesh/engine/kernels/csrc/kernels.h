@@ -39,7 +39,8 @@ void paged_decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_
                        int h1);
 
 // y[b, n] = bf16(sum_k x[b, k] w[n, k] + bias[n]) for rows n in [n0, n1); x, w, bias, y bf16;
-// batch <= 8. The sum over k runs in a fixed order whatever the batch or the row range.
+// any batch (above 8 in groups of 8). The sum over k runs in a fixed order whatever the batch
+// or the row range.
 void gemv_bf16(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int64_t ldw,
                int64_t k, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1,
                bool dot_bf16);
@@ -94,5 +95,14 @@ struct RopeRows {
 void rope_rows(const RopeRows& r, int64_t row0, int64_t row1);
 
 bool cpu_has_bf16_dot();
+
+// AMX (amx_linear.cpp): true once this process may use AMX tile data (asked of Linux once).
+bool cpu_has_amx();
+// x [batch <= 64, k] bf16 -> B tiles: per 16-row batch block, per 32-k chunk, 16 k-pairs x 16.
+void amx_pack_x(const uint16_t* x, int64_t ldx, int batch, int64_t k, uint16_t* packed);
+// y rows for the 16-row weight blocks [block0, block1); k % 32 == 0.
+void amx_linear_rows(const uint16_t* packed, int batch, const uint16_t* w, int64_t ldw, int64_t k,
+                     const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t block0,
+                     int64_t block1);
 
 }  // namespace kvmesh

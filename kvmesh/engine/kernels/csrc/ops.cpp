@@ -80,12 +80,12 @@ torch::Tensor kvmesh::paged_decode(torch::Tensor q, torch::Tensor data, c10::opt
 
 namespace {
 
-// x [B, K] bf16 (B <= 8), w [N, K] bf16 -> [B, N] bf16 (+ bias [N] bf16).
+// x [B, K] bf16, w [N, K] bf16 -> [B, N] bf16 (+ bias [N] bf16); the weights are read once
+// whatever B (above 8 rows in groups of 8 against each L1-resident block of weight rows).
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16,
               "bf16 inputs only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [B, K] and w [N, K]");
-  TORCH_CHECK(x.size(0) <= 8, "at most 8 rows");
   x = x.contiguous();
   TORCH_CHECK(w.stride(1) == 1, "weight rows must be contiguous");
   const uint16_t* b = nullptr;
@@ -103,6 +103,34 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   at::parallel_for(0, (n + 15) / 16, 8, [&](int64_t begin, int64_t end) {
     kvmesh::gemv_bf16(xp, k, (int)batch, wp, w.stride(0), k, b, yp, n, begin * 16,
                       std::min(end * 16, n), dot);
+  });
+  return y;
+}
+
+// The same product on AMX tiles (amx_linear.cpp): B <= 64, K % 32 == 0, N % 16 == 0.
+torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(kvmesh::cpu_has_amx(), "this CPU (or kernel) offers no AMX");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16,
+              "bf16 inputs only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [B, K] and w [N, K]");
+  const int64_t batch = x.size(0), n = w.size(0), k = w.size(1);
+  TORCH_CHECK(batch <= 64 && k % 32 == 0 && n % 16 == 0, "B <= 64, K % 32 == 0, N % 16 == 0");
+  TORCH_CHECK(w.stride(1) == 1, "weight rows must be contiguous");
+  x = x.contiguous();
+  const uint16_t* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous(), "bf16 bias");
+    b = reinterpret_cast<const uint16_t*>(bias->data_ptr());
+  }
+  auto y = torch::empty({batch, n}, x.options());
+  if (batch == 0 || n == 0) return y;
+  auto packed = torch::empty({(batch + 15) / 16 * (k / 32) * 512}, x.options());
+  auto* pp = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  kvmesh::amx_pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr()), k, (int)batch, k, pp);
+  auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  at::parallel_for(0, n / 16, 2, [&](int64_t begin, int64_t end) {
+    kvmesh::amx_linear_rows(pp, (int)batch, wp, w.stride(0), k, b, yp, n, begin, end);
   });
   return y;
 }
@@ -206,6 +234,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 }
 
 bool has_bf16_dot() { return kvmesh::cpu_has_bf16_dot(); }
+bool has_amx() { return kvmesh::cpu_has_amx(); }
 
 // silu(gate) * up of a fused gate|up row: torch's own ops (the eager step's bits), one op in a
 // graph so that a compiler does not re-derive them with its own exp.
@@ -222,6 +251,7 @@ TORCH_LIBRARY(kvmesh, m) {
   m.def("paged_decode(Tensor q, Tensor data, Tensor? exps, Tensor block_tables, Tensor lengths, "
         "int k_part, int v_part, int v_dim, float scale) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("linear_bf16_amx(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, int group, Tensor scales_zeros) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
@@ -229,11 +259,13 @@ TORCH_LIBRARY(kvmesh, m) {
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("has_bf16_dot() -> bool", &has_bf16_dot);
+  m.def("has_amx() -> bool", &has_amx);
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
   m.impl("paged_decode", &kvmesh::paged_decode);
   m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_bf16_amx", &linear_bf16_amx);
   m.impl("int4_linear", &int4_linear);
   m.impl("rms_norm", &rms_norm_only);
   m.impl("add_rms_norm", &add_rms_norm);
