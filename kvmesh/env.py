@@ -74,3 +74,12 @@ def serve_threads() -> int:
 def cpu_kernels() -> bool:
     """Use the C++ CPU kernels where the CPU can run them (`KVMESH_KERNELS`, default on)."""
     return os.environ.get("KVMESH_KERNELS", "1") not in ("0", "false", "off", "")
+
+
+def amx_kernels() -> bool:
+    """Use the AMX linear kernel where the CPU has AMX (`KVMESH_AMX`, default on). Off too when
+    `ONEDNN_MAX_CPU_ISA` caps oneDNN below AMX, so that one variable takes every AMX path away."""
+    if os.environ.get("KVMESH_AMX", "1") in ("0", "false", "off", ""):
+        return False
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return not cap or "AMX" in cap or cap in ("ALL", "DEFAULT")

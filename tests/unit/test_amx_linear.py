@@ -11,7 +11,7 @@ import torch
 from kvmesh.engine.kernels import cpu_ops, has_amx
 from kvmesh.engine.layers import linear
 
-pytestmark = pytest.mark.skipif(not has_amx(), reason="no AMX on this CPU (or no CPU kernels)")
+NO_AMX = pytest.mark.skipif(not has_amx(), reason="no AMX on this CPU (or no CPU kernels)")
 
 
 def _case(n: int, k: int, rows: int, seed: int):
@@ -22,6 +22,7 @@ def _case(n: int, k: int, rows: int, seed: int):
     return x, w, bias
 
 
+@NO_AMX
 @pytest.mark.parametrize("n,k", [(48, 576), (960, 576), (576, 1536), (16, 32)])
 def test_amx_linear_matches_reference_and_is_the_same_bits_for_any_batch(n, k):
     x, w, bias = _case(n, k, 64, n + k)
@@ -39,6 +40,7 @@ def test_amx_linear_matches_reference_and_is_the_same_bits_for_any_batch(n, k):
     assert ops.linear_bf16_amx(x[:0], w, None).shape == (0, n)
 
 
+@NO_AMX
 def test_amx_linear_rejects_shapes_it_does_not_tile_with_a_message():
     ops = cpu_ops()
     for x, w in [(torch.zeros(65, 32), torch.zeros(16, 32)),  # more than 64 rows
@@ -50,13 +52,16 @@ def test_amx_linear_rejects_shapes_it_does_not_tile_with_a_message():
         ops.linear_bf16_amx(torch.zeros(2, 32), torch.zeros(16, 32), None)
 
 
+@NO_AMX
 def test_dense_matmul_picks_the_gemv_then_amx_then_torch_by_rows():
     """Rows 1-4: the GEMV's bits; 5-64: AMX's, the same for a row whatever the batch; above 64:
     torch's GEMM. A weight AMX cannot tile (N % 16 != 0) stays on the GEMV up to 8 rows."""
     ops = cpu_ops()
     x, w, bias = _case(960, 576, 80, 3)
     for rows in (1, 4):
-        assert torch.equal(linear.dense_matmul(x[:rows], w, bias), ops.linear_bf16(x[:rows], w, bias))
+        assert torch.equal(
+            linear.dense_matmul(x[:rows], w, bias), ops.linear_bf16(x[:rows], w, bias)
+        )
     amx = ops.linear_bf16_amx(x[:64], w, bias)
     for rows in (5, 9, 40, 64):
         assert torch.equal(linear.dense_matmul(x[:rows], w, bias), amx[:rows])
@@ -64,3 +69,18 @@ def test_dense_matmul_picks_the_gemv_then_amx_then_torch_by_rows():
     assert torch.equal(big, torch.nn.functional.linear(x, w, bias))
     odd = w[:952]
     assert torch.equal(linear.dense_matmul(x[:8], odd, None), ops.linear_bf16(x[:8], odd, None))
+
+
+@pytest.mark.parametrize(
+    "variables,on",
+    [({}, True), ({"KVMESH_AMX": "0"}, False), ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, False),
+     ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, True), ({"ONEDNN_MAX_CPU_ISA": "ALL"}, True)],
+)  # fmt: skip
+def test_amx_is_turned_off_by_its_flag_or_by_capping_onednn_below_amx(monkeypatch, variables, on):
+    from kvmesh import env
+
+    monkeypatch.delenv("KVMESH_AMX", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert env.amx_kernels() is on

@@ -22,8 +22,10 @@ def has_amx() -> bool:
     """True where the kernels run and this CPU lets the process use AMX tiles (Intel Xeon 4th
     generation on; never on AMD): bf16 linears of 5-64 rows then go to the AMX kernel."""
     if not _AMX:
+        from kvmesh import env
+
         ops = cpu_ops()
-        _AMX.append(ops is not None and bool(ops.has_amx()))
+        _AMX.append(ops is not None and env.amx_kernels() and bool(ops.has_amx()))
     return _AMX[0]
 
 

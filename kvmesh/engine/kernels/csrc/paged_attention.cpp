@@ -12,6 +12,10 @@ namespace {
 
 constexpr int kTile = 16;
 constexpr int kChunk = kTile * 16;  // floats of one chunk of a tile's rows
+#ifndef KVMESH_PAGES_AHEAD
+#define KVMESH_PAGES_AHEAD 2
+#endif
+constexpr int kPagesAhead = KVMESH_PAGES_AHEAD;  // pages past the current one asked for ahead
 
 inline int element_bytes(int storage) { return storage == kF32 ? 4 : storage == kBF16 ? 2 : 1; }
 
@@ -117,9 +121,11 @@ void paged_decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_
   const int nk = chunks(kv.k_dim), nv = chunks(kv.v_dim), heads = h1 - h0;
   const bool shared = kv.k_part == kv.v_part;  // MLA: V is the first v_dim dims of K's row
   thread_local std::vector<float> buf;  // q, acc, then 64-byte aligned key / value tiles
-  buf.assign((size_t)16 * (heads * (nk + nv) + kTile * (nk + (shared ? 0 : nv))) + 16, 0.0f);
+  const size_t need = (size_t)16 * (heads * (nk + nv) + kTile * (nk + (shared ? 0 : nv))) + 16;
+  if (buf.size() < need) buf.resize(need);  // tile rows past a tile's end keep finite leftovers
   float* q = buf.data();
   float* acc = q + 16 * heads * nk;
+  std::fill(acc, acc + 16 * heads * nv, 0.0f);
   float* keys = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc + 16 * heads * nv) + 63) & ~uintptr_t(63));
   float* values = shared ? keys : keys + kChunk * nk;
   std::vector<float> m(heads, -std::numeric_limits<float>::infinity()), l(heads, 0.0f);
@@ -128,11 +134,14 @@ void paged_decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_
   const int length = rows.lengths[b];
   const int32_t* table = rows.block_tables + b * rows.table_row;
   alignas(64) float prob[kTile];
+  const int pages = (length + kv.page_size - 1) / kv.page_size;
+  for (int p = 0; p < std::min(kPagesAhead, pages); ++p) prefetch_block(kv, table[p], kv_head);
   for (int t = 0; t < length;) {
     const int64_t page = table[t / kv.page_size];
     const int offset = t % kv.page_size;
     const int n = std::min({kTile, kv.page_size - offset, length - t});
-    if (offset == 0 && t + kv.page_size < length) prefetch_block(kv, table[t / kv.page_size + 1], kv_head);
+    const int ahead = t / kv.page_size + kPagesAhead;
+    if (offset == 0 && ahead < pages) prefetch_block(kv, table[ahead], kv_head);
     for (int j = 0; j < n; ++j) {
       load_row(kv, page, kv_head, offset + j, kv.k_part, kv.k_dim, keys + 16 * j);
       if (!shared) load_row(kv, page, kv_head, offset + j, kv.v_part, kv.v_dim, values + 16 * j);
