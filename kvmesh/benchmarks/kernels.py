@@ -8,8 +8,9 @@ All in one process and one run, each pair timed back to back (best of `--repeats
   kernel (where the CPU has AMX) and torch's F.linear, INT4 through the kernel vs `_weight_int4pack_mm_for_cpu`, as GB/s of weight bytes
   and as a fraction of the ceiling;
 - decode attention over pages at B streams x L tokens (SmolLM2's 3 KV heads x 64, bf16 and FP8
-  pages, bf16 compute): the paged kernel vs the torch backend (gather + grouped matmuls), ms per
-  layer and the ratio;
+  pages, bf16 compute, one pool per layer for `--layers` layers visited in turn, so the pages
+  come from DRAM as in a real step): the paged kernel vs the torch backend (gather + grouped
+  matmuls), ms per layer and the ratio;
 - bf16 RMSNorm of one row: kernel vs torch, microseconds.
 """
 
@@ -92,7 +93,14 @@ def _int4(matmul, xs, layers) -> None:
         matmul(xs[q.in_features], q.packed, 32, q.scales_zeros)
 
 
-def attention(streams: int, tokens: int, repeats: int) -> list[dict]:
+def _attend(backend, q, kv, layers, meta) -> None:
+    for layer in layers:
+        backend.forward(q, kv, kv, layer, meta, 0.125)
+
+
+def attention(streams: int, tokens: int, repeats: int, layers: int = 1) -> list[dict]:
+    """ms per layer over `layers` layers' pools in turn (30, as in SmolLM2: the pages come from
+    DRAM, as in a real step; 1: from cache where the pool fits)."""
     from kvmesh.engine.attention import BatchLayout, get_backend
     from kvmesh.engine.attention.base import Slots
     from kvmesh.engine.kv.layout import KVCacheSpec
@@ -100,10 +108,14 @@ def attention(streams: int, tokens: int, repeats: int) -> list[dict]:
 
     out, pages = [], streams * tokens // 16
     for kv_dtype in ("bf16", "fp8_e4m3"):
-        cache = PagedKVCache(KVCacheSpec.gqa(1, 3, 64, 16, kv_dtype), pages, torch.bfloat16)
+        spec = KVCacheSpec.gqa(layers, 3, 64, 16, kv_dtype)
+        cache = PagedKVCache(spec, pages, torch.bfloat16)
         every = torch.arange(pages * 16)
-        kv = torch.randn(2, pages * 16, 3, 64).bfloat16()  # real values (random bytes: denormals)
-        cache.layers[0].write(Slots.of(every, 16), kv[0], kv[1])
+        for layer in cache.layers:
+            kv = torch.randn(
+                2, pages * 16, 3, 64
+            ).bfloat16()  # real values (random bytes: denormals)
+            layer.write(Slots.of(every, 16), kv[0], kv[1])
         order = list(range(pages))
         random.Random(0).shuffle(order)
         per = tokens // 16
@@ -111,18 +123,19 @@ def attention(streams: int, tokens: int, repeats: int) -> list[dict]:
         layout = BatchLayout(streams, tables, (tokens - 1,) * streams, (1,) * streams, 16,
                              cache.null_page)  # fmt: skip
         q = torch.randn(streams, 9, 64).bfloat16()
-        k = v = torch.randn(streams, 3, 64).bfloat16()
+        k = torch.randn(streams, 3, 64).bfloat16()
         ms = {}
         for name in ("torch", "cpu"):
             backend = get_backend(name, "gqa")
             meta = backend.build_metadata(layout)
-            step = partial(backend.forward, q, k, v, cache.layers[0], meta, 0.125)
-            ms[name] = 1e3 * best(step, repeats)
-        out.append({"kv_dtype": kv_dtype, "streams": streams, "tokens": tokens,
+            step = partial(_attend, backend, q, k, cache.layers, meta)
+            ms[name] = 1e3 * best(step, repeats) / layers
+        out.append({"kv_dtype": kv_dtype, "streams": streams, "tokens": tokens, "layers": layers,
                     "torch_ms_per_layer": round(ms["torch"], 3),
                     "kernel_ms_per_layer": round(ms["cpu"], 3),
                     "speedup": round(ms["torch"] / ms["cpu"], 2)})  # fmt: skip
         print(out[-1], flush=True)
+        del cache
     return out
 
 
@@ -157,7 +170,7 @@ def run_kernels_bench(args: argparse.Namespace) -> int:
         **run.header(),
         "ceiling_gbs": round(peak, 2),
         "linears": linears(ops, [int(r) for r in args.rows.split(",")], args.repeats, peak),
-        "attention": attention(args.streams, args.tokens, args.repeats),
+        "attention": attention(args.streams, args.tokens, args.repeats, args.layers),
         "rms_norm": norm(ops, args.repeats),
         **run.footer(),
     }
@@ -170,6 +183,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64", help="batch rows of the linears")
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=512, help="context per stream")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=30,
+        help="attention: layers' pools visited in turn (1: one pool, cache-warm)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
     parser.add_argument("--output", default=None, help="also write the JSON report here")

@@ -62,13 +62,19 @@ def measure(engine, concurrency: int, steps: int, prompt_tokens: int) -> dict:
     clock.wrap(engine.scheduler, "update", "update")
     clock.wrap(engine, "_check_integrity", "integrity")
     clock.wrap(engine_module, "sample_step", "sample")
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    # no request may finish before the level is timed (the first ones prefilled decode while the
+    # others prefill, at most one token per prefill step): every timed step decodes all
+    # `concurrency` rows; what is left is aborted
+    params = SamplingParams(max_tokens=steps + 2 + concurrency, temperature=0.0, ignore_eos=True)
     start_decoding(engine, f"step-{concurrency}", concurrency, prompt_tokens, params)
     rows = []
     for _ in range(steps):
+        assert len(engine.scheduler.running) == concurrency, "a timed step lost a row"
         with clock.step():
             engine.step()
         rows.append(tuple(clock.spent[n] for n in PARTS))
+    for seq in list(engine.scheduler.running):
+        engine.abort(seq.seq_id)
     while engine.has_unfinished():
         engine.step()
     for owner, name in ((runner.model, "forward"), (runner.model, "logits"),
@@ -96,6 +102,36 @@ def start_decoding(engine, prefix: str, streams: int, prompt_tokens: int, params
         engine.step()
 
 
+def compare_amx(engine, concurrency: int, rounds: int, block: int, prompt_tokens: int) -> dict:
+    """Blocks of `block` steps with the AMX linear kernel on, then off (the GEMV up to 8 rows,
+    torch above), `rounds` times over the same requests: median ms per step of each."""
+    from kvmesh.engine import kernels
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    steps = 2 * rounds * (block + 1)
+    params = SamplingParams(max_tokens=steps + 2 + concurrency, temperature=0.0, ignore_eos=True)
+    start_decoding(engine, f"amx-{concurrency}", concurrency, prompt_tokens, params)
+    spent: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for _ in range(rounds):
+            for amx in (True, False):
+                kernels._AMX[:] = [amx]
+                engine.step()  # the first step after a switch is not timed
+                started = time.perf_counter()
+                for _ in range(block):
+                    engine.step()
+                spent[amx].append((time.perf_counter() - started) / block)
+    finally:
+        kernels._AMX.clear()
+    for seq in list(engine.scheduler.running):
+        engine.abort(seq.seq_id)
+    while engine.has_unfinished():
+        engine.step()
+    on, off = (float(np.median(spent[a])) * 1e3 for a in (True, False))
+    return {"streams": concurrency, "amx_ms": round(on, 3), "no_amx_ms": round(off, 3),
+            "speedup": round(off / on, 3)}  # fmt: skip
+
+
 def run_step_bench(args: argparse.Namespace) -> int:
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.engine import Engine
@@ -107,7 +143,10 @@ def run_step_bench(args: argparse.Namespace) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     results = []
     for c in levels:
-        results.append(measure(engine, c, args.steps, args.prompt_tokens))
+        if args.compare_amx:
+            results.append(compare_amx(engine, c, 6, 4, args.prompt_tokens))
+        else:
+            results.append(measure(engine, c, args.steps, args.prompt_tokens))
         print(results[-1], flush=True)
     report = {**run.header(), "model": args.model, "dtype": args.dtype, "weights": args.weights,
               "kv_dtype": args.kv_dtype, "attention_backend": args.attention_backend,
@@ -131,3 +170,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine_arguments(parser)
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per level")
+    parser.add_argument("--compare-amx", action="store_true",
+                        help="time blocks of steps with the AMX linear kernel on vs off instead")
