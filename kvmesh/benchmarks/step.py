@@ -170,5 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine_arguments(parser)
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per level")
-    parser.add_argument("--compare-amx", action="store_true",
-                        help="time blocks of steps with the AMX linear kernel on vs off instead")
+    parser.add_argument(
+        "--compare-amx",
+        action="store_true",
+        help="time blocks of steps with the AMX linear kernel on vs off instead",
+    )
