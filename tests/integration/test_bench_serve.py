@@ -8,6 +8,8 @@ import os
 import pytest
 
 from kvmesh.benchmarks.serve import measure_level
+from kvmesh.benchmarks.serve_client import Target
+from kvmesh.benchmarks.serve_paired import MIN_ROUNDS, measure_paired
 from kvmesh.mesh.launcher import Mesh, UpOptions
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -20,6 +22,7 @@ def test_client_measures_ttft_tpot_and_tokens():
         mesh.start()
         url = f"http://127.0.0.1:{mesh.http_port}"
         result = measure_level(url, "smollm2-135m", concurrency=1, n_requests=2, max_tokens=8)
+        engine, paired = measure_paired(Target(url, "smollm2-135m"), "fp32", [1, 2], 2, 6)
     finally:
         mesh.stop()
     assert all(proc.poll() is not None for proc in mesh.procs.values())
@@ -28,3 +31,9 @@ def test_client_measures_ttft_tpot_and_tokens():
     assert all(r["ttft_s"] > 0 and r["tpot_s"] > 0 for r in result["requests"])
     assert result["ttft_p50_ms"] > 0 and result["tpot_p50_ms"] > 0
     assert result["output_tok_s"] > 0
+    # engine and mesh, request by request: the same rounds of the same prompts on both
+    assert sorted(engine) == sorted(paired) == [1, 2]
+    for c, want in ((1, MIN_ROUNDS), (2, 2 * MIN_ROUNDS)):
+        assert engine[c]["num_requests"] == paired[c]["num_requests"] == want
+        assert engine[c]["inexact_requests"] == paired[c]["inexact_requests"] == 0
+        assert engine[c]["tpot_p50_ms"] > 0 and paired[c]["tpot_p50_ms"] > 0
