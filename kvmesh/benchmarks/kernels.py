@@ -5,8 +5,8 @@ All in one process and one run, each pair timed back to back (best of `--repeats
   weight size (torch's fp32 GEMV streams at memory speed here), in GB/s;
 - one token's worth of SmolLM2-135M linears (30 layers of q|k|v, o, gate|up, down + the LM head,
   distinct tensors so they come from DRAM) at 1-64 rows: bf16 through the GEMV kernel, the AMX
-  kernel (where the CPU has AMX) and torch's F.linear, INT4 through the kernel vs `_weight_int4pack_mm_for_cpu`, as GB/s of weight bytes
-  and as a fraction of the ceiling;
+  kernel (where it runs) and torch's F.linear, INT4 through the kernel vs
+  `_weight_int4pack_mm_for_cpu`, as GB/s of weight bytes and as a fraction of the ceiling;
 - decode attention over pages at B streams x L tokens (SmolLM2's 3 KV heads x 64, bf16 and FP8
   pages, bf16 compute, one pool per layer for `--layers` layers visited in turn, so the pages
   come from DRAM as in a real step): the paged kernel vs the torch backend (gather + grouped
@@ -49,6 +49,8 @@ def ceiling(repeats: int) -> float:
 
 
 def linears(ops, rows_levels: list[int], repeats: int, peak: float) -> list[dict]:
+    from kvmesh.engine.kernels import has_amx
+    from kvmesh.engine.layers.linear import AMX_ROWS
     from kvmesh.engine.quant.int4 import Int4Linear, Int4Weight
 
     bf16 = [[torch.randn(n, k).bfloat16() for n, k in SHAPES] for _ in range(LAYERS)]
@@ -65,7 +67,7 @@ def linears(ops, rows_levels: list[int], repeats: int, peak: float) -> list[dict
         kernel_s = best(partial(_dense, ops.linear_bf16, xs, weights), repeats)
         row = {"rows": rows, "bf16_torch_gbs": dense_bytes / torch_s / 1e9,
                "bf16_kernel_gbs": dense_bytes / kernel_s / 1e9}  # fmt: skip
-        if ops.has_amx() and rows <= 64:
+        if has_amx() and rows <= AMX_ROWS:
             amx_s = best(partial(_dense, ops.linear_bf16_amx, xs, weights), repeats)
             row["bf16_amx_gbs"] = dense_bytes / amx_s / 1e9
         if rows <= 4:
@@ -111,10 +113,8 @@ def attention(streams: int, tokens: int, repeats: int, layers: int = 1) -> list[
         spec = KVCacheSpec.gqa(layers, 3, 64, 16, kv_dtype)
         cache = PagedKVCache(spec, pages, torch.bfloat16)
         every = torch.arange(pages * 16)
-        for layer in cache.layers:
-            kv = torch.randn(
-                2, pages * 16, 3, 64
-            ).bfloat16()  # real values (random bytes: denormals)
+        for layer in cache.layers:  # real values (random bytes would be denormals)
+            kv = torch.randn(2, pages * 16, 3, 64).bfloat16()
             layer.write(Slots.of(every, 16), kv[0], kv[1])
         order = list(range(pages))
         random.Random(0).shuffle(order)

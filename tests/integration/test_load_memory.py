@@ -1,7 +1,8 @@
 """Peak RSS while a model loads -- the engine's path: load_model, then build_model -- stays
-within its resident weights + 25 % + a fixed 32 MiB: the loader reads, converts and hands over one tensor at a
-time and keeps none. Each load runs in a fresh process (load_memory_probe), as ru_maxrss is a
-lifetime peak; the baseline is that process's RSS once torch and the loader are imported."""
+within its resident weights + 25 % + a fixed 32 MiB: the loader reads, converts and hands over
+one tensor at a time and keeps none. Each load runs in a fresh process (load_memory_probe), as
+ru_maxrss is a lifetime peak; the baseline is that process's RSS once torch and the loader are
+imported."""
 
 from __future__ import annotations
 

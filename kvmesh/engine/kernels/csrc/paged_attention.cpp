@@ -12,10 +12,7 @@ namespace {
 
 constexpr int kTile = 16;
 constexpr int kChunk = kTile * 16;  // floats of one chunk of a tile's rows
-#ifndef KVMESH_PAGES_AHEAD
-#define KVMESH_PAGES_AHEAD 2
-#endif
-constexpr int kPagesAhead = KVMESH_PAGES_AHEAD;  // pages past the current one asked for ahead
+constexpr int kPagesAhead = 2;  // pages past the current one asked for ahead
 
 inline int element_bytes(int storage) { return storage == kF32 ? 4 : storage == kBF16 ? 2 : 1; }
 
