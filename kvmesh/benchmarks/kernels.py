@@ -50,7 +50,7 @@ def ceiling(repeats: int) -> float:
 
 def linears(ops, rows_levels: list[int], repeats: int, peak: float) -> list[dict]:
     from kvmesh.engine.kernels import has_amx
-    from kvmesh.engine.layers.linear import AMX_ROWS
+    from kvmesh.engine.layers.linear import KERNEL_ROWS
     from kvmesh.engine.quant.int4 import Int4Linear, Int4Weight
 
     bf16 = [[torch.randn(n, k).bfloat16() for n, k in SHAPES] for _ in range(LAYERS)]
@@ -67,7 +67,7 @@ def linears(ops, rows_levels: list[int], repeats: int, peak: float) -> list[dict
         kernel_s = best(partial(_dense, ops.linear_bf16, xs, weights), repeats)
         row = {"rows": rows, "bf16_torch_gbs": dense_bytes / torch_s / 1e9,
                "bf16_kernel_gbs": dense_bytes / kernel_s / 1e9}  # fmt: skip
-        if has_amx() and rows <= AMX_ROWS:
+        if has_amx() and rows <= KERNEL_ROWS:
             amx_s = best(partial(_dense, ops.linear_bf16_amx, xs, weights), repeats)
             row["bf16_amx_gbs"] = dense_bytes / amx_s / 1e9
         if rows <= 4:

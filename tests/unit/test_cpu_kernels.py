@@ -12,7 +12,7 @@ import torch
 
 from kvmesh.engine.attention import BatchLayout, get_backend
 from kvmesh.engine.attention.base import Slots
-from kvmesh.engine.kernels import cpu_ops
+from kvmesh.engine.kernels import cpu_ops, has_amx
 from kvmesh.engine.kv.layout import KVCacheSpec, LayerKVSpec
 from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.layers.mla import MlaWeights
@@ -139,20 +139,39 @@ def test_decode_kernel_is_the_same_bits_for_any_thread_count_and_batch():
     assert torch.equal(alone[0], outs[0][-1])
 
 
-@pytest.mark.parametrize("n,k", [(49, 576), (64, 100), (1536, 33)])
+@pytest.mark.parametrize("n,k", [(49, 576), (64, 100), (1536, 33), (96, 1536)])
 def test_small_batch_linear_matches_reference_and_is_batch_invariant(n, k):
+    """1-8 rows: the GEMV; more: register tiles of 6 batch rows. Every row's bits are the same
+    alone or in any batch (the tiles' transposed sums add in the GEMV's order)."""
     gen = torch.Generator().manual_seed(n)
     w = torch.randn(n, k, generator=gen).bfloat16()
     bias = torch.randn(n, generator=gen).bfloat16()
-    x = torch.randn(21, k, generator=gen).bfloat16()  # above 8: groups of 8 rows
+    x = torch.randn(64, k, generator=gen).bfloat16()
     ops = cpu_ops()
     full = ops.linear_bf16(x, w, bias)
     expected = (x.double() @ w.double().T + bias.double()).to(torch.bfloat16)
-    torch.testing.assert_close(full, expected, atol=0.03, rtol=0.01)
-    for rows in range(1, 21):
-        assert torch.equal(ops.linear_bf16(x[:rows], w, bias), full[:rows])
+    torch.testing.assert_close(full, expected, atol=0.05, rtol=0.01)
+    for rows in (*range(1, 22), 31, 40, 63):
+        assert torch.equal(ops.linear_bf16(x[:rows], w, bias), full[:rows]), rows
+    alone = torch.cat([ops.linear_bf16(x[i : i + 1], w, bias) for i in range(64)])
+    assert torch.equal(alone, full)
     assert torch.equal(ops.linear_bf16(x[:3], w, None), ops.linear_bf16(x, w, None)[:3])
     assert ops.linear_bf16(x[:0], w, None).shape == (0, n)
+
+
+@pytest.mark.skipif(has_amx(), reason="this CPU has AMX: test_amx_linear.py covers its choice")
+def test_dense_matmul_without_amx_takes_the_gemv_up_to_64_rows_then_torch():
+    from kvmesh.engine.layers import linear
+
+    gen = torch.Generator().manual_seed(5)
+    w, bias = torch.randn(960, 576, generator=gen).bfloat16(), torch.randn(960).bfloat16()
+    x = torch.randn(80, 576, generator=gen).bfloat16()
+    ops = cpu_ops()
+    for rows in (1, 8, 9, 33, 64):
+        assert torch.equal(
+            linear.dense_matmul(x[:rows], w, bias), ops.linear_bf16(x[:rows], w, bias)
+        )
+    assert torch.equal(linear.dense_matmul(x, w, bias), torch.nn.functional.linear(x, w, bias))
 
 
 def test_kernels_reject_bad_inputs_with_a_message():

@@ -42,26 +42,24 @@ class LinearMethod(Protocol):
         ...
 
 
-GEMV_ROWS = 4  # bf16 rows up to which products go through the AVX512-BF16 GEMV kernel
-SMALL_BATCH = 8  # ... or up to this many where the CPU has no AMX (docs/benchmarks.md)
-AMX_ROWS = 64  # bf16 rows up to which the AMX kernel runs where the CPU has it
+GEMV_ROWS = 4  # bf16 rows up to which products go through the GEMV kernel where AMX follows
+KERNEL_ROWS = 64  # bf16 rows up to which the kernels beat torch's GEMM (docs/benchmarks.md)
 
 
 def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x @ weight^T (+ bias). Small bf16 batches on CPU stream the weight through a kernel that
-    reads it once at memory speed, each row's sum in a fixed order whatever the batch: the GEMV
-    (kernels/csrc/gemv.cpp) up to GEMV_ROWS rows, then AMX tiles (amx_linear.cpp) up to AMX_ROWS
-    where the CPU has AMX (else the GEMV up to SMALL_BATCH); larger batches go to torch's GEMM."""
+    """x @ weight^T (+ bias). Small bf16 batches on CPU go through a kernel that reads the
+    weight once at memory speed, each row's sum in a fixed order whatever the batch, up to
+    KERNEL_ROWS rows: where the CPU has AMX, the GEMV (kernels/csrc/gemv.cpp) up to GEMV_ROWS
+    and AMX tiles (amx_linear.cpp) above; elsewhere the GEMV, in AVX512-BF16 register tiles
+    above 8 rows. Larger batches go to torch's GEMM."""
     if (x.dtype is torch.bfloat16 and x.dim() == 2 and weight.dtype is torch.bfloat16
-            and x.device.type == "cpu" and x.shape[0] <= AMX_ROWS):  # fmt: skip
-        ops, rows = cpu_ops(), x.shape[0]
+            and x.device.type == "cpu" and x.shape[0] <= KERNEL_ROWS):  # fmt: skip
+        ops = cpu_ops()
         if ops is not None:
-            if rows <= GEMV_ROWS:
-                return ops.linear_bf16(x, weight, bias)
-            if has_amx() and weight.shape[1] % 32 == 0 and weight.shape[0] % 16 == 0:
+            if (x.shape[0] > GEMV_ROWS and has_amx() and weight.shape[1] % 32 == 0
+                    and weight.shape[0] % 16 == 0):  # fmt: skip
                 return ops.linear_bf16_amx(x, weight, bias)
-            if rows <= SMALL_BATCH:
-                return ops.linear_bf16(x, weight, bias)
+            return ops.linear_bf16(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -49,7 +49,7 @@ class CausalLM(Protocol):
         ...  # fmt: skip
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, V] of chosen rows of `forward`'s output."""
+        """Logits [N, V] of chosen rows of `forward`'s output, in the LM head's dtype."""
         ...
 
     def token_embeddings(self, ids: torch.Tensor) -> torch.Tensor: ...
@@ -180,5 +180,5 @@ class DecoderModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         normed = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
         if isinstance(self.lm_head, torch.Tensor):
-            return dense_matmul(normed, self.lm_head).float()
-        return self.lm_head(normed).float()
+            return dense_matmul(normed, self.lm_head)
+        return self.lm_head(normed)

@@ -1,7 +1,11 @@
-// Small-batch bf16 matrix x vector products that stream the weights at memory speed: R weight
-// rows at a time against every batch row, fp32 accumulators, one horizontal sum per output.
+// Small-batch bf16 linears that stream the weights at memory speed. Up to 8 batch rows: R weight
+// rows at a time against every batch row. More rows: register tiles of 4 weight rows x 6 batch
+// rows over blocks of weight rows that stay in L2 while every tile of batch rows passes over
+// them. Either way each output is one fp32 accumulator per 32 k, fed in k order, then hsum16:
+// a row's bits do not depend on the batch it came in (bf16_dot.h).
 #include <algorithm>
 
+#include "bf16_dot.h"
 #include "kernels.h"
 #include "simd.h"
 
@@ -10,26 +14,12 @@ namespace {
 
 constexpr int kAhead = 16;  // rows of prefetch distance (~18 KB for K = 576)
 
-inline __mmask32 mask32(int64_t n) { return n >= 32 ? 0xFFFFFFFFu : (__mmask32)((1ull << n) - 1); }
-
-// acc += w . x over 32 bf16 lanes, with AVX512-BF16's dot product or by widening to fp32.
-template <bool kDot>
-inline __m512 dot32(__m512 acc, __m512i w, __m512i x);
-
-template <>
-__attribute__((target("avx512bf16"))) inline __m512 dot32<true>(__m512 acc, __m512i w, __m512i x) {
-  return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
-}
-
-template <>
-inline __m512 dot32<false>(__m512 acc, __m512i w, __m512i x) {
-  // odd lanes first, then even: the order AVX512-BF16 adds a pair in
-  __m512 w_hi = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000)));
-  __m512 x_hi = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000)));
-  acc = _mm512_fmadd_ps(w_hi, x_hi, acc);
-  __m512 w_lo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-  __m512 x_lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-  return _mm512_fmadd_ps(w_lo, x_lo, acc);
+inline float bias_at(const uint16_t* bias, int64_t n) {
+  if (!bias) return 0.0f;  // added all the same: -0 + 0 = +0, as with a bias of zero
+  float add;
+  uint32_t u = (uint32_t)bias[n] << 16;
+  __builtin_memcpy(&add, &u, 4);
+  return add;
 }
 
 template <int kRows, int kBatch, bool kDot>
@@ -52,12 +42,8 @@ __attribute__((target("avx512bf16"))) void block(const uint16_t* x, int64_t ldx,
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    float add = 0.0f;
-    if (bias) {
-      uint32_t u = (uint32_t)bias[n + r] << 16;
-      __builtin_memcpy(&add, &u, 4);
-    }
-    for (int b = 0; b < kBatch; ++b) y[b * ldy + n + r] = to_bf16(_mm512_reduce_add_ps(acc[r][b]) + add);
+    const float add = bias_at(bias, n + r);
+    for (int b = 0; b < kBatch; ++b) y[b * ldy + n + r] = to_bf16(hsum16(acc[r][b]) + add);
   }
 }
 
@@ -85,18 +71,78 @@ void dispatch(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int6
   }
 }
 
-// More than 8 batch rows: kGroupRows weight rows at a time (a few KB, so they stay in L1) against
-// every group of 8 batch rows in turn. The weights still come from memory once; each output's
-// sum is the one the 8-row kernel computes, whatever the batch.
+// ---- more than 8 batch rows: register tiles over L2-resident blocks of weight rows ----
+
+constexpr int kTileRows = 4, kTileBatch = 6;  // 24 accumulators + 4 weight vectors + 1 x
+
+template <int kR, int kB, bool kDot>
+__attribute__((target("avx512bf16"))) void tile(const uint16_t* x, int64_t ldx, const uint16_t* w,
+                                                int64_t ldw, int64_t k, bool prefetch,
+                                                const uint16_t* bias, uint16_t* y, int64_t ldy,
+                                                int64_t n) {
+  __m512 acc[kR][kB];
+  for (int r = 0; r < kR; ++r)
+    for (int b = 0; b < kB; ++b) acc[r][b] = _mm512_setzero_ps();
+  const uint16_t* wn = w + n * ldw;
+  for (int64_t i = 0; i < k; i += 32) {
+    const __mmask32 m = mask32(k - i);
+    __m512i ws[kR];
+    for (int r = 0; r < kR; ++r) {
+      if (prefetch)  // the first batch tile brings the block in from memory
+        _mm_prefetch(reinterpret_cast<const char*>(wn + (r + kAhead) * ldw + i), _MM_HINT_T0);
+      ws[r] = _mm512_maskz_loadu_epi16(m, wn + r * ldw + i);
+    }
+    for (int b = 0; b < kB; ++b) {
+      const __m512i xs = _mm512_maskz_loadu_epi16(m, x + b * ldx + i);
+      for (int r = 0; r < kR; ++r) acc[r][b] = dot32<kDot>(acc[r][b], ws[r], xs);
+    }
+  }
+  // every loop over accumulators unrolled: an index the compiler cannot resolve would keep
+  // them in memory, stored on every k step
+  constexpr int kGroups = (kR * kB + 15) / 16;
+  __m512 all[kGroups * 16];
+#pragma GCC unroll 64
+  for (int j = 0; j < kGroups * 16; ++j)
+    all[j] = j < kR * kB ? acc[j / kB][j % kB] : _mm512_setzero_ps();
+  float sums[kGroups * 16];
+#pragma GCC unroll 4
+  for (int g = 0; g < kGroups; ++g) hsum16x16(all + 16 * g, sums + 16 * g);
+  for (int r = 0; r < kR; ++r) {
+    const float add = bias_at(bias, n + r);
+    for (int b = 0; b < kB; ++b) y[b * ldy + n + r] = to_bf16(sums[r * kB + b] + add);
+  }
+}
+
+template <int kB, bool kDot>
+void tile_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t k,
+               bool prefetch, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0,
+               int64_t n1) {
+  int64_t n = n0;
+  for (; n + kTileRows <= n1; n += kTileRows)
+    tile<kTileRows, kB, kDot>(x, ldx, w, ldw, k, prefetch, bias, y, ldy, n);
+  for (; n < n1; ++n) tile<1, kB, kDot>(x, ldx, w, ldw, k, prefetch, bias, y, ldy, n);
+}
+
 template <bool kDot>
-void grouped(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int64_t ldw, int64_t k,
-             const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1) {
-  constexpr int64_t kGroupRows = 4;
-  for (int64_t n = n0; n < n1; n += kGroupRows) {
-    const int64_t end = std::min(n + kGroupRows, n1);
-    for (int b = 0; b < batch; b += 8)
-      dispatch<kDot>(x + b * ldx, ldx, std::min(8, batch - b), w, ldw, k, bias, y + b * ldy, ldy,
-                     n, end);
+void tiled(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int64_t ldw, int64_t k,
+           const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1) {
+  // ~128 KB of weight rows per block: in L2 for every batch tile after the first
+  const int64_t block_rows = std::max<int64_t>(kTileRows, (65536 / k) / kTileRows * kTileRows);
+  for (int64_t nb = n0; nb < n1; nb += block_rows) {
+    const int64_t ne = std::min(nb + block_rows, n1);
+    for (int b = 0; b < batch; b += kTileBatch) {
+      const uint16_t* xb = x + b * ldx;
+      uint16_t* yb = y + b * ldy;
+      const bool first = b == 0;
+      switch (std::min(kTileBatch, batch - b)) {
+        case 1: tile_rows<1, kDot>(xb, ldx, w, ldw, k, first, bias, yb, ldy, nb, ne); break;
+        case 2: tile_rows<2, kDot>(xb, ldx, w, ldw, k, first, bias, yb, ldy, nb, ne); break;
+        case 3: tile_rows<3, kDot>(xb, ldx, w, ldw, k, first, bias, yb, ldy, nb, ne); break;
+        case 4: tile_rows<4, kDot>(xb, ldx, w, ldw, k, first, bias, yb, ldy, nb, ne); break;
+        case 5: tile_rows<5, kDot>(xb, ldx, w, ldw, k, first, bias, yb, ldy, nb, ne); break;
+        default: tile_rows<6, kDot>(xb, ldx, w, ldw, k, first, bias, yb, ldy, nb, ne); break;
+      }
+    }
   }
 }
 
@@ -108,8 +154,8 @@ void gemv_bf16(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int
                int64_t k, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1,
                bool dot_bf16) {
   if (batch > 8)
-    return dot_bf16 ? grouped<true>(x, ldx, batch, w, ldw, k, bias, y, ldy, n0, n1)
-                    : grouped<false>(x, ldx, batch, w, ldw, k, bias, y, ldy, n0, n1);
+    return dot_bf16 ? tiled<true>(x, ldx, batch, w, ldw, k, bias, y, ldy, n0, n1)
+                    : tiled<false>(x, ldx, batch, w, ldw, k, bias, y, ldy, n0, n1);
   if (dot_bf16)
     dispatch<true>(x, ldx, batch, w, ldw, k, bias, y, ldy, n0, n1);
   else

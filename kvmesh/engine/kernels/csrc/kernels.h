@@ -39,8 +39,8 @@ void paged_decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_
                        int h1);
 
 // y[b, n] = bf16(sum_k x[b, k] w[n, k] + bias[n]) for rows n in [n0, n1); x, w, bias, y bf16;
-// any batch (above 8 in groups of 8). The sum over k runs in a fixed order whatever the batch
-// or the row range.
+// any batch (above 8 in register tiles). The sum over k runs in a fixed order whatever the
+// batch or the row range (bf16_dot.h).
 void gemv_bf16(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int64_t ldw,
                int64_t k, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1,
                bool dot_bf16);

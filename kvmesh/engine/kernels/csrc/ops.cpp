@@ -80,8 +80,8 @@ torch::Tensor kvmesh::paged_decode(torch::Tensor q, torch::Tensor data, c10::opt
 
 namespace {
 
-// x [B, K] bf16, w [N, K] bf16 -> [B, N] bf16 (+ bias [N] bf16); the weights are read once
-// whatever B (above 8 rows in groups of 8 against each L1-resident block of weight rows).
+// x [B, K] bf16, w [N, K] bf16 -> [B, N] bf16 (+ bias [N] bf16); the weights are read from
+// memory once whatever B (above 8 rows in register tiles over L2-resident blocks of them).
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16,
               "bf16 inputs only");
