@@ -1,5 +1,6 @@
 // Decode attention over KV pages where they lie: no gather of the context into a batch tensor.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -11,7 +12,6 @@ namespace kvmesh {
 namespace {
 
 constexpr int kTile = 16;
-constexpr int kChunk = kTile * 16;  // floats of one chunk of a tile's rows
 constexpr int kPagesAhead = 2;  // pages past the current one asked for ahead
 
 inline int element_bytes(int storage) { return storage == kF32 ? 4 : storage == kBF16 ? 2 : 1; }
@@ -27,68 +27,92 @@ void prefetch_block(const PagedKV& kv, int64_t page, int head) {
 
 inline int chunks(int dim) { return (dim + 15) / 16; }
 
-// Row `slot` of a page, part `part`, `dim` values as fp32 into a tile buffer: chunk c (16 values)
-// at dst + c * kTile * 16, so the same chunk of a tile's 16 rows is contiguous.
-void load_row(const PagedKV& kv, int64_t page, int head, int slot, int part, int dim,
-              float* dst) {
-  int64_t at = page * kv.page_stride + head * kv.head_stride + slot * kv.slot_stride +
-               part * kv.part_stride;
-  int n = chunks(dim);
-  if (kv.storage == kF32) {
-    const float* p = static_cast<const float*>(kv.data) + at;
-    for (int c = 0; c < n; ++c) _mm512_store_ps(dst + kChunk * c, load_f32(p + 16 * c, dim - 16 * c));
-  } else if (kv.storage == kBF16) {
-    const uint16_t* p = static_cast<const uint16_t*>(kv.data) + at;
-    for (int c = 0; c < n; ++c) _mm512_store_ps(dst + kChunk * c, load_bf16(p + 16 * c, dim - 16 * c));
-  } else {
-    const int8_t* p = static_cast<const int8_t*>(kv.data) + at;
-    int e = kv.exps[page * kv.exp_page + head * kv.exp_head + slot * kv.exp_slot +
-                    part * kv.exp_part];
-    __m512 scale = _mm512_set1_ps(std::ldexp(1.0f, e + 8));  // exact: a power of two
-    for (int c = 0; c < n; ++c)
-      _mm512_store_ps(dst + kChunk * c, _mm512_mul_ps(load_fp8(p + 16 * c, dim - 16 * c), scale));
+// The rows of one tile (up to kTile tokens of one page) as they lie in the page: element
+// offsets of each token's K and V rows and, for FP8, their scales 2**(exp + 8). Rows past the
+// tile's end repeat its last row (finite values, masked by the caller).
+struct TileRows {
+  int64_t k[kTile], v[kTile];
+  float k_scale[kTile], v_scale[kTile];
+};
+
+template <int S>
+void tile_rows(const PagedKV& kv, int64_t page, int head, int offset, int n, TileRows& t) {
+  for (int j = 0; j < kTile; ++j) {
+    const int64_t slot = offset + std::min(j, n - 1);
+    const int64_t row = page * kv.page_stride + head * kv.head_stride + slot * kv.slot_stride;
+    t.k[j] = row + kv.k_part * kv.part_stride;
+    t.v[j] = row + kv.v_part * kv.part_stride;
+    if (S == kFP8) {
+      const int64_t e = page * kv.exp_page + head * kv.exp_head + slot * kv.exp_slot;
+      t.k_scale[j] = std::ldexp(1.0f, kv.exps[e + kv.k_part * kv.exp_part] + 8);  // exact
+      t.v_scale[j] = std::ldexp(1.0f, kv.exps[e + kv.v_part * kv.exp_part] + 8);
+    }
   }
 }
 
-// The scores of one head against the 16 key rows of a tile (rows past the tile's end are
-// finite leftovers, masked by the caller): 16 independent FMA chains, then one transpose-sum.
-inline __m512 tile_scores(const float* q, const float* keys, int nk) {
+// 16 values of a stored row from element `at` as fp32 (lanes past `n` zero): the same values a
+// dequantizing copy to fp32 holds, converted in registers where they are used.
+template <int S>
+inline __m512 load_kv(const void* data, int64_t at, int n, float scale) {
+  if (S == kF32) return load_f32(static_cast<const float*>(data) + at, n);
+  if (S == kBF16) return load_bf16(static_cast<const uint16_t*>(data) + at, n);
+  return _mm512_mul_ps(load_fp8(static_cast<const int8_t*>(data) + at, n), _mm512_set1_ps(scale));
+}
+
+// The scores of one head against the 16 key rows of a tile: 16 independent FMA chains, then one
+// transpose-sum.
+template <int S>
+inline __m512 tile_scores(const PagedKV& kv, const TileRows& t, const float* q, int nk) {
   __m512 acc[kTile];
 #pragma GCC unroll 16
   for (int j = 0; j < kTile; ++j) acc[j] = _mm512_setzero_ps();
-  for (int c = 0; c < nk; ++c, keys += kChunk) {
+  for (int c = 0; c < nk; ++c) {
     const __m512 qc = _mm512_loadu_ps(q + 16 * c);
+    const int n = kv.k_dim - 16 * c;
 #pragma GCC unroll 16
-    for (int j = 0; j < kTile; ++j) acc[j] = _mm512_fmadd_ps(qc, _mm512_load_ps(keys + 16 * j), acc[j]);
+    for (int j = 0; j < kTile; ++j)
+      acc[j] = _mm512_fmadd_ps(qc, load_kv<S>(kv.data, t.k[j] + 16 * c, n, t.k_scale[j]), acc[j]);
   }
   return transpose_sum16(acc);
 }
 
-// kWidth chunks of acc = alpha acc + sum_j prob[j] values[j] (kWidth independent chains).
-template <int kWidth>
-inline void accumulate_block(float* acc, __m512 alpha, const float* prob, int n,
-                             const float* values) {
-  __m512 sum[kWidth];
+// For kHeads heads at once, kWidth chunks of each head's acc = alpha acc + sum_j prob[j] v[j]:
+// each value chunk is loaded once for every head (kHeads x kWidth independent chains).
+template <int S, int kHeads, int kWidth>
+inline void accumulate_block(const PagedKV& kv, const TileRows& t, int c0, float* const* acc,
+                             const float* alpha, const float (*prob)[kTile], int n) {
+  __m512 sum[kHeads][kWidth];
 #pragma GCC unroll 8
-  for (int c = 0; c < kWidth; ++c) sum[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), alpha);
-  for (int j = 0; j < n; ++j) {
-    const __m512 p = _mm512_set1_ps(prob[j]);
+  for (int h = 0; h < kHeads; ++h)
 #pragma GCC unroll 8
     for (int c = 0; c < kWidth; ++c)
-      sum[c] = _mm512_fmadd_ps(p, _mm512_load_ps(values + kChunk * c + 16 * j), sum[c]);
+      sum[h][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[h] + 16 * (c0 + c)), _mm512_set1_ps(alpha[h]));
+  for (int j = 0; j < n; ++j) {
+    __m512 p[kHeads];
+#pragma GCC unroll 8
+    for (int h = 0; h < kHeads; ++h) p[h] = _mm512_set1_ps(prob[h][j]);
+#pragma GCC unroll 8
+    for (int c = 0; c < kWidth; ++c) {
+      const __m512 v = load_kv<S>(kv.data, t.v[j] + 16 * (c0 + c), kv.v_dim - 16 * (c0 + c), t.v_scale[j]);
+#pragma GCC unroll 8
+      for (int h = 0; h < kHeads; ++h) sum[h][c] = _mm512_fmadd_ps(p[h], v, sum[h][c]);
+    }
   }
 #pragma GCC unroll 8
-  for (int c = 0; c < kWidth; ++c) _mm512_storeu_ps(acc + 16 * c, sum[c]);
+  for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 8
+    for (int c = 0; c < kWidth; ++c) _mm512_storeu_ps(acc[h] + 16 * (c0 + c), sum[h][c]);
 }
 
-inline void accumulate(float* acc, int nv, float alpha, const float* prob, int n,
-                       const float* values) {
-  const __m512 a = _mm512_set1_ps(alpha);
+template <int S, int kHeads>
+inline void accumulate_heads(const PagedKV& kv, const TileRows& t, int nv, float* const* acc,
+                             const float* alpha, const float (*prob)[kTile], int n) {
+  constexpr int kWide = 24 / kHeads >= 8 ? 8 : 4;  // at most 24 accumulators
   int c = 0;
-  for (; c + 8 <= nv; c += 8) accumulate_block<8>(acc + 16 * c, a, prob, n, values + kChunk * c);
-  if (c + 4 <= nv) accumulate_block<4>(acc + 16 * c, a, prob, n, values + kChunk * c), c += 4;
-  if (c + 2 <= nv) accumulate_block<2>(acc + 16 * c, a, prob, n, values + kChunk * c), c += 2;
-  if (c < nv) accumulate_block<1>(acc + 16 * c, a, prob, n, values + kChunk * c);
+  for (; c + kWide <= nv; c += kWide) accumulate_block<S, kHeads, kWide>(kv, t, c, acc, alpha, prob, n);
+  if (c + 4 <= nv) accumulate_block<S, kHeads, 4>(kv, t, c, acc, alpha, prob, n), c += 4;
+  if (c + 2 <= nv) accumulate_block<S, kHeads, 2>(kv, t, c, acc, alpha, prob, n), c += 2;
+  if (c < nv) accumulate_block<S, kHeads, 1>(kv, t, c, acc, alpha, prob, n);
 }
 
 void load_query(const DecodeRows& rows, int b, int h, int dim, float* dst) {
@@ -111,53 +135,70 @@ void store_out(const DecodeRows& rows, int b, int h, int dim, const float* acc, 
   }
 }
 
+template <int S>
+void decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_head, int h0, int h1) {
+  constexpr int kMaxHeads = 3;  // heads whose values one pass accumulates
+  const int nk = chunks(kv.k_dim), nv = chunks(kv.v_dim), heads = h1 - h0;
+  thread_local std::vector<float> buf;  // q, acc, then per head its m, l, alpha, probabilities
+  const size_t need = (size_t)16 * heads * (nk + nv);
+  if (buf.size() < need) buf.resize(need);
+  float* q = buf.data();
+  float* acc = q + 16 * heads * nk;
+  std::fill(acc, acc + 16 * heads * nv, 0.0f);
+  std::vector<float> m(heads, -std::numeric_limits<float>::infinity()), l(heads, 0.0f);
+  std::vector<float> alpha(heads);
+  std::vector<float*> acc_of(heads);
+  std::vector<std::array<float, kTile>> prob(heads);
+  for (int i = 0; i < heads; ++i) {
+    load_query(rows, b, h0 + i, kv.k_dim, q + 16 * nk * i);
+    acc_of[i] = acc + 16 * nv * i;
+  }
+  const int length = rows.lengths[b];
+  const int32_t* table = rows.block_tables + b * rows.table_row;
+  const int pages = (length + kv.page_size - 1) / kv.page_size;
+  for (int p = 0; p < std::min(kPagesAhead, pages); ++p) prefetch_block(kv, table[p], kv_head);
+  TileRows t;
+  for (int pos = 0; pos < length;) {
+    const int64_t page = table[pos / kv.page_size];
+    const int offset = pos % kv.page_size;
+    const int n = std::min({kTile, kv.page_size - offset, length - pos});
+    const int ahead = pos / kv.page_size + kPagesAhead;
+    if (offset == 0 && ahead < pages) prefetch_block(kv, table[ahead], kv_head);
+    tile_rows<S>(kv, page, kv_head, offset, n, t);
+    const __mmask16 valid = tail_mask(n);
+    for (int i = 0; i < heads; ++i) {
+      __m512 s = _mm512_mul_ps(tile_scores<S>(kv, t, q + 16 * nk * i, nk), _mm512_set1_ps(rows.scale));
+      float top = std::max(m[i], _mm512_mask_reduce_max_ps(valid, s));
+      alpha[i] = std::isinf(m[i]) ? 0.0f : std::exp(m[i] - top);
+      __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(top))));
+      l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(p);
+      m[i] = top;
+      _mm512_storeu_ps(prob[i].data(), p);
+    }
+    using Probs = const float (*)[kTile];
+    for (int i = 0; i < heads; i += kMaxHeads) {
+      const auto pr = reinterpret_cast<Probs>(prob[i].data());
+      switch (std::min(kMaxHeads, heads - i)) {
+        case 1: accumulate_heads<S, 1>(kv, t, nv, &acc_of[i], &alpha[i], pr, n); break;
+        case 2: accumulate_heads<S, 2>(kv, t, nv, &acc_of[i], &alpha[i], pr, n); break;
+        default: accumulate_heads<S, 3>(kv, t, nv, &acc_of[i], &alpha[i], pr, n); break;
+      }
+    }
+    pos += n;
+  }
+  for (int i = 0; i < heads; ++i)
+    store_out(rows, b, h0 + i, kv.v_dim, acc_of[i], l[i] > 0 ? 1.0f / l[i] : 0.0f);
+}
+
 }  // namespace
 
 void paged_decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_head, int h0,
                        int h1) {
-  const int nk = chunks(kv.k_dim), nv = chunks(kv.v_dim), heads = h1 - h0;
-  const bool shared = kv.k_part == kv.v_part;  // MLA: V is the first v_dim dims of K's row
-  thread_local std::vector<float> buf;  // q, acc, then 64-byte aligned key / value tiles
-  const size_t need = (size_t)16 * (heads * (nk + nv) + kTile * (nk + (shared ? 0 : nv))) + 16;
-  if (buf.size() < need) buf.resize(need);  // tile rows past a tile's end keep finite leftovers
-  float* q = buf.data();
-  float* acc = q + 16 * heads * nk;
-  std::fill(acc, acc + 16 * heads * nv, 0.0f);
-  float* keys = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(acc + 16 * heads * nv) + 63) & ~uintptr_t(63));
-  float* values = shared ? keys : keys + kChunk * nk;
-  std::vector<float> m(heads, -std::numeric_limits<float>::infinity()), l(heads, 0.0f);
-  for (int i = 0; i < heads; ++i) load_query(rows, b, h0 + i, kv.k_dim, q + 16 * nk * i);
-
-  const int length = rows.lengths[b];
-  const int32_t* table = rows.block_tables + b * rows.table_row;
-  alignas(64) float prob[kTile];
-  const int pages = (length + kv.page_size - 1) / kv.page_size;
-  for (int p = 0; p < std::min(kPagesAhead, pages); ++p) prefetch_block(kv, table[p], kv_head);
-  for (int t = 0; t < length;) {
-    const int64_t page = table[t / kv.page_size];
-    const int offset = t % kv.page_size;
-    const int n = std::min({kTile, kv.page_size - offset, length - t});
-    const int ahead = t / kv.page_size + kPagesAhead;
-    if (offset == 0 && ahead < pages) prefetch_block(kv, table[ahead], kv_head);
-    for (int j = 0; j < n; ++j) {
-      load_row(kv, page, kv_head, offset + j, kv.k_part, kv.k_dim, keys + 16 * j);
-      if (!shared) load_row(kv, page, kv_head, offset + j, kv.v_part, kv.v_dim, values + 16 * j);
-    }
-    const __mmask16 valid = tail_mask(n);
-    for (int i = 0; i < heads; ++i) {
-      __m512 s = _mm512_mul_ps(tile_scores(q + 16 * nk * i, keys, nk), _mm512_set1_ps(rows.scale));
-      float top = std::max(m[i], _mm512_mask_reduce_max_ps(valid, s));
-      float alpha = std::isinf(m[i]) ? 0.0f : std::exp(m[i] - top);
-      __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(top))));
-      l[i] = l[i] * alpha + _mm512_reduce_add_ps(p);
-      m[i] = top;
-      _mm512_store_ps(prob, p);
-      accumulate(acc + 16 * nv * i, nv, alpha, prob, n, values);
-    }
-    t += n;
+  switch (kv.storage) {
+    case kF32: return decode_item<kF32>(kv, rows, b, kv_head, h0, h1);
+    case kBF16: return decode_item<kBF16>(kv, rows, b, kv_head, h0, h1);
+    default: return decode_item<kFP8>(kv, rows, b, kv_head, h0, h1);
   }
-  for (int i = 0; i < heads; ++i)
-    store_out(rows, b, h0 + i, kv.v_dim, acc + 16 * nv * i, l[i] > 0 ? 1.0f / l[i] : 0.0f);
 }
 
 }  // namespace kvmesh
