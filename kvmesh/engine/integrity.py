@@ -15,6 +15,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from kvmesh.engine.host_tensors import int_tensor, uint32_bits
 from kvmesh.engine.sequence import Sequence
 
 PENDING = 0  # never a valid tag (tags cycle over 1..2**32 - 1)
@@ -22,7 +23,7 @@ PENDING = 0  # never a valid tag (tags cycle over 1..2**32 - 1)
 
 def as_int32(tags: Iterable[int]) -> torch.Tensor:
     """uint32 tag values as the int32 bit patterns the pool's tag array holds."""
-    return torch.tensor(list(tags), dtype=torch.int64).to(torch.int32)
+    return uint32_bits(tags)
 
 
 class PageTags:
@@ -34,7 +35,7 @@ class PageTags:
         """Record allocations (page_id, tag); pending: the page waits for a remote writer."""
         if not stamps:
             return
-        pages = torch.tensor([page for page, _ in stamps])
+        pages = int_tensor(page for page, _ in stamps)
         if pending:
             self.tags[pages] = PENDING
         else:
@@ -50,7 +51,7 @@ class PageTags:
             expected.extend(seq.page_tags)
         if not pages:
             return []
-        bad = self.tags[torch.tensor(pages)] != as_int32(expected)
+        bad = self.tags[int_tensor(pages)] != uint32_bits(expected)
         if not bool(bad.any()):
             return []
         failed, start = [], 0

@@ -10,6 +10,7 @@ import torch
 
 from kvmesh.engine.attention import AttentionBackend, BatchLayout
 from kvmesh.engine.compiled import CompiledDecode
+from kvmesh.engine.host_tensors import int_tensor
 from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.models import CausalLM
 from kvmesh.engine.step import ChunkPlan, StepPlan
@@ -60,7 +61,9 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> StepResult:
         self.apply(plan)
         hidden, sample_rows, req_ids, counts = self._forward(plan.chunks)
-        logits = self.model.logits(hidden[torch.tensor(sample_rows, dtype=torch.long)])
+        if len(sample_rows) != hidden.shape[0]:  # else every row samples, in order
+            hidden = hidden[int_tensor(sample_rows)]
+        logits = self.model.logits(hidden)
         return StepResult(logits, req_ids, counts)
 
     def score_rows(self, plan: StepPlan) -> list[torch.Tensor]:
@@ -111,12 +114,14 @@ class ModelRunner:
 
     def _run_model(self, ids, starts, widths, tables, num_decode, bucket):
         """The model over these rows; through the compiled graph of `bucket` if not None."""
-        positions = torch.cat([torch.arange(s, s + w) for s, w in zip(starts, widths, strict=True)])
+        positions = int_tensor(
+            p for s, w in zip(starts, widths, strict=True) for p in range(s, s + w)
+        )
         width = self.compiled.max_pages if bucket is not None else 0
         layout = BatchLayout(num_decode, tuple(tables), tuple(starts), tuple(widths),
                              self.page_size, self.kv.null_page, width)  # fmt: skip
         meta = self.attention.build_metadata(layout)
-        args = (torch.tensor(ids), positions, meta, self.kv.layers, self.attention, self.capture)
+        args = (int_tensor(ids), positions, meta, self.kv.layers, self.attention, self.capture)
         out = self.compiled.try_forward(*args) if bucket is not None else None
         if out is None:
             out = self.model.forward(*args)

@@ -18,6 +18,8 @@ from kvmesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.decode.worker import DecodeJob, DecodeWorker
 
 log = structlog.get_logger(__name__)
+_TOKENS = metrics.GENERATION_TOKENS.labels("decode")  # per-token paths: the children, once
+_PAGES_USED = metrics.KV_PAGES_USED.labels("decode")
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -42,8 +44,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             async with contextlib.aclosing(stream):  # an abort reaches the engine before we return
                 async for out in stream:
                     generated += len(out.new_token_ids)
-                    metrics.GENERATION_TOKENS.labels("decode").inc(len(out.new_token_ids))
-                    metrics.KV_PAGES_USED.labels("decode").set(self.engine.num_used_pages)
+                    _TOKENS.inc(len(out.new_token_ids))
+                    _PAGES_USED.set(self.engine.num_used_pages)
                     response = _response(out, generated)
                     metrics.observe_message("decode", response.ByteSize())
                     yield response
@@ -54,7 +56,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 error=common_pb2.Error(code=exc.code, message=str(exc)),
             )
         finally:
-            metrics.KV_PAGES_USED.labels("decode").set(self.engine.num_used_pages)
+            _PAGES_USED.set(self.engine.num_used_pages)
 
     async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:
         return decode_pb2.AbortResponse(aborted=await self.worker.abort(request.request_id))

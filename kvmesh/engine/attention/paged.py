@@ -17,6 +17,7 @@ from kvmesh.engine.attention.base import BatchLayout, PrefillSpan, Slots
 from kvmesh.engine.attention.metadata import prefill_spans
 from kvmesh.engine.attention.torch_backend import TorchAttention
 from kvmesh.engine.attention.torch_mla import TorchMlaAttention
+from kvmesh.engine.host_tensors import int_tensor
 from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.kv_cache import GqaLayerKV, MlaLayerKV, PagedLayer
 from kvmesh.engine.layers.mla import MlaWeights
@@ -40,12 +41,14 @@ def build_paged_metadata(layout: BatchLayout) -> PagedMetadata:
     width = max(max(counts, default=0), layout.table_width)
     new = [t[(n - 1) // size] * size + (n - 1) % size for t, n in zip(tables, lengths, strict=True)]
     slots, spans = prefill_spans(layout)
-    flat = torch.cat([torch.tensor(new, dtype=torch.long), *slots])
+    flat = int_tensor(new)
+    if slots:
+        flat = torch.cat([flat, *slots])
     return PagedMetadata(
         Slots.of(flat, size),
         decode,
         _padded_tables(tables, counts, width, layout.null_page),
-        torch.tensor(lengths, dtype=torch.int32),
+        int_tensor(lengths, torch.int32),
         spans,
     )
 
@@ -55,10 +58,9 @@ def _padded_tables(tables, counts: list[int], width: int, null_page: int) -> tor
     table is built from a list; a wide one (compiled steps pad to the longest context) by a
     few tensor ops, not a Python list of rows x width."""
     if len(tables) * width <= 4096:
-        padded = [
-            list(t[:n]) + [null_page] * (width - n) for t, n in zip(tables, counts, strict=True)
-        ]
-        return torch.tensor(padded, dtype=torch.int32).view(len(tables), width)
+        padded = [p for t, n in zip(tables, counts, strict=True)
+                  for p in (*t[:n], *(null_page,) * (width - n))]  # fmt: skip
+        return int_tensor(padded, torch.int32).view(len(tables), width)
     out = torch.full((len(tables), width), null_page, dtype=torch.int32)
     pages = [p for t, n in zip(tables, counts, strict=True) for p in t[:n]]
     if pages:

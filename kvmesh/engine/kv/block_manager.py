@@ -114,6 +114,15 @@ class BlockManager:
         self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None
     ) -> bool:
         """Grow seq's table to cover num_computed + num_new tokens; on failure change nothing."""
+        if prefix is None:  # the common case (every decode step): no prefix to take
+            needed = self.pages_needed(seq.num_computed_tokens + num_new_tokens)
+            needed -= len(seq.block_table)
+            if needed <= 0:
+                return True
+            if needed > len(self.free_queue):
+                return False
+            self._take_new(seq, needed)
+            return True
         hits = self._prefix_pages(seq, prefix)
         computed = prefix.num_tokens if prefix is not None else seq.num_computed_tokens
         table_len = len(seq.block_table) + len(hits)
@@ -182,6 +191,8 @@ class BlockManager:
         self.hasher.for_tenant(seq.cache_salt).extend(seq.token_ids, seq.block_hashes)
         start = self._num_registered.get(seq.seq_id, 0)
         end = min(num_tokens // self.config.page_size, len(seq.block_table))
+        if end <= start:
+            return  # no page filled since the last call (most decode steps)
         run: list[int] = []  # indices of a contiguous run of newly registered pages
         for index in range(start, end):
             if self._register(seq, index):
