@@ -6,7 +6,9 @@ All in one process and one run, each pair timed back to back (best of `--repeats
 - one token's worth of SmolLM2-135M linears (30 layers of q|k|v, o, gate|up, down + the LM head,
   distinct tensors so they come from DRAM) at 1-64 rows: bf16 through the GEMV kernel, the AMX
   kernel (where it runs) and torch's F.linear, INT4 through the kernel vs
-  `_weight_int4pack_mm_for_cpu`, as GB/s of weight bytes and as a fraction of the ceiling;
+  `_weight_int4pack_mm_for_cpu`, as GB/s of weight bytes and as a fraction of the ceiling, and
+  bf16 as GFLOP/s against the compute ceiling: torch's bf16 GEMM at 512 rows over the same
+  weights (what a large batch reaches here);
 - decode attention over pages at B streams x L tokens (SmolLM2's 3 KV heads x 64, bf16 and FP8
   pages, bf16 compute, one pool per layer for `--layers` layers visited in turn, so the pages
   come from DRAM as in a real step): the paged kernel vs the torch backend (gather + grouped
@@ -48,9 +50,17 @@ def ceiling(repeats: int) -> float:
     return w.nbytes / best(lambda: torch.mv(w, x), repeats) / 1e9
 
 
+def gemm_ceiling(repeats: int) -> float:
+    """GFLOP/s of torch's bf16 GEMM over one layer's SmolLM2 linears at 512 rows."""
+    weights = [torch.randn(n, k).bfloat16() for n, k in SHAPES]
+    xs = {k: torch.randn(512, k).bfloat16() for k in (576, 1536)}
+    flops = sum(2 * 512 * w.numel() for w in weights)
+    return flops / best(partial(_dense, torch.nn.functional.linear, xs, weights), repeats) / 1e9
+
+
 def linears(ops, rows_levels: list[int], repeats: int, peak: float) -> list[dict]:
     from kvmesh.engine.kernels import has_amx
-    from kvmesh.engine.layers.linear import KERNEL_ROWS
+    from kvmesh.engine.layers.linear import AMX_ROWS
     from kvmesh.engine.quant.int4 import Int4Linear, Int4Weight
 
     bf16 = [[torch.randn(n, k).bfloat16() for n, k in SHAPES] for _ in range(LAYERS)]
@@ -66,8 +76,9 @@ def linears(ops, rows_levels: list[int], repeats: int, peak: float) -> list[dict
         torch_s = best(partial(_dense, torch.nn.functional.linear, xs, weights), repeats)
         kernel_s = best(partial(_dense, ops.linear_bf16, xs, weights), repeats)
         row = {"rows": rows, "bf16_torch_gbs": dense_bytes / torch_s / 1e9,
-               "bf16_kernel_gbs": dense_bytes / kernel_s / 1e9}  # fmt: skip
-        if has_amx() and rows <= KERNEL_ROWS:
+               "bf16_kernel_gbs": dense_bytes / kernel_s / 1e9,
+               "bf16_kernel_gflops": rows * dense_bytes / kernel_s / 1e9}  # fmt: skip
+        if has_amx() and rows <= AMX_ROWS:
             amx_s = best(partial(_dense, ops.linear_bf16_amx, xs, weights), repeats)
             row["bf16_amx_gbs"] = dense_bytes / amx_s / 1e9
         if rows <= 4:
@@ -165,10 +176,13 @@ def run_kernels_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     run = BenchRun()
     peak = ceiling(args.repeats)
-    print(f"memory-read ceiling (fp32 GEMV over 256 MiB): {peak:.1f} GB/s", flush=True)
+    gemm = gemm_ceiling(args.repeats)
+    print(f"memory-read ceiling (fp32 GEMV over 256 MiB): {peak:.1f} GB/s; bf16 GEMM ceiling "
+          f"(torch, 512 rows): {gemm:.0f} GFLOP/s", flush=True)  # fmt: skip
     report = {
         **run.header(),
         "ceiling_gbs": round(peak, 2),
+        "gemm_ceiling_gflops": round(gemm, 1),
         "linears": linears(ops, [int(r) for r in args.rows.split(",")], args.repeats, peak),
         "attention": attention(args.streams, args.tokens, args.repeats, args.layers),
         "rms_norm": norm(ops, args.repeats),

@@ -102,34 +102,57 @@ def start_decoding(engine, prefix: str, streams: int, prompt_tokens: int, params
         engine.step()
 
 
-def compare_amx(engine, concurrency: int, rounds: int, block: int, prompt_tokens: int) -> dict:
-    """Blocks of `block` steps with the AMX linear kernel on, then off (the GEMV up to 8 rows,
-    torch above), `rounds` times over the same requests: median ms per step of each."""
+def _amx(on: bool) -> None:
     from kvmesh.engine import kernels
+
+    kernels._AMX[:] = [on]
+
+
+def _linear_kernels(on: bool) -> None:
+    """Without AMX. On: the GEMV's register tiles up to 64 rows; off: the GEMV up to 8 rows,
+    torch above (as before the tiles)."""
+    from kvmesh.engine.layers import linear
+
+    linear.TILED_ROWS = 64 if on else 8
+
+
+TOGGLES = {"amx": _amx, "linear-kernels": _linear_kernels}
+
+
+def compare(engine, toggle: str, concurrency: int, rounds: int, block: int,
+            prompt_tokens: int) -> dict:  # fmt: skip
+    """Blocks of `block` steps with `toggle` on, then off, `rounds` times over the same
+    requests: median ms per step of each. amx: the AMX linear kernel on vs off (off: what a CPU
+    without AMX runs); linear-kernels: bf16 linears of 9-64 rows through the GEMV's register
+    tiles vs torch."""
+    from kvmesh.engine import kernels
+    from kvmesh.engine.layers import linear
     from kvmesh.engine.sampling_params import SamplingParams
 
+    served = linear.TILED_ROWS
     steps = 2 * rounds * (block + 1)
     params = SamplingParams(max_tokens=steps + 2 + concurrency, temperature=0.0, ignore_eos=True)
-    start_decoding(engine, f"amx-{concurrency}", concurrency, prompt_tokens, params)
+    start_decoding(engine, f"{toggle}-{concurrency}", concurrency, prompt_tokens, params)
     spent: dict[bool, list[float]] = {True: [], False: []}
     try:
         for _ in range(rounds):
-            for amx in (True, False):
-                kernels._AMX[:] = [amx]
+            for on in (True, False):
+                TOGGLES[toggle](on)
                 engine.step()  # the first step after a switch is not timed
                 started = time.perf_counter()
                 for _ in range(block):
                     engine.step()
-                spent[amx].append((time.perf_counter() - started) / block)
+                spent[on].append((time.perf_counter() - started) / block)
     finally:
         kernels._AMX.clear()
+        linear.TILED_ROWS = served
     for seq in list(engine.scheduler.running):
         engine.abort(seq.seq_id)
     while engine.has_unfinished():
         engine.step()
     on, off = (float(np.median(spent[a])) * 1e3 for a in (True, False))
-    return {"streams": concurrency, "amx_ms": round(on, 3), "no_amx_ms": round(off, 3),
-            "speedup": round(off / on, 3)}  # fmt: skip
+    return {"streams": concurrency, "compare": toggle, "on_ms": round(on, 3),
+            "off_ms": round(off, 3), "speedup": round(off / on, 3)}  # fmt: skip
 
 
 def run_step_bench(args: argparse.Namespace) -> int:
@@ -143,8 +166,8 @@ def run_step_bench(args: argparse.Namespace) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     results = []
     for c in levels:
-        if args.compare_amx:
-            results.append(compare_amx(engine, c, 6, 4, args.prompt_tokens))
+        if args.compare:
+            results.append(compare(engine, args.compare, c, 6, 4, args.prompt_tokens))
         else:
             results.append(measure(engine, c, args.steps, args.prompt_tokens))
         print(results[-1], flush=True)
@@ -171,7 +194,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per level")
     parser.add_argument(
-        "--compare-amx",
-        action="store_true",
-        help="time blocks of steps with the AMX linear kernel on vs off instead",
+        "--compare",
+        choices=sorted(TOGGLES),
+        default=None,
+        help="time blocks of steps with amx (the AMX linear kernel) or linear-kernels (bf16 "
+        "linears of 9-64 rows through the kernels instead of torch) on vs off instead",
     )

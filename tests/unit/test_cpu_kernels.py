@@ -160,18 +160,20 @@ def test_small_batch_linear_matches_reference_and_is_batch_invariant(n, k):
 
 
 @pytest.mark.skipif(has_amx(), reason="this CPU has AMX: test_amx_linear.py covers its choice")
-def test_dense_matmul_without_amx_takes_the_gemv_up_to_64_rows_then_torch():
+def test_dense_matmul_without_amx_takes_the_gemv_up_to_its_tiled_rows_then_torch():
     from kvmesh.engine.layers import linear
 
     gen = torch.Generator().manual_seed(5)
     w, bias = torch.randn(960, 576, generator=gen).bfloat16(), torch.randn(960).bfloat16()
     x = torch.randn(80, 576, generator=gen).bfloat16()
     ops = cpu_ops()
-    for rows in (1, 8, 9, 33, 64):
+    for rows in (1, 8, 9, linear.TILED_ROWS):
         assert torch.equal(
             linear.dense_matmul(x[:rows], w, bias), ops.linear_bf16(x[:rows], w, bias)
         )
-    assert torch.equal(linear.dense_matmul(x, w, bias), torch.nn.functional.linear(x, w, bias))
+    for rows in (linear.TILED_ROWS + 1, 80):
+        assert torch.equal(linear.dense_matmul(x[:rows], w, bias),
+                           torch.nn.functional.linear(x[:rows], w, bias))  # fmt: skip
 
 
 def test_kernels_reject_bad_inputs_with_a_message():

@@ -43,23 +43,27 @@ class LinearMethod(Protocol):
 
 
 GEMV_ROWS = 4  # bf16 rows up to which products go through the GEMV kernel where AMX follows
-KERNEL_ROWS = 64  # bf16 rows up to which the kernels beat torch's GEMM (docs/benchmarks.md)
+AMX_ROWS = 64  # ... then AMX tiles up to this many rows
+TILED_ROWS = 32  # without AMX: the GEMV (in register tiles above 8 rows) up to this many rows
 
 
 def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """x @ weight^T (+ bias). Small bf16 batches on CPU go through a kernel that reads the
-    weight once at memory speed, each row's sum in a fixed order whatever the batch, up to
-    KERNEL_ROWS rows: where the CPU has AMX, the GEMV (kernels/csrc/gemv.cpp) up to GEMV_ROWS
-    and AMX tiles (amx_linear.cpp) above; elsewhere the GEMV, in AVX512-BF16 register tiles
-    above 8 rows. Larger batches go to torch's GEMM."""
+    weight once at memory speed, each row's sum in a fixed order whatever the batch: where the
+    CPU has AMX, the GEMV (kernels/csrc/gemv.cpp) up to GEMV_ROWS and AMX tiles
+    (amx_linear.cpp) up to AMX_ROWS; elsewhere the GEMV, in AVX512-BF16 register tiles above 8
+    rows, up to TILED_ROWS (above, torch's GEMM is as fast: docs/benchmarks.md). Larger batches
+    go to torch's GEMM."""
     if (x.dtype is torch.bfloat16 and x.dim() == 2 and weight.dtype is torch.bfloat16
-            and x.device.type == "cpu" and x.shape[0] <= KERNEL_ROWS):  # fmt: skip
-        ops = cpu_ops()
+            and x.device.type == "cpu" and x.shape[0] <= AMX_ROWS):  # fmt: skip
+        ops, rows = cpu_ops(), x.shape[0]
         if ops is not None:
-            if (x.shape[0] > GEMV_ROWS and has_amx() and weight.shape[1] % 32 == 0
-                    and weight.shape[0] % 16 == 0):  # fmt: skip
-                return ops.linear_bf16_amx(x, weight, bias)
-            return ops.linear_bf16(x, weight, bias)
+            if has_amx() and weight.shape[1] % 32 == 0 and weight.shape[0] % 16 == 0:
+                if rows > GEMV_ROWS:
+                    return ops.linear_bf16_amx(x, weight, bias)
+                return ops.linear_bf16(x, weight, bias)
+            if rows <= TILED_ROWS:
+                return ops.linear_bf16(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
