@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvmesh.env import kvmesh_home
+from kvmesh.env import kvmesh_home, num_threads
 from kvmesh.errors import LaunchError
 from kvmesh.mesh.affinity import worker_env
 from kvmesh.mesh.discovery import Registry, WorkerInfo
@@ -75,8 +75,7 @@ class Mesh:
 
     def __post_init__(self) -> None:
         env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-        engines = self.options.prefill + self.options.decode
-        if engines * 2 > (os.cpu_count() or 1):  # parallel loads would thrash the cores
+        if self._crowded():  # parallel loads would thrash the cores
             env.setdefault("KVMESH_LOAD_THREADS", "1")  # measured: docs/benchmarks.md, cold start
         self.supervisor = Supervisor(env, say, critical=CRITICAL, defer=self._deferred,
                                      on_change=self._write_state)  # fmt: skip
@@ -107,11 +106,25 @@ class Mesh:
     def _spawn_workers(self) -> None:
         o = self.options
         for role, count in (("prefill", o.prefill), ("decode", o.decode)):
+            pinned = worker_env(role, o.role_cpus.get(role))
             for i in range(count):
                 name = f"{role}-{i}"
                 self._spawn(name, ["serve", role, "--worker-id", name, "--model", o.model,
                                    *o.worker_args, *o.role_args.get(role, ())],
-                            worker_env(role, o.role_cpus.get(role)))  # fmt: skip
+                            pinned or self._threads(role))  # fmt: skip
+
+    def _crowded(self) -> bool:
+        """Fewer than two CPUs per engine process on this machine."""
+        return (self.options.prefill + self.options.decode) * 2 > (os.cpu_count() or 1)
+
+    def _threads(self, role: str) -> dict[str, str]:
+        """Unpinned prefill workers on a crowded machine serve on one torch thread: two OpenMP
+        teams spinning on the same cores stall each other's barriers for whole time slices (a
+        16-request burst took up to 3x longer; docs/benchmarks.md). Decode, the latency-critical
+        side, keeps a thread per CPU. KVMESH_NUM_THREADS overrides both."""
+        if role != "prefill" or not self._crowded() or num_threads():
+            return {}
+        return {"KVMESH_NUM_THREADS": "1"}
 
     def _spawn_gateway(self) -> None:
         ports = ["--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]

@@ -100,6 +100,33 @@ def test_the_launcher_gives_each_role_its_cpus(monkeypatch) -> None:
     assert worker_env("decode") == {}
 
 
+def _worker_envs(monkeypatch, tmp_path: Path, cpus: int, **options) -> dict[str, dict]:
+    from kvmesh.mesh.launcher import Mesh, UpOptions
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    mesh = Mesh(UpOptions(**options), run_dir=tmp_path)
+    spawned: dict[str, dict] = {}
+    monkeypatch.setattr(
+        mesh, "_spawn", lambda name, args, extra=None: spawned.update({name: extra})
+    )
+    mesh._spawn_workers()
+    return spawned
+
+
+def test_unpinned_prefill_workers_on_a_crowded_machine_serve_on_one_thread(monkeypatch, tmp_path):
+    """Two OpenMP teams on the same two cores stall each other: prefill gets one thread there,
+    decode keeps one per CPU; a roomy machine, KVMESH_NUM_THREADS or pinning leave both alone."""
+    for name in ("KVMESH_NUM_THREADS", "KVMESH_PREFILL_CPUS", "KVMESH_DECODE_CPUS"):
+        monkeypatch.delenv(name, raising=False)
+    crowded = _worker_envs(monkeypatch, tmp_path, 2)
+    assert crowded == {"prefill-0": {"KVMESH_NUM_THREADS": "1"}, "decode-0": {}}
+    assert _worker_envs(monkeypatch, tmp_path, 8) == {"prefill-0": {}, "decode-0": {}}
+    pinned = _worker_envs(monkeypatch, tmp_path, 2, role_cpus={"prefill": "0"})
+    assert pinned["prefill-0"] == {"KVMESH_CPUS": "0"}
+    monkeypatch.setenv("KVMESH_NUM_THREADS", "2")
+    assert _worker_envs(monkeypatch, tmp_path, 2)["prefill-0"] == {}
+
+
 def test_a_child_gets_its_own_environment_on_top_and_keeps_it(tmp_path: Path) -> None:
     supervisor = Supervisor({**os.environ, "SHARED": "s"}, say=lambda _: None)
     show = ["sh", "-c", 'echo "$SHARED $OWN"']
