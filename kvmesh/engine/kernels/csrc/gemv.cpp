@@ -12,7 +12,7 @@
 namespace kvmesh {
 namespace {
 
-constexpr int kAhead = 16;  // rows of prefetch distance (~18 KB for K = 576)
+constexpr int kAhead = 8;  // rows of prefetch distance (~9 KB for K = 576; docs/benchmarks.md)
 
 inline float bias_at(const uint16_t* bias, int64_t n) {
   if (!bias) return 0.0f;  // added all the same: -0 + 0 = +0, as with a bias of zero
