@@ -72,8 +72,18 @@ class AsyncEngine:
             if not busy:
                 self._wake.wait(0.05)
                 self._wake.clear()
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_step(outputs)
+
+    def _deliver_step(self, outputs: list[TokenOutput]) -> None:
+        """A step's outputs, one wake-up per event loop (not one per request: each
+        call_soon_threadsafe writes the loop's self-pipe)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenOutput]]] = {}
+        for out in outputs:
+            entry = self._queues.get(out.request_id)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _step(self) -> list[TokenOutput]:
         try:
@@ -178,9 +188,17 @@ class AsyncEngine:
 
     async def _drain(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[TokenOutput]:
         finished = False
+        held: Any = None  # an item taken while coalescing that could not join the one before
         try:
             while not finished:
-                item = await queue.get()
+                item, held = (held, None) if held is not None else (await queue.get(), None)
+                # a consumer that fell behind gets what piled up as one output (fewer messages)
+                while _joinable(item) and not queue.empty():
+                    following = queue.get_nowait()
+                    if not _joinable(following) and not _final(following):
+                        held = following
+                        break
+                    item = item.followed_by(following)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -291,3 +309,18 @@ class AsyncEngine:
             kv_capacity_tokens=self._engine.kv_cache.capacity_tokens,
             kv_pages_hashed=pool.num_hashed_pages,
         )
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _joinable(item: Any) -> bool:
+    """An output more tokens may follow in one message: not an error, not the last."""
+    return isinstance(item, TokenOutput) and not item.finished and item.error is None
+
+
+def _final(item: Any) -> bool:
+    """A clean last output: it may close a coalesced run."""
+    return isinstance(item, TokenOutput) and item.finished and item.error is None

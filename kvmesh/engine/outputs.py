@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvmesh.engine.sequence import FinishReason
 from kvmesh.errors import KvmeshError
@@ -40,3 +40,9 @@ class TokenOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: KvmeshError | None = None  # set when the request was aborted by the engine
+
+    def followed_by(self, then: TokenOutput) -> TokenOutput:
+        """This output's tokens then `then`'s, with `then`'s state: one message for two steps
+        (a stream consumer that fell behind)."""
+        return replace(then, new_token_ids=[*self.new_token_ids, *then.new_token_ids],
+                       new_logprobs=[*self.new_logprobs, *then.new_logprobs])  # fmt: skip
