@@ -256,3 +256,15 @@ def test_rope_kernel_is_the_same_bits_as_the_torch_expression(dtype, dim):
         half = dim // 2
         expected = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
         assert torch.equal(rope.apply_rotary(x, cos, sin), expected)
+
+
+def test_loading_the_kernels_resolves_amx_so_graphs_read_a_plain_value():
+    """A compiled step must not call the has_amx op while dynamo traces it (a graph break that
+    failed bf16 graphs in a fresh process): resolving the kernels resolves it."""
+    import subprocess
+    import sys
+
+    code = "from kvmesh.engine import kernels; kernels.cpu_ops(); print(len(kernels._AMX))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "1"

@@ -32,6 +32,9 @@ def has_amx() -> bool:
 def cpu_ops() -> Any | None:
     if not _RESOLVED:
         _RESOLVED.append(_resolve())
+        # resolved with the ops, outside any graph: a compiled step then reads a plain global
+        # (calling the op while dynamo traces is a graph break: "op returned non-Tensor")
+        has_amx()
     return _RESOLVED[0]
 
 
