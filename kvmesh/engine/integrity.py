@@ -51,7 +51,7 @@ class PageTags:
             expected.extend(seq.page_tags)
         if not pages:
             return []
-        bad = self.tags[int_tensor(pages)] != uint32_bits(expected)
+        bad = self.tags[int_tensor(pages)] != as_int32(expected)
         if not bool(bad.any()):
             return []
         failed, start = [], 0
