@@ -113,7 +113,7 @@ def _linear_kernels(on: bool) -> None:
     torch above (as before the tiles)."""
     from kvmesh.engine.layers import linear
 
-    linear.TILED_ROWS = 64 if on else 8
+    linear.TILED_ROWS = dict.fromkeys(linear.TILED_ROWS, 64 if on else 8)
 
 
 TOGGLES = {"amx": _amx, "linear-kernels": _linear_kernels}
@@ -129,7 +129,7 @@ def compare(engine, toggle: str, concurrency: int, rounds: int, block: int,
     from kvmesh.engine.layers import linear
     from kvmesh.engine.sampling_params import SamplingParams
 
-    served = linear.TILED_ROWS
+    served = dict(linear.TILED_ROWS)
     steps = 2 * rounds * (block + 1)
     params = SamplingParams(max_tokens=steps + 2 + concurrency, temperature=0.0, ignore_eos=True)
     start_decoding(engine, f"{toggle}-{concurrency}", concurrency, prompt_tokens, params)

@@ -161,19 +161,19 @@ def test_small_batch_linear_matches_reference_and_is_batch_invariant(n, k):
 
 @pytest.mark.skipif(has_amx(), reason="this CPU has AMX: test_amx_linear.py covers its choice")
 def test_dense_matmul_without_amx_takes_the_gemv_up_to_its_tiled_rows_then_torch():
+    from kvmesh.engine.kernels import kernel_isa
     from kvmesh.engine.layers import linear
 
     gen = torch.Generator().manual_seed(5)
     w, bias = torch.randn(960, 576, generator=gen).bfloat16(), torch.randn(960).bfloat16()
-    x = torch.randn(80, 576, generator=gen).bfloat16()
+    x = torch.randn(600, 576, generator=gen).bfloat16()
     ops = cpu_ops()
-    for rows in (1, 8, 9, linear.TILED_ROWS):
-        assert torch.equal(
-            linear.dense_matmul(x[:rows], w, bias), ops.linear_bf16(x[:rows], w, bias)
-        )
-    for rows in (linear.TILED_ROWS + 1, 80):
-        assert torch.equal(linear.dense_matmul(x[:rows], w, bias),
-                           torch.nn.functional.linear(x[:rows], w, bias))  # fmt: skip
+    tiled = linear.TILED_ROWS[kernel_isa()]
+    for rows in (1, 8, 9, 32, 33, 80, 600):
+        expected = ops.linear_bf16 if rows <= tiled else torch.nn.functional.linear
+        assert torch.equal(linear.dense_matmul(x[:rows], w, bias), expected(x[:rows], w, bias))
+    if kernel_isa() == "avx2":  # no bf16 arithmetic: the GEMV at every batch, prefill too
+        assert tiled > 600
 
 
 def test_kernels_reject_bad_inputs_with_a_message():

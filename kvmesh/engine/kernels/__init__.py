@@ -1,5 +1,5 @@
-"""The C++ CPU kernels (csrc/): paged decode attention, small-batch linears (AVX512-BF16 GEMV,
-AMX tiles), norms, RoPE, argmax.
+"""The C++ CPU kernels (csrc/, built for AVX-512 or AVX2): paged decode attention, small-batch
+linears (bf16 GEMV, AMX tiles), norms, RoPE, argmax.
 
 `cpu_ops()` is the `torch.ops.kvmesh` namespace once the extension is loaded (loading it
 registers the ops with torch's dispatcher, so eager code and torch.compile graphs call the same
@@ -16,6 +16,7 @@ import structlog
 log = structlog.get_logger(__name__)
 _RESOLVED: list[Any] = []  # [ops or None] once resolved: a plain global that dynamo can read
 _AMX: list[bool] = []
+_ISA: list[str | None] = []
 
 
 def has_amx() -> bool:
@@ -29,12 +30,24 @@ def has_amx() -> bool:
     return _AMX[0]
 
 
+def kernel_isa() -> str | None:
+    """The instruction set the loaded kernels were built for ("avx512" or "avx2"; None: no
+    kernels). An AVX2 CPU has no bf16 arithmetic: torch's bf16 GEMM runs at a fraction of the
+    GEMV tiles' speed at every batch there (docs/benchmarks.md)."""
+    if not _ISA:
+        from kvmesh.engine.kernels import build
+
+        _ISA.append(build.isa() if cpu_ops() is not None else None)
+    return _ISA[0]
+
+
 def cpu_ops() -> Any | None:
     if not _RESOLVED:
         _RESOLVED.append(_resolve())
-        # resolved with the ops, outside any graph: a compiled step then reads a plain global
+        # resolved with the ops, outside any graph: a compiled step then reads plain globals
         # (calling the op while dynamo traces is a graph break: "op returned non-Tensor")
         has_amx()
+        kernel_isa()
     return _RESOLVED[0]
 
 
@@ -51,6 +64,7 @@ def _resolve() -> Any | None:
 
             return torch.ops.kvmesh
         except Exception as exc:  # a compiler error must not take the engine down
-            reason = f"build failed: {exc}"
-    log.warning("kernels.unavailable", reason=reason.splitlines()[0][:300])
+            log.warning("kernels.unavailable", reason=f"build failed: {exc}".splitlines()[0][:300])
+            return None
+    log.info("kernels.unavailable", reason=reason)  # this CPU or the user's choice: expected
     return None

@@ -4,9 +4,10 @@ The extension is compiled by the machine's own compiler through torch.utils.cpp_
 `$KVMESH_HOME/kernels/<key>/`, where `key` hashes the sources, torch's version and the flags:
 `make install` builds it ahead (`python -m kvmesh.engine.kernels.build`), and a process that
 finds no build compiles it on first use (torch's lock file keeps concurrent builds apart).
-The kernels need AVX-512 (F, BW, VL, DQ) with FMA and F16C; AVX512-BF16 dot products are used
-where the CPU has them. Elsewhere, or with `KVMESH_KERNELS=0`, nothing is built and the torch
-reference paths run.
+They are built for one of two instruction sets, whichever the CPU has: AVX-512 (F, BW, VL, DQ;
+AVX512-BF16 dot products and AMX tiles used where present) or AVX2 (AMD Zen 1-3, Intel before
+Skylake-SP), both with FMA and F16C (csrc/vec.h holds the two). Elsewhere, or with
+`KVMESH_KERNELS=0`, nothing is built and the torch reference paths run.
 """
 
 from __future__ import annotations
@@ -24,10 +25,14 @@ from kvmesh import env
 log = structlog.get_logger(__name__)
 SOURCES = Path(__file__).parent / "csrc"
 NAME = "kvmesh_cpu_kernels"
-REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c")
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
-          "-fno-math-errno", "-ffp-contract=off",
-          "-fopenmp"]  # at::parallel_for is inline OpenMP: without it every call runs serially  # fmt: skip
+# (CPU flags a build needs, its compiler flags), best first
+ISAS = {
+    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"),
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]),
+    "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
+}  # fmt: skip
+COMMON_CFLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off",
+                 "-fopenmp"]  # at::parallel_for is inline OpenMP: without it every call runs serially  # fmt: skip
 
 
 def cpu_flags() -> set[str]:
@@ -39,20 +44,32 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+def isa() -> str | None:
+    """The instruction set the kernels are built for on this CPU (None: neither)."""
+    flags = cpu_flags()
+    return next((name for name, (needs, _) in ISAS.items() if set(needs) <= flags), None)
+
+
+def cflags() -> list[str]:
+    return COMMON_CFLAGS + ISAS[isa() or "avx2"][1]
+
+
 def missing_reason() -> str | None:
     """Why the kernels cannot run here (None: they can)."""
     if not env.cpu_kernels():
         return "disabled by KVMESH_KERNELS=0"
     if sys.platform != "linux":
         return f"built for Linux x86-64 only, not {sys.platform}"
-    lacking = [f for f in REQUIRED_FLAGS if f not in cpu_flags()]
-    return f"the CPU lacks {', '.join(lacking)}" if lacking else None
+    if isa() is None:
+        lacking = [f for f in ISAS["avx2"][0] if f not in cpu_flags()]
+        return f"the CPU lacks {', '.join(lacking)} (and AVX-512)"
+    return None
 
 
 def build_key() -> str:
     import torch
 
-    digest = hashlib.sha256(torch.__version__.encode() + " ".join(CFLAGS).encode())
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(cflags()).encode())
     for path in sorted(SOURCES.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]
@@ -78,7 +95,7 @@ def load() -> ModuleType:
     module = cpp_extension.load(
         name=NAME,
         sources=[str(p) for p in sorted(SOURCES.glob("*.cpp"))],
-        extra_cflags=CFLAGS,
+        extra_cflags=cflags(),
         extra_ldflags=["-fopenmp"],  # libgomp.so.1: the one torch has loaded already
         extra_include_paths=[str(SOURCES)],
         build_directory=str(directory),
@@ -98,7 +115,7 @@ def main() -> int:
     load()
     import torch
 
-    print(f"CPU kernels ready (AVX512-BF16 dot: {torch.ops.kvmesh.has_bf16_dot()})")
+    print(f"CPU kernels ready ({isa()}; AVX512-BF16 dot: {torch.ops.kvmesh.has_bf16_dot()})")
     return 0
 
 

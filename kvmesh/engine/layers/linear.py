@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.engine.config import Int4Scheme
-from kvmesh.engine.kernels import cpu_ops, has_amx
+from kvmesh.engine.kernels import cpu_ops, has_amx, kernel_isa
 from kvmesh.engine.quant.int4 import Int4Linear, Int4Weight
 from kvmesh.errors import ModelFormatError
 
@@ -44,25 +44,28 @@ class LinearMethod(Protocol):
 
 GEMV_ROWS = 4  # bf16 rows up to which products go through the GEMV kernel where AMX follows
 AMX_ROWS = 64  # ... then AMX tiles up to this many rows
-TILED_ROWS = 32  # without AMX: the GEMV (in register tiles above 8 rows) up to this many rows
+# without AMX: the GEMV (in register tiles above 8 rows) up to this many rows, by the kernels' ISA
+TILED_ROWS = {"avx512": 32, "avx2": 1 << 62}
 
 
 def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """x @ weight^T (+ bias). Small bf16 batches on CPU go through a kernel that reads the
     weight once at memory speed, each row's sum in a fixed order whatever the batch: where the
     CPU has AMX, the GEMV (kernels/csrc/gemv.cpp) up to GEMV_ROWS and AMX tiles
-    (amx_linear.cpp) up to AMX_ROWS; elsewhere the GEMV, in AVX512-BF16 register tiles above 8
-    rows, up to TILED_ROWS (above, torch's GEMM is as fast: docs/benchmarks.md). Larger batches
-    go to torch's GEMM."""
+    (amx_linear.cpp) up to AMX_ROWS; on other AVX-512 CPUs the GEMV, in register tiles above 8
+    rows, up to TILED_ROWS (above, torch's GEMM is as fast); on AVX2 CPUs, which have no bf16
+    arithmetic, the GEMV at every batch (torch's bf16 GEMM is ~4x slower there). Otherwise
+    torch's GEMM (docs/benchmarks.md)."""
     if (x.dtype is torch.bfloat16 and x.dim() == 2 and weight.dtype is torch.bfloat16
-            and x.device.type == "cpu" and x.shape[0] <= AMX_ROWS):  # fmt: skip
+            and x.device.type == "cpu"):  # fmt: skip
         ops, rows = cpu_ops(), x.shape[0]
         if ops is not None:
             if has_amx() and weight.shape[1] % 32 == 0 and weight.shape[0] % 16 == 0:
-                if rows > GEMV_ROWS:
+                if rows <= GEMV_ROWS:
+                    return ops.linear_bf16(x, weight, bias)
+                if rows <= AMX_ROWS:
                     return ops.linear_bf16_amx(x, weight, bias)
-                return ops.linear_bf16(x, weight, bias)
-            if rows <= TILED_ROWS:
+            elif rows <= TILED_ROWS[kernel_isa()]:
                 return ops.linear_bf16(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -16,6 +16,9 @@
 #include "simd.h"
 
 namespace kvmesh {
+
+#if defined(__AVX512F__)
+
 namespace {
 
 constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: let this process use AMX tile data
@@ -148,7 +151,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_linear_rows(
       case 3: block16<3>(wb, ldw, packed, chunks, c); break;
       default: block16<4>(wb, ldw, packed, chunks, c); break;
     }
-    const __m512 add = bias ? load_bf16(bias + nb * 16, 16) : _mm512_setzero_ps();
+    const __m512 add = bias ? load_bf16(bias + nb * 16, 16).v : _mm512_setzero_ps();
     for (int m0 = 0; m0 < batch; m0 += 16) {
       __m512 rows[16];
       transpose16(c + (m0 / 16) * 256, rows);  // rows[j]: the 16 outputs of batch row m0 + j
@@ -158,5 +161,14 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_linear_rows(
   }
   _tile_release();
 }
+
+#else  // AVX2 build: no AMX (every AMX CPU has AVX-512), so these are never called
+
+bool cpu_has_amx() { return false; }
+void amx_pack_x(const uint16_t*, int64_t, int, int64_t, uint16_t*) {}
+void amx_linear_rows(const uint16_t*, int, const uint16_t*, int64_t, int64_t, const uint16_t*,
+                     uint16_t*, int64_t, int64_t, int64_t) {}
+
+#endif
 
 }  // namespace kvmesh

@@ -8,6 +8,16 @@
 
 namespace kvmesh {
 
+namespace {
+
+inline Vec load_row(const void* logits, bool bf16, int64_t at, int n) {
+  return bf16 ? load_bf16(static_cast<const uint16_t*>(logits) + at, n)
+              : load_f32(static_cast<const float*>(logits) + at, n);
+}
+
+}  // namespace
+
+#if defined(__AVX512F__)
 void argmax_rows(const void* logits, bool bf16, int64_t width, int64_t stride, int64_t* out,
                  int64_t row0, int64_t row1) {
   const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -18,8 +28,7 @@ void argmax_rows(const void* logits, bool bf16, int64_t width, int64_t stride, i
     for (int64_t c = 0; c < width; c += 16) {
       const int n = (int)std::min<int64_t>(16, width - c);
       const __mmask16 valid = tail_mask(n);
-      __m512 v = bf16 ? load_bf16(static_cast<const uint16_t*>(logits) + row * stride + c, n)
-                      : load_f32(static_cast<const float*>(logits) + row * stride + c, n);
+      const __m512 v = load_row(logits, bf16, row * stride + c, n).v;
       nan |= _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
       // strictly greater: each lane keeps the first index of its maximum
       const __mmask16 up = _mm512_mask_cmp_ps_mask(valid, v, best, _CMP_GT_OQ);
@@ -37,5 +46,49 @@ void argmax_rows(const void* logits, bool bf16, int64_t width, int64_t stride, i
     out[row] = index == std::numeric_limits<int32_t>::max() ? 0 : index;
   }
 }
+
+#else
+
+void argmax_rows(const void* logits, bool bf16, int64_t width, int64_t stride, int64_t* out,
+                 int64_t row0, int64_t row1) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t row = row0; row < row1; ++row) {
+    __m256 best[2] = {_mm256_set1_ps(-std::numeric_limits<float>::infinity()),
+                      _mm256_set1_ps(-std::numeric_limits<float>::infinity())};
+    __m256i at[2] = {_mm256_set1_epi32(std::numeric_limits<int32_t>::max()),
+                     _mm256_set1_epi32(std::numeric_limits<int32_t>::max())};
+    __m256 nan = _mm256_setzero_ps();
+    for (int64_t c = 0; c < width; c += 16) {
+      const int n = (int)std::min<int64_t>(16, width - c);
+      const Vec v = load_row(logits, bf16, row * stride + c, n);
+      const __m256 halves[2] = {v.lo, v.hi};
+      for (int h = 0; h < 2; ++h) {
+        const __m256 valid = lanes_below(n, 8 * h);
+        nan = _mm256_or_ps(nan, _mm256_and_ps(valid, _mm256_cmp_ps(halves[h], halves[h], _CMP_UNORD_Q)));
+        // strictly greater: each lane keeps the first index of its maximum
+        const __m256 up = _mm256_and_ps(valid, _mm256_cmp_ps(halves[h], best[h], _CMP_GT_OQ));
+        best[h] = _mm256_blendv_ps(best[h], halves[h], up);
+        const __m256i index = _mm256_add_epi32(lanes, _mm256_set1_epi32((int)c + 8 * h));
+        at[h] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at[h]), _mm256_castsi256_ps(index), up));
+      }
+    }
+    if (_mm256_movemask_ps(nan)) {
+      out[row] = -1;
+      continue;
+    }
+    const float top = hmax(Vec{best[0], best[1]});
+    int32_t index = std::numeric_limits<int32_t>::max();  // a row of -inf only: torch answers 0
+    alignas(32) float values[16];
+    alignas(32) int32_t indices[16];
+    _mm256_store_ps(values, best[0]), _mm256_store_ps(values + 8, best[1]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(indices), at[0]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(indices + 8), at[1]);
+    for (int j = 0; j < 16; ++j)
+      if (values[j] == top) index = std::min(index, indices[j]);
+    out[row] = index == std::numeric_limits<int32_t>::max() ? 0 : index;
+  }
+}
+
+#endif
 
 }  // namespace kvmesh

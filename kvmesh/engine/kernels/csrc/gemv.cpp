@@ -23,27 +23,26 @@ inline float bias_at(const uint16_t* bias, int64_t n) {
 }
 
 template <int kRows, int kBatch, bool kDot>
-__attribute__((target("avx512bf16"))) void block(const uint16_t* x, int64_t ldx,
+KVMESH_BF16_DOT_TARGET void block(const uint16_t* x, int64_t ldx,
                                                  const uint16_t* w, int64_t ldw, int64_t k,
                                                  const uint16_t* bias, uint16_t* y, int64_t ldy,
                                                  int64_t n) {
-  __m512 acc[kRows][kBatch];
+  Vec acc[kRows][kBatch];
   for (int r = 0; r < kRows; ++r)
-    for (int b = 0; b < kBatch; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int b = 0; b < kBatch; ++b) acc[r][b] = zero();
   for (int64_t i = 0; i < k; i += 32) {
-    const __mmask32 m = mask32(k - i);
-    __m512i xs[kBatch];
-    for (int b = 0; b < kBatch; ++b) xs[b] = _mm512_maskz_loadu_epi16(m, x + b * ldx + i);
+    Bf32 xs[kBatch];
+    for (int b = 0; b < kBatch; ++b) xs[b] = load_bf32(x + b * ldx + i, k - i);
     for (int r = 0; r < kRows; ++r) {
       // the same line kAhead rows on: one core alone keeps too few misses in flight otherwise
       _mm_prefetch(reinterpret_cast<const char*>(w + (n + r + kAhead) * ldw + i), _MM_HINT_T0);
-      __m512i ws = _mm512_maskz_loadu_epi16(m, w + (n + r) * ldw + i);
+      const Bf32 ws = load_bf32(w + (n + r) * ldw + i, k - i);
       for (int b = 0; b < kBatch; ++b) acc[r][b] = dot32<kDot>(acc[r][b], ws, xs[b]);
     }
   }
   for (int r = 0; r < kRows; ++r) {
     const float add = bias_at(bias, n + r);
-    for (int b = 0; b < kBatch; ++b) y[b * ldy + n + r] = to_bf16(hsum16(acc[r][b]) + add);
+    for (int b = 0; b < kBatch; ++b) y[b * ldy + n + r] = to_bf16(hsum(acc[r][b]) + add);
   }
 }
 
@@ -76,34 +75,32 @@ void dispatch(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int6
 constexpr int kTileRows = 4, kTileBatch = 6;  // 24 accumulators + 4 weight vectors + 1 x
 
 template <int kR, int kB, bool kDot>
-__attribute__((target("avx512bf16"))) void tile(const uint16_t* x, int64_t ldx, const uint16_t* w,
+KVMESH_BF16_DOT_TARGET void tile(const uint16_t* x, int64_t ldx, const uint16_t* w,
                                                 int64_t ldw, int64_t k, bool prefetch,
                                                 const uint16_t* bias, uint16_t* y, int64_t ldy,
                                                 int64_t n) {
-  __m512 acc[kR][kB];
+  Vec acc[kR][kB];
   for (int r = 0; r < kR; ++r)
-    for (int b = 0; b < kB; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int b = 0; b < kB; ++b) acc[r][b] = zero();
   const uint16_t* wn = w + n * ldw;
   for (int64_t i = 0; i < k; i += 32) {
-    const __mmask32 m = mask32(k - i);
-    __m512i ws[kR];
+    Bf32 ws[kR];
     for (int r = 0; r < kR; ++r) {
       if (prefetch)  // the first batch tile brings the block in from memory
         _mm_prefetch(reinterpret_cast<const char*>(wn + (r + kAhead) * ldw + i), _MM_HINT_T0);
-      ws[r] = _mm512_maskz_loadu_epi16(m, wn + r * ldw + i);
+      ws[r] = load_bf32(wn + r * ldw + i, k - i);
     }
     for (int b = 0; b < kB; ++b) {
-      const __m512i xs = _mm512_maskz_loadu_epi16(m, x + b * ldx + i);
+      const Bf32 xs = load_bf32(x + b * ldx + i, k - i);
       for (int r = 0; r < kR; ++r) acc[r][b] = dot32<kDot>(acc[r][b], ws[r], xs);
     }
   }
   // every loop over accumulators unrolled: an index the compiler cannot resolve would keep
   // them in memory, stored on every k step
   constexpr int kGroups = (kR * kB + 15) / 16;
-  __m512 all[kGroups * 16];
+  Vec all[kGroups * 16];
 #pragma GCC unroll 64
-  for (int j = 0; j < kGroups * 16; ++j)
-    all[j] = j < kR * kB ? acc[j / kB][j % kB] : _mm512_setzero_ps();
+  for (int j = 0; j < kGroups * 16; ++j) all[j] = j < kR * kB ? acc[j / kB][j % kB] : zero();
   float sums[kGroups * 16];
 #pragma GCC unroll 4
   for (int g = 0; g < kGroups; ++g) hsum16x16(all + 16 * g, sums + 16 * g);
@@ -148,7 +145,11 @@ void tiled(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int64_t
 
 }  // namespace
 
+#if defined(__AVX512F__)
 bool cpu_has_bf16_dot() { return __builtin_cpu_supports("avx512bf16"); }
+#else
+bool cpu_has_bf16_dot() { return false; }
+#endif
 
 void gemv_bf16(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int64_t ldw,
                int64_t k, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1,

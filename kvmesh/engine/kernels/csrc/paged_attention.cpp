@@ -7,6 +7,7 @@
 
 #include "kernels.h"
 #include "simd.h"
+#include "sums.h"
 
 namespace kvmesh {
 namespace {
@@ -53,25 +54,25 @@ void tile_rows(const PagedKV& kv, int64_t page, int head, int offset, int n, Til
 // 16 values of a stored row from element `at` as fp32 (lanes past `n` zero): the same values a
 // dequantizing copy to fp32 holds, converted in registers where they are used.
 template <int S>
-inline __m512 load_kv(const void* data, int64_t at, int n, float scale) {
+inline Vec load_kv(const void* data, int64_t at, int n, float scale) {
   if (S == kF32) return load_f32(static_cast<const float*>(data) + at, n);
   if (S == kBF16) return load_bf16(static_cast<const uint16_t*>(data) + at, n);
-  return _mm512_mul_ps(load_fp8(static_cast<const int8_t*>(data) + at, n), _mm512_set1_ps(scale));
+  return mul(load_fp8(static_cast<const int8_t*>(data) + at, n), set1(scale));
 }
 
 // The scores of one head against the 16 key rows of a tile: 16 independent FMA chains, then one
 // transpose-sum.
 template <int S>
-inline __m512 tile_scores(const PagedKV& kv, const TileRows& t, const float* q, int nk) {
-  __m512 acc[kTile];
+inline Vec tile_scores(const PagedKV& kv, const TileRows& t, const float* q, int nk) {
+  Vec acc[kTile];
 #pragma GCC unroll 16
-  for (int j = 0; j < kTile; ++j) acc[j] = _mm512_setzero_ps();
+  for (int j = 0; j < kTile; ++j) acc[j] = zero();
   for (int c = 0; c < nk; ++c) {
-    const __m512 qc = _mm512_loadu_ps(q + 16 * c);
+    const Vec qc = loadu(q + 16 * c);
     const int n = kv.k_dim - 16 * c;
 #pragma GCC unroll 16
     for (int j = 0; j < kTile; ++j)
-      acc[j] = _mm512_fmadd_ps(qc, load_kv<S>(kv.data, t.k[j] + 16 * c, n, t.k_scale[j]), acc[j]);
+      acc[j] = fmadd(qc, load_kv<S>(kv.data, t.k[j] + 16 * c, n, t.k_scale[j]), acc[j]);
   }
   return transpose_sum16(acc);
 }
@@ -81,27 +82,27 @@ inline __m512 tile_scores(const PagedKV& kv, const TileRows& t, const float* q, 
 template <int S, int kHeads, int kWidth>
 inline void accumulate_block(const PagedKV& kv, const TileRows& t, int c0, float* const* acc,
                              const float* alpha, const float (*prob)[kTile], int n) {
-  __m512 sum[kHeads][kWidth];
+  Vec sum[kHeads][kWidth];
 #pragma GCC unroll 8
   for (int h = 0; h < kHeads; ++h)
 #pragma GCC unroll 8
     for (int c = 0; c < kWidth; ++c)
-      sum[h][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[h] + 16 * (c0 + c)), _mm512_set1_ps(alpha[h]));
+      sum[h][c] = mul(loadu(acc[h] + 16 * (c0 + c)), set1(alpha[h]));
   for (int j = 0; j < n; ++j) {
-    __m512 p[kHeads];
+    Vec p[kHeads];
 #pragma GCC unroll 8
-    for (int h = 0; h < kHeads; ++h) p[h] = _mm512_set1_ps(prob[h][j]);
+    for (int h = 0; h < kHeads; ++h) p[h] = set1(prob[h][j]);
 #pragma GCC unroll 8
     for (int c = 0; c < kWidth; ++c) {
-      const __m512 v = load_kv<S>(kv.data, t.v[j] + 16 * (c0 + c), kv.v_dim - 16 * (c0 + c), t.v_scale[j]);
+      const Vec v = load_kv<S>(kv.data, t.v[j] + 16 * (c0 + c), kv.v_dim - 16 * (c0 + c), t.v_scale[j]);
 #pragma GCC unroll 8
-      for (int h = 0; h < kHeads; ++h) sum[h][c] = _mm512_fmadd_ps(p[h], v, sum[h][c]);
+      for (int h = 0; h < kHeads; ++h) sum[h][c] = fmadd(p[h], v, sum[h][c]);
     }
   }
 #pragma GCC unroll 8
   for (int h = 0; h < kHeads; ++h)
 #pragma GCC unroll 8
-    for (int c = 0; c < kWidth; ++c) _mm512_storeu_ps(acc[h] + 16 * (c0 + c), sum[h][c]);
+    for (int c = 0; c < kWidth; ++c) storeu(acc[h] + 16 * (c0 + c), sum[h][c]);
 }
 
 template <int S, int kHeads>
@@ -118,9 +119,9 @@ inline void accumulate_heads(const PagedKV& kv, const TileRows& t, int nv, float
 void load_query(const DecodeRows& rows, int b, int h, int dim, float* dst) {
   int64_t at = b * rows.q_row + h * rows.q_head;
   for (int c = 0; c < chunks(dim); ++c) {
-    __m512 v = rows.bf16 ? load_bf16(static_cast<const uint16_t*>(rows.q) + at + 16 * c, dim - 16 * c)
-                         : load_f32(static_cast<const float*>(rows.q) + at + 16 * c, dim - 16 * c);
-    _mm512_storeu_ps(dst + 16 * c, v);
+    const Vec v = rows.bf16 ? load_bf16(static_cast<const uint16_t*>(rows.q) + at + 16 * c, dim - 16 * c)
+                              : load_f32(static_cast<const float*>(rows.q) + at + 16 * c, dim - 16 * c);
+    storeu(dst + 16 * c, v);
   }
 }
 
@@ -165,15 +166,14 @@ void decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_head, 
     const int ahead = pos / kv.page_size + kPagesAhead;
     if (offset == 0 && ahead < pages) prefetch_block(kv, table[ahead], kv_head);
     tile_rows<S>(kv, page, kv_head, offset, n, t);
-    const __mmask16 valid = tail_mask(n);
     for (int i = 0; i < heads; ++i) {
-      __m512 s = _mm512_mul_ps(tile_scores<S>(kv, t, q + 16 * nk * i, nk), _mm512_set1_ps(rows.scale));
-      float top = std::max(m[i], _mm512_mask_reduce_max_ps(valid, s));
+      const Vec s = mul(tile_scores<S>(kv, t, q + 16 * nk * i, nk), set1(rows.scale));
+      const float top = std::max(m[i], hmax(first(n, s, -std::numeric_limits<float>::infinity())));
       alpha[i] = std::isinf(m[i]) ? 0.0f : std::exp(m[i] - top);
-      __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(top))));
-      l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(p);
+      const Vec p = first(n, exp_neg(sub(s, set1(top))), 0.0f);
+      l[i] = l[i] * alpha[i] + hsum(p);
       m[i] = top;
-      _mm512_storeu_ps(prob[i].data(), p);
+      storeu(prob[i].data(), p);
     }
     using Probs = const float (*)[kTile];
     for (int i = 0; i < heads; i += kMaxHeads) {
