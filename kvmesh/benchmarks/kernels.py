@@ -81,7 +81,7 @@ def linears(ops, rows_levels: list[int], repeats: int, peak: float) -> list[dict
         if has_amx() and rows <= AMX_ROWS:
             amx_s = best(partial(_dense, ops.linear_bf16_amx, xs, weights), repeats)
             row["bf16_amx_gbs"] = dense_bytes / amx_s / 1e9
-        if rows <= 4:
+        if rows <= 4 and int4[0].has_small_batch_kernel:  # its 64-row blocks: AVX-512 only
             t4 = best(partial(_int4, torch.ops.aten._weight_int4pack_mm_for_cpu, xs, int4), repeats)
             k4 = best(partial(_int4, ops.int4_linear, xs, int4), repeats)
             row |= {

@@ -141,6 +141,11 @@ class Int4Linear:
     def can_read_rows(self) -> bool:
         return self._block > 0
 
+    @property
+    def has_small_batch_kernel(self) -> bool:
+        """Whether up to SMALL_BATCH rows go through kernels/csrc/int4_gemv.cpp here."""
+        return self._small_batch is not None
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows W[ids] [T, K] in the activation dtype (an embedding lookup), read
         from the CPU kernel's packed layout: blocks of `b` rows stored [K, b/2] bytes, row

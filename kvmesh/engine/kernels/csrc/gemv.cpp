@@ -85,13 +85,16 @@ KVMESH_BF16_DOT_TARGET void tile(const uint16_t* x, int64_t ldx, const uint16_t*
   const uint16_t* wn = w + n * ldw;
   for (int64_t i = 0; i < k; i += 32) {
     Bf32 ws[kR];
+#pragma GCC unroll 8
     for (int r = 0; r < kR; ++r) {
       if (prefetch)  // the first batch tile brings the block in from memory
         _mm_prefetch(reinterpret_cast<const char*>(wn + (r + kAhead) * ldw + i), _MM_HINT_T0);
       ws[r] = load_bf32(wn + r * ldw + i, k - i);
     }
+#pragma GCC unroll 8
     for (int b = 0; b < kB; ++b) {
       const Bf32 xs = load_bf32(x + b * ldx + i, k - i);
+#pragma GCC unroll 8
       for (int r = 0; r < kR; ++r) acc[r][b] = dot32<kDot>(acc[r][b], ws[r], xs);
     }
   }

@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 namespace kvmesh {
 
@@ -166,13 +165,28 @@ inline Vec bits_shr16(Vec a) {
   return {as_float(_mm256_srli_epi32(as_int(a.lo), 16)), as_float(_mm256_srli_epi32(as_int(a.hi), 16))};
 }
 
-// A short tail is copied into a zeroed block of 16 (or 32) first: AVX2 has no masked loads
-// below 32 bits.
-template <typename T, int kLanes = 16>
-struct Padded {
-  alignas(64) T v[kLanes] = {};
-  Padded(const T* p, int64_t n) { std::memcpy(v, p, sizeof(T) * (n < 0 ? 0 : n)); }
-};
+// Short tails without a call (a memcpy in a kernel's inner loop would make the compiler keep
+// every accumulator in memory) and without reading past the last element: whole 32-bit words
+// by masked load, then the odd 16-bit or 8-bit elements one by one, other lanes zero.
+inline __m256i dwords_below(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline __m256i load_words(const uint16_t* p, int n) {  // n in [0, 16]
+  __m256i v = _mm256_maskload_epi32(reinterpret_cast<const int*>(p), dwords_below(n / 2));
+  if (n & 1) {
+    const __m256i at = _mm256_cmpeq_epi16(_mm256_set1_epi16((short)(n - 1)),
+                                          _mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    v = _mm256_blendv_epi8(v, _mm256_set1_epi16((short)p[n - 1]), at);
+  }
+  return v;
+}
+inline __m128i load_bytes(const int8_t* p, int n) {  // n in [0, 16]
+  __m128i v = _mm_maskload_epi32(reinterpret_cast<const int*>(p), _mm256_castsi256_si128(dwords_below(n / 4)));
+  const __m128i lane = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int j = n & ~3; j < n; ++j)
+    v = _mm_blendv_epi8(v, _mm_set1_epi8(p[j]), _mm_cmpeq_epi8(_mm_set1_epi8((char)j), lane));
+  return v;
+}
 
 inline Vec load_f32(const float* p, int n) {
   if (n >= 16) return loadu(p);
@@ -183,13 +197,12 @@ inline Vec widen_bf16(__m256i h) {  // 16 bf16 -> 16 fp32
           as_float(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16))};
 }
 inline Vec load_bf16(const uint16_t* p, int n) {
-  if (n < 16) return widen_bf16(_mm256_load_si256(reinterpret_cast<const __m256i*>(Padded<uint16_t>(p, n).v)));
+  if (n < 16) return widen_bf16(load_words(p, n < 0 ? 0 : n));
   return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 // e4m3fn bytes -> fp32 times 2**-8, exactly (see the AVX-512 version).
 inline Vec load_fp8(const int8_t* p, int n) {
-  __m128i b = n < 16 ? _mm_load_si128(reinterpret_cast<const __m128i*>(Padded<int8_t>(p, n).v))
-                     : _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m128i b = n < 16 ? load_bytes(p, n < 0 ? 0 : n) : _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   __m256i w = _mm256_cvtepi8_epi16(b);
   w = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16((short)0xBFFF));
   return {_mm256_cvtph_ps(_mm256_castsi256_si128(w)), _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1))};
@@ -225,7 +238,7 @@ inline void store_bf16_high(uint16_t* p, int n, Vec a) {
   if (n >= 16) return _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
   alignas(32) uint16_t tmp[16];
   _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), packed);
-  std::memcpy(p, tmp, sizeof(uint16_t) * (n < 0 ? 0 : n));
+  for (int j = 0; j < n; ++j) p[j] = tmp[j];
 }
 
 inline float hmax(Vec a) {
@@ -245,9 +258,8 @@ inline float hsum(Vec a) {
 
 inline Bf32 load_bf32(const uint16_t* p, int64_t n) {
   if (n < 32) {
-    Padded<uint16_t, 32> pad(p, n);
-    return {_mm256_load_si256(reinterpret_cast<const __m256i*>(pad.v)),
-            _mm256_load_si256(reinterpret_cast<const __m256i*>(pad.v + 16))};
+    const int m = n < 0 ? 0 : (int)n;
+    return {load_words(p, m < 16 ? m : 16), load_words(p + 16, m < 16 ? 0 : m - 16)};
   }
   return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))};
