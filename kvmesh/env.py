@@ -11,6 +11,13 @@ def kvmesh_home() -> Path:
     return Path(os.environ.get("KVMESH_HOME", Path.home() / ".cache" / "kvmesh")).expanduser()
 
 
+def kernels_dir() -> Path:
+    """Where the C++ CPU kernels are built, one folder per source hash (`$KVMESH_KERNELS_DIR`,
+    default `$KVMESH_HOME/kernels`)."""
+    value = os.environ.get("KVMESH_KERNELS_DIR")
+    return Path(value).expanduser() if value else kvmesh_home() / "kernels"
+
+
 def num_threads() -> int | None:
     """Torch intra-op threads (`KVMESH_NUM_THREADS`); None: see serve_threads."""
     value = os.environ.get("KVMESH_NUM_THREADS")

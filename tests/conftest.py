@@ -1,8 +1,16 @@
-"""Shared fixtures. The real default model is fetched once (make test does it before pytest)."""
+"""Shared fixtures. The real default model is fetched once (make test does it before pytest),
+and so are the CPU kernels: every process the tests start, whatever its KVMESH_HOME, loads the
+one build (compiling it again per home took ~2 minutes a time on a slow machine)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from kvmesh import env
+
+os.environ.setdefault("KVMESH_KERNELS_DIR", str(env.kernels_dir()))
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,8 @@
 """Build (once per source, torch and compiler) and load the C++ CPU kernels of csrc/.
 
 The extension is compiled by the machine's own compiler through torch.utils.cpp_extension into
-`$KVMESH_HOME/kernels/<key>/`, where `key` hashes the sources, torch's version and the flags:
-`make install` builds it ahead (`python -m kvmesh.engine.kernels.build`), and a process that
+`$KVMESH_KERNELS_DIR/<key>/` (default `$KVMESH_HOME/kernels/`), where `key` hashes the sources,
+torch's version and the flags: `make install` builds it ahead (`python -m kvmesh.engine.kernels.build`), and a process that
 finds no build compiles it on first use (torch's lock file keeps concurrent builds apart).
 They are built for one of two instruction sets, whichever the CPU has: AVX-512 (F, BW, VL, DQ;
 AVX512-BF16 dot products and AMX tiles used where present) or AVX2 (AMD Zen 1-3, Intel before
@@ -77,7 +77,7 @@ def build_key() -> str:
 
 def load() -> ModuleType:
     """The compiled module, building it if this key has no build yet (raises on failure)."""
-    directory = env.kvmesh_home() / "kernels" / build_key()
+    directory = env.kernels_dir() / build_key()
     built = directory / f"{NAME}.so"
     if built.exists() and not (directory / "lock").exists():  # built, no build running: import it
         import importlib.util
