@@ -217,9 +217,16 @@ class AsyncEngine:
         return queue
 
     async def abort(self, request_id: str) -> bool:
-        aborted = await self.call(self._engine.abort, request_id)
-        self._deliver(request_id, TokenOutput(request_id, [], [], True, FinishReason.ABORT, 0, 0))
-        return aborted
+        def abort_and_tell() -> bool:
+            # told from the engine thread: a caller cancelled while it waited for the lock (an
+            # Abort RPC past its deadline during a long step) must not leave the stream waiting
+            aborted = self._engine.abort(request_id)
+            self._deliver(
+                request_id, TokenOutput(request_id, [], [], True, FinishReason.ABORT, 0, 0)
+            )
+            return aborted
+
+        return await self.call(abort_and_tell)
 
     async def release(self, request_id: str) -> None:
         await self.call(self._engine.release, request_id)

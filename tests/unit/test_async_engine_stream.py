@@ -59,3 +59,40 @@ def test_nothing_follows_a_finished_output(first_finished):
     got, error = _drained(items)
     assert error is None
     assert [o.new_token_ids for o in got] == ([[1]] if first_finished else [[1, 2]])
+
+
+def test_an_abort_cancelled_while_a_long_step_holds_the_lock_still_ends_the_stream():
+    """The prefill worker's Abort RPC can pass its deadline while a long prefill step holds the
+    engine lock; the abort then runs when the step ends, and the request's stream must end too
+    (it waited forever, and with it the decode worker's Prefill call: a request hung)."""
+    import threading
+
+    aborted: list[str] = []
+
+    class Stub:
+        def abort(self, request_id: str) -> bool:
+            aborted.append(request_id)
+            return True
+
+    engine = AsyncEngine.__new__(AsyncEngine)  # no engine thread: the test holds the lock
+    engine._engine, engine._lock, engine._wake = Stub(), threading.Lock(), threading.Event()
+    engine._queues, engine._measure_load = {}, lambda: None
+
+    async def run() -> list[TokenOutput]:
+        queue = engine._open("r")
+        engine._lock.acquire()  # a long step
+        task = asyncio.create_task(engine.abort("r"))
+        await asyncio.sleep(0.2)
+        task.cancel()  # the RPC's deadline
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        engine._lock.release()  # the step ends; the abort runs
+
+        async def drained() -> list[TokenOutput]:
+            return [out async for out in engine._drain("r", queue)]
+
+        return await asyncio.wait_for(drained(), 5)  # before the fix: TimeoutError
+
+    got = asyncio.run(run())
+    assert aborted == ["r"]
+    assert [(o.finished, o.finish_reason) for o in got] == [(True, FinishReason.ABORT)]
