@@ -1,9 +1,11 @@
 // Small-batch bf16 linears that stream the weights at memory speed. Up to 8 batch rows: R weight
 // rows at a time against every batch row. More rows: register tiles of 4 weight rows x 6 batch
 // rows over blocks of weight rows that stay in L2 while every tile of batch rows passes over
-// them. Either way each output is one fp32 accumulator per 32 k, fed in k order, then hsum16:
-// a row's bits do not depend on the batch it came in (bf16_dot.h).
+// them (on AVX2, with half the registers: one weight row x 6 batch rows, x widened once).
+// Every way, each output is one fp32 accumulator per 32 k, fed in k order, then hsum: a row's
+// bits do not depend on the batch it came in (bf16_dot.h).
 #include <algorithm>
+#include <vector>
 
 #include "bf16_dot.h"
 #include "kernels.h"
@@ -146,6 +148,77 @@ void tiled(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int64_t
   }
 }
 
+#if !defined(__AVX512F__)
+// ---- AVX2, more than 8 batch rows: 16 ymm registers hold 8 Vec, so the tiles above would keep
+// their accumulators in memory. Instead one weight row x up to 6 batch rows (12 ymm
+// accumulators + the row's 4 widened vectors), x widened to fp32 once per call (each 32-k
+// chunk's odd lanes, then its even ones: dot32's order, so the same bits) and read by the FMAs
+// from L1.
+
+constexpr int kWideBatch = 6;
+
+void widen_x(const uint16_t* x, int64_t ldx, int batch, int64_t k, float* out) {
+  const int64_t chunks = (k + 31) / 32;
+  for (int b = 0; b < batch; ++b)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const Bf32 xs = load_bf32(x + b * ldx + 32 * c, k - 32 * c);
+      float* o = out + (b * chunks + c) * 32;
+      storeu(o, bf16_odd(xs));
+      storeu(o + 16, bf16_even(xs));
+    }
+}
+
+template <int kB>
+void wide_row(const float* xw, int64_t k, const uint16_t* w, int64_t ldw, bool prefetch,
+              const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n) {
+  const int64_t chunks = (k + 31) / 32;
+  Vec acc[kB];
+#pragma GCC unroll 8
+  for (int b = 0; b < kB; ++b) acc[b] = zero();
+  const uint16_t* wn = w + n * ldw;
+  const auto chunk = [&](int64_t c, int64_t valid) {
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wn + kAhead * ldw + 32 * c), _MM_HINT_T0);
+    const Bf32 ws = load_bf32(wn + 32 * c, valid);
+    const Vec odd = bf16_odd(ws), even = bf16_even(ws);
+#pragma GCC unroll 8
+    for (int b = 0; b < kB; ++b) {
+      const float* xb = xw + (b * chunks + c) * 32;
+      acc[b] = fmadd(even, loadu(xb + 16), fmadd(odd, loadu(xb), acc[b]));
+    }
+  };
+  const int64_t whole = k / 32;  // the loop without the tail's branch keeps acc in registers
+  for (int64_t c = 0; c < whole; ++c) chunk(c, 32);
+  if (whole < chunks) chunk(whole, k - 32 * whole);
+  const float add = bias_at(bias, n);
+  for (int b = 0; b < kB; ++b) y[b * ldy + n] = to_bf16(hsum(acc[b]) + add);
+}
+
+void wide_tiled(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int64_t ldw,
+                int64_t k, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1) {
+  thread_local std::vector<float> widened;
+  const int64_t chunks = (k + 31) / 32;
+  widened.resize((size_t)batch * chunks * 32);
+  widen_x(x, ldx, batch, k, widened.data());
+  const int64_t block_rows = std::max<int64_t>(1, 65536 / k);  // ~128 KB of weight rows in L2
+  for (int64_t nb = n0; nb < n1; nb += block_rows) {
+    const int64_t ne = std::min(nb + block_rows, n1);
+    for (int b = 0; b < batch; b += kWideBatch) {
+      const float* xb = widened.data() + b * chunks * 32;
+      uint16_t* yb = y + b * ldy;
+      const bool first = b == 0;
+      for (int64_t n = nb; n < ne; ++n) switch (std::min(kWideBatch, batch - b)) {
+          case 1: wide_row<1>(xb, k, w, ldw, first, bias, yb, ldy, n); break;
+          case 2: wide_row<2>(xb, k, w, ldw, first, bias, yb, ldy, n); break;
+          case 3: wide_row<3>(xb, k, w, ldw, first, bias, yb, ldy, n); break;
+          case 4: wide_row<4>(xb, k, w, ldw, first, bias, yb, ldy, n); break;
+          case 5: wide_row<5>(xb, k, w, ldw, first, bias, yb, ldy, n); break;
+          default: wide_row<6>(xb, k, w, ldw, first, bias, yb, ldy, n); break;
+        }
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 #if defined(__AVX512F__)
@@ -157,6 +230,9 @@ bool cpu_has_bf16_dot() { return false; }
 void gemv_bf16(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int64_t ldw,
                int64_t k, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1,
                bool dot_bf16) {
+#if !defined(__AVX512F__)
+  if (batch > 8) return wide_tiled(x, ldx, batch, w, ldw, k, bias, y, ldy, n0, n1);
+#endif
   if (batch > 8)
     return dot_bf16 ? tiled<true>(x, ldx, batch, w, ldw, k, bias, y, ldy, n0, n1)
                     : tiled<false>(x, ldx, batch, w, ldw, k, bias, y, ldy, n0, n1);
