@@ -149,7 +149,7 @@ void tiled(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int64_t
 }
 
 #if !defined(__AVX512F__)
-// ---- AVX2, more than 8 batch rows: 16 ymm registers hold 8 Vec, so the tiles above would keep
+// ---- AVX2, more than 4 batch rows: 16 ymm registers hold 8 Vec, so the tiles above would keep
 // their accumulators in memory. Instead one weight row x up to 6 batch rows (12 ymm
 // accumulators + the row's 4 widened vectors), x widened to fp32 once per call (each 32-k
 // chunk's odd lanes, then its even ones: dot32's order, so the same bits) and read by the FMAs
@@ -231,7 +231,7 @@ void gemv_bf16(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int
                int64_t k, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1,
                bool dot_bf16) {
 #if !defined(__AVX512F__)
-  if (batch > 8) return wide_tiled(x, ldx, batch, w, ldw, k, bias, y, ldy, n0, n1);
+  if (batch > 4) return wide_tiled(x, ldx, batch, w, ldw, k, bias, y, ldy, n0, n1);
 #endif
   if (batch > 8)
     return dot_bf16 ? tiled<true>(x, ldx, batch, w, ldw, k, bias, y, ldy, n0, n1)
