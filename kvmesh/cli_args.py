@@ -138,9 +138,10 @@ def _spec_args(p: argparse.ArgumentParser, worker: bool = False) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step")
     p.add_argument(
         "--decode-step",
-        default="eager",
-        choices=["eager", "compiled"],
-        help="compiled: torch.compile decode-only steps (opt-in; see docs/benchmarks.md)",
+        default="fused",
+        choices=["fused", "eager", "compiled"],
+        help="fused: decode-only steps of dense GQA models as one C++ op (the eager bits; other "
+        "models run eager); compiled: torch.compile them (opt-in; see docs/benchmarks.md)",
     )
     p.add_argument("--speculative-policy", default="adaptive", choices=["adaptive", "fixed"],
                    help="draft lengths per step from measured acceptance and step costs, "

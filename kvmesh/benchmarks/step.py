@@ -102,34 +102,53 @@ def start_decoding(engine, prefix: str, streams: int, prompt_tokens: int, params
         engine.step()
 
 
-def _amx(on: bool) -> None:
+def _amx(engine):
+    """The AMX linear kernel on vs off (off: what a CPU without AMX runs)."""
     from kvmesh.engine import kernels
 
-    kernels._AMX[:] = [on]
+    def switch(on: bool | None) -> None:
+        kernels._AMX[:] = [] if on is None else [on]
+
+    return switch
 
 
-def _linear_kernels(on: bool) -> None:
+def _fused(engine):
+    """The fused decode step (fused_decode.py, one C++ op) vs the eager forward."""
+    fused = engine.runner.fused
+    if fused is None:
+        raise SystemExit("this model does not run fused (see the fused_decode.skipped log)")
+
+    def switch(on: bool | None) -> None:
+        engine.runner.fused = fused if on is not False else None
+
+    return switch
+
+
+def _linear_kernels(engine):
     """Without AMX. On: the GEMV's register tiles up to 64 rows; off: the GEMV up to 8 rows,
     torch above (as before the tiles)."""
     from kvmesh.engine.layers import linear
 
-    linear.TILED_ROWS = dict.fromkeys(linear.TILED_ROWS, 64 if on else 8)
+    served = dict(linear.TILED_ROWS)
+
+    def switch(on: bool | None) -> None:
+        rows = {True: dict.fromkeys(served, 64), False: dict.fromkeys(served, 8), None: served}
+        linear.TILED_ROWS = rows[on]
+
+    return switch
 
 
-TOGGLES = {"amx": _amx, "linear-kernels": _linear_kernels}
+# name -> (engine -> switch): switch(True / False) turns it on / off, switch(None) restores
+TOGGLES = {"amx": _amx, "fused": _fused, "linear-kernels": _linear_kernels}
 
 
 def compare(engine, toggle: str, concurrency: int, rounds: int, block: int,
             prompt_tokens: int) -> dict:  # fmt: skip
     """Blocks of `block` steps with `toggle` on, then off, `rounds` times over the same
-    requests: median ms per step of each. amx: the AMX linear kernel on vs off (off: what a CPU
-    without AMX runs); linear-kernels: bf16 linears of 9-64 rows through the GEMV's register
-    tiles vs torch."""
-    from kvmesh.engine import kernels
-    from kvmesh.engine.layers import linear
+    requests: median ms per step of each (TOGGLES)."""
     from kvmesh.engine.sampling_params import SamplingParams
 
-    served = dict(linear.TILED_ROWS)
+    switch = TOGGLES[toggle](engine)
     steps = 2 * rounds * (block + 1)
     params = SamplingParams(max_tokens=steps + 2 + concurrency, temperature=0.0, ignore_eos=True)
     start_decoding(engine, f"{toggle}-{concurrency}", concurrency, prompt_tokens, params)
@@ -137,15 +156,14 @@ def compare(engine, toggle: str, concurrency: int, rounds: int, block: int,
     try:
         for _ in range(rounds):
             for on in (True, False):
-                TOGGLES[toggle](on)
+                switch(on)
                 engine.step()  # the first step after a switch is not timed
                 started = time.perf_counter()
                 for _ in range(block):
                     engine.step()
                 spent[on].append((time.perf_counter() - started) / block)
     finally:
-        kernels._AMX.clear()
-        linear.TILED_ROWS = served
+        switch(None)
     for seq in list(engine.scheduler.running):
         engine.abort(seq.seq_id)
     while engine.has_unfinished():
@@ -197,6 +215,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compare",
         choices=sorted(TOGGLES),
         default=None,
-        help="time blocks of steps with amx (the AMX linear kernel) or linear-kernels (bf16 "
-        "linears of 9-64 rows through the kernels instead of torch) on vs off instead",
+        help="time blocks of steps with amx (the AMX linear kernel), fused (the fused decode "
+        "step) or linear-kernels (bf16 linears of 9-64 rows through the kernels instead of "
+        "torch) on vs off instead",
     )

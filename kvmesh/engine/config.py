@@ -11,7 +11,7 @@ DTYPES = ("fp32", "bf16")
 WEIGHTS = ("auto", "fp32", "bf16", "int4")
 SPECULATIVE = ("none", "ngram", "eagle")
 SPEC_POLICIES = ("adaptive", "fixed")  # spec/policy.py
-DECODE_STEPS = ("eager", "compiled")  # compiled.py
+DECODE_STEPS = ("fused", "eager", "compiled")  # fused_decode.py, compiled.py
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
-    decode_step: str = "eager"  # eager, or compiled (torch.compile of decode steps: compiled.py)
+    decode_step: str = "fused"  # fused (one C++ op where the model fits: fused_decode.py),
+    # eager, or compiled (torch.compile of decode steps: compiled.py)
     attention_backend: str = "auto"  # auto, torch or cpu (attention/__init__.py)
     seed: int = 0
     kv_dtype: str = "auto"  # auto (= dtype), fp32, bf16 or fp8_e4m3

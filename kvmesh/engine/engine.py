@@ -15,6 +15,7 @@ from kvmesh.engine.compiled import compile_decode
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine_setup import TORCH_DTYPES, load_engine_model
 from kvmesh.engine.faults import FaultInjector
+from kvmesh.engine.fused_decode import fuse_decode
 from kvmesh.engine.integrity import PageTags
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
 from kvmesh.engine.kv.events import KvEvent
@@ -82,6 +83,7 @@ class Engine:
             config, self.source.name, self.runner, self.max_model_len
         )
         compile_decode(self.runner, config.decode_step, config.max_num_seqs, self.max_model_len)
+        fuse_decode(self.runner, config.decode_step)
         self._reserved: dict[str, Sequence] = {}  # decode: pages awaiting a prefill worker
         self._kept: dict[str, Sequence] = {}  # prefill: keep_pages requests
         # Receives the prefix cache's stored/removed events after each step (None: dropped).

@@ -10,6 +10,7 @@ import torch
 
 from kvmesh.engine.attention import AttentionBackend, BatchLayout
 from kvmesh.engine.compiled import CompiledDecode
+from kvmesh.engine.fused_decode import FusedDecode
 from kvmesh.engine.host_tensors import int_tensor
 from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.models import CausalLM
@@ -45,6 +46,7 @@ class ModelRunner:
         self.features: torch.Tensor | None = None  # [T, len(capture) * H], rows in step order
         self.rows_of: dict[str, tuple[int, int]] = {}  # req_id -> its rows [begin, end) last step
         self.compiled: CompiledDecode | None = None  # decode-only steps' graphs (compiled.py)
+        self.fused: FusedDecode | None = None  # decode-only steps as one op (fused_decode.py)
 
     def apply(self, plan: StepPlan) -> None:
         """Bring the per-request state up to date (finished first: an id may come back new)."""
@@ -122,7 +124,11 @@ class ModelRunner:
                              self.page_size, self.kv.null_page, width)  # fmt: skip
         meta = self.attention.build_metadata(layout)
         args = (int_tensor(ids), positions, meta, self.kv.layers, self.attention, self.capture)
-        out = self.compiled.try_forward(*args) if bucket is not None else None
+        out = None
+        if bucket is not None:
+            out = self.compiled.try_forward(*args)
+        elif self.fused is not None and num_decode == len(widths) == len(ids):
+            out = self.fused.forward(args[0], positions, meta, self.capture)
         if out is None:
             out = self.model.forward(*args)
         hidden, self.features = out

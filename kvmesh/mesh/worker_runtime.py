@@ -49,7 +49,7 @@ class WorkerOptions:
     speculative: str = "none"  # decode: none | ngram | eagle (prefill: eagle hands the window)
     num_speculative_tokens: int = 4
     speculative_policy: str = "adaptive"  # adaptive | fixed
-    decode_step: str = "eager"  # eager | compiled
+    decode_step: str = "fused"  # fused | eager | compiled
     draft: str = "local"  # eagle: "local" head in-process or "remote" draft service (etcd)
     draft_model: str = ""
     use_kvstore: bool = True  # pull/push pages from/to a KV store registered in etcd, if any

@@ -48,26 +48,39 @@ AMX_ROWS = 64  # ... then AMX tiles up to this many rows
 TILED_ROWS = {"avx512": 32, "avx2": 1 << 62}
 
 
+GEMV, AMX, TORCH = 0, 1, 2  # dense_kernel's answers (kernels/csrc/decoder.cpp reads them too)
+
+
 def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x @ weight^T (+ bias). Small bf16 batches on CPU go through a kernel that reads the
-    weight once at memory speed, each row's sum in a fixed order whatever the batch: where the
-    CPU has AMX, the GEMV (kernels/csrc/gemv.cpp) up to GEMV_ROWS and AMX tiles
-    (amx_linear.cpp) up to AMX_ROWS; on other AVX-512 CPUs the GEMV, in register tiles above 8
-    rows, up to TILED_ROWS (above, torch's GEMM is as fast); on AVX2 CPUs, which have no bf16
-    arithmetic, the GEMV at every batch (torch's bf16 GEMM is ~4x slower there). Otherwise
-    torch's GEMM (docs/benchmarks.md)."""
+    """x @ weight^T (+ bias), through the kernel `dense_kernel` picks for bf16 rows on CPU."""
     if (x.dtype is torch.bfloat16 and x.dim() == 2 and weight.dtype is torch.bfloat16
             and x.device.type == "cpu"):  # fmt: skip
-        ops, rows = cpu_ops(), x.shape[0]
-        if ops is not None:
-            if has_amx() and weight.shape[1] % 32 == 0 and weight.shape[0] % 16 == 0:
-                if rows <= GEMV_ROWS:
-                    return ops.linear_bf16(x, weight, bias)
-                if rows <= AMX_ROWS:
-                    return ops.linear_bf16_amx(x, weight, bias)
-            elif rows <= TILED_ROWS[kernel_isa()]:
-                return ops.linear_bf16(x, weight, bias)
+        kernel = dense_kernel(x.shape[0], weight)
+        if kernel == GEMV:
+            return cpu_ops().linear_bf16(x, weight, bias)
+        if kernel == AMX:
+            return cpu_ops().linear_bf16_amx(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def dense_kernel(rows: int, weight: torch.Tensor) -> int:
+    """Which kernel multiplies `rows` bf16 rows by a bf16 CPU `weight`. Small batches go through
+    a kernel that reads the weight once at memory speed, each row's sum in a fixed order
+    whatever the batch: where the CPU has AMX, the GEMV (kernels/csrc/gemv.cpp) up to GEMV_ROWS
+    and AMX tiles (amx_linear.cpp) up to AMX_ROWS; on other AVX-512 CPUs the GEMV, in register
+    tiles above 8 rows, up to TILED_ROWS (above, torch's GEMM is as fast); on AVX2 CPUs, which
+    have no bf16 arithmetic, the GEMV at every batch (torch's bf16 GEMM is ~4x slower there).
+    Otherwise torch's GEMM (docs/benchmarks.md)."""
+    if cpu_ops() is None:
+        return TORCH
+    if has_amx() and weight.shape[1] % 32 == 0 and weight.shape[0] % 16 == 0:
+        if rows <= GEMV_ROWS:
+            return GEMV
+        if rows <= AMX_ROWS:
+            return AMX
+    elif rows <= TILED_ROWS[kernel_isa()]:
+        return GEMV
+    return TORCH
 
 
 class DenseLinear:

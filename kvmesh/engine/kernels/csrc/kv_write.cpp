@@ -35,11 +35,10 @@ void forget_layer(int64_t key) {
   registry().erase(key);
 }
 
-Pages pages_of(const torch::Tensor& key) {
-  TORCH_CHECK(key.numel() == 1 && key.scalar_type() == torch::kLong, "layer key: one int64");
+Pages pages_of(int64_t key) {
   std::lock_guard<std::mutex> hold(registry_mutex);
-  auto found = registry().find(key.item<int64_t>());
-  TORCH_CHECK(found != registry().end(), "no KV layer registered under key ", key.item<int64_t>());
+  auto found = registry().find(key);
+  TORCH_CHECK(found != registry().end(), "no KV layer registered under key ", key);
   return found->second;
 }
 
@@ -100,12 +99,14 @@ void store_rows(const torch::Tensor& fresh, const int64_t* page, const int64_t* 
   });
 }
 
+}  // namespace
+
 // fresh [T, heads, parts, dim] (fp32 or bf16) written at slots (page[t], offset[t]) of the layer
 // registered under `key`; then q [B, H, k_dim] (the first B rows) attended -> [B, H, v_dim].
-torch::Tensor paged_write_decode(torch::Tensor q, torch::Tensor fresh, torch::Tensor key,
-                                 torch::Tensor page, torch::Tensor offset,
-                                 torch::Tensor block_tables, torch::Tensor lengths,
-                                 int64_t v_part, int64_t v_dim, double scale) {
+torch::Tensor kvmesh::ops::paged_write_decode(torch::Tensor q, torch::Tensor fresh, int64_t key,
+                                              torch::Tensor page, torch::Tensor offset,
+                                              torch::Tensor block_tables, torch::Tensor lengths,
+                                              int64_t v_part, int64_t v_dim, double scale) {
   const Pages p = pages_of(key);
   TORCH_CHECK(fresh.dim() == 4 && fresh.size(1) == p.data.size(1) &&
                   fresh.size(2) == p.data.size(3) && fresh.size(3) == p.data.size(4),
@@ -134,6 +135,18 @@ torch::Tensor paged_write_decode(torch::Tensor q, torch::Tensor fresh, torch::Te
                               v_dim, scale);
 }
 
+namespace {
+
+// The op takes the layer key as a one-element tensor: a compiled graph holds it as an input.
+torch::Tensor paged_write_decode_op(torch::Tensor q, torch::Tensor fresh, torch::Tensor key,
+                                    torch::Tensor page, torch::Tensor offset,
+                                    torch::Tensor block_tables, torch::Tensor lengths,
+                                    int64_t v_part, int64_t v_dim, double scale) {
+  TORCH_CHECK(key.numel() == 1 && key.scalar_type() == torch::kLong, "layer key: one int64");
+  return kvmesh::ops::paged_write_decode(q, fresh, key.item<int64_t>(), page, offset,
+                                         block_tables, lengths, v_part, v_dim, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
@@ -143,4 +156,4 @@ TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
         "Tensor block_tables, Tensor lengths, int v_part, int v_dim, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_write_decode", &paged_write_decode); }
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_write_decode", &paged_write_decode_op); }

@@ -78,7 +78,7 @@ torch::Tensor kvmesh::paged_decode(torch::Tensor q, torch::Tensor data, c10::opt
   return out;
 }
 
-namespace {
+namespace kvmesh::ops {
 
 // x [B, K] bf16, w [N, K] bf16 -> [B, N] bf16 (+ bias [N] bf16); the weights are read from
 // memory once whatever B (above 8 rows in register tiles over L2-resident blocks of them).
@@ -243,7 +243,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return at::silu(parts[0]) * parts[1];
 }
 
-}  // namespace
+}  // namespace kvmesh::ops
 
 // Dispatcher ops (torch.ops.kvmesh.*): eager calls and torch.compile graphs call the same C++;
 // their fake (shape) functions are in kernels/fake.py.
@@ -258,20 +258,20 @@ TORCH_LIBRARY(kvmesh, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.def("has_bf16_dot() -> bool", &has_bf16_dot);
-  m.def("has_amx() -> bool", &has_amx);
+  m.def("has_bf16_dot() -> bool", &kvmesh::ops::has_bf16_dot);
+  m.def("has_amx() -> bool", &kvmesh::ops::has_amx);
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
   m.impl("paged_decode", &kvmesh::paged_decode);
-  m.impl("linear_bf16", &linear_bf16);
-  m.impl("linear_bf16_amx", &linear_bf16_amx);
-  m.impl("int4_linear", &int4_linear);
-  m.impl("rms_norm", &rms_norm_only);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("argmax_rows", &argmax_rows);
-  m.impl("rope", &rope);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("linear_bf16", &kvmesh::ops::linear_bf16);
+  m.impl("linear_bf16_amx", &kvmesh::ops::linear_bf16_amx);
+  m.impl("int4_linear", &kvmesh::ops::int4_linear);
+  m.impl("rms_norm", &kvmesh::ops::rms_norm_only);
+  m.impl("add_rms_norm", &kvmesh::ops::add_rms_norm);
+  m.impl("argmax_rows", &kvmesh::ops::argmax_rows);
+  m.impl("rope", &kvmesh::ops::rope);
+  m.impl("silu_mul", &kvmesh::ops::silu_mul);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}  // importing the module registers the ops above

@@ -10,3 +10,22 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor data, c10::optional<to
                            int64_t v_part, int64_t v_dim, double scale);
 
 }  // namespace kvmesh
+
+// The ops' bodies (ops.cpp, kv_write.cpp), callable from C++ without the dispatcher: the fused
+// decoder (decoder.cpp) runs these, so its bits are those of the eager step's op calls.
+namespace kvmesh::ops {
+
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor rms_norm_only(torch::Tensor x, torch::Tensor weight, double eps);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
+                                                      torch::Tensor weight, double eps);
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+// new rows written into the pages of the KV layer registered under `key`, then q attended
+torch::Tensor paged_write_decode(torch::Tensor q, torch::Tensor fresh, int64_t key,
+                                 torch::Tensor page, torch::Tensor offset,
+                                 torch::Tensor block_tables, torch::Tensor lengths,
+                                 int64_t v_part, int64_t v_dim, double scale);
+
+}  // namespace kvmesh::ops

@@ -1,0 +1,122 @@
+// The decode forward of a dense GQA decoder (the Llama family: RMSNorm, fused q/k/v with optional
+// bias, full-width RoPE, paged attention, gated SiLU MLP) as one op. It calls the same op bodies
+// in the same order as models/base.py's eager forward, so its bits are the eager step's; what it
+// saves is a Python call and a dispatcher round per op (~20 per layer). The weights are
+// registered once (register_decoder); a step passes only its own tensors.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+#include "ops.h"
+
+namespace {
+
+// Per layer, in this order: input norm, qkv weight, qkv bias, o weight, o bias, post norm,
+// gate|up weight, down weight. An absent bias is an empty tensor.
+constexpr int kPerLayer = 8;
+enum Role { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
+enum Kernel { kGemv = 0, kAmx = 1, kTorch = 2 };  // layers/linear.py dense_kernel()
+
+struct Decoder {
+  torch::Tensor embed;
+  std::vector<torch::Tensor> tensors;  // kPerLayer per layer
+  std::vector<int64_t> kv_keys;        // the KV layer (kv_write.cpp) of each layer
+  int64_t heads, kv_heads, head_dim;
+  double eps, scale;
+};
+
+std::mutex registry_mutex;
+std::unordered_map<int64_t, std::shared_ptr<const Decoder>>& registry() {
+  static std::unordered_map<int64_t, std::shared_ptr<const Decoder>> decoders;
+  return decoders;
+}
+
+void register_decoder(int64_t key, torch::Tensor embed, std::vector<torch::Tensor> tensors,
+                      std::vector<int64_t> kv_keys, int64_t heads, int64_t kv_heads,
+                      int64_t head_dim, double eps, double scale) {
+  TORCH_CHECK(tensors.size() == kv_keys.size() * kPerLayer, kPerLayer, " tensors per layer");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads a multiple of KV heads");
+  auto d = std::make_shared<Decoder>(
+      Decoder{embed, std::move(tensors), std::move(kv_keys), heads, kv_heads, head_dim, eps, scale});
+  std::lock_guard<std::mutex> hold(registry_mutex);
+  registry()[key] = std::move(d);
+}
+
+void forget_decoder(int64_t key) {
+  std::lock_guard<std::mutex> hold(registry_mutex);
+  registry().erase(key);
+}
+
+std::shared_ptr<const Decoder> decoder_of(int64_t key) {
+  std::lock_guard<std::mutex> hold(registry_mutex);
+  auto found = registry().find(key);
+  TORCH_CHECK(found != registry().end(), "no decoder registered under key ", key);
+  return found->second;
+}
+
+c10::optional<torch::Tensor> bias_of(const torch::Tensor& b) {
+  if (b.numel() == 0) return c10::nullopt;
+  return b;
+}
+
+// layers/linear.py dense_matmul with the kernel it chose for this step's rows
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                     int64_t kernel) {
+  switch (kernel) {
+    case kGemv: return kvmesh::ops::linear_bf16(x, w, bias_of(b));
+    case kAmx: return kvmesh::ops::linear_bf16_amx(x, w, bias_of(b));
+    default: return at::linear(x, w, bias_of(b));
+  }
+}
+
+// ids [T] int64 (T decode rows); cos / sin [T, 1, head_dim] (models/rope.py tables); page,
+// offset [T] int64: where each row's new K/V goes; block_tables [T, W], lengths [T] int32;
+// kernels [4]: the linear kernel of each role (Role) at T rows; capture: layers whose outputs
+// are returned too. -> [hidden [T, H] before the final norm, captured layers' outputs...].
+std::vector<torch::Tensor> decoder_forward(int64_t key, torch::Tensor ids, torch::Tensor cos,
+                                           torch::Tensor sin, torch::Tensor page,
+                                           torch::Tensor offset, torch::Tensor block_tables,
+                                           torch::Tensor lengths, std::vector<int64_t> kernels,
+                                           std::vector<int64_t> capture) {
+  const auto d = decoder_of(key);
+  TORCH_CHECK(kernels.size() == 4, "one linear kernel per role");
+  const int64_t q_size = d->heads * d->head_dim, kv_size = d->kv_heads * d->head_dim;
+  auto h = at::embedding(d->embed, ids);
+  std::vector<torch::Tensor> out{h};
+  for (size_t i = 0; i < d->kv_keys.size(); ++i) {
+    const torch::Tensor* w = d->tensors.data() + i * kPerLayer;
+    // models/base.py DecoderModel.forward, layers/gqa.py GqaAttention.__call__
+    const auto x = kvmesh::ops::rms_norm_only(h, w[0], d->eps);
+    const auto qkv = linear(x, w[1], w[2], kernels[kQkv]).split({q_size, kv_size, kv_size}, -1);
+    const auto q = kvmesh::ops::rope(qkv[0].view({-1, d->heads, d->head_dim}), cos, sin);
+    const auto k = kvmesh::ops::rope(qkv[1].view({-1, d->kv_heads, d->head_dim}), cos, sin);
+    const auto v = qkv[2].reshape({-1, d->kv_heads, d->head_dim});
+    const auto attended = kvmesh::ops::paged_write_decode(
+        q, at::stack({k, v}, -2), d->kv_keys[i], page, offset, block_tables, lengths, 1,
+        d->head_dim, d->scale);
+    const auto o = linear(attended.reshape({-1, q_size}), w[3], w[4], kernels[kO]);
+    const auto [normed, total] = kvmesh::ops::add_rms_norm(h, o, w[5], d->eps);
+    // layers/mlp.py GatedMLP.__call__, then the residual add
+    const auto gate_up = linear(normed, w[6], torch::Tensor(), kernels[kGateUp]);
+    h = total + linear(kvmesh::ops::silu_mul(gate_up), w[7], torch::Tensor(), kernels[kDown]);
+    if (std::find(capture.begin(), capture.end(), (int64_t)i) != capture.end()) out.push_back(h);
+  }
+  out[0] = h;
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
+  m.def("register_decoder(int key, Tensor embed, Tensor[] tensors, int[] kv_keys, int heads, "
+        "int kv_heads, int head_dim, float eps, float scale) -> ()",
+        &register_decoder);
+  m.def("forget_decoder(int key) -> ()", &forget_decoder);
+  m.def("decoder_forward(int key, Tensor ids, Tensor cos, Tensor sin, Tensor page, "
+        "Tensor offset, Tensor block_tables, Tensor lengths, int[] kernels, int[] capture) "
+        "-> Tensor[]",
+        &decoder_forward);
+}

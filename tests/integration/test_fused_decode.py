@@ -1,0 +1,104 @@
+"""The fused decode step (engine/fused_decode.py, kernels/csrc/decoder.cpp) on tiny models: its
+hidden states and captured layers are the eager forward's bits, its greedy tokens the eager
+engine's, it serves every decode-only step, and models it does not fit run eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh import LLM, SamplingParams
+from kvmesh.engine.fused_decode import FusedDecode, unfit_reason
+from kvmesh.engine.kernels import cpu_ops
+from kvmesh.tools.tiny_configs import TinySize, TinySpec
+from kvmesh.tools.tiny_models import make_tiny_model
+
+pytestmark = [
+    pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels do not run here"),
+    pytest.mark.timeout(600),
+]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+LENGTHS = (37, 21, 50, 9, 30)
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 500, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    # wide enough that the linear kernels' sums differ from torch's (a wrong choice shows)
+    spec = TinySpec("llama", size=TinySize(hidden_size=256, intermediate_size=512))
+    return str(make_tiny_model(spec, tmp_path_factory.mktemp("llama") / "m").path)
+
+
+def _checking(llm: LLM, capture: tuple[int, ...]) -> list[tuple[int, bool]]:
+    """Runs each fused step's inputs through the eager forward first (the KV written is the
+    same) and records (rows, hidden states and captured layers the same bits)."""
+    runner, seen = llm.engine.runner, []
+    fused = runner.fused
+    runner.capture = capture
+    forward = fused.forward
+
+    def both(ids, positions, meta, capture=()):
+        args = (ids, positions, meta, runner.kv.layers, runner.attention, capture)
+        hidden, features = runner.model.forward(*args)
+        hidden = hidden.clone()
+        got_hidden, got_features = forward(ids, positions, meta, capture)
+        same = torch.equal(hidden, got_hidden) and (
+            torch.equal(features, got_features) if capture else got_features is None
+        )
+        seen.append((ids.shape[0], same))
+        return got_hidden, got_features
+
+    fused.forward = both
+    return seen
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", [("bf16", "auto"), ("bf16", "fp8_e4m3"),
+                                            ("fp32", "auto")])  # fmt: skip
+def test_fused_steps_are_the_eager_bits_and_tokens(llama, dtype, kv_dtype):
+    options = dict(dtype=dtype, kv_dtype=kv_dtype, num_pages=64, max_num_seqs=5)
+    eager = LLM(llama, decode_step="eager", **options)
+    assert eager.engine.runner.fused is None
+    want = [o.token_ids for o in eager.generate_ids(_prompts(), GREEDY)]
+    llm = LLM(llama, **options)  # fused is the default
+    assert llm.engine.runner.fused is not None
+    seen = _checking(llm, capture=(0, 1))
+    got = [o.token_ids for o in llm.generate_ids(_prompts(), GREEDY)]
+    assert got == want
+    one = [o.token_ids for o in llm.generate_ids(_prompts()[1:2], GREEDY)]
+    assert one == want[1:2]
+    assert seen and all(same for _, same in seen), "fused steps must be eager's bits"
+    assert {rows for rows, _ in seen} >= {5, 1}, "batched and lone decode steps ran fused"
+    assert len(seen) >= GREEDY.max_tokens - 2
+
+
+def test_biases_of_qkv_and_o_are_added_as_eager_adds_them(llama):
+    llm = LLM(llama, dtype="bf16", num_pages=32, max_num_seqs=2)
+    runner = llm.engine.runner
+    gen = torch.Generator().manual_seed(3)
+    for layer in runner.model.layers:
+        for linear in (layer.attention.qkv, layer.attention.o_proj):
+            linear.bias = torch.randn(linear.out_features, generator=gen).to(torch.bfloat16)
+    runner.fused = FusedDecode(runner.model, runner.kv.layers)  # registers the biased weights
+    seen = _checking(llm, capture=())
+    llm.generate_ids(_prompts()[:2], SamplingParams(max_tokens=5, temperature=0.0))
+    assert seen and all(same for _, same in seen)
+
+
+def test_models_and_options_it_does_not_fit_run_eager(llama, tmp_path):
+    deepseek = str(make_tiny_model(TinySpec("deepseek_v3"), tmp_path / "ds").path)
+    for path, options, reason in [
+        (deepseek, {}, "other than GQA"),
+        (llama, {"attention_backend": "torch"}, "attention backend"),
+        (llama, {"weights": "int4"}, "INT4"),
+    ]:
+        llm = LLM(path, num_pages=32, max_num_seqs=2, **options)
+        runner = llm.engine.runner
+        assert runner.fused is None
+        why = unfit_reason(runner.model, runner.attention)
+        assert why is not None and reason in why, why
+        out = llm.generate_ids(_prompts()[:2], SamplingParams(max_tokens=4, temperature=0.0))
+        assert all(len(o.token_ids) == 4 for o in out)
