@@ -139,6 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers (no --url)")
     parser.add_argument("--decode", type=int, default=1, help="decode workers (no --url)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="no --url")
+    parser.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int4"],
+                        help="no --url: the workers' and the engine's weights")  # fmt: skip
     parser.add_argument("--output", default=None, help="also write the JSON report here")
 
 
@@ -157,6 +159,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         "model": model,
         "api": args.api,
         "dtype": None if args.url else args.dtype,
+        "weights": None if args.url else args.weights,
         "prefill": None if args.url else args.prefill,
         "decode": None if args.url else args.decode,
         "max_tokens": args.max_tokens,
@@ -181,7 +184,7 @@ def _measure(args: argparse.Namespace, model: str, levels: list[int], compared: 
     from kvmesh.mesh.launcher import Mesh, UpOptions
 
     options = UpOptions(model=model, prefill=args.prefill, decode=args.decode,
-                        worker_args=("--dtype", args.dtype))  # fmt: skip
+                        worker_args=("--dtype", args.dtype, "--weights", args.weights))  # fmt: skip
     mesh = Mesh(options)
     try:
         mesh.start()
@@ -189,16 +192,18 @@ def _measure(args: argparse.Namespace, model: str, levels: list[int], compared: 
         engine, paired = {}, {}
         if compared:
             asyncio.run(client_loops(target, list(level_prompts(0, 2)), 2, 8))  # warm the mesh
-            engine, paired = measure_paired(target, args.dtype, compared,
-                                            args.requests_per_level, args.max_tokens)  # fmt: skip
+            engine, paired = measure_paired(target, args.dtype, compared, args.requests_per_level,
+                                            args.max_tokens, args.weights)  # fmt: skip
         suite = measure_suite(target, args, levels, "mesh")
-        suite["bandwidth"] = bandwidth_bound(suite["single_stream"], model, args.dtype)
+        suite["bandwidth"] = bandwidth_bound(suite["single_stream"], model, args.dtype,
+                                             args.weights)  # fmt: skip
         return suite, engine, paired
     finally:
         mesh.stop()
 
 
-def bandwidth_bound(single: dict[str, Any] | None, model: str, dtype: str) -> dict[str, Any] | None:
+def bandwidth_bound(single: dict[str, Any] | None, model: str, dtype: str,
+                    weights: str) -> dict[str, Any] | None:  # fmt: skip
     """Single-stream decode through the mesh against the weight-bandwidth ceiling measured now
     (the mesh idle): a token reads every weight once, so the bound is memory-read GB/s / weight
     bytes (the LM head's whole table; bench kernels' ceiling, an fp32 GEMV over 256 MiB)."""
@@ -208,7 +213,7 @@ def bandwidth_bound(single: dict[str, Any] | None, model: str, dtype: str) -> di
     from kvmesh.benchmarks.kernels import ceiling
 
     gbs = ceiling(5)
-    llm = LLM(model=model, dtype=dtype, num_pages=4)
+    llm = LLM(model=model, dtype=dtype, weights=weights, num_pages=4)
     nbytes = llm.engine.runner.model.weight_bytes
     bound = gbs * 1e9 / nbytes
     return {"ceiling_gbs": round(gbs, 2), "weight_bytes": nbytes, "bound_tok_s": round(bound, 1),

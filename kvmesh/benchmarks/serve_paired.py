@@ -26,11 +26,13 @@ def paired_prompts(concurrency: int, n: int) -> list[Messages]:
 
 
 def measure_paired(target: Target, dtype: str, levels: list[int], requests_per_level: int | None,
-                   max_tokens: int) -> tuple[dict[int, dict], dict[int, dict]]:  # fmt: skip
+                   max_tokens: int, weights: str = "auto",
+                   ) -> tuple[dict[int, dict], dict[int, dict]]:  # fmt: skip
     """(engine, mesh) summaries per level, from the same interleaved rounds."""
     from kvmesh import LLM, SamplingParams
 
-    llm = LLM(model=target.model, dtype=dtype, kv_cache_bytes=WORKER_KV_CACHE_BYTES)
+    llm = LLM(model=target.model, dtype=dtype, weights=weights,
+              kv_cache_bytes=WORKER_KV_CACHE_BYTES)  # fmt: skip
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.chat(paired_prompts(0, 2), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     engine, mesh = {}, {}

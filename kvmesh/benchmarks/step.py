@@ -57,6 +57,8 @@ def measure(engine, concurrency: int, steps: int, prompt_tokens: int) -> dict:
     runner = engine.runner
     clock.wrap(runner.model, "forward", "model")
     clock.wrap(runner.model, "logits", "model")
+    if runner.fused is not None:  # decode-only steps' forward (fused_decode.py)
+        clock.wrap(runner.fused, "forward", "model")
     clock.wrap(runner.attention, "build_metadata", "plan")
     clock.wrap(engine.scheduler, "schedule", "schedule")
     clock.wrap(engine.scheduler, "update", "update")
@@ -78,9 +80,11 @@ def measure(engine, concurrency: int, steps: int, prompt_tokens: int) -> dict:
     while engine.has_unfinished():
         engine.step()
     for owner, name in ((runner.model, "forward"), (runner.model, "logits"),
-                        (runner.attention, "build_metadata"), (engine.scheduler, "schedule"),
-                        (engine.scheduler, "update"), (engine, "_check_integrity")):  # fmt: skip
-        vars(owner).pop(name, None)
+                        (runner.fused, "forward"), (runner.attention, "build_metadata"),
+                        (engine.scheduler, "schedule"), (engine.scheduler, "update"),
+                        (engine, "_check_integrity")):  # fmt: skip
+        if owner is not None:
+            vars(owner).pop(name, None)
     engine_module.sample_step = sample_step
     ms = {n: float(np.median([r[i] for r in rows])) * 1e3 for i, n in enumerate(PARTS)}
     return {

@@ -6,11 +6,11 @@ op (kernels/csrc/decoder.cpp) instead of ~20 Python-dispatched ops per layer.
   per-op Python and dispatcher time, ~0.3-0.45 ms per layer on these 2-core machines
   (docs/benchmarks.md), which at one stream was a quarter of the step.
 - The weights are registered once; a step passes its ids, RoPE rows, slots, block tables and,
-  per linear role, the kernel `dense_kernel` picks for its row count (GEMV, AMX or torch).
+  per linear role, the kernel the eager linear would run at its row count (`kernel_of`).
 - Which models: `DecoderModel`s whose every layer is `GqaAttention` without q/k norms and with
-  full-width RoPE, a `GatedMLP` without biases, dense (not INT4) weights in the compute dtype,
-  a dense embedding, over the CPU kernels' paged attention. Others, and steps with prefill or
-  draft rows, run eager. `decode_step="eager"` turns it off.
+  full-width RoPE, a `GatedMLP` without biases, dense weights in the compute dtype or INT4
+  ones (CPU layout), a dense embedding, over the CPU kernels' paged attention. Others, and
+  steps with prefill or draft rows, run eager. `decode_step="eager"` turns it off.
 """
 
 from __future__ import annotations
@@ -24,11 +24,32 @@ import torch
 from kvmesh.engine.attention.paged import PagedAttention, PagedMetadata
 from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.layers.gqa import GqaAttention
-from kvmesh.engine.layers.linear import TORCH, DenseLinear, dense_kernel
+from kvmesh.engine.layers.linear import TORCH, BiasedInt4Linear, DenseLinear, dense_kernel
 from kvmesh.engine.layers.mlp import GatedMLP
+from kvmesh.engine.quant.int4 import SMALL_BATCH, Int4Linear
 
 log = structlog.get_logger(__name__)
 _KEYS = itertools.count()
+INT4_SMALL, INT4_TORCH = 3, 4  # after dense_kernel's GEMV, AMX, TORCH (csrc/decoder.cpp Kernel)
+
+
+def kernel_of(linear, rows: int) -> int:
+    """The kernel `linear` runs at `rows` rows of its compute dtype on CPU."""
+    if isinstance(linear, DenseLinear):
+        w = linear.weight
+        return dense_kernel(rows, w) if w.dtype is torch.bfloat16 else TORCH
+    int4 = linear.inner if isinstance(linear, BiasedInt4Linear) else linear
+    return INT4_SMALL if rows <= SMALL_BATCH and int4.has_small_batch_kernel else INT4_TORCH
+
+
+def _parts(linear) -> tuple[list[torch.Tensor], int]:
+    """([weight or INT4 packed, bias, INT4 scales|zeros], INT4 group or 0): what
+    register_decoder takes per linear, absent tensors empty."""
+    if isinstance(linear, DenseLinear):
+        return [linear.weight, _or_empty(linear.bias), torch.empty(0)], 0
+    bias = linear.bias if isinstance(linear, BiasedInt4Linear) else None
+    int4 = linear.inner if bias is not None else linear
+    return [int4.packed, _or_empty(bias), int4.scales_zeros], int4.group
 
 
 class FusedDecode:
@@ -38,42 +59,50 @@ class FusedDecode:
         ops = cpu_ops()
         self.model = model
         self.key = next(_KEYS)
-        layers = model.layers
-        first = layers[0].attention
-        self.roles = (first.qkv.weight, first.o_proj.weight, layers[0].mlp.gate_up.weight,
-                      layers[0].mlp.down.weight)  # fmt: skip
-        self.bf16 = model.dtype is torch.bfloat16
-        tensors = []
-        for layer in layers:
-            a, m = layer.attention, layer.mlp
-            tensors += [layer.input_norm, a.qkv.weight, _or_empty(a.qkv.bias), a.o_proj.weight,
-                        _or_empty(a.o_proj.bias), layer.post_norm, m.gate_up.weight,
-                        m.down.weight]  # fmt: skip
+        self.roles = _roles(model.layers[0])  # every layer's choose alike (unfit_reason)
+        tensors, groups = [], []
+        for layer in model.layers:
+            tensors += [layer.input_norm, layer.post_norm]
+            for linear in _roles(layer):
+                parts, group = _parts(linear)
+                tensors += parts
+                groups.append(group)
         c = model.config
-        ops.register_decoder(self.key, model.embed, tensors,
+        ops.register_decoder(self.key, model.embed, tensors, groups,
                              [int(kv.layer.key) for kv in kv_caches], c.num_heads,
-                             c.num_kv_heads, c.head_dim, c.rms_norm_eps, first.scale)  # fmt: skip
+                             c.num_kv_heads, c.head_dim, c.rms_norm_eps,
+                             model.layers[0].attention.scale)  # fmt: skip
         weakref.finalize(self, ops.forget_decoder, self.key)
 
     def kernels(self, rows: int) -> list[int]:
         """The linear kernel of each role (qkv, o, gate|up, down) at `rows` rows."""
-        if not self.bf16:
-            return [TORCH] * 4
-        return [dense_kernel(rows, w) for w in self.roles]
+        return [kernel_of(linear, rows) for linear in self.roles]
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, meta: PagedMetadata, capture=()):
         """`DecoderModel.forward` of a step whose rows are all decode rows."""
         cos, sin = self.model.rope.tables(positions)
-        slots = meta.slot_mapping
+        slots, kernels = meta.slot_mapping, self.kernels(input_ids.shape[0])
         out = cpu_ops().decoder_forward(self.key, input_ids, cos, sin, slots.page, slots.offset,
-                                        meta.block_tables, meta.lengths,
-                                        self.kernels(input_ids.shape[0]), list(capture))  # fmt: skip
+                                        meta.block_tables, meta.lengths, kernels,
+                                        list(capture))  # fmt: skip
         return out[0], torch.cat(out[1:], dim=-1) if len(out) > 1 else None
+
+
+def _roles(layer) -> tuple:
+    a, m = layer.attention, layer.mlp
+    return a.qkv, a.o_proj, m.gate_up, m.down
 
 
 def _or_empty(bias: torch.Tensor | None) -> torch.Tensor:
     return torch.empty(0) if bias is None else bias
+
+
+def _fits(linear, dtype: torch.dtype) -> bool:
+    if isinstance(linear, DenseLinear):
+        return linear.weight.dtype == dtype
+    int4 = linear.inner if isinstance(linear, BiasedInt4Linear) else linear
+    return isinstance(int4, Int4Linear) and int4.device.type == "cpu"
 
 
 def unfit_reason(model, attention) -> str | None:
@@ -94,11 +123,14 @@ def unfit_reason(model, attention) -> str | None:
             return "attention other than GQA with full-width RoPE and no q/k norms"
         if type(m) is not GatedMLP:
             return "an MLP other than the dense gated one"
-        linears = (a.qkv, a.o_proj, m.gate_up, m.down)
-        if any(type(x) is not DenseLinear or x.weight.dtype != model.dtype for x in linears):
-            return "weights not dense in the compute dtype (INT4)"
-        if m.gate_up.bias is not None or m.down.bias is not None:
+        if not all(_fits(x, model.dtype) for x in _roles(layer)):
+            return "weights neither dense in the compute dtype nor CPU INT4"
+        if any(getattr(x, "bias", None) is not None for x in (m.gate_up, m.down)):
             return "MLP biases"
+        kinds = [(kernel_of(x, 1), kernel_of(x, SMALL_BATCH + 1)) for x in _roles(layer)]
+        if kinds != [(kernel_of(x, 1), kernel_of(x, SMALL_BATCH + 1))
+                     for x in _roles(model.layers[0])]:  # fmt: skip
+            return "layers whose linears take different kernels"
     if type(attention) is not PagedAttention:
         return "the attention backend is not the CPU kernels' paged attention"
     return None

@@ -56,10 +56,11 @@ def _checking(llm: LLM, capture: tuple[int, ...]) -> list[tuple[int, bool]]:
     return seen
 
 
-@pytest.mark.parametrize("dtype,kv_dtype", [("bf16", "auto"), ("bf16", "fp8_e4m3"),
-                                            ("fp32", "auto")])  # fmt: skip
-def test_fused_steps_are_the_eager_bits_and_tokens(llama, dtype, kv_dtype):
-    options = dict(dtype=dtype, kv_dtype=kv_dtype, num_pages=64, max_num_seqs=5)
+@pytest.mark.parametrize("engine", [{"dtype": "bf16"}, {"dtype": "bf16", "kv_dtype": "fp8_e4m3"},
+                                    {"dtype": "fp32"}, {"weights": "int4"}],
+                         ids=["bf16", "bf16-fp8kv", "fp32", "int4"])  # fmt: skip
+def test_fused_steps_are_the_eager_bits_and_tokens(llama, engine):
+    options = dict(num_pages=64, max_num_seqs=5, **engine)
     eager = LLM(llama, decode_step="eager", **options)
     assert eager.engine.runner.fused is None
     want = [o.token_ids for o in eager.generate_ids(_prompts(), GREEDY)]
@@ -90,10 +91,11 @@ def test_biases_of_qkv_and_o_are_added_as_eager_adds_them(llama):
 
 def test_models_and_options_it_does_not_fit_run_eager(llama, tmp_path):
     deepseek = str(make_tiny_model(TinySpec("deepseek_v3"), tmp_path / "ds").path)
+    qwen3 = str(make_tiny_model(TinySpec("qwen3"), tmp_path / "qwen3").path)
     for path, options, reason in [
-        (deepseek, {}, "other than GQA"),
+        (deepseek, {}, "other than GQA"),  # MLA
+        (qwen3, {}, "no q/k norms"),
         (llama, {"attention_backend": "torch"}, "attention backend"),
-        (llama, {"weights": "int4"}, "INT4"),
     ]:
         llm = LLM(path, num_pages=32, max_num_seqs=2, **options)
         runner = llm.engine.runner

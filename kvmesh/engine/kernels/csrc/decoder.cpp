@@ -1,8 +1,8 @@
 // The decode forward of a dense GQA decoder (the Llama family: RMSNorm, fused q/k/v with optional
-// bias, full-width RoPE, paged attention, gated SiLU MLP) as one op. It calls the same op bodies
-// in the same order as models/base.py's eager forward, so its bits are the eager step's; what it
-// saves is a Python call and a dispatcher round per op (~20 per layer). The weights are
-// registered once (register_decoder); a step passes only its own tensors.
+// bias, full-width RoPE, paged attention, gated SiLU MLP; dense or INT4 weights) as one op. It
+// calls the same op bodies in the same order as models/base.py's eager forward, so its bits are
+// the eager step's; what it saves is a Python call and a dispatcher round per op (~20 per layer).
+// The weights are registered once (register_decoder); a step passes only its own tensors.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -14,15 +14,17 @@
 
 namespace {
 
-// Per layer, in this order: input norm, qkv weight, qkv bias, o weight, o bias, post norm,
-// gate|up weight, down weight. An absent bias is an empty tensor.
-constexpr int kPerLayer = 8;
+// Per layer: input norm, post norm, then per role (qkv, o, gate|up, down) the weight (dense, or
+// INT4 packed), its bias and, for INT4, its scales and zeros. An absent tensor is empty.
+constexpr int kPerLayer = 2 + 4 * 3;
 enum Role { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
-enum Kernel { kGemv = 0, kAmx = 1, kTorch = 2 };  // layers/linear.py dense_kernel()
+// fused_decode.py's kernels: layers/linear.py dense_kernel()'s, then quant/int4.py's two
+enum Kernel { kGemv = 0, kAmx = 1, kTorch = 2, kInt4Small = 3, kInt4Torch = 4 };
 
 struct Decoder {
   torch::Tensor embed;
   std::vector<torch::Tensor> tensors;  // kPerLayer per layer
+  std::vector<int64_t> groups;         // per layer and role: INT4 group size, 0 for dense
   std::vector<int64_t> kv_keys;        // the KV layer (kv_write.cpp) of each layer
   int64_t heads, kv_heads, head_dim;
   double eps, scale;
@@ -35,12 +37,14 @@ std::unordered_map<int64_t, std::shared_ptr<const Decoder>>& registry() {
 }
 
 void register_decoder(int64_t key, torch::Tensor embed, std::vector<torch::Tensor> tensors,
-                      std::vector<int64_t> kv_keys, int64_t heads, int64_t kv_heads,
-                      int64_t head_dim, double eps, double scale) {
+                      std::vector<int64_t> groups, std::vector<int64_t> kv_keys, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, double eps, double scale) {
   TORCH_CHECK(tensors.size() == kv_keys.size() * kPerLayer, kPerLayer, " tensors per layer");
+  TORCH_CHECK(groups.size() == kv_keys.size() * 4, "a group size per layer and role");
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads a multiple of KV heads");
-  auto d = std::make_shared<Decoder>(
-      Decoder{embed, std::move(tensors), std::move(kv_keys), heads, kv_heads, head_dim, eps, scale});
+  auto d = std::make_shared<Decoder>(Decoder{embed, std::move(tensors), std::move(groups),
+                                             std::move(kv_keys), heads, kv_heads, head_dim, eps,
+                                             scale});
   std::lock_guard<std::mutex> hold(registry_mutex);
   registry()[key] = std::move(d);
 }
@@ -62,13 +66,21 @@ c10::optional<torch::Tensor> bias_of(const torch::Tensor& b) {
   return b;
 }
 
-// layers/linear.py dense_matmul with the kernel it chose for this step's rows
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+// One role's linear of layer `layer` through the kernel chosen for this step's rows: what
+// layers/linear.py's dense_matmul, Int4Linear and BiasedInt4Linear (product, then + bias) run.
+torch::Tensor linear(const Decoder& d, size_t layer, Role role, const torch::Tensor& x,
                      int64_t kernel) {
+  const torch::Tensor* w = d.tensors.data() + layer * kPerLayer + 2 + 3 * role;
+  const int64_t group = d.groups[layer * 4 + role];
   switch (kernel) {
-    case kGemv: return kvmesh::ops::linear_bf16(x, w, bias_of(b));
-    case kAmx: return kvmesh::ops::linear_bf16_amx(x, w, bias_of(b));
-    default: return at::linear(x, w, bias_of(b));
+    case kGemv: return kvmesh::ops::linear_bf16(x, w[0], bias_of(w[1]));
+    case kAmx: return kvmesh::ops::linear_bf16_amx(x, w[0], bias_of(w[1]));
+    case kTorch: return at::linear(x, w[0], bias_of(w[1]));
+    default: {
+      auto y = kernel == kInt4Small ? kvmesh::ops::int4_linear(x, w[0], group, w[2])
+                                    : at::_weight_int4pack_mm_for_cpu(x, w[0], group, w[2]);
+      return w[1].numel() ? y + w[1] : y;
+    }
   }
 }
 
@@ -87,21 +99,21 @@ std::vector<torch::Tensor> decoder_forward(int64_t key, torch::Tensor ids, torch
   auto h = at::embedding(d->embed, ids);
   std::vector<torch::Tensor> out{h};
   for (size_t i = 0; i < d->kv_keys.size(); ++i) {
-    const torch::Tensor* w = d->tensors.data() + i * kPerLayer;
+    const torch::Tensor* norms = d->tensors.data() + i * kPerLayer;
     // models/base.py DecoderModel.forward, layers/gqa.py GqaAttention.__call__
-    const auto x = kvmesh::ops::rms_norm_only(h, w[0], d->eps);
-    const auto qkv = linear(x, w[1], w[2], kernels[kQkv]).split({q_size, kv_size, kv_size}, -1);
+    const auto x = kvmesh::ops::rms_norm_only(h, norms[0], d->eps);
+    const auto qkv = linear(*d, i, kQkv, x, kernels[kQkv]).split({q_size, kv_size, kv_size}, -1);
     const auto q = kvmesh::ops::rope(qkv[0].view({-1, d->heads, d->head_dim}), cos, sin);
     const auto k = kvmesh::ops::rope(qkv[1].view({-1, d->kv_heads, d->head_dim}), cos, sin);
     const auto v = qkv[2].reshape({-1, d->kv_heads, d->head_dim});
     const auto attended = kvmesh::ops::paged_write_decode(
         q, at::stack({k, v}, -2), d->kv_keys[i], page, offset, block_tables, lengths, 1,
         d->head_dim, d->scale);
-    const auto o = linear(attended.reshape({-1, q_size}), w[3], w[4], kernels[kO]);
-    const auto [normed, total] = kvmesh::ops::add_rms_norm(h, o, w[5], d->eps);
+    const auto o = linear(*d, i, kO, attended.reshape({-1, q_size}), kernels[kO]);
+    const auto [normed, total] = kvmesh::ops::add_rms_norm(h, o, norms[1], d->eps);
     // layers/mlp.py GatedMLP.__call__, then the residual add
-    const auto gate_up = linear(normed, w[6], torch::Tensor(), kernels[kGateUp]);
-    h = total + linear(kvmesh::ops::silu_mul(gate_up), w[7], torch::Tensor(), kernels[kDown]);
+    const auto gate_up = linear(*d, i, kGateUp, normed, kernels[kGateUp]);
+    h = total + linear(*d, i, kDown, kvmesh::ops::silu_mul(gate_up), kernels[kDown]);
     if (std::find(capture.begin(), capture.end(), (int64_t)i) != capture.end()) out.push_back(h);
   }
   out[0] = h;
@@ -111,8 +123,8 @@ std::vector<torch::Tensor> decoder_forward(int64_t key, torch::Tensor ids, torch
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
-  m.def("register_decoder(int key, Tensor embed, Tensor[] tensors, int[] kv_keys, int heads, "
-        "int kv_heads, int head_dim, float eps, float scale) -> ()",
+  m.def("register_decoder(int key, Tensor embed, Tensor[] tensors, int[] groups, int[] kv_keys, "
+        "int heads, int kv_heads, int head_dim, float eps, float scale) -> ()",
         &register_decoder);
   m.def("forget_decoder(int key) -> ()", &forget_decoder);
   m.def("decoder_forward(int key, Tensor ids, Tensor cos, Tensor sin, Tensor page, "
