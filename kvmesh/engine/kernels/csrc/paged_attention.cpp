@@ -77,6 +77,52 @@ inline Vec tile_scores(const PagedKV& kv, const TileRows& t, const float* q, int
   return transpose_sum16(acc);
 }
 
+// AVX2 has 16 ymm registers, so tile_scores' 16 accumulators (32 ymm) spill, and each head of a
+// group re-reads and re-converts the tile's keys. Here each key chunk is converted once for up to
+// 3 heads, over 2 tokens at a time (12 ymm of accumulators); every accumulator sees the same
+// FMAs in the same order and the same transpose_sum16, so the scores are tile_scores' bits.
+template <int S, int kHeads>
+inline void tile_scores_heads(const PagedKV& kv, const TileRows& t, const float* q, int nk, Vec* out) {
+  Vec acc[kHeads][kTile];
+  for (int j = 0; j < kTile; j += 2) {
+    Vec a[kHeads][2];
+#pragma GCC unroll 3
+    for (int h = 0; h < kHeads; ++h) a[h][0] = a[h][1] = zero();
+    for (int c = 0; c < nk; ++c) {
+      const int n = kv.k_dim - 16 * c;
+      const Vec k0 = load_kv<S>(kv.data, t.k[j] + 16 * c, n, t.k_scale[j]);
+      const Vec k1 = load_kv<S>(kv.data, t.k[j + 1] + 16 * c, n, t.k_scale[j + 1]);
+#pragma GCC unroll 3
+      for (int h = 0; h < kHeads; ++h) {
+        const Vec qc = loadu(q + 16 * (nk * h + c));
+        a[h][0] = fmadd(qc, k0, a[h][0]);
+        a[h][1] = fmadd(qc, k1, a[h][1]);
+      }
+    }
+#pragma GCC unroll 3
+    for (int h = 0; h < kHeads; ++h) acc[h][j] = a[h][0], acc[h][j + 1] = a[h][1];
+  }
+#pragma GCC unroll 3
+  for (int h = 0; h < kHeads; ++h) out[h] = transpose_sum16(acc[h]);
+}
+
+// The scores of `heads` heads (q: each head's k_dim values, 16 * nk apart) against a tile.
+template <int S>
+inline void tile_scores_all(const PagedKV& kv, const TileRows& t, const float* q, int nk, int heads,
+                            Vec* out) {
+#if defined(__AVX512F__)
+  for (int i = 0; i < heads; ++i) out[i] = tile_scores<S>(kv, t, q + 16 * nk * i, nk);
+#else
+  for (int i = 0; i < heads; i += 3) {
+    switch (std::min(3, heads - i)) {
+      case 1: tile_scores_heads<S, 1>(kv, t, q + 16 * nk * i, nk, out + i); break;
+      case 2: tile_scores_heads<S, 2>(kv, t, q + 16 * nk * i, nk, out + i); break;
+      default: tile_scores_heads<S, 3>(kv, t, q + 16 * nk * i, nk, out + i); break;
+    }
+  }
+#endif
+}
+
 // For kHeads heads at once, kWidth chunks of each head's acc = alpha acc + sum_j prob[j] v[j]:
 // each value chunk is loaded once for every head (kHeads x kWidth independent chains).
 template <int S, int kHeads, int kWidth>
@@ -108,7 +154,11 @@ inline void accumulate_block(const PagedKV& kv, const TileRows& t, int c0, float
 template <int S, int kHeads>
 inline void accumulate_heads(const PagedKV& kv, const TileRows& t, int nv, float* const* acc,
                              const float* alpha, const float (*prob)[kTile], int n) {
-  constexpr int kWide = 24 / kHeads >= 8 ? 8 : 4;  // at most 24 accumulators
+#if defined(__AVX512F__)
+  constexpr int kWide = 24 / kHeads >= 8 ? 8 : 4;  // at most 24 accumulators (of 32 zmm)
+#else
+  constexpr int kWide = kHeads == 1 ? 4 : 2;  // at most 6 accumulators (12 of 16 ymm)
+#endif
   int c = 0;
   for (; c + kWide <= nv; c += kWide) accumulate_block<S, kHeads, kWide>(kv, t, c, acc, alpha, prob, n);
   if (c + 4 <= nv) accumulate_block<S, kHeads, 4>(kv, t, c, acc, alpha, prob, n), c += 4;
@@ -150,6 +200,7 @@ void decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_head, 
   std::vector<float> alpha(heads);
   std::vector<float*> acc_of(heads);
   std::vector<std::array<float, kTile>> prob(heads);
+  std::vector<Vec> scores(heads);
   for (int i = 0; i < heads; ++i) {
     load_query(rows, b, h0 + i, kv.k_dim, q + 16 * nk * i);
     acc_of[i] = acc + 16 * nv * i;
@@ -166,8 +217,9 @@ void decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_head, 
     const int ahead = pos / kv.page_size + kPagesAhead;
     if (offset == 0 && ahead < pages) prefetch_block(kv, table[ahead], kv_head);
     tile_rows<S>(kv, page, kv_head, offset, n, t);
+    tile_scores_all<S>(kv, t, q, nk, heads, scores.data());
     for (int i = 0; i < heads; ++i) {
-      const Vec s = mul(tile_scores<S>(kv, t, q + 16 * nk * i, nk), set1(rows.scale));
+      const Vec s = mul(scores[i], set1(rows.scale));
       const float top = std::max(m[i], hmax(first(n, s, -std::numeric_limits<float>::infinity())));
       alpha[i] = std::isinf(m[i]) ? 0.0f : std::exp(m[i] - top);
       const Vec p = first(n, exp_neg(sub(s, set1(top))), 0.0f);
