@@ -54,7 +54,7 @@ def _engine(method: str, args: argparse.Namespace, draft_address: str, max_seqs:
     from kvmesh.engine.spec.policy import FixedPolicy
 
     spec = {"none": "none", "ngram": "ngram"}.get(method, "eagle")
-    llm = LLM(model=args.model, dtype="fp32", kv_cache_bytes=args.kv_cache_mib << 20,
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mib << 20,
               max_num_seqs=max_seqs, speculative=spec,
               num_speculative_tokens=args.num_speculative_tokens,
               draft_address=draft_address if method == "eagle-remote" else "")  # fmt: skip
@@ -206,7 +206,7 @@ def _report(args: argparse.Namespace, rows: list[dict], remote_ms: list) -> dict
                  f"Propose calls); greedy outputs identical across methods: {lossless}")  # fmt: skip
     return {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-            "command": " ".join(["kvmesh", *sys.argv[1:]]), "model": args.model,
+            "command": " ".join(["kvmesh", *sys.argv[1:]]), "model": args.model, "dtype": args.dtype,
             "max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
             "rounds": args.rounds, "rows": rows, "remote_round_trip_ms": remote_ms,
             "lossless": lossless, "markdown": "\n".join(lines)}  # fmt: skip
@@ -218,6 +218,8 @@ def _dash(value) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="every engine's compute dtype (and weights)")  # fmt: skip
     p.add_argument("--concurrency", default="1,8,16,64", help="streams at once, comma list")
     p.add_argument("--workloads", default="chat,structured", help="chat and/or structured")
     p.add_argument("--methods", default="none,ngram,eagle,eagle-remote",

@@ -35,7 +35,7 @@ def run_cost_profile(args: argparse.Namespace) -> int:
 
     batches = [int(c) for c in args.concurrency.split(",")]
     drafts = sorted({0, 1, 2, args.num_speculative_tokens})
-    llm = LLM(model=args.model, dtype="fp32", kv_cache_bytes=args.kv_cache_mib << 20,
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mib << 20,
               max_num_seqs=max(batches), speculative="ngram",
               num_speculative_tokens=max(drafts) or 1)  # fmt: skip
     engine, proposer = llm.engine, _FixedDrafts()

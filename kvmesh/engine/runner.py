@@ -111,6 +111,11 @@ class ModelRunner:
             widths += [1] * extra
             tables += [(self.kv.scratch_page,)] * extra
             num_decode = bucket
+        elif (
+            self.fused is not None and num_decode < row and all(c.num_tokens == 1 for c in ordered)
+        ):
+            starts, widths, tables = _verify_rows_as_decode_rows(ordered, starts, tables)
+            num_decode = len(ids)
         hidden = self._run_model(ids, starts, widths, tables, num_decode, bucket)
         return hidden, sample_rows, req_ids, counts
 
@@ -146,6 +151,16 @@ class ModelRunner:
             torch.zeros(bucket, dtype=torch.long),
         )
         forward(ids, positions, meta, self.kv.layers, self.attention, self.capture)
+
+
+def _verify_rows_as_decode_rows(ordered, starts, tables):
+    """A chunk verifying k drafts as k + 1 decode rows of its own (the fused step's), row i
+    attending over the context up to its own token: causal attention through the paged kernel,
+    so a verified row gets the bits of the same token decoded alone wherever the linears' kernel
+    is the same at both row counts (always on AVX2; up to 32 rows without AMX; 4 with it)."""
+    rows = [(s + i, t) for c, s, t in zip(ordered, starts, tables, strict=True)
+            for i in range(c.width)]  # fmt: skip
+    return [r[0] for r in rows], [1] * len(rows), [r[1] for r in rows]
 
 
 def _chunk_tokens(chunk: ChunkPlan, state: _Request) -> list[int]:

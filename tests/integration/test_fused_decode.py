@@ -9,7 +9,7 @@ import torch
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.engine.fused_decode import FusedDecode, unfit_reason
-from kvmesh.engine.kernels import cpu_ops
+from kvmesh.engine.kernels import cpu_ops, has_amx
 from kvmesh.tools.tiny_configs import TinySize, TinySpec
 from kvmesh.tools.tiny_models import make_tiny_model
 
@@ -74,6 +74,24 @@ def test_fused_steps_are_the_eager_bits_and_tokens(llama, engine):
     assert seen and all(same for _, same in seen), "fused steps must be eager's bits"
     assert {rows for rows, _ in seen} >= {5, 1}, "batched and lone decode steps ran fused"
     assert len(seen) >= GREEDY.max_tokens - 2
+
+
+@pytest.mark.skipif(has_amx(), reason="with AMX, 5+ rows take another linear kernel than 1 row")
+def test_drafts_verified_as_decode_rows_give_plain_decodings_bits(llama):
+    """n-gram drafts verified in fused steps (each draft a decode row of its own): the greedy
+    tokens are plain decoding's, exactly, and every step with drafts ran fused."""
+    gen = torch.Generator().manual_seed(9)
+    loops = [torch.randint(3, 500, (n,), generator=gen).tolist() * 6 for n in (5, 7, 4)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    options = dict(dtype="bf16", num_pages=64, max_num_seqs=3)
+    want = [o.token_ids for o in LLM(llama, **options).generate_ids(loops, params)]
+    llm = LLM(llama, speculative="ngram", speculative_policy="fixed", **options)
+    runner, rows = llm.engine.runner, []
+    forward = runner.fused.forward
+    runner.fused.forward = lambda ids, *rest: rows.append(ids.shape[0]) or forward(ids, *rest)
+    got = [o.token_ids for o in llm.generate_ids(loops, params)]
+    assert got == want
+    assert max(rows) > len(loops), f"no step verified drafts in the fused step: {rows}"
 
 
 def test_biases_of_qkv_and_o_are_added_as_eager_adds_them(llama):
