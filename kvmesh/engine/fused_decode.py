@@ -1,8 +1,8 @@
-"""The fused decode step: a decode-only step of a dense GQA decoder (the Llama family) as one C++
-op (kernels/csrc/decoder.cpp) instead of ~20 Python-dispatched ops per layer.
+"""The fused decode step: a decode step of a dense GQA decoder (the Llama family) as one C++ op
+(kernels/csrc/decoder.cpp) instead of ~20 Python-dispatched ops per layer.
 
 - The op runs the same op bodies in the same order as `DecoderModel.forward`, so its outputs
-  are the eager step's bit for bit (tests/unit/test_fused_decode.py); what it removes is the
+  are the eager step's bit for bit (tests/integration/test_fused_decode.py); what it removes is the
   per-op Python and dispatcher time, ~0.3-0.45 ms per layer on these 2-core machines
   (docs/benchmarks.md), which at one stream was a quarter of the step.
 - The weights are registered once; a step passes its ids, RoPE rows, slots, block tables and,
@@ -10,7 +10,9 @@ op (kernels/csrc/decoder.cpp) instead of ~20 Python-dispatched ops per layer.
 - Which models: `DecoderModel`s whose every layer is `GqaAttention` without q/k norms and with
   full-width RoPE, a `GatedMLP` without biases, dense weights in the compute dtype or INT4
   ones (CPU layout), a dense embedding, over the CPU kernels' paged attention. Others, and
-  steps with prefill or draft rows, run eager. `decode_step="eager"` turns it off.
+  steps with prefill chunks, run eager. `decode_step="eager"` turns it off.
+- Draft verification: the runner hands a chunk verifying k drafts over as k + 1 decode rows
+  (runner.py `_verify_rows_as_decode_rows`).
 """
 
 from __future__ import annotations
@@ -53,13 +55,13 @@ def _parts(linear) -> tuple[list[torch.Tensor], int]:
 
 
 class FusedDecode:
-    """One registered decoder; `forward` runs a decode-only step through it."""
+    """One registered decoder; `forward` runs a step of decode rows through it."""
 
     def __init__(self, model, kv_caches: list) -> None:
         ops = cpu_ops()
         self.model = model
         self.key = next(_KEYS)
-        self.roles = _roles(model.layers[0])  # every layer's choose alike (unfit_reason)
+        self.roles = _roles(model.layers[0])  # every layer's kernels are alike (unfit_reason)
         tensors, groups = [], []
         for layer in model.layers:
             tensors += [layer.input_norm, layer.post_norm]
@@ -80,7 +82,7 @@ class FusedDecode:
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, meta: PagedMetadata, capture=()):
-        """`DecoderModel.forward` of a step whose rows are all decode rows."""
+        """`DecoderModel.forward` of a step whose rows are all decode rows (one token each)."""
         cos, sin = self.model.rope.tables(positions)
         slots, kernels = meta.slot_mapping, self.kernels(input_ids.shape[0])
         out = cpu_ops().decoder_forward(self.key, input_ids, cos, sin, slots.page, slots.offset,
