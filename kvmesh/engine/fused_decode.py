@@ -117,6 +117,8 @@ def unfit_reason(model, attention) -> str | None:
         return "not a plain decoder"
     if not isinstance(model.embed, torch.Tensor):
         return "INT4 embeddings"
+    if model.embed.device.type != "cpu":
+        return "weights not on the CPU"
     if model.dtype not in (torch.float32, torch.bfloat16):
         return "a compute dtype without kernels"
     for layer in model.layers:
