@@ -46,7 +46,7 @@ class ModelRunner:
         self.features: torch.Tensor | None = None  # [T, len(capture) * H], rows in step order
         self.rows_of: dict[str, tuple[int, int]] = {}  # req_id -> its rows [begin, end) last step
         self.compiled: CompiledDecode | None = None  # decode-only steps' graphs (compiled.py)
-        self.fused: FusedDecode | None = None  # decode-only steps as one op (fused_decode.py)
+        self.fused: FusedDecode | None = None  # decode (and verify) steps as one op: fused_decode
 
     def apply(self, plan: StepPlan) -> None:
         """Bring the per-request state up to date (finished first: an id may come back new)."""
