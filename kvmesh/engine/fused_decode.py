@@ -40,8 +40,12 @@ def kernel_of(linear, rows: int) -> int:
     if isinstance(linear, DenseLinear):
         w = linear.weight
         return dense_kernel(rows, w) if w.dtype is torch.bfloat16 else TORCH
-    int4 = linear.inner if isinstance(linear, BiasedInt4Linear) else linear
-    return INT4_SMALL if rows <= SMALL_BATCH and int4.has_small_batch_kernel else INT4_TORCH
+    return INT4_SMALL if _int4(linear).runs_small_batch(rows) else INT4_TORCH
+
+
+def _int4(linear) -> Int4Linear:
+    """The INT4 product of an INT4 linear, biased or not."""
+    return linear.inner if isinstance(linear, BiasedInt4Linear) else linear
 
 
 def _parts(linear) -> tuple[list[torch.Tensor], int]:
@@ -50,7 +54,7 @@ def _parts(linear) -> tuple[list[torch.Tensor], int]:
     if isinstance(linear, DenseLinear):
         return [linear.weight, _or_empty(linear.bias), torch.empty(0)], 0
     bias = linear.bias if isinstance(linear, BiasedInt4Linear) else None
-    int4 = linear.inner if bias is not None else linear
+    int4 = _int4(linear)
     return [int4.packed, _or_empty(bias), int4.scales_zeros], int4.group
 
 
@@ -103,7 +107,7 @@ def _or_empty(bias: torch.Tensor | None) -> torch.Tensor:
 def _fits(linear, dtype: torch.dtype) -> bool:
     if isinstance(linear, DenseLinear):
         return linear.weight.dtype == dtype
-    int4 = linear.inner if isinstance(linear, BiasedInt4Linear) else linear
+    int4 = _int4(linear)
     return isinstance(int4, Int4Linear) and int4.device.type == "cpu"
 
 
@@ -121,6 +125,7 @@ def unfit_reason(model, attention) -> str | None:
         return "weights not on the CPU"
     if model.dtype not in (torch.float32, torch.bfloat16):
         return "a compute dtype without kernels"
+    kinds = None  # every layer's linears must take the first layer's kernels at any row count
     for layer in model.layers:
         a, m = layer.attention, layer.mlp
         if type(a) is not GqaAttention or a.q_norm is not None or a.rotary_dim != a.config.head_dim:
@@ -131,9 +136,9 @@ def unfit_reason(model, attention) -> str | None:
             return "weights neither dense in the compute dtype nor CPU INT4"
         if any(getattr(x, "bias", None) is not None for x in (m.gate_up, m.down)):
             return "MLP biases"
-        kinds = [(kernel_of(x, 1), kernel_of(x, SMALL_BATCH + 1)) for x in _roles(layer)]
-        if kinds != [(kernel_of(x, 1), kernel_of(x, SMALL_BATCH + 1))
-                     for x in _roles(model.layers[0])]:  # fmt: skip
+        these = [(kernel_of(x, 1), kernel_of(x, SMALL_BATCH + 1)) for x in _roles(layer)]
+        kinds = kinds or these
+        if these != kinds:
             return "layers whose linears take different kernels"
     if type(attention) is not PagedAttention:
         return "the attention backend is not the CPU kernels' paged attention"

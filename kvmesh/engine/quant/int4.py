@@ -119,7 +119,7 @@ class Int4Linear:
             out = torch.ops.aten._weight_int4pack_mm(
                 flat, self.packed, self.group, self.scales_zeros
             )
-        elif flat.shape[0] <= SMALL_BATCH and self._small_batch is not None:
+        elif self.runs_small_batch(flat.shape[0]):
             out = self._small_batch.int4_linear(flat, self.packed, self.group, self.scales_zeros)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -140,6 +140,10 @@ class Int4Linear:
     @property
     def can_read_rows(self) -> bool:
         return self._block > 0
+
+    def runs_small_batch(self, rows: int) -> bool:
+        """Whether `rows` CPU rows go through kernels/csrc/int4_gemv.cpp (else torch's kernel)."""
+        return rows <= SMALL_BATCH and self._small_batch is not None
 
     @property
     def has_small_batch_kernel(self) -> bool:
