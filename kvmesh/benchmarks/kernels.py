@@ -81,13 +81,12 @@ def linears(ops, rows_levels: list[int], repeats: int, peak: float) -> list[dict
         if has_amx() and rows <= AMX_ROWS:
             amx_s = best(partial(_dense, ops.linear_bf16_amx, xs, weights), repeats)
             row["bf16_amx_gbs"] = dense_bytes / amx_s / 1e9
-        if rows <= 4 and int4[0].has_small_batch_kernel:  # its 64-row blocks: AVX-512 only
-            t4 = best(partial(_int4, torch.ops.aten._weight_int4pack_mm_for_cpu, xs, int4), repeats)
-            k4 = best(partial(_int4, ops.int4_linear, xs, int4), repeats)
-            row |= {
-                "int4_torch_gbs": int4_bytes / t4 / 1e9,
-                "int4_kernel_gbs": int4_bytes / k4 / 1e9,
-            }
+        if rows <= 4:
+            t4 = best(partial(_int4, _torch_int4, xs, int4), repeats)
+            row["int4_torch_gbs"] = int4_bytes / t4 / 1e9
+        if rows <= 4 and int4[0].has_small_batch_kernel:
+            k4 = best(partial(_int4, partial(_kernel_int4, ops), xs, int4), repeats)
+            row["int4_kernel_gbs"] = int4_bytes / k4 / 1e9
         row |= {
             k.replace("_gbs", "_of_ceiling"): v / peak for k, v in row.items() if k.endswith("_gbs")
         }
@@ -103,7 +102,15 @@ def _dense(matmul, xs, weights) -> None:
 
 def _int4(matmul, xs, layers) -> None:
     for q in layers:
-        matmul(xs[q.in_features], q.packed, 32, q.scales_zeros)
+        matmul(xs[q.in_features], q)
+
+
+def _torch_int4(x, q):
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, q.packed, q.group, q.scales_zeros)
+
+
+def _kernel_int4(ops, x, q):
+    return ops.int4_linear(x, q.packed, q.group, q.scales_zeros, q.block)
 
 
 def _attend(backend, q, kv, layers, meta) -> None:

@@ -48,14 +48,14 @@ def _int4(linear) -> Int4Linear:
     return linear.inner if isinstance(linear, BiasedInt4Linear) else linear
 
 
-def _parts(linear) -> tuple[list[torch.Tensor], int]:
-    """([weight or INT4 packed, bias, INT4 scales|zeros], INT4 group or 0): what
-    register_decoder takes per linear, absent tensors empty."""
+def _parts(linear) -> tuple[list[torch.Tensor], list[int]]:
+    """([weight or INT4 packed, bias, INT4 scales|zeros], [INT4 group, row block] or [0, 0]):
+    what register_decoder takes per linear, absent tensors empty."""
     if isinstance(linear, DenseLinear):
-        return [linear.weight, _or_empty(linear.bias), torch.empty(0)], 0
+        return [linear.weight, _or_empty(linear.bias), torch.empty(0)], [0, 0]
     bias = linear.bias if isinstance(linear, BiasedInt4Linear) else None
     int4 = _int4(linear)
-    return [int4.packed, _or_empty(bias), int4.scales_zeros], int4.group
+    return [int4.packed, _or_empty(bias), int4.scales_zeros], [int4.group, int4.block]
 
 
 class FusedDecode:
@@ -66,15 +66,15 @@ class FusedDecode:
         self.model = model
         self.key = next(_KEYS)
         self.roles = _roles(model.layers[0])  # every layer's kernels are alike (unfit_reason)
-        tensors, groups = [], []
+        tensors, int4 = [], []
         for layer in model.layers:
             tensors += [layer.input_norm, layer.post_norm]
             for linear in _roles(layer):
-                parts, group = _parts(linear)
+                parts, group_and_block = _parts(linear)
                 tensors += parts
-                groups.append(group)
+                int4 += group_and_block
         c = model.config
-        ops.register_decoder(self.key, model.embed, tensors, groups,
+        ops.register_decoder(self.key, model.embed, tensors, int4,
                              [int(kv.layer.key) for kv in kv_caches], c.num_heads,
                              c.num_kv_heads, c.head_dim, c.rms_norm_eps,
                              model.layers[0].attention.scale)  # fmt: skip

@@ -203,7 +203,7 @@ def test_int4_small_batch_kernel_matches_torch_int4_kernel(dtype, n, k, group):
     x = torch.randn(4, k, generator=gen).to(dtype)
     exact = x.double() @ weight.T
     ops = cpu_ops()
-    full = ops.int4_linear(x, layer.packed, group, layer.scales_zeros)
+    full = ops.int4_linear(x, layer.packed, group, layer.scales_zeros, layer.block)
     torch_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, group,
                                                               layer.scales_zeros)  # fmt: skip
     scale = exact.abs().max()
@@ -211,14 +211,14 @@ def test_int4_small_batch_kernel_matches_torch_int4_kernel(dtype, n, k, group):
         torch_kernel.double() - exact
     ).abs().max() / scale * 1.5 + 1e-6
     for rows in (1, 2, 3):
-        assert torch.equal(ops.int4_linear(x[:rows], layer.packed, group, layer.scales_zeros),
-                           full[:rows])  # fmt: skip
+        assert torch.equal(ops.int4_linear(x[:rows], layer.packed, group, layer.scales_zeros,
+                                           layer.block), full[:rows])  # fmt: skip
 
 
 def layer_q(layer, n: int, k: int) -> torch.Tensor:
     from kvmesh.engine.quant.int4 import _read_nibbles
 
-    return _read_nibbles(layer.packed, 64, torch.arange(n), k).double()
+    return _read_nibbles(layer.packed, layer.block, torch.arange(n), k).double()
 
 
 @pytest.mark.parametrize("dim", [576, 64, 100])

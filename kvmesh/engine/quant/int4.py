@@ -110,7 +110,7 @@ class Int4Linear:
         scales_zeros = torch.stack([weight.scale, weight.zero], dim=-1)  # [N, K/g, 2]
         self.scales_zeros = scales_zeros.transpose(0, 1).contiguous().to(self.device, dtype)
         # Rows per block of the packed layout `rows` reads (0: it cannot read this one).
-        self._block = _cpu_row_block(self.out_features) if self.device.type == "cpu" else 0
+        self.block = _cpu_row_block(self.out_features) if self.device.type == "cpu" else 0
         self._small_batch = self._small_batch_ops()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,7 +120,9 @@ class Int4Linear:
                 flat, self.packed, self.group, self.scales_zeros
             )
         elif self.runs_small_batch(flat.shape[0]):
-            out = self._small_batch.int4_linear(flat, self.packed, self.group, self.scales_zeros)
+            out = self._small_batch.int4_linear(
+                flat, self.packed, self.group, self.scales_zeros, self.block
+            )
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 flat, self.packed, self.group, self.scales_zeros
@@ -129,9 +131,9 @@ class Int4Linear:
 
     def _small_batch_ops(self):
         """The CPU kernel for a few rows (kernels/csrc/int4_gemv.cpp), which reads this same
-        packed weight when it is in 64-row blocks; None: torch's kernel for every batch. Set
+        packed weight in its 32- or 64-row blocks; None: torch's kernel for every batch. Set
         once at construction: a compiled graph reads it as a plain attribute."""
-        if self._block != 64 or self.group % 16 or self.device.type != "cpu":
+        if self.block not in (32, 64) or self.group % 16 or self.device.type != "cpu":
             return None
         from kvmesh.engine.kernels import cpu_ops
 
@@ -139,7 +141,7 @@ class Int4Linear:
 
     @property
     def can_read_rows(self) -> bool:
-        return self._block > 0
+        return self.block > 0
 
     def runs_small_batch(self, rows: int) -> bool:
         """Whether `rows` CPU rows go through kernels/csrc/int4_gemv.cpp (else torch's kernel)."""
@@ -157,7 +159,7 @@ class Int4Linear:
         if not self.can_read_rows:
             raise ValueError("rows() needs the CPU packed layout of a known block size")
         k, g = self.in_features, self.group
-        q = _read_nibbles(self.packed, self._block, ids, k).float().view(-1, k // g, g)
+        q = _read_nibbles(self.packed, self.block, ids, k).float().view(-1, k // g, g)
         scales_zeros = self.scales_zeros[:, ids].float()  # [K/g, T, 2]
         scale = scales_zeros[..., 0].T.unsqueeze(-1)
         zero = scales_zeros[..., 1].T.unsqueeze(-1)

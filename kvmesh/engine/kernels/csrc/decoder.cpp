@@ -24,7 +24,7 @@ enum Kernel { kGemv = 0, kAmx = 1, kTorch = 2, kInt4Small = 3, kInt4Torch = 4 };
 struct Decoder {
   torch::Tensor embed;
   std::vector<torch::Tensor> tensors;  // kPerLayer per layer
-  std::vector<int64_t> groups;         // per layer and role: INT4 group size, 0 for dense
+  std::vector<int64_t> int4;           // per layer and role: INT4 group size and row block, or 0 0
   std::vector<int64_t> kv_keys;        // the KV layer (kv_write.cpp) of each layer
   int64_t heads, kv_heads, head_dim;
   double eps, scale;
@@ -37,12 +37,12 @@ std::unordered_map<int64_t, std::shared_ptr<const Decoder>>& registry() {
 }
 
 void register_decoder(int64_t key, torch::Tensor embed, std::vector<torch::Tensor> tensors,
-                      std::vector<int64_t> groups, std::vector<int64_t> kv_keys, int64_t heads,
+                      std::vector<int64_t> int4, std::vector<int64_t> kv_keys, int64_t heads,
                       int64_t kv_heads, int64_t head_dim, double eps, double scale) {
   TORCH_CHECK(tensors.size() == kv_keys.size() * kPerLayer, kPerLayer, " tensors per layer");
-  TORCH_CHECK(groups.size() == kv_keys.size() * 4, "a group size per layer and role");
+  TORCH_CHECK(int4.size() == kv_keys.size() * 8, "a group size and row block per layer and role");
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads a multiple of KV heads");
-  auto d = std::make_shared<Decoder>(Decoder{embed, std::move(tensors), std::move(groups),
+  auto d = std::make_shared<Decoder>(Decoder{embed, std::move(tensors), std::move(int4),
                                              std::move(kv_keys), heads, kv_heads, head_dim, eps,
                                              scale});
   std::lock_guard<std::mutex> hold(registry_mutex);
@@ -71,13 +71,13 @@ c10::optional<torch::Tensor> bias_of(const torch::Tensor& b) {
 torch::Tensor linear(const Decoder& d, size_t layer, Role role, const torch::Tensor& x,
                      int64_t kernel) {
   const torch::Tensor* w = d.tensors.data() + layer * kPerLayer + 2 + 3 * role;
-  const int64_t group = d.groups[layer * 4 + role];
+  const int64_t group = d.int4[(layer * 4 + role) * 2], block = d.int4[(layer * 4 + role) * 2 + 1];
   switch (kernel) {
     case kGemv: return kvmesh::ops::linear_bf16(x, w[0], bias_of(w[1]));
     case kAmx: return kvmesh::ops::linear_bf16_amx(x, w[0], bias_of(w[1]));
     case kTorch: return at::linear(x, w[0], bias_of(w[1]));
     default: {
-      auto y = kernel == kInt4Small ? kvmesh::ops::int4_linear(x, w[0], group, w[2])
+      auto y = kernel == kInt4Small ? kvmesh::ops::int4_linear(x, w[0], group, w[2], block)
                                     : at::_weight_int4pack_mm_for_cpu(x, w[0], group, w[2]);
       return w[1].numel() ? y + w[1] : y;
     }
@@ -123,7 +123,7 @@ std::vector<torch::Tensor> decoder_forward(int64_t key, torch::Tensor ids, torch
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
-  m.def("register_decoder(int key, Tensor embed, Tensor[] tensors, int[] groups, int[] kv_keys, "
+  m.def("register_decoder(int key, Tensor embed, Tensor[] tensors, int[] int4, int[] kv_keys, "
         "int heads, int kv_heads, int head_dim, float eps, float scale) -> ()",
         &register_decoder);
   m.def("forget_decoder(int key) -> ()", &forget_decoder);

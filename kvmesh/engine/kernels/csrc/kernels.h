@@ -45,20 +45,22 @@ void gemv_bf16(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int
                int64_t k, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1,
                bool dot_bf16);
 
-// INT4 weights in torch's CPU int4pack layout (see int4_gemv.cpp); x fp32 [batch, k] with
-// its per-group sums group_sums [batch, k / group]; y [batch, n] fp32 or bf16; batch <= 4.
+// INT4 weights in torch's CPU int4pack layout of `block` (32 or 64) row blocks (see
+// int4_gemv.cpp); x fp32 [batch, k] with its per-group sums group_sums [batch, k / group];
+// y [batch, n] fp32 or bf16; batch <= 4.
 struct Int4Gemv {
   const float* x;
   const float* group_sums;
   int batch;
   const uint8_t* packed;
+  int block;
   const void* scales_zeros;  // [k / group, n, 2], bf16 or fp32 (as y)
   bool bf16;
   int64_t n, k, group;
   void* y;
 };
 
-// Output rows of the 64-row blocks [block0, block1).
+// Output rows of the row blocks [block0, block1).
 void int4_gemv_blocks(const Int4Gemv& g, int64_t block0, int64_t block1);
 
 // RMSNorm of rows [row0, row1) of x [rows, dim] (fp32 or bf16, weight alike); with residual,

@@ -135,16 +135,17 @@ torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, c10::optional<to
   return y;
 }
 
-// x [B, K] (B <= 4), packed [N / 64, K, 32] uint8 (torch's CPU int4pack with 64-row blocks),
-// scales_zeros [K / group, N, 2] in x's dtype -> [B, N] in x's dtype.
+// x [B, K] (B <= 4), packed [N / block, K, block / 2] uint8 (torch's CPU int4pack, its row
+// blocks 32 or 64), scales_zeros [K / group, N, 2] in x's dtype -> [B, N] in x's dtype.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t group,
-                          torch::Tensor scales_zeros) {
+                          torch::Tensor scales_zeros, int64_t block) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) <= 4, "x [B, K] with B <= 4");
   TORCH_CHECK(x.scalar_type() == scales_zeros.scalar_type(), "x and scales must share a dtype");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16,
               "x must be fp32 or bf16");
   const int64_t batch = x.size(0), k = x.size(1), n = scales_zeros.size(1);
-  TORCH_CHECK(k % group == 0 && group % 16 == 0 && n % 64 == 0, "shape not in 64-row blocks");
+  TORCH_CHECK(block == 32 || block == 64, "row blocks of 32 or 64");
+  TORCH_CHECK(k % group == 0 && group % 16 == 0 && n % block == 0, "shape not in row blocks");
   TORCH_CHECK(packed.numel() == n * k / 2 && packed.is_contiguous(), "packed weight size");
   TORCH_CHECK(scales_zeros.is_contiguous() && scales_zeros.size(0) == k / group, "scales shape");
   auto xf = x.to(torch::kFloat).contiguous();
@@ -152,9 +153,9 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t group,
   auto y = torch::empty({batch, n}, x.options());
   if (batch == 0) return y;
   kvmesh::Int4Gemv g{xf.data_ptr<float>(), sums.data_ptr<float>(), (int)batch,
-                     packed.data_ptr<uint8_t>(), scales_zeros.data_ptr(),
+                     packed.data_ptr<uint8_t>(), (int)block, scales_zeros.data_ptr(),
                      x.scalar_type() == torch::kBFloat16, n, k, group, y.data_ptr()};
-  at::parallel_for(0, n / 64, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n / block, 256 / block, [&](int64_t begin, int64_t end) {
     kvmesh::int4_gemv_blocks(g, begin, end);
   });
   return y;
@@ -252,7 +253,7 @@ TORCH_LIBRARY(kvmesh, m) {
         "int k_part, int v_part, int v_dim, float scale) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_bf16_amx(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor packed, int group, Tensor scales_zeros) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, int group, Tensor scales_zeros, int block) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("argmax_rows(Tensor logits) -> Tensor");

@@ -18,7 +18,7 @@ namespace kvmesh::ops {
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t group,
-                          torch::Tensor scales_zeros);
+                          torch::Tensor scales_zeros, int64_t block);
 torch::Tensor rms_norm_only(torch::Tensor x, torch::Tensor weight, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
                                                       torch::Tensor weight, double eps);

@@ -64,11 +64,11 @@ inline Vec load_fp8(const int8_t* p, int n) {
   w = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16((short)0xBFFF));
   return {_mm512_cvtph_ps(w)};
 }
-// 16 bytes as fp32 lanes of their low (high = false) or high nibbles.
-inline Vec load_nibbles(const uint8_t* p, bool high) {
-  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  b = high ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(15));
-  return {_mm512_cvtepi32_ps(b)};
+// 16 bytes as fp32 lanes: their low nibbles, and their high ones.
+inline void load_nibble_pair(const uint8_t* p, Vec& low, Vec& high) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  low = {_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))};
+  high = {_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))};
 }
 // 16 consecutive pairs of bf16 (scale, zero): part 0 the first of each pair, 1 the second.
 inline Vec load_bf16_pairs(const uint32_t* p, int part) {
@@ -207,15 +207,12 @@ inline Vec load_fp8(const int8_t* p, int n) {
   w = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16((short)0xBFFF));
   return {_mm256_cvtph_ps(_mm256_castsi256_si128(w)), _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1))};
 }
-inline Vec load_nibbles(const uint8_t* p, bool high) {
-  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-  if (high) {
-    lo = _mm256_srli_epi32(lo, 4), hi = _mm256_srli_epi32(hi, 4);
-  } else {
-    lo = _mm256_and_si256(lo, _mm256_set1_epi32(15)), hi = _mm256_and_si256(hi, _mm256_set1_epi32(15));
-  }
-  return {_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)};
+inline void load_nibble_pair(const uint8_t* p, Vec& low, Vec& high) {
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  const __m256i m = _mm256_set1_epi32(15);
+  low = {_mm256_cvtepi32_ps(_mm256_and_si256(lo, m)), _mm256_cvtepi32_ps(_mm256_and_si256(hi, m))};
+  high = {_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4))};
 }
 inline Vec load_bf16_pairs(const uint32_t* p, int part) {
   Vec pairs = loadu(reinterpret_cast<const float*>(p));
