@@ -268,3 +268,30 @@ def test_loading_the_kernels_resolves_amx_so_graphs_read_a_plain_value():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "1"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("width", [49152, 1000, 17, 5])
+def test_argmax_kernel_is_torch_argmax(dtype, width):
+    """The first index of the maximum, as torch.argmax, through ties, signed zeros, infinities
+    and odd widths; a row holding a NaN anywhere is reported as -1 (the sampler's fallback)."""
+    gen = torch.Generator().manual_seed(width)
+    logits = (torch.randn(12, width, generator=gen) * 4).to(dtype)
+    logits[1] = logits[1].round()  # many ties at the top
+    logits[2] = -logits[2].abs() - 1  # all negative
+    logits[3] = float("-inf")
+    logits[4, :] = 0.0
+    logits[4, width // 2 :] = -0.0
+    logits[5, width - 1] = logits[5].max() + 1  # the maximum in the tail
+    logits[6, 0] = -0.0  # -0.0 first, +0.0 later, both the maximum
+    logits[6, 1:] = -1.0
+    logits[6, width - 1] = 0.0
+    logits[7, width // 3] = float("inf")
+    logits[8, width - 1] = float("nan")
+    logits[9, 0] = -float("nan")
+    logits[10, width // 2] = float("-nan")
+    out = cpu_ops().argmax_rows(logits)
+    nan_rows = logits.isnan().any(-1)
+    assert out[nan_rows].eq(-1).all()
+    assert torch.equal(out[~nan_rows], logits[~nan_rows].argmax(-1))
+    assert nan_rows.tolist() == [False] * 8 + [True, True, True, False]
