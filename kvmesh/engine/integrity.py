@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from itertools import chain
 
 import torch
 
@@ -44,11 +45,8 @@ class PageTags:
     def mismatched(self, seqs: Seq[Sequence]) -> list[tuple[Sequence, list[int]]]:
         """The sequences holding a page whose tag differs from the one they expect, with the
         offending page ids. One gather + compare for the whole batch; Python only on failure."""
-        pages: list[int] = []
-        expected: list[int] = []
-        for seq in seqs:
-            pages.extend(seq.block_table)
-            expected.extend(seq.page_tags)
+        pages = list(chain.from_iterable(seq.block_table for seq in seqs))
+        expected = chain.from_iterable(seq.page_tags for seq in seqs)
         if not pages:
             return []
         bad = self.tags[int_tensor(pages)] != as_int32(expected)

@@ -25,7 +25,7 @@ class SchedulerConfig:
             raise ValueError("max_model_len must leave room for a prompt token and an output")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per sequence per step: not frozen (~1 us more each); never mutated
 class ScheduledChunk:
     """Tokens [start, start + num_tokens) of seq run this step; `sample` when they reach the end."""
 

@@ -14,14 +14,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per sequence per step: not frozen (~1 us more each); never mutated
 class NewRequest:
     req_id: str
     token_ids: tuple[int, ...]
     block_table: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per sequence per step: not frozen (~1 us more each); never mutated
 class RequestDiff:
     req_id: str
     new_token_ids: tuple[int, ...]  # appended since the last step that sent this request
@@ -29,7 +29,7 @@ class RequestDiff:
     new_block_ids: tuple[int, ...]  # ...then these follow
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per sequence per step: not frozen (~1 us more each); never mutated
 class ChunkPlan:
     """Tokens [start, start + num_tokens) of a request run this step, then `draft` (tokens to
     verify); `sample` when the chunk reaches the request's last token."""

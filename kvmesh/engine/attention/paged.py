@@ -10,6 +10,7 @@ rounds bf16 scores); outputs agree with the reference within rounding (tests/uni
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -58,9 +59,9 @@ def _padded_tables(tables, counts: list[int], width: int, null_page: int) -> tor
     table is built from a list; a wide one (compiled steps pad to the longest context) by a
     few tensor ops, not a Python list of rows x width."""
     if len(tables) * width <= 4096:
-        padded = [p for t, n in zip(tables, counts, strict=True)
-                  for p in (*t[:n], *(null_page,) * (width - n))]  # fmt: skip
-        return int_tensor(padded, torch.int32).view(len(tables), width)
+        pad = (null_page,) * width
+        rows = (tuple(t[:n]) + pad[n:] for t, n in zip(tables, counts, strict=True))
+        return int_tensor(chain.from_iterable(rows), torch.int32).view(len(tables), width)
     out = torch.full((len(tables), width), null_page, dtype=torch.int32)
     pages = [p for t, n in zip(tables, counts, strict=True) for p in t[:n]]
     if pages:

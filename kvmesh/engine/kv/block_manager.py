@@ -188,11 +188,11 @@ class BlockManager:
         """Register the full pages among seq's first num_tokens (KV computed) in the cache."""
         if not self.config.enable_prefix_caching:
             return
-        self.hasher.for_tenant(seq.cache_salt).extend(seq.token_ids, seq.block_hashes)
         start = self._num_registered.get(seq.seq_id, 0)
         end = min(num_tokens // self.config.page_size, len(seq.block_table))
         if end <= start:
             return  # no page filled since the last call (most decode steps)
+        self.hasher.for_tenant(seq.cache_salt).extend(seq.token_ids, seq.block_hashes)
         run: list[int] = []  # indices of a contiguous run of newly registered pages
         for index in range(start, end):
             if self._register(seq, index):
