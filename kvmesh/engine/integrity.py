@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from itertools import chain
 
+import numpy as np
 import torch
 
 from kvmesh.engine.host_tensors import int_tensor, uint32_bits
@@ -28,29 +29,39 @@ def as_int32(tags: Iterable[int]) -> torch.Tensor:
 
 
 class PageTags:
+    """The pool's tag array, read and written through a numpy view when it lives in host
+    memory: a gather + compare of ~1,100 pages costs ~10 us that way against ~60 us in torch
+    ops, every step (docs/benchmarks.md, `bench step`)."""
+
     def __init__(self, tags: torch.Tensor) -> None:
         self.tags = tags  # [num_pages] int32, the pool's side array
+        self._host = tags.numpy().view(np.uint32) if tags.device.type == "cpu" else None
         self.failures = 0
 
     def stamp(self, stamps: Seq[tuple[int, int]], pending: bool = False) -> None:
         """Record allocations (page_id, tag); pending: the page waits for a remote writer."""
         if not stamps:
             return
+        if self._host is not None:
+            pages, tags = zip(*stamps, strict=True)
+            self._host[list(pages)] = PENDING if pending else tags
+            return
         pages = int_tensor(page for page, _ in stamps)
-        if pending:
-            self.tags[pages] = PENDING
-        else:
-            self.tags[pages] = as_int32(tag for _, tag in stamps)
+        self.tags[pages] = PENDING if pending else as_int32(tag for _, tag in stamps)
 
     def mismatched(self, seqs: Seq[Sequence]) -> list[tuple[Sequence, list[int]]]:
         """The sequences holding a page whose tag differs from the one they expect, with the
         offending page ids. One gather + compare for the whole batch; Python only on failure."""
         pages = list(chain.from_iterable(seq.block_table for seq in seqs))
-        expected = chain.from_iterable(seq.page_tags for seq in seqs)
         if not pages:
             return []
-        bad = self.tags[int_tensor(pages)] != as_int32(expected)
-        if not bool(bad.any()):
+        expected = uint32_bits(list(chain.from_iterable(seq.page_tags for seq in seqs)))
+        if self._host is not None:
+            bad = self._host[int_tensor(pages).numpy()] != expected.numpy().view(np.uint32)
+        else:
+            device = self.tags.device
+            bad = (self.tags[int_tensor(pages).to(device)] != expected.to(device)).cpu().numpy()
+        if not bad.any():
             return []
         failed, start = [], 0
         flags = bad.tolist()

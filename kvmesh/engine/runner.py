@@ -85,6 +85,10 @@ class ModelRunner:
                 self.requests.pop(chunk.req_id, None)
 
     def _forward(self, chunks: tuple[ChunkPlan, ...]):
+        """Hidden states of every row, the rows to sample, their request ids and row counts:
+        decode rows first, then prefill chunks (and verify chunks) in order."""
+        if all(c.is_decode for c in chunks):
+            return self._forward_decode(chunks)
         ordered = [c for c in chunks if c.is_decode] + [c for c in chunks if not c.is_decode]
         num_decode = sum(c.is_decode for c in chunks)
         states = [self.requests[c.req_id] for c in ordered]
@@ -101,29 +105,42 @@ class ModelRunner:
                 req_ids.append(chunk.req_id)
                 counts.append(1 + len(chunk.draft))
             row += chunk.width
-        bucket = None
-        if self.compiled is not None and num_decode == len(ordered) == row:
-            bucket = self.compiled.bucket(row)
-        if bucket is not None:  # padding rows up to the bucket, their KV into the scratch page
-            extra = bucket - row
-            ids += [0] * extra
-            starts += [0] * extra
-            widths += [1] * extra
-            tables += [(self.kv.scratch_page,)] * extra
-            num_decode = bucket
-        elif (
-            self.fused is not None and num_decode < row and all(c.num_tokens == 1 for c in ordered)
-        ):
+        if self.fused is not None and all(c.num_tokens == 1 for c in ordered):
             starts, widths, tables = _verify_rows_as_decode_rows(ordered, starts, tables)
             num_decode = len(ids)
-        hidden = self._run_model(ids, starts, widths, tables, num_decode, bucket)
+        hidden = self._run_model(ids, starts, widths, tables, num_decode, None)
         return hidden, sample_rows, req_ids, counts
+
+    def _forward_decode(self, chunks: tuple[ChunkPlan, ...]):
+        """`_forward` of a step of decode rows only (most steps), in fewer passes over them."""
+        states = [self.requests[c.req_id] for c in chunks]
+        starts = [c.start for c in chunks]
+        ids = [s.token_ids[start] for s, start in zip(states, starts, strict=True)]
+        tables = [tuple(s.block_table) for s in states]
+        req_ids = [c.req_id for c in chunks]
+        rows = len(chunks)
+        self.rows_of = {req_id: (i, i + 1) for i, req_id in enumerate(req_ids)}
+        sampling = [i for i, c in enumerate(chunks) if c.sample]
+        if len(sampling) < rows:  # a finalizing request computes its last KV without sampling
+            req_ids = [req_ids[i] for i in sampling]
+        bucket = self.compiled.bucket(rows) if self.compiled is not None else None
+        if bucket is not None:  # padding rows up to the bucket, their KV into the scratch page
+            extra = bucket - rows
+            ids += [0] * extra
+            starts += [0] * extra
+            tables += [(self.kv.scratch_page,)] * extra
+        total = bucket or rows
+        hidden = self._run_model(ids, starts, [1] * total, tables, total, bucket)
+        return hidden, sampling, req_ids, [1] * len(sampling)
 
     def _run_model(self, ids, starts, widths, tables, num_decode, bucket):
         """The model over these rows; through the compiled graph of `bucket` if not None."""
-        positions = int_tensor(
-            p for s, w in zip(starts, widths, strict=True) for p in range(s, s + w)
-        )
+        if len(starts) == len(ids):  # one token per row: its position is its start
+            positions = int_tensor(starts)
+        else:
+            positions = int_tensor(
+                p for s, w in zip(starts, widths, strict=True) for p in range(s, s + w)
+            )
         width = self.compiled.max_pages if bucket is not None else 0
         layout = BatchLayout(num_decode, tuple(tables), tuple(starts), tuple(widths),
                              self.page_size, self.kv.null_page, width)  # fmt: skip

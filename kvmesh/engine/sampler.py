@@ -34,8 +34,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: abc.Sequence[Sequence]) -> SamplerOutput:
         """Pick one token per row of `logits` [B, V]; row i belongs to seqs[i]."""
+        if all(s.params.argmax_only for s in seqs):  # hot path: one pass over the logits
+            return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(seqs))
         if all(s.params.greedy and not s.params.needs_penalties for s in seqs):
-            token_ids = greedy_tokens(logits).tolist()  # hot path: one pass over the logits
+            token_ids = greedy_tokens(logits).tolist()
         else:
             token_ids = self._sample(logits.float(), seqs).tolist()
         return SamplerOutput(token_ids, compute_logprobs(logits, token_ids, seqs))

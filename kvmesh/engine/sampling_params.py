@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from kvmesh.errors import InvalidRequestError
 
@@ -96,6 +97,12 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @cached_property
+    def argmax_only(self) -> bool:
+        """Greedy without penalties or logprobs: the row's argmax is all the sampler reads of
+        it (asked of every row every step, hence computed once)."""
+        return self.greedy and not self.needs_penalties and self.logprobs is None
 
 
 def _check(ok: bool, message: str) -> None:
