@@ -97,7 +97,13 @@ def _up(args: argparse.Namespace) -> int:
                 for role in ("prefill", "decode")
                 if getattr(args, f"{role}_weights")
             },
-            gateway_args=("--routing", args.routing, "--session-ttl", str(args.session_ttl)),
+            gateway_args=(
+                "--routing",
+                args.routing,
+                "--session-ttl",
+                str(args.session_ttl),
+                *(("--tool-call-parser", args.tool_call_parser) if args.tool_call_parser else ()),
+            ),
             kvstore=args.kvstore,
             kvstore_args=(
                 "--ram-mib",
@@ -135,7 +141,8 @@ def _service(args: argparse.Namespace) -> tuple[Callable[[Any], Any], Any]:
         from services.gateway.main import GatewayOptions, serve_gateway
 
         names = ("etcd", "cluster", "model", "host", "http_port", "grpc_port", "session_ttl",
-                 "affinity_max_load_ratio", "affinity_slack_tokens", "routing")  # fmt: skip
+                 "affinity_max_load_ratio", "affinity_slack_tokens", "routing",
+                 "tool_call_parser")  # fmt: skip
         return serve_gateway, GatewayOptions(**{name: getattr(args, name) for name in names})
     from kvmesh.mesh.worker_runtime import WorkerOptions
 

@@ -190,6 +190,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         "--demo", action="store_true", help="run the offline engine on a demo chat instead"
     )
     up.add_argument("--routing", default="cache-aware", choices=["cache-aware", "least-load"])
+    _tool_parser_arg(up)
     up.add_argument(
         "--kvstore",
         default="builtin",
@@ -255,6 +256,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         choices=["cache-aware", "least-load"],
         help="cache-aware: session affinity + prefix scores; least-load: baseline",
     )
+    _tool_parser_arg(gateway)
     status = sub.add_parser("status", help="list the mesh's workers and their load")
     status.add_argument(
         "--etcd", default=None, help="host:port (default: the one `kvmesh up` started)"
@@ -333,3 +335,14 @@ class _Lazy:
         parser = sub.add_parser(path[1], help=text, description=text)
         if self.argv is None or self.argv[:2] == path:
             getattr(importlib.import_module(module), adder)(parser)
+
+
+def _tool_parser_arg(parser: argparse.ArgumentParser) -> None:
+    from kvmesh.agent.tool_parsers import PARSERS
+
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(PARSERS),
+        help="the format of the model's tool calls (default: chosen from its chat template)",
+    )

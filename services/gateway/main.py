@@ -38,6 +38,7 @@ class GatewayOptions:
     affinity_max_load_ratio: float = 2.0
     affinity_slack_tokens: int = 2048
     routing: str = "cache-aware"  # or "least-load": no affinity, no prefix scores (a baseline)
+    tool_call_parser: str | None = None  # None: chosen from the model's chat template
 
 
 async def serve_gateway(options: GatewayOptions) -> None:
@@ -68,7 +69,9 @@ async def serve_gateway(options: GatewayOptions) -> None:
         )
         http = uvicorn.Server(
             uvicorn.Config(
-                create_app(backend, tokenizer, readiness=readiness),
+                create_app(
+                    backend, tokenizer, readiness=readiness, tool_parser=options.tool_call_parser
+                ),
                 host=options.host,
                 port=options.http_port,
                 log_level="warning",

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvmesh.agent.tool_parsers import parser_for
 from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidRequestError, KvmeshError, WorkerUnavailableError
@@ -39,6 +40,8 @@ from services.gateway.backend import GenerateBackend
 from services.gateway.generation import SERVICE, Delta, Generation, Routing
 from services.gateway.openai_responses import LogprobFormatter, ResponseMeta
 from services.gateway.readiness import AlwaysReady, Readiness
+from services.gateway.tool_output import ToolReply
+from services.gateway.tool_output import finish_reason as finish_reason_of
 
 log = structlog.get_logger(__name__)
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -50,10 +53,12 @@ def create_app(
     tokenizer: Tokenizer,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     readiness: Readiness | None = None,
+    tool_parser: str | None = None,
 ) -> Starlette:
     """POST /v1/chat/completions, /v1/completions; GET /v1/models, /health (readiness: 503
-    until a request would succeed), /live (liveness), /metrics."""
-    api = _OpenAIApi(backend, tokenizer, max_body_bytes)
+    until a request would succeed), /live (liveness), /metrics. `tool_parser`: the format of
+    the model's tool calls (None: chosen from its chat template)."""
+    api = _OpenAIApi(backend, tokenizer, max_body_bytes, tool_parser)
     routes = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -94,11 +99,13 @@ class RequestIdMiddleware:
 
 
 class _OpenAIApi:
-    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, max_body_bytes: int):
+    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, max_body_bytes: int,
+                 tool_parser: str | None) -> None:  # fmt: skip
         self._backend = backend
         self._tokenizer = tokenizer
         self._max_body_bytes = max_body_bytes
-        self._served = proto.ServedModel(backend.model_name, backend.max_model_len)
+        parser = tool_parser or parser_for(tokenizer.hf.chat_template)
+        self._served = proto.ServedModel(backend.model_name, backend.max_model_len, parser)
         self._created = int(time.time())
 
     async def chat(self, request: Request) -> Response:
@@ -128,9 +135,10 @@ class _OpenAIApi:
             )
             meta = ResponseMeta.for_request(parsed, request_id)
             formatter = LogprobFormatter(kind, self._tokenizer, parsed.logprobs is not None)
+            tools = ToolReply(parsed.tools) if parsed.tools is not None else None
             if parsed.stream:
-                return await _stream(meta, generation, formatter)
-            result = await _complete(meta, generation, formatter)
+                return await _stream(meta, generation, formatter, tools)
+            result = await _complete(meta, generation, formatter, tools)
         except Exception as exc:
             return _error_response(exc)
         _count("ok")
@@ -138,8 +146,9 @@ class _OpenAIApi:
 
 
 async def _complete(
-    meta: ResponseMeta, generation: Generation, formatter: LogprobFormatter
-) -> dict[str, Any]:
+    meta: ResponseMeta, generation: Generation, formatter: LogprobFormatter,
+    tools: ToolReply | None,
+) -> dict[str, Any]:  # fmt: skip
     texts: list[str] = []
     logprobs: list[TokenLogprob | None] = []
     finish_reason: str | None = None
@@ -151,14 +160,19 @@ async def _complete(
             finish_reason = delta.finish_reason
     finally:
         await deltas.aclose()
+    text = "".join(texts)
+    message = tools.message(text) if tools is not None else None
+    if message is not None:
+        finish_reason = finish_reason_of(finish_reason, "tool_calls" in message)
     return resp.response_body(
-        meta, "".join(texts), finish_reason, formatter.format(logprobs), generation.usage
+        meta, text, finish_reason, formatter.format(logprobs), generation.usage, message
     )
 
 
 async def _stream(
-    meta: ResponseMeta, generation: Generation, formatter: LogprobFormatter
-) -> StreamingResponse:
+    meta: ResponseMeta, generation: Generation, formatter: LogprobFormatter,
+    tools: ToolReply | None,
+) -> StreamingResponse:  # fmt: skip
     """Waits for the first delta, so an error before any output is a plain HTTP error."""
     deltas = generation.deltas()
     try:
@@ -166,7 +180,7 @@ async def _stream(
     except BaseException:
         await deltas.aclose()
         raise
-    events = _sse_events(meta, generation, formatter, first, deltas)
+    events = _sse_events(meta, generation, formatter, first, deltas, tools)
     headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
@@ -177,6 +191,7 @@ async def _sse_events(
     formatter: LogprobFormatter,
     first: Delta,
     deltas: AsyncGenerator[Delta, None],
+    tools: ToolReply | None,
 ) -> AsyncIterator[str]:
     outcome = "cancelled"  # unless the loop below ends
     try:
@@ -184,7 +199,7 @@ async def _sse_events(
             yield _sse(resp.chunk_body(meta, "", role=True))
         delta: Delta | None = first
         while delta is not None:
-            for body in _delta_chunks(meta, delta, formatter):
+            for body in _delta_chunks(meta, delta, formatter, tools):
                 yield _sse(body)
             delta = await anext(deltas, None)
         if meta.include_usage:
@@ -201,13 +216,23 @@ async def _sse_events(
     yield "data: [DONE]\n\n"
 
 
-def _delta_chunks(meta: ResponseMeta, delta: Delta, formatter: LogprobFormatter) -> list[dict]:
+def _delta_chunks(meta: ResponseMeta, delta: Delta, formatter: LogprobFormatter,
+                  tools: ToolReply | None) -> list[dict]:  # fmt: skip
     logprobs = formatter.format(delta.logprobs) if delta.logprobs else None
     bodies = []
-    if delta.text or logprobs is not None:
+    finish = delta.finish_reason
+    if tools is not None:
+        parts = tools.delta_bodies(delta.text, final=finish is not None)
+        if logprobs is not None and not parts:
+            parts = [{}]  # the tokens' logprobs even where they added no certain text yet
+        for i, part in enumerate(parts):
+            bodies.append(resp.chunk_body(meta, None, logprobs=None if i else logprobs,
+                                          delta=part))  # fmt: skip
+        finish = finish_reason_of(finish, tools.called)
+    elif delta.text or logprobs is not None:
         bodies.append(resp.chunk_body(meta, delta.text, logprobs=logprobs))
-    if delta.finish_reason is not None:
-        bodies.append(resp.chunk_body(meta, None, delta.finish_reason))
+    if finish is not None:
+        bodies.append(resp.chunk_body(meta, None, finish))
     return bodies
 
 

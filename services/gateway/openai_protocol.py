@@ -11,16 +11,20 @@ from typing import Any, Literal, TypeVar
 
 import jinja2
 
+from kvmesh.agent.conversation import Conversation
+from kvmesh.agent.templates import template_messages
+from kvmesh.agent.tool_parsers import get_parser
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
+from services.gateway.openai_chat import parse_conversation
 
 Kind = Literal["chat", "completion"]
 T = TypeVar("T")
 
 DEFAULT_MAX_TOKENS = 1024  # max_tokens missing: the remaining context, capped at this
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
-_UNSUPPORTED = ("tools", "functions", "logit_bias", "suffix", "echo")  # unless null/false/empty
+_UNSUPPORTED = ("logit_bias", "suffix", "echo")  # unless null/false/empty
 _SAMPLING_FIELDS: tuple[tuple[type, tuple[str, ...]], ...] = (  # passed on to SamplingParams
     (float, ("temperature", "top_p", "min_p", "repetition_penalty")),
     (float, ("presence_penalty", "frequency_penalty")),
@@ -37,6 +41,16 @@ class ServedModel:
 
     name: str
     max_model_len: int
+    tool_parser: str = "hermes"  # the format of the model's tool calls (agent/tool_parsers)
+
+
+@dataclass(frozen=True)
+class ToolSetup:
+    """How a chat reply that may call tools is read: its parser, and the text the prompt
+    already forced the reply to begin with (a required or named tool choice)."""
+
+    parser: str
+    prefix: str = ""
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
     user: str | None = None
+    tools: ToolSetup | None = None  # chat with tools offered: the reply is parsed for calls
 
     @property
     def logprobs(self) -> int | None:
@@ -67,8 +82,11 @@ def parse_request(
     model = _check_model(body, served)
     _check_unsupported(body)
     stream, include_usage = _stream_options(body)
+    tools = None
     if kind == "chat":
-        prompt = _chat_prompt(body, tokenizer)
+        conversation = parse_conversation(body)
+        tools = _tool_setup(conversation, served.tool_parser)
+        prompt = _chat_prompt(conversation, tokenizer, tools.prefix if tools else "")
         requested = _get(body, "max_completion_tokens", int)
         requested = _get(body, "max_tokens", int) if requested is None else requested
         logprobs = _chat_logprobs(body)
@@ -81,7 +99,7 @@ def parse_request(
     _check_context(kind, len(prompt), max_tokens, served.max_model_len)
     return ParsedRequest(
         kind, model, tuple(prompt), replace(params, stop=()), params.stop,
-        stream, include_usage, _get(body, "user", str),
+        stream, include_usage, _get(body, "user", str), tools,
     )  # fmt: skip
 
 
@@ -133,38 +151,22 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(_get(options, "include_usage", bool))
 
 
-def _chat_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
-    messages = _get(body, "messages", list)
-    if not messages:
-        raise InvalidRequestError("'messages' is required and must be a non-empty array")
-    flat = [_flatten_message(i, message) for i, message in enumerate(messages)]
+def _tool_setup(conversation: Conversation, parser_name: str) -> ToolSetup | None:
+    if not conversation.offers_tools:
+        return None
+    choice = conversation.tool_choice
+    forced = choice.mode in ("required", "named")
+    prefix = get_parser(parser_name).call_prefix(choice.name) if forced else ""
+    return ToolSetup(parser_name, prefix)
+
+
+def _chat_prompt(conversation: Conversation, tokenizer: Tokenizer, prefix: str) -> list[int]:
+    kwargs = template_messages(conversation, tokenizer.hf.chat_template)
     try:
-        return tokenizer.encode_chat(flat)
+        ids = tokenizer.encode_chat(kwargs.pop("messages"), **kwargs)
     except (jinja2.TemplateError, TypeError, ValueError) as exc:
         raise InvalidRequestError(f"the chat template rejected 'messages': {exc}") from exc
-
-
-def _flatten_message(i: int, message: Any) -> dict[str, Any]:
-    """{"role", "content": str}; content parts are joined by newlines."""
-    if not isinstance(message, dict):
-        raise InvalidRequestError(f"'messages[{i}]' must be an object")
-    content = message.get("content")
-    if isinstance(content, list):
-        content = "\n".join(_part_text(i, j, part) for j, part in enumerate(content))
-    elif content is None:
-        content = ""
-    elif not isinstance(content, str):
-        raise InvalidRequestError(f"'messages[{i}].content' must be a string or an array of parts")
-    return {"role": message.get("role"), "content": content}
-
-
-def _part_text(i: int, j: int, part: Any) -> str:
-    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-        return part["text"]
-    raise InvalidRequestError(
-        f'\'messages[{i}].content[{j}]\' must be {{"type": "text", "text": <string>}} '
-        "(only text parts are supported)"
-    )
+    return ids + tokenizer.encode(prefix, add_special_tokens=False) if prefix else ids
 
 
 def _completion_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:

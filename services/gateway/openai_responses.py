@@ -56,12 +56,13 @@ class ResponseMeta:
 
 
 def response_body(
-    meta: ResponseMeta, text: str, finish_reason: str | None, logprobs: Any, usage: Usage
-) -> dict[str, Any]:
-    """A whole chat.completion or text_completion."""
+    meta: ResponseMeta, text: str, finish_reason: str | None, logprobs: Any, usage: Usage,
+    message: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """A whole chat.completion (`message`: one read for tool calls) or text_completion."""
     choice: dict[str, Any] = {"index": 0}
     if meta.kind == "chat":
-        choice["message"] = {"role": "assistant", "content": text}
+        choice["message"] = message or {"role": "assistant", "content": text}
     else:
         choice["text"] = text
     choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
@@ -74,12 +75,14 @@ def chunk_body(
     finish_reason: str | None = None,
     logprobs: Any = None,
     role: bool = False,
+    delta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One stream chunk; chat's first chunk has role=True, the finishing one text=None."""
+    """One stream chunk; chat's first chunk has role=True, the finishing one text=None;
+    `delta`: a chat delta given whole (tool calls)."""
     choice: dict[str, Any] = {"index": 0}
     if meta.kind == "chat":
-        delta = {"role": "assistant"} if role else {}
-        choice["delta"] = delta if text is None else {**delta, "content": text}
+        head = {"role": "assistant"} if role else {}
+        choice["delta"] = {**head, **(delta or ({} if text is None else {"content": text}))}
     else:
         choice["text"] = text or ""
     choice |= {"logprobs": logprobs, "finish_reason": finish_reason}

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+
+import uvicorn
 
 from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
@@ -35,6 +41,7 @@ class FakeBackend:
     ) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self._tokenizer = tokenizer
         self.answer_ids = tokenizer.encode(ANSWER, add_special_tokens=False)
         self.eos_id = min(tokenizer.eos_token_ids)
         self.vocab_size = tokenizer.vocab_size
@@ -45,6 +52,10 @@ class FakeBackend:
         self.fail_after_chunks: int | None = None
         self.failure: Exception = WorkerUnavailableError("decode worker went away")
         self.hang_after_chunks: int | None = None
+
+    def script(self, answer: str) -> None:
+        """Reply `answer` (then EOS) from now on."""
+        self.answer_ids = self._tokenizer.encode(answer, add_special_tokens=False)
 
     def reply_ids(self, params: SamplingParams) -> list[int]:
         """The tokens this backend generates for `params` (EOS included when it fits)."""
@@ -102,3 +113,23 @@ class FakeBackend:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+
+@contextmanager
+def serve_app(app) -> Iterator[str]:
+    """The ASGI app on a real uvicorn server on a free loopback port: its /v1 base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()

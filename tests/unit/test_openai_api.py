@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +10,6 @@ import anyio
 import grpc
 import openai
 import pytest
-import uvicorn
 from starlette.testclient import TestClient
 
 from kvmesh.engine.loader import resolve_model
@@ -36,7 +32,7 @@ from kvmesh.mesh.error_mapping import (
     openai_error_body,
 )
 from services.gateway.openai_api import create_app
-from tests.unit.fake_backend import ANSWER, FakeBackend, cached_tokens_for
+from tests.unit.fake_backend import ANSWER, FakeBackend, cached_tokens_for, serve_app
 
 MODEL = "smollm2-135m"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -403,21 +399,8 @@ def test_models_health_metrics_and_unknown_route(client: TestClient) -> None:
 @pytest.fixture
 def served(tok: Tokenizer) -> Iterator[tuple[str, FakeBackend]]:
     backend = FakeBackend(tok)
-    server = uvicorn.Server(uvicorn.Config(create_app(backend, tok), log_level="warning"))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1", backend
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with serve_app(create_app(backend, tok)) as url:
+        yield url, backend
 
 
 def test_official_openai_client(served: tuple[str, FakeBackend]) -> None:

@@ -1,0 +1,43 @@
+"""Tool-call parsers, one module per output format, chosen per model (`parser_for`) unless a
+flag names one (`--tool-call-parser`)."""
+
+from __future__ import annotations
+
+from kvmesh.agent.tool_parsers.base import (
+    ArgumentsDelta,
+    CallStart,
+    ContentDelta,
+    ParsedOutput,
+    StreamEvent,
+    ToolCallStream,
+    ToolParser,
+    parse_output,
+)
+from kvmesh.agent.tool_parsers.hermes import HermesParser
+from kvmesh.errors import InvalidRequestError
+
+PARSERS: dict[str, type] = {"hermes": HermesParser}
+
+# A marker of each format in a chat template, most specific first; a template with none of
+# them gets the built-in tool template, whose format is hermes.
+_MARKERS: tuple[tuple[str, str], ...] = (("<tool_call>", "hermes"),)
+
+
+def get_parser(name: str) -> ToolParser:
+    if name not in PARSERS:
+        raise InvalidRequestError(
+            f"unknown tool-call parser {name!r}; known: {', '.join(sorted(PARSERS))}"
+        )
+    return PARSERS[name]()
+
+
+def parser_for(chat_template: str | None) -> str:
+    """The parser for a model's own chat template."""
+    template = chat_template or ""
+    return next((name for marker, name in _MARKERS if marker in template), "hermes")
+
+
+__all__ = [
+    "ArgumentsDelta", "CallStart", "ContentDelta", "ParsedOutput", "StreamEvent",
+    "ToolCallStream", "ToolParser", "get_parser", "parse_output", "parser_for",
+]  # fmt: skip

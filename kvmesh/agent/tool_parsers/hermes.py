@@ -1,0 +1,89 @@
+"""Hermes / Qwen tool calls: one JSON object {"name", "arguments"} per <tool_call>...</tool_call>
+(a JSON array of them inside one tag is accepted too); the text before the first tag is content.
+This is also the format of kvmesh's built-in tool template (agent/templates.py)."""
+
+from __future__ import annotations
+
+import json
+
+from kvmesh.agent.json_spans import ObjectScan, scan_object, skip_space
+from kvmesh.agent.tool_parsers.base import CallState, ScanState
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+class HermesParser:
+    name = "hermes"
+
+    def scan(self, text: str, final: bool) -> ScanState:
+        first = text.find(OPEN)
+        if first < 0:
+            return ScanState(text if final else certain_content(text, OPEN))
+        calls: list[CallState] = []
+        at = first
+        while at >= 0:
+            body = at + len(OPEN)
+            close = text.find(CLOSE, body)
+            calls.extend(
+                _calls(text[body : len(text) if close < 0 else close], close >= 0 or final)
+            )
+            if close < 0:
+                break
+            at = text.find(OPEN, close + len(CLOSE))
+        return ScanState(text[:first].rstrip(), tuple(calls))
+
+    def call_prefix(self, name: str | None) -> str:
+        """How a reply that must call a tool (`name`: that one) begins."""
+        if name is None:
+            return f'{OPEN}\n{{"name": "'
+        return f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
+
+
+def certain_content(text: str, tag: str) -> str:
+    """Text that stays content whatever follows: without a suffix that may begin `tag`, and
+    without trailing whitespace (dropped if a call follows)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return text[:-size].rstrip()
+    return text.rstrip()
+
+
+def _calls(body: str, settled: bool) -> list[CallState]:
+    """The calls in one tag's body: an object, or an array of objects."""
+    j = skip_space(body, 0)
+    if j >= len(body):
+        return []
+    if body[j] == "{":
+        return [call_state(body, scan_object(body, j))]
+    if body[j] != "[":
+        return []
+    calls = []
+    j = skip_space(body, j + 1)
+    while j < len(body) and body[j] == "{":
+        scan = scan_object(body, j)
+        calls.append(call_state(body, scan))
+        if scan.end is None:
+            break
+        j = skip_space(body, scan.end)
+        if j < len(body) and body[j] == ",":
+            j = skip_space(body, j + 1)
+    return calls
+
+
+def call_state(body: str, scan: ObjectScan, name_key: str = "name") -> CallState:
+    """A {"name": ..., "arguments": {...}} object (or "parameters"), arguments as written."""
+    name_member = scan.members.get(name_key)
+    name = None
+    if name_member is not None and name_member.end is not None:
+        value = json.loads(name_member.raw(body)) if body[name_member.start] == '"' else None
+        name = value if isinstance(value, str) else None
+    complete = scan.end is not None
+    args = scan.members.get("arguments") or scan.members.get("parameters")
+    if args is None:
+        return CallState(name, "{}" if complete else "", complete)
+    if body[args.start] == '"':  # arguments given as a JSON string holding JSON
+        if args.end is None:
+            return CallState(name, "", False)
+        value = json.loads(args.raw(body))
+        return CallState(name, value if isinstance(value, str) else "", complete)
+    return CallState(name, args.raw(body), complete)

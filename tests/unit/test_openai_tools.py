@@ -1,0 +1,170 @@
+"""Tool calls on /v1/chat/completions through the official openai client: the prompt the tools
+render into, calls parsed from the reply (whole and streamed), forced tool choices, errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from starlette.testclient import TestClient
+
+from kvmesh.engine.loader import resolve_model
+from kvmesh.engine.tokenizer import Tokenizer
+from services.gateway.openai_api import create_app
+from tests.unit.fake_backend import FakeBackend, serve_app
+
+MODEL = "smollm2-135m"
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]},
+    },
+}  # fmt: skip
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+ASK = [{"role": "user", "content": "Weather in Paris and the time?"}]
+ARGS = '{"city": "Paris", "units": {"t": "C"}}'
+TWO_CALLS = (
+    "Let me look that up.\n<tool_call>\n"
+    f'{{"name": "get_weather", "arguments": {ARGS}}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_source(resolve_model(MODEL))
+
+
+@pytest.fixture
+def served(tok: Tokenizer) -> Iterator[tuple[openai.OpenAI, FakeBackend]]:
+    backend = FakeBackend(tok, tokens_per_chunk=1)
+    with serve_app(create_app(backend, tok)) as url:
+        yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30), backend
+
+
+def _create(client: openai.OpenAI, **fields: Any) -> Any:
+    return client.chat.completions.create(model=MODEL, **{"messages": ASK, **fields})
+
+
+def test_calls_in_the_reply_whole_and_streamed(served) -> None:
+    client, backend = served
+    backend.script(TWO_CALLS)
+    reply = _create(client, tools=[WEATHER_TOOL, TIME_TOOL])
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me look that up."
+    calls = choice.message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", ARGS), ("get_time", "{}")  # exactly the model's JSON, {} kept
+    ]  # fmt: skip
+    assert len({c.id for c in calls}) == 2 and all(c.type == "function" for c in calls)
+
+    chunks = list(_create(client, tools=[WEATHER_TOOL, TIME_TOOL], stream=True))
+    content, streamed, finish = "", {}, None
+    for chunk in chunks:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        finish = chunk.choices[0].finish_reason or finish
+        for call in delta.tool_calls or []:
+            if call.index not in streamed:  # the first delta: index, id and name
+                assert call.id and call.function.name and call.type == "function"
+                streamed[call.index] = [call.function.name, call.function.arguments or ""]
+            else:  # later ones: only new argument text
+                assert call.id is None and call.function.name is None
+                streamed[call.index][1] += call.function.arguments
+    assert content == "Let me look that up." and finish == "tool_calls"
+    assert [tuple(v) for v in streamed.values()] == [("get_weather", ARGS), ("get_time", "{}")]
+    argument_deltas = sum(1 for c in chunks for t in c.choices[0].delta.tool_calls or [])
+    assert argument_deltas > 6  # the arguments came token by token, not at the end
+
+
+def test_tools_render_into_the_prompt_with_the_history(served, tok) -> None:
+    client, backend = served
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+        {"role": "developer", "content": "Answer in one sentence."},
+    ]  # fmt: skip
+    _create(client, messages=history, tools=[WEATHER_TOOL], parallel_tool_calls=False)
+    prompt = tok.decode(backend.requests[-1].prompt_token_ids, skip_special_tokens=False)
+    assert "<tools>" in prompt and '"name": "get_weather"' in prompt
+    assert "Call at most one function" in prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in prompt
+    assert "Answer in one sentence." in prompt
+    _create(client, messages=history, tools=[WEATHER_TOOL], tool_choice="none")
+    assert "<tools>" not in tok.decode(backend.requests[-1].prompt_token_ids)
+
+
+def test_named_and_required_choices_force_the_call(served, tok) -> None:
+    client, backend = served
+    backend.script('{"city": "Paris"}}\n</tool_call>')  # the model continues the forced start
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = _create(client, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=named)
+    (call,) = reply.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Paris"}')
+    prompt = tok.decode(backend.requests[-1].prompt_token_ids, skip_special_tokens=False)
+    assert prompt.endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    chunks = list(_create(client, tools=[WEATHER_TOOL], tool_choice=named, stream=True))
+    first = next(c for c in chunks if c.choices and c.choices[0].delta.tool_calls)
+    assert first.choices[0].delta.tool_calls[0].function.name == "get_weather"
+    backend.script('get_time", "arguments": {}}\n</tool_call>')
+    reply = _create(client, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required")
+    assert reply.choices[0].message.tool_calls[0].function.name == "get_time"
+
+
+def test_legacy_functions_map_onto_tools(served, tok) -> None:
+    client, backend = served
+    backend.script('{"city": "Oslo"}}\n</tool_call>')
+    reply = _create(client, functions=[WEATHER_TOOL["function"]],
+                    function_call={"name": "get_weather"})  # fmt: skip
+    assert reply.choices[0].message.tool_calls[0].function.arguments == '{"city": "Oslo"}'
+    prompt = tok.decode(backend.requests[-1].prompt_token_ids, skip_special_tokens=False)
+    assert "Call at most one function" in prompt  # functions never ran in parallel
+
+
+def test_text_reply_with_tools_is_plain_content(served) -> None:
+    client, backend = served
+    backend.script("It is sunny in Paris.")
+    reply = _create(client, tools=[WEATHER_TOOL])
+    assert reply.choices[0].message.content == "It is sunny in Paris."
+    assert not reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "stop"
+    chunks = list(_create(client, tools=[WEATHER_TOOL], stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "It is sunny in Paris."
+
+
+BAD = [
+    ({"tool_choice": "required"}, "tool_choice 'required' needs at least one tool"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "'x', which is not in 'tools'"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "'tool_choice' must be"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "'tools[0].name'"),
+    ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tool names must be unique"),
+    ({"tools": [WEATHER_TOOL], "parallel_tool_calls": "no"}, "'parallel_tool_calls'"),
+    ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "'messages[1].tool_call_id'"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]},
+     "'messages[0].tool_calls[0].function.name'"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "'messages[0].role'"),
+    ({"functions": [WEATHER_TOOL["function"]], "tools": [WEATHER_TOOL]}, "not both"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "message"), BAD)
+def test_bad_tool_requests_are_400_naming_the_field(tok, fields, message) -> None:
+    with TestClient(create_app(FakeBackend(tok), tok)) as client:
+        response = client.post("/v1/chat/completions", json={"messages": ASK, **fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and message in error["message"]
+    assert json.dumps(error)  # plain JSON
