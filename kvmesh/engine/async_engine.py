@@ -129,6 +129,7 @@ class AsyncEngine:
         """Run a request here (prefill and decode) and stream its outputs."""
         queue = self._open(request_id)
         try:
+            await self._prepare(params)
             await self.call(
                 self._engine.add_request, request_id, prompt, params, keep_pages, cache_salt
             )
@@ -153,7 +154,14 @@ class AsyncEngine:
     async def reserve(
         self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str = ""
     ) -> Reservation | None:
+        await self._prepare(params)
         return await self.call(self._engine.reserve, request_id, prompt, params, cache_salt)
+
+    async def _prepare(self, params: SamplingParams) -> None:
+        """Compile the request's grammar here, off the engine thread (the engine then copies
+        the compiled matcher under its lock)."""
+        if params.grammar is not None:
+            await asyncio.to_thread(self._engine.constraints.prepare, params.grammar)
 
     async def commit(
         self,

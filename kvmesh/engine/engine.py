@@ -13,9 +13,11 @@ from kvmesh import env
 from kvmesh.engine.attention import get_backend
 from kvmesh.engine.compiled import compile_decode
 from kvmesh.engine.config import EngineConfig
+from kvmesh.engine.constraints import Constraints
 from kvmesh.engine.engine_setup import TORCH_DTYPES, load_engine_model
 from kvmesh.engine.faults import FaultInjector
 from kvmesh.engine.fused_decode import fuse_decode
+from kvmesh.engine.handover import HandOver
 from kvmesh.engine.integrity import PageTags
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
 from kvmesh.engine.kv.events import KvEvent
@@ -23,7 +25,7 @@ from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.loader import load_weights
 from kvmesh.engine.outputs import Reservation, TokenOutput
 from kvmesh.engine.runner import ModelRunner
-from kvmesh.engine.sampler import Sampler, TokenLogprob
+from kvmesh.engine.sampler import Sampler
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvmesh.engine.sequence import FinishReason, Sequence
@@ -41,7 +43,9 @@ log = structlog.get_logger(__name__)
 _score_ids = itertools.count()
 
 
-class Engine:
+class Engine(HandOver):
+    """Add requests, step, abort; the P/D hand-over (reserve / commit) is in handover.py."""
+
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         torch.set_num_threads(env.serve_threads())  # KVMESH_NUM_THREADS, else the CPUs given
@@ -79,6 +83,7 @@ class Engine:
         backend = get_backend(config.attention_backend, spec.layers[0].kind)
         self.runner = ModelRunner(model, self.kv_cache, backend)
         self.sampler = Sampler()
+        self.constraints = Constraints(self.tokenizer.hf, self.model_config.vocab_size)
         self.speculator = build_speculator(
             config, self.source.name, self.runner, self.max_model_len
         )
@@ -119,84 +124,18 @@ class Engine:
         seq = Sequence(
             request_id, list(prompt_token_ids), params, keep_pages=keep_pages, cache_salt=cache_salt
         )
+        self._constrain(request_id, params)
         self.scheduler.add(seq)
         if keep_pages:
             self._kept[request_id] = seq
 
-    def pages_of(self, request_id: str) -> list[int]:
-        """Block table of a running, reserved or kept request."""
-        seq = self._reserved.get(request_id) or self._kept.get(request_id)
-        seq = seq or self.scheduler.get(request_id)
-        return list(seq.block_table) if seq else []
-
-    def computed_pages_of(self, request_id: str) -> tuple[list[int], list[int]]:
-        """(block hashes, page ids) of a kept request's full pages whose KV is computed."""
-        seq = self._kept.get(request_id)
-        if seq is None:
-            return [], []
-        count = min(seq.num_computed_tokens // self.config.page_size, len(seq.block_hashes))
-        return list(seq.block_hashes[:count]), list(seq.block_table[:count])
-
-    def release(self, request_id: str) -> None:
-        """Free the pages a finished keep_pages request still holds."""
-        self._kept.pop(request_id, None)
-        self.scheduler.release(request_id)
-        if self.speculator is not None:
-            self.speculator.release([request_id], force=True)
-
-    def reserve(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str = "",
-    ) -> Reservation | None:
-        """Allocate pages for a prompt another worker will fill; None when the pool is full now."""
-        self._validate(prompt_token_ids)
-        if self.scheduler.get(request_id) is not None or request_id in self._reserved:
-            raise InvalidRequestError(f"request id {request_id!r} is already running")
-        seq = Sequence(request_id, list(prompt_token_ids), params, cache_salt=cache_salt)
-        prefix = self.block_manager.match_prefix(seq)
-        self.page_tags.stamp(self.block_manager.take_stamps())
-        if not self.block_manager.allocate(seq, seq.num_tokens - prefix.num_tokens, prefix):
-            return None
-        # The new pages are readable only once the prefill worker has written their tags.
-        self.page_tags.stamp(self.block_manager.take_stamps(), pending=True)
-        self._reserved[request_id] = seq
-        return Reservation(
-            list(seq.block_table), len(prefix.page_ids), prefix.num_tokens, list(seq.page_tags)
-        )
-
-    def commit_prefilled(
-        self,
-        request_id: str,
-        first_token: int,
-        logprob: TokenLogprob | None,
-        cached_tokens: int,
-        draft_window: tuple[torch.Tensor, int] | None = None,
-    ) -> TokenOutput:
-        """The reserved pages now hold the prompt's KV: join the batch with the first token
-        (and, with EAGLE, the draft head's window of fused features from the prefill worker)."""
-        seq = self._reserved.pop(request_id)
-        seq.num_cached_tokens = max(seq.num_cached_tokens, cached_tokens)
-        reason = self.scheduler.add_prefilled(seq, first_token)
-        if reason is None and draft_window is not None and self.speculator is not None:
-            self.speculator.seed(seq, *draft_window)
-        return TokenOutput(
-            request_id,
-            [first_token],
-            [logprob],
-            reason is not None,
-            reason,
-            seq.num_prompt_tokens,
-            seq.num_cached_tokens,
-        )
-
-    def cancel_reservation(self, request_id: str) -> None:
-        """Free reserved pages; only once no transfer into them can still land."""
-        seq = self._reserved.pop(request_id, None)
-        if seq is not None:
-            self.block_manager.free(seq)
+    def _constrain(self, request_id: str, params: SamplingParams) -> None:
+        """Compile the request's grammar (its matcher lives until the request ends)."""
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= token < vocab for token, _ in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias has token ids outside [0, {vocab})")
+        if params.grammar is not None:
+            self.constraints.add(request_id, params.grammar)
 
     def _validate(self, prompt: list[int]) -> None:
         if not prompt:
@@ -228,6 +167,7 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         seq = self.scheduler.abort(request_id)
         self.sampler.release(request_id)
+        self.constraints.release(request_id)
         if self.speculator is not None:
             self.speculator.release([request_id])
         return seq is not None
@@ -236,6 +176,7 @@ class Engine:
         """End a request early (e.g. a stop string found by the detokenizer)."""
         self.scheduler.finish(request_id, reason)
         self.sampler.release(request_id)
+        self.constraints.release(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -243,6 +184,7 @@ class Engine:
     def step(self) -> list[TokenOutput]:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
+            self._cut_drafts()
         output = self.scheduler.schedule()
         self.page_tags.stamp(self.block_manager.take_stamps())
         failed: list[TokenOutput] = []
@@ -258,11 +200,17 @@ class Engine:
         by_id = {c.seq.seq_id: c.seq for c in output.chunks}
         seqs = [by_id[req_id] for req_id in result.req_ids]
         tokens, logprobs = (
-            sample_step(result, seqs, self.sampler, drafts, stats) if seqs else ({}, {})
+            sample_step(result, seqs, self.sampler, drafts, stats, self.constraints)
+            if seqs
+            else ({}, {})
         )
         finished = {s.seq_id for s in self.scheduler.update(output, tokens)}
+        for seq in seqs:  # a finished one's last token may be EOS, which ends no grammar
+            if seq.seq_id in self.constraints and seq.seq_id not in finished:
+                self.constraints.commit(seq.seq_id, tokens[seq.seq_id])
         for seq_id in finished:
             self.sampler.release(seq_id)
+            self.constraints.release(seq_id)
         if self.speculator is not None:
             self.speculator.observe(output.chunks, self.runner)
             self.speculator.release(finished)
@@ -270,6 +218,13 @@ class Engine:
         if events and self.kv_event_sink is not None:
             self.kv_event_sink(events)
         return [self._output(s, tokens, logprobs, finished) for s in seqs] + failed
+
+    def _cut_drafts(self) -> None:
+        """Drafts of a constrained request end before the first token its grammar rejects."""
+        for seq in self.scheduler.running:
+            if seq.draft_token_ids and seq.seq_id in self.constraints:
+                keep = self.constraints.allowed_prefix(seq.seq_id, seq.draft_token_ids)
+                del seq.draft_token_ids[keep:]
 
     def _check_integrity(
         self, output: SchedulerOutput

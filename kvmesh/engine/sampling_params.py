@@ -34,6 +34,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: off; N: the sampled token plus N alternatives
     skip_special_tokens: bool = True
+    grammar: str | None = None  # an llguidance grammar the output must follow (agent/grammars)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -41,6 +43,12 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = tuple(sorted(dict((int(t), float(b)) for t, b in self.logit_bias).items()))
+        object.__setattr__(self, "logit_bias", bias)  # by token id, one value each
+        _check(
+            all(-100.0 <= b <= 100.0 for _, b in self.logit_bias),
+            "logit_bias values must be in [-100, 100]",
+        )
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         _check(
@@ -102,7 +110,13 @@ class SamplingParams:
     def argmax_only(self) -> bool:
         """Greedy without penalties or logprobs: the row's argmax is all the sampler reads of
         it (asked of every row every step, hence computed once)."""
-        return self.greedy and not self.needs_penalties and self.logprobs is None
+        return (self.greedy and not self.needs_penalties and self.logprobs is None
+                and not self.has_processors)  # fmt: skip
+
+    @property
+    def has_processors(self) -> bool:
+        """A grammar or a logit bias changes the logits before sampling."""
+        return self.grammar is not None or bool(self.logit_bias)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -38,6 +38,9 @@ def sampling_to_pb(p: SamplingParams) -> pb.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.grammar is not None:
+        msg.grammar = p.grammar
+    msg.logit_bias.update(dict(p.logit_bias))
     return msg
 
 
@@ -57,6 +60,8 @@ def sampling_from_pb(msg: pb.SamplingParams, stop: tuple[str, ...] = ()) -> Samp
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        grammar=msg.grammar if msg.HasField("grammar") else None,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 

@@ -11,6 +11,7 @@ from typing import Any, Literal, TypeVar
 
 import jinja2
 
+from kvmesh.agent import grammars
 from kvmesh.agent.conversation import Conversation
 from kvmesh.agent.templates import template_messages
 from kvmesh.agent.tool_parsers import get_parser
@@ -18,6 +19,7 @@ from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
 from services.gateway.openai_chat import parse_conversation
+from services.gateway.output_format import output_grammar
 
 Kind = Literal["chat", "completion"]
 T = TypeVar("T")
@@ -46,11 +48,9 @@ class ServedModel:
 
 @dataclass(frozen=True)
 class ToolSetup:
-    """How a chat reply that may call tools is read: its parser, and the text the prompt
-    already forced the reply to begin with (a required or named tool choice)."""
+    """How a chat reply that may call tools is read: by this parser (agent/tool_parsers)."""
 
     parser: str
-    prefix: str = ""
 
 
 @dataclass(frozen=True)
@@ -82,11 +82,12 @@ def parse_request(
     model = _check_model(body, served)
     _check_unsupported(body)
     stream, include_usage = _stream_options(body)
-    tools = None
+    tools, forced = None, None
     if kind == "chat":
         conversation = parse_conversation(body)
-        tools = _tool_setup(conversation, served.tool_parser)
-        prompt = _chat_prompt(conversation, tokenizer, tools.prefix if tools else "")
+        tools = ToolSetup(served.tool_parser) if conversation.offers_tools else None
+        forced = _forced_calls(conversation, served.tool_parser)
+        prompt = _chat_prompt(conversation, tokenizer)
         requested = _get(body, "max_completion_tokens", int)
         requested = _get(body, "max_tokens", int) if requested is None else requested
         logprobs = _chat_logprobs(body)
@@ -95,7 +96,13 @@ def parse_request(
         requested = _get(body, "max_tokens", int)
         logprobs = _get(body, "logprobs", int)
     max_tokens = _default_max_tokens(len(prompt), served) if requested is None else requested
-    params = _sampling(body, max_tokens, logprobs)
+    output = output_grammar(body)
+    if forced is not None and output is not None:
+        raise InvalidRequestError(
+            "a forced tool call (tool_choice required or named) and 'response_format' cannot "
+            "both constrain the reply"
+        )
+    params = _sampling(body, max_tokens, logprobs, forced or output)
     _check_context(kind, len(prompt), max_tokens, served.max_model_len)
     return ParsedRequest(
         kind, model, tuple(prompt), replace(params, stop=()), params.stop,
@@ -137,10 +144,6 @@ def _check_unsupported(body: dict[str, Any]) -> None:
         value = _get(body, name, int)
         if value is not None and value != 1:
             raise InvalidRequestError(f"only {name}=1 is supported, got {name}={value}")
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise InvalidRequestError(
-            '\'response_format\' other than {"type": "text"} is not supported'
-        )
 
 
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -151,22 +154,24 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(_get(options, "include_usage", bool))
 
 
-def _tool_setup(conversation: Conversation, parser_name: str) -> ToolSetup | None:
-    if not conversation.offers_tools:
+def _forced_calls(conversation: Conversation, parser_name: str) -> str | None:
+    """The grammar of a reply that must call tools (tool_choice required / named)."""
+    schema = grammars.tool_call_schema(conversation)
+    if schema is None:
         return None
-    choice = conversation.tool_choice
-    forced = choice.mode in ("required", "named")
-    prefix = get_parser(parser_name).call_prefix(choice.name) if forced else ""
-    return ToolSetup(parser_name, prefix)
+    # named: that function, once (as vLLM and OpenAI do); required: one call, or several
+    # unless parallel_tool_calls is false
+    many = conversation.tool_choice.mode == "required" and conversation.parallel_tool_calls
+    grammar = get_parser(parser_name).call_grammar(schema, many)
+    return grammars.checked(grammar, "tool_choice")
 
 
-def _chat_prompt(conversation: Conversation, tokenizer: Tokenizer, prefix: str) -> list[int]:
+def _chat_prompt(conversation: Conversation, tokenizer: Tokenizer) -> list[int]:
     kwargs = template_messages(conversation, tokenizer.hf.chat_template)
     try:
-        ids = tokenizer.encode_chat(kwargs.pop("messages"), **kwargs)
+        return tokenizer.encode_chat(kwargs.pop("messages"), **kwargs)
     except (jinja2.TemplateError, TypeError, ValueError) as exc:
         raise InvalidRequestError(f"the chat template rejected 'messages': {exc}") from exc
-    return ids + tokenizer.encode(prefix, add_special_tokens=False) if prefix else ids
 
 
 def _completion_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
@@ -206,10 +211,12 @@ def _default_max_tokens(prompt_len: int, served: ServedModel) -> int:
     return max(1, min(served.max_model_len - prompt_len, DEFAULT_MAX_TOKENS))
 
 
-def _sampling(body: dict[str, Any], max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling(body: dict[str, Any], max_tokens: int, logprobs: int | None,
+              grammar: str | None) -> SamplingParams:  # fmt: skip
     values = {n: _get(body, n, kind) for kind, names in _SAMPLING_FIELDS for n in names}
     given = {name: value for name, value in values.items() if value is not None}
-    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=_stop(body), **given)
+    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=_stop(body),
+                          grammar=grammar, **given)  # fmt: skip
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:

@@ -22,8 +22,6 @@ class ToolReply:
     def __init__(self, setup: ToolSetup) -> None:
         self._setup = setup
         self._stream = ToolCallStream(get_parser(setup.parser))
-        # a forced beginning (tool_choice required / named) is part of the reply to parse
-        self._pending = self._stream.push(setup.prefix) if setup.prefix else []
 
     @property
     def called(self) -> bool:
@@ -32,12 +30,11 @@ class ToolReply:
 
     def delta_bodies(self, text: str, final: bool) -> list[dict[str, Any]]:
         """The `delta` objects of the chunks this text adds (final: the reply is over)."""
-        events, self._pending = self._pending + self._stream.push(text, final), []
-        return [_delta(event) for event in events]
+        return [_delta(event) for event in self._stream.push(text, final)]
 
     def message(self, text: str) -> dict[str, Any]:
         """The whole assistant message of a reply whose generated text is `text`."""
-        parsed = parse_output(get_parser(self._setup.parser), self._setup.prefix + text)
+        parsed = parse_output(get_parser(self._setup.parser), text)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
         if parsed.tool_calls:
             message["tool_calls"] = [

@@ -105,6 +105,66 @@ def test_completion_greedy_equals_engine_streamed_and_not(client, reference):
     assert "".join(c.choices[0].text for c in stream if c.choices) == want.text
 
 
+TRIP = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"], "additionalProperties": False,
+}  # fmt: skip
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                   "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+
+
+def test_structured_output_through_the_mesh_equals_the_engine(client, reference):
+    import json
+
+    import jsonschema
+    from pydantic import BaseModel
+
+    from kvmesh.agent import grammars
+
+    messages = [{"role": "user", "content": "Plan a trip: a city and a number of days, as JSON."}]
+    params = SamplingParams(max_tokens=48, temperature=0.0,
+                            grammar=grammars.json_schema(TRIP, "schema"))  # fmt: skip
+    want = reference.chat(messages, params)[0]
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": TRIP, "strict": True}}
+    full = client.chat.completions.create(model="smollm2-135m", messages=messages,
+                                          max_tokens=48, temperature=0, response_format=fmt)  # fmt: skip
+    assert full.choices[0].message.content == want.text
+    jsonschema.validate(json.loads(want.text), TRIP)
+
+    class Trip(BaseModel):
+        city: str
+        days: int
+
+    parsed = client.chat.completions.parse(model="smollm2-135m", messages=messages,
+                                           max_tokens=48, temperature=0, response_format=Trip)  # fmt: skip
+    assert isinstance(parsed.choices[0].message.parsed, Trip)
+
+
+def test_forced_tool_call_through_the_mesh_streamed_and_not(client):
+    import json
+
+    import jsonschema
+
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    fields = dict(model="smollm2-135m", messages=messages, max_tokens=48, temperature=0,
+                  tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})  # fmt: skip
+    full = client.chat.completions.create(**fields)
+    assert full.choices[0].finish_reason == "tool_calls"
+    (call,) = full.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    name, arguments = None, ""
+    for chunk in client.chat.completions.create(**fields, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            name = delta.function.name or name
+            arguments += delta.function.arguments or ""
+    assert (name, arguments) == ("get_weather", call.function.arguments)
+
+
 def test_concurrent_requests_spread_over_workers(client, mesh):
     from concurrent.futures import ThreadPoolExecutor
 

@@ -105,26 +105,32 @@ def test_tools_render_into_the_prompt_with_the_history(served, tok) -> None:
     assert "<tools>" not in tok.decode(backend.requests[-1].prompt_token_ids)
 
 
-def test_named_and_required_choices_force_the_call(served, tok) -> None:
+def test_named_and_required_choices_send_a_grammar(served) -> None:
     client, backend = served
-    backend.script('{"city": "Paris"}}\n</tool_call>')  # the model continues the forced start
+    backend.script('<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>')
     named = {"type": "function", "function": {"name": "get_weather"}}
     reply = _create(client, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=named)
     (call,) = reply.choices[0].message.tool_calls
-    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Paris"}')
-    prompt = tok.decode(backend.requests[-1].prompt_token_ids, skip_special_tokens=False)
-    assert prompt.endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
-    chunks = list(_create(client, tools=[WEATHER_TOOL], tool_choice=named, stream=True))
-    first = next(c for c in chunks if c.choices and c.choices[0].delta.tool_calls)
-    assert first.choices[0].delta.tool_calls[0].function.name == "get_weather"
-    backend.script('get_time", "arguments": {}}\n</tool_call>')
-    reply = _create(client, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required")
-    assert reply.choices[0].message.tool_calls[0].function.name == "get_time"
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city":"Paris"}')
+    grammar = backend.requests[-1].params.grammar
+    assert '"const": "get_weather"' in grammar and "get_time" not in grammar
+    assert "call)*" not in grammar  # named: that function, once
+    _create(client, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required")
+    grammar = backend.requests[-1].params.grammar
+    assert "anyOf" in grammar and '"const": "get_time"' in grammar
+    assert '("\\n" call)*' in grammar  # required: parallel calls allowed...
+    _create(client, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
+            parallel_tool_calls=False)  # fmt: skip
+    assert "call)*" not in backend.requests[-1].params.grammar  # ...unless turned off
+    _create(client, tools=[WEATHER_TOOL])  # auto: the model chooses, no grammar
+    assert backend.requests[-1].params.grammar is None
 
 
 def test_legacy_functions_map_onto_tools(served, tok) -> None:
     client, backend = served
-    backend.script('{"city": "Oslo"}}\n</tool_call>')
+    backend.script(
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    )
     reply = _create(client, functions=[WEATHER_TOOL["function"]],
                     function_call={"name": "get_weather"})  # fmt: skip
     assert reply.choices[0].message.tool_calls[0].function.arguments == '{"city": "Oslo"}'
@@ -157,6 +163,16 @@ BAD = [
      "'messages[0].tool_calls[0].function.name'"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "'messages[0].role'"),
     ({"functions": [WEATHER_TOOL["function"]], "tools": [WEATHER_TOOL]}, "not both"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "cannot both constrain"),
+    ({"response_format": {"type": "xml"}}, "'response_format.type' must be"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}},
+     "'response_format.json_schema.schema' cannot be enforced"),
+    ({"response_format": {"type": "grammar", "grammar": "start: nope"}},
+     "'response_format.grammar' cannot be enforced"),
+    ({"response_format": {"type": "choice", "choice": []}}, "'response_format.choice' must be"),
+    ({"guided_regex": "[a-z]+", "response_format": {"type": "json_object"}}, "at most one of"),
+    ({"guided_json": "{not json"}, "'guided_json' is not JSON"),
 ]  # fmt: skip
 
 
@@ -168,3 +184,26 @@ def test_bad_tool_requests_are_400_naming_the_field(tok, fields, message) -> Non
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and message in error["message"]
     assert json.dumps(error)  # plain JSON
+
+
+FORMATS = [
+    ({"response_format": {"type": "json_object"}}, '"type":"object"'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "strict": True,
+      "schema": {"type": "object", "properties": {"city": {"type": "string"}}}}}}, '"city"'),
+    ({"response_format": {"type": "regex", "regex": "[0-9]{3}"}}, "[0-9]{3}"),
+    ({"response_format": {"type": "choice", "choice": ["yes", "no"]}}, '"yes" | "no"'),
+    ({"response_format": {"type": "grammar", "grammar": 'start: "a"+'}}, 'start: "a"+'),
+    ({"guided_choice": ["left", "right"]}, '"left" | "right"'),
+    ({"response_format": {"type": "text"}}, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "marker"), FORMATS)
+def test_output_formats_become_grammars(served, fields, marker) -> None:
+    client, backend = served
+    backend.script("{}")
+    client.chat.completions.create(model=MODEL, messages=ASK, extra_body=fields)
+    grammar = backend.requests[-1].params.grammar
+    assert (
+        grammar is None if marker is None else (marker.replace(" ", "") in grammar.replace(" ", ""))
+    )

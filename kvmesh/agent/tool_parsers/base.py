@@ -32,8 +32,8 @@ class ToolParser(Protocol):
 
     def scan(self, text: str, final: bool) -> ScanState: ...
 
-    def call_prefix(self, name: str | None) -> str:
-        """How a reply that must call a tool (`name`: that one, None: any) begins."""
+    def call_grammar(self, call_schema: dict, many: bool) -> str:
+        """A Lark grammar (llguidance) for a reply made of forced calls in this format."""
         ...
 
 

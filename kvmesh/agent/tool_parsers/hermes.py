@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from kvmesh.agent.grammars import JSON_STYLE
 from kvmesh.agent.json_spans import ObjectScan, scan_object, skip_space
 from kvmesh.agent.tool_parsers.base import CallState, ScanState
 
@@ -32,11 +33,12 @@ class HermesParser:
             at = text.find(OPEN, close + len(CLOSE))
         return ScanState(text[:first].rstrip(), tuple(calls))
 
-    def call_prefix(self, name: str | None) -> str:
-        """How a reply that must call a tool (`name`: that one) begins."""
-        if name is None:
-            return f'{OPEN}\n{{"name": "'
-        return f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
+    def call_grammar(self, call_schema: dict, many: bool) -> str:
+        """A Lark grammar for a reply of forced calls ({"name", "arguments"} per `call_schema`;
+        `many`: one or more calls, else exactly one)."""
+        body = json.dumps({**call_schema, "x-guidance": JSON_STYLE})
+        more = ' ("\\n" call)*' if many else ""
+        return f'start: call{more}\ncall: "{OPEN}\\n" %json {body} "\\n{CLOSE}"\n'
 
 
 def certain_content(text: str, tag: str) -> str:

@@ -15,6 +15,7 @@ from typing import Protocol
 import structlog
 import torch
 
+from kvmesh.engine.constraints import Constraints, apply_bias, apply_masks
 from kvmesh.engine.runner import ModelRunner, StepResult
 from kvmesh.engine.sampler import Sampler, TokenLogprob
 from kvmesh.engine.scheduler import ScheduledChunk
@@ -188,10 +189,13 @@ def _round(value: float | None) -> float | None:
 def sample_step(
     result: StepResult, seqs: list[Sequence], sampler: Sampler,
     drafts: dict[str, tuple[int, ...]], stats: SpecStats | None,
+    constraints: Constraints | None = None,
 ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob | None]]]:  # fmt: skip
     """Tokens (and logprobs) each sampling sequence emits this step (`seqs`: the sequences of
-    `result.req_ids`)."""
+    `result.req_ids`), after the logits processors (grammar masks, logit bias)."""
     starts = [0, *itertools.accumulate(result.rows)][:-1]  # first row of each sequence
+    if constraints is not None:
+        process_logits(result, seqs, starts, drafts, constraints)
     plain = [i for i, n in enumerate(result.rows) if n == 1]
     tokens: dict[str, list[int]] = {}
     logprobs: dict[str, list[TokenLogprob | None]] = {}
@@ -219,6 +223,21 @@ def sample_step(
         if stats is not None:
             stats.record(seq.seq_id, len(draft), len(emitted))
     return tokens, logprobs
+
+
+def process_logits(result: StepResult, seqs: list[Sequence], starts: list[int],
+                   drafts: dict[str, tuple[int, ...]], constraints: Constraints) -> None:  # fmt: skip
+    """Each constrained sequence's rows masked by its grammar (the row verifying draft i by
+    the grammar's state after drafts[:i]) and biased, in place."""
+    for seq, start, count in zip(seqs, starts, result.rows, strict=True):
+        if not seq.params.has_processors:
+            continue
+        with torch.inference_mode():  # the logits are an inference tensor
+            rows = result.logits[start : start + count]
+            if seq.seq_id in constraints:
+                apply_masks(rows, constraints.masks(seq.seq_id, drafts.get(seq.seq_id, ())))
+            if seq.params.logit_bias:
+                apply_bias(rows, seq.params.logit_bias)
 
 
 def build_speculator(config, model_name: str, runner: ModelRunner,

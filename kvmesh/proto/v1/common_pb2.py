@@ -24,25 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"\xf7\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"c\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.kvmesh.v1.TopLogprob\"\xf4\x01\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1d\n\x15prefill_tokens_queued\x18\x05 \x01(\x04\x12\x18\n\x10kv_tokens_active\x18\x06 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x07 \x01(\x04\x12\x15\n\rkv_pages_used\x18\x08 \x01(\r\x12\x16\n\x0ekv_pages_total\x18\t \x01(\r\x12\x17\n\x0fkv_pages_hashed\x18\n \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"\x89\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x05\x88\x01\x01\x12\x14\n\x07grammar\x18\r \x01(\tH\x06\x88\x01\x01\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.kvmesh.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\n\n\x08_grammar\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"c\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.kvmesh.v1.TopLogprob\"\xf4\x01\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1d\n\x15prefill_tokens_queued\x18\x05 \x01(\x04\x12\x18\n\x10kv_tokens_active\x18\x06 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x07 \x01(\x04\x12\x15\n\rkv_pages_used\x18\x08 \x01(\r\x12\x16\n\x0ekv_pages_total\x18\t \x01(\r\x12\x17\n\x0fkv_pages_hashed\x18\n \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=934
-  _globals['_FINISHREASON']._serialized_end=1054
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1080
+  _globals['_FINISHREASON']._serialized_end=1200
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=413
-  _globals['_ERROR']._serialized_start=415
-  _globals['_ERROR']._serialized_end=453
-  _globals['_USAGE']._serialized_start=455
-  _globals['_USAGE']._serialized_end=535
-  _globals['_TOPLOGPROB']._serialized_start=537
-  _globals['_TOPLOGPROB']._serialized_end=584
-  _globals['_TOKENLOGPROB']._serialized_start=586
-  _globals['_TOKENLOGPROB']._serialized_end=685
-  _globals['_WORKERLOAD']._serialized_start=688
-  _globals['_WORKERLOAD']._serialized_end=932
+  _globals['_SAMPLINGPARAMS']._serialized_end=559
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=413
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=461
+  _globals['_ERROR']._serialized_start=561
+  _globals['_ERROR']._serialized_end=599
+  _globals['_USAGE']._serialized_start=601
+  _globals['_USAGE']._serialized_end=681
+  _globals['_TOPLOGPROB']._serialized_start=683
+  _globals['_TOPLOGPROB']._serialized_end=730
+  _globals['_TOKENLOGPROB']._serialized_start=732
+  _globals['_TOKENLOGPROB']._serialized_end=831
+  _globals['_WORKERLOAD']._serialized_start=834
+  _globals['_WORKERLOAD']._serialized_end=1078
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,63 @@
+"""Grammars for what a reply must be, in llguidance's formats (checked here, enforced by the
+engine that samples: engine/constraints.py): `response_format` json_object / json_schema, the
+kvmesh extras regex / choice / Lark grammar, and forced tool calls (tool_choice required or
+named, one call when parallel_tool_calls is false) in the model's tool-call format."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvmesh.agent.conversation import Conversation
+from kvmesh.errors import InvalidRequestError
+
+# compact JSON (", " / ": " are not allowed either): a small model under a mask that lets it
+# add whitespace can spend every token on it
+JSON_STYLE = {"whitespace_flexible": False}
+
+
+def json_schema(schema: dict[str, Any], field: str) -> str:
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+    return checked(grammar, field)
+
+
+def regex(pattern: str, field: str) -> str:
+    import llguidance
+
+    return checked(llguidance.LLMatcher.grammar_from_regex(pattern), field)
+
+
+def choice(options: list[str], field: str) -> str:
+    if not options or not all(isinstance(o, str) and o for o in options):
+        raise InvalidRequestError(f"'{field}' must be a non-empty array of non-empty strings")
+    return checked("start: " + " | ".join(json.dumps(o) for o in options) + "\n", field)
+
+
+def lark(grammar: str, field: str) -> str:
+    return checked(grammar, field)
+
+
+def checked(grammar: str, field: str) -> str:
+    """The grammar, if llguidance can use it; else a 400 naming the field and the reason."""
+    import llguidance
+
+    error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    if error:
+        raise InvalidRequestError(f"'{field}' cannot be enforced: {'; '.join(messages)}")
+    return grammar
+
+
+def tool_call_schema(conversation: Conversation) -> dict[str, Any] | None:
+    """The JSON schema of one forced call ({"name", "arguments"}), or None if none is forced."""
+    choice = conversation.tool_choice
+    if not conversation.tools or choice.mode not in ("required", "named"):
+        return None
+    tools = [t for t in conversation.tools if choice.name in (None, t.name)]
+    options = [
+        {"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+         "required": ["name", "arguments"], "additionalProperties": False}
+        for t in tools
+    ]  # fmt: skip
+    return options[0] if len(options) == 1 else {"anyOf": options}

@@ -1,0 +1,105 @@
+"""The engine's side of the P/D hand-over, as a part of `Engine` (engine.py): a decode worker
+reserves pages for a prompt another worker prefills, then commits the first token (replayed
+into the request's grammar); a prefill worker keeps a request's pages until `release`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvmesh.engine.outputs import Reservation, TokenOutput
+from kvmesh.engine.sampler import TokenLogprob
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.sequence import Sequence
+from kvmesh.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from kvmesh.engine.engine import Engine
+
+
+class HandOver:
+    def pages_of(self: Engine, request_id: str) -> list[int]:
+        """Block table of a running, reserved or kept request."""
+        seq = self._reserved.get(request_id) or self._kept.get(request_id)
+        seq = seq or self.scheduler.get(request_id)
+        return list(seq.block_table) if seq else []
+
+    def computed_pages_of(self: Engine, request_id: str) -> tuple[list[int], list[int]]:
+        """(block hashes, page ids) of a kept request's full pages whose KV is computed."""
+        seq = self._kept.get(request_id)
+        if seq is None:
+            return [], []
+        count = min(seq.num_computed_tokens // self.config.page_size, len(seq.block_hashes))
+        return list(seq.block_hashes[:count]), list(seq.block_table[:count])
+
+    def release(self: Engine, request_id: str) -> None:
+        """Free the pages a finished keep_pages request still holds."""
+        self._kept.pop(request_id, None)
+        self.scheduler.release(request_id)
+        if self.speculator is not None:
+            self.speculator.release([request_id], force=True)
+
+    def reserve(
+        self: Engine,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str = "",
+    ) -> Reservation | None:
+        """Allocate pages for a prompt another worker will fill; None when the pool is full now."""
+        self._validate(prompt_token_ids)
+        if self.scheduler.get(request_id) is not None or request_id in self._reserved:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        seq = Sequence(request_id, list(prompt_token_ids), params, cache_salt=cache_salt)
+        self._constrain(request_id, params)
+        prefix = self.block_manager.match_prefix(seq)
+        self.page_tags.stamp(self.block_manager.take_stamps())
+        if not self.block_manager.allocate(seq, seq.num_tokens - prefix.num_tokens, prefix):
+            self.constraints.release(request_id)
+            return None
+        # The new pages are readable only once the prefill worker has written their tags.
+        self.page_tags.stamp(self.block_manager.take_stamps(), pending=True)
+        self._reserved[request_id] = seq
+        return Reservation(
+            list(seq.block_table), len(prefix.page_ids), prefix.num_tokens, list(seq.page_tags)
+        )
+
+    def commit_prefilled(
+        self: Engine,
+        request_id: str,
+        first_token: int,
+        logprob: TokenLogprob | None,
+        cached_tokens: int,
+        draft_window: tuple[torch.Tensor, int] | None = None,
+    ) -> TokenOutput:
+        """The reserved pages now hold the prompt's KV: join the batch with the first token
+        (and, with EAGLE, the draft head's window of fused features from the prefill worker)."""
+        seq = self._reserved.pop(request_id)
+        seq.num_cached_tokens = max(seq.num_cached_tokens, cached_tokens)
+        if not self.constraints.commit(request_id, [first_token]):  # replayed: one grammar state
+            self.block_manager.free(seq)
+            self.constraints.release(request_id)
+            raise InvalidRequestError(
+                f"request {request_id}: the prefilled first token {first_token} does not follow "
+                "the request's grammar (prefill and decode disagree on it)"
+            )
+        reason = self.scheduler.add_prefilled(seq, first_token)
+        if reason is None and draft_window is not None and self.speculator is not None:
+            self.speculator.seed(seq, *draft_window)
+        return TokenOutput(
+            request_id,
+            [first_token],
+            [logprob],
+            reason is not None,
+            reason,
+            seq.num_prompt_tokens,
+            seq.num_cached_tokens,
+        )
+
+    def cancel_reservation(self: Engine, request_id: str) -> None:
+        """Free reserved pages; only once no transfer into them can still land."""
+        seq = self._reserved.pop(request_id, None)
+        self.constraints.release(request_id)
+        if seq is not None:
+            self.block_manager.free(seq)

@@ -1,0 +1,100 @@
+"""Grammars and logit bias in the engine on the real default model: outputs follow the grammar
+(checked with jsonschema), speculation keeps the constrained output, the P/D replay of a
+first token is validated, bad grammars are typed errors."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from kvmesh import LLM, SamplingParams
+from kvmesh.agent import grammars
+from kvmesh.errors import InvalidRequestError
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "tags": {"type": "array", "items": {"enum": ["sun", "rain", "snow"]}, "maxItems": 3},
+    },
+    "required": ["city", "days", "tags"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Plan a trip: give a city, a number of days and tags as JSON."}]
+
+
+def _params(grammar: str, **fields) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 80, "temperature": 0.0, "grammar": grammar, **fields})
+
+
+def test_json_schema_outputs_validate_greedy_and_sampled(llm):
+    grammar = grammars.json_schema(SCHEMA, "schema")
+    greedy = llm.chat(ASK, _params(grammar))[0]
+    assert greedy.finish_reason == "stop", greedy
+    jsonschema.validate(json.loads(greedy.text), SCHEMA)
+    sampled = llm.chat([ASK] * 4, _params(grammar, temperature=1.0, seed=7))
+    for out in sampled:
+        assert out.finish_reason == "stop", out
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    free = llm.chat(ASK, SamplingParams(max_tokens=20, temperature=0.0))[0]
+    assert free.text != greedy.text  # the grammar changed what the model says
+
+
+def test_choice_regex_and_cut_by_length(llm):
+    choice = llm.chat(ASK, _params(grammars.choice(["yes", "no", "maybe"], "c")))[0]
+    assert choice.text in ("yes", "no", "maybe") and choice.finish_reason == "stop"
+    number = llm.chat(ASK, _params(grammars.regex("[0-9]{3}-[0-9]{2}", "r")))[0]
+    assert len(number.text) == 6 and number.text[3] == "-" and number.finish_reason == "stop"
+    cut = llm.chat(ASK, _params(grammars.json_schema(SCHEMA, "s"), max_tokens=5))[0]
+    assert cut.finish_reason == "length"  # reported as cut, not as valid JSON
+    with pytest.raises(ValueError):
+        json.loads(cut.text)
+
+
+def test_logit_bias_moves_the_greedy_choice(llm):
+    plain = llm.chat(ASK, SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
+    banned = llm.chat(ASK, SamplingParams(max_tokens=1, temperature=0.0,
+                                          logit_bias=((plain, -100.0),)))[0]  # fmt: skip
+    assert banned.token_ids[0] != plain
+    forced = llm.chat(ASK, SamplingParams(max_tokens=1, temperature=0.0,
+                                          logit_bias=((1234, 100.0),)))[0]  # fmt: skip
+    assert forced.token_ids == [1234]
+
+
+def test_speculation_keeps_the_constrained_output(llm):
+    grammar = grammars.json_schema(SCHEMA, "schema")
+    reference = llm.chat(ASK, _params(grammar))[0]
+    spec = LLM(dtype="fp32", max_num_seqs=8, speculative="ngram", num_speculative_tokens=4)
+    echo = [*ASK, {"role": "assistant", "content": reference.text}, *ASK]  # drafts to propose
+    out = spec.chat([ASK, echo], _params(grammar))
+    assert out[0].text == reference.text
+    assert out[1].text == llm.chat(echo, _params(grammar))[0].text
+    assert spec.engine.speculator.stats.draft_tokens > 0  # drafts were cut and verified under masks
+
+
+def test_bad_grammar_and_bias_are_typed_errors(llm):
+    with pytest.raises(InvalidRequestError, match="grammar"):
+        llm.generate("hi", SamplingParams(grammar="start: nope"))
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        llm.generate("hi", SamplingParams(logit_bias=((10**7, 1.0),)))
+
+
+def test_a_prefilled_first_token_is_replayed_into_the_grammar(llm):
+    engine = llm.engine
+    grammar = grammars.choice(["yes", "no"], "c")
+    prompt = llm.tokenizer.encode_chat(ASK)
+    params = _params(grammar)
+    assert engine.reserve("replay-bad", prompt, params) is not None
+    maybe = llm.tokenizer.encode("maybe", add_special_tokens=False)[0]
+    with pytest.raises(InvalidRequestError, match="does not follow"):
+        engine.commit_prefilled("replay-bad", maybe, None, 0)
+    assert "replay-bad" not in engine.constraints
+    assert engine.reserve("replay-ok", prompt, params) is not None
+    yes = llm.tokenizer.encode("yes", add_special_tokens=False)[0]
+    engine.commit_prefilled("replay-ok", yes, None, 0)
+    assert "replay-ok" in engine.constraints
+    engine.abort("replay-ok")
+    assert "replay-ok" not in engine.constraints
