@@ -64,6 +64,21 @@ def openai_error_body(exc: BaseException) -> dict[str, Any]:
     return error_body(str(exc), type_, code)
 
 
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
+
+
+def anthropic_error_body(exc: BaseException) -> dict[str, Any]:
+    """Anthropic's error JSON for `exc`: {"type": "error", "error": {"type", "message"}}."""
+    status = http_status(exc)
+    message = openai_error_body(exc)["error"]["message"]  # a 500's text stays generic
+    error_type = _ANTHROPIC_TYPES.get(
+        status, "api_error" if status >= 500 else "invalid_request_error"
+    )
+    return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
 def grpc_status(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status a server aborts with for `exc`."""
     if isinstance(exc, InvalidRequestError):

@@ -31,6 +31,7 @@ class Delta:
     text: str
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended the output, if one did
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class Generation:
         self._backend_finished = chunk.finish_reason is not None
         result = self._detok.push(chunk.token_ids, final=self._backend_finished)
         finish = "stop" if result.stopped_on is not None else chunk.finish_reason
-        return Delta(result.delta, list(chunk.logprobs), finish)
+        return Delta(result.delta, list(chunk.logprobs), finish, result.stopped_on)
 
     async def _close(self, stream: AsyncIterator[GenerateChunk]) -> None:
         if self._closed:

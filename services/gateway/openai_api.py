@@ -36,6 +36,7 @@ from kvmesh.mesh import error_mapping, metrics
 from kvmesh.mesh.error_mapping import PayloadTooLargeError, http_status, openai_error_body
 from services.gateway import openai_protocol as proto
 from services.gateway import openai_responses as resp
+from services.gateway.anthropic_api import AnthropicApi
 from services.gateway.backend import GenerateBackend
 from services.gateway.generation import SERVICE, Delta, Generation, Routing
 from services.gateway.openai_responses import LogprobFormatter, ResponseMeta
@@ -55,13 +56,18 @@ def create_app(
     readiness: Readiness | None = None,
     tool_parser: str | None = None,
 ) -> Starlette:
-    """POST /v1/chat/completions, /v1/completions; GET /v1/models, /health (readiness: 503
+    """POST /v1/chat/completions, /v1/completions, /v1/messages (+ /count_tokens: Anthropic's
+    API); GET /v1/models, /health (readiness: 503
     until a request would succeed), /live (liveness), /metrics. `tool_parser`: the format of
     the model's tool calls (None: chosen from its chat template)."""
     api = _OpenAIApi(backend, tokenizer, max_body_bytes, tool_parser)
+    anthropic = AnthropicApi(backend, tokenizer, api.served,
+                             lambda request: _read_json(request, max_body_bytes))  # fmt: skip
     routes = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/messages", anthropic.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/health", _health_endpoint(readiness or AlwaysReady()), methods=["GET"]),
         Route("/live", _live, methods=["GET"]),
@@ -105,7 +111,7 @@ class _OpenAIApi:
         self._tokenizer = tokenizer
         self._max_body_bytes = max_body_bytes
         parser = tool_parser or parser_for(tokenizer.hf.chat_template)
-        self._served = proto.ServedModel(backend.model_name, backend.max_model_len, parser)
+        self.served = proto.ServedModel(backend.model_name, backend.max_model_len, parser)
         self._created = int(time.time())
 
     async def chat(self, request: Request) -> Response:
@@ -115,8 +121,8 @@ class _OpenAIApi:
         return await self._generate(request, "completion")
 
     async def models(self, request: Request) -> Response:
-        card = {"id": self._served.name, "object": "model", "created": self._created}
-        card |= {"owned_by": "kvmesh", "max_model_len": self._served.max_model_len}
+        card = {"id": self.served.name, "object": "model", "created": self._created}
+        card |= {"owned_by": "kvmesh", "max_model_len": self.served.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
     async def _generate(self, request: Request, kind: proto.Kind) -> Response:
@@ -125,7 +131,7 @@ class _OpenAIApi:
         try:
             body = await _read_json(request, self._max_body_bytes)
             parsed = await run_in_threadpool(
-                proto.parse_request, kind, body, self._tokenizer, self._served
+                proto.parse_request, kind, body, self._tokenizer, self.served
             )
             log.info("request.accepted", kind=kind, prompt_tokens=len(parsed.prompt_token_ids),
                      max_tokens=parsed.params.max_tokens, stream=parsed.stream)  # fmt: skip

@@ -79,15 +79,15 @@ def parse_request(
     """Validate `body` (decoded JSON); raises InvalidRequestError / ModelNotFoundError."""
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
-    model = _check_model(body, served)
+    model = check_model(body, served)
     _check_unsupported(body)
     stream, include_usage = _stream_options(body)
     tools, forced = None, None
     if kind == "chat":
         conversation = parse_conversation(body)
         tools = ToolSetup(served.tool_parser) if conversation.offers_tools else None
-        forced = _forced_calls(conversation, served.tool_parser)
-        prompt = _chat_prompt(conversation, tokenizer)
+        forced = forced_calls(conversation, served.tool_parser)
+        prompt = chat_prompt(conversation, tokenizer)
         requested = _get(body, "max_completion_tokens", int)
         requested = _get(body, "max_tokens", int) if requested is None else requested
         logprobs = _chat_logprobs(body)
@@ -95,7 +95,7 @@ def parse_request(
         prompt = _completion_prompt(body, tokenizer)
         requested = _get(body, "max_tokens", int)
         logprobs = _get(body, "logprobs", int)
-    max_tokens = _default_max_tokens(len(prompt), served) if requested is None else requested
+    max_tokens = default_max_tokens(len(prompt), served) if requested is None else requested
     output = output_grammar(body)
     if forced is not None and output is not None:
         raise InvalidRequestError(
@@ -103,7 +103,7 @@ def parse_request(
             "both constrain the reply"
         )
     params = _sampling(body, max_tokens, logprobs, forced or output)
-    _check_context(kind, len(prompt), max_tokens, served.max_model_len)
+    check_context(kind, len(prompt), max_tokens, served.max_model_len)
     return ParsedRequest(
         kind, model, tuple(prompt), replace(params, stop=()), params.stop,
         stream, include_usage, _get(body, "user", str), tools,
@@ -124,7 +124,7 @@ def _get(body: dict[str, Any], name: str, kind: type[T]) -> T | None:
     raise InvalidRequestError(f"'{name}' must be of type {_JSON_NAMES[kind]}, got {got}")
 
 
-def _check_model(body: dict[str, Any], served: ServedModel) -> str:
+def check_model(body: dict[str, Any], served: ServedModel) -> str:
     """A missing model means the served one; any other name is unknown."""
     model = _get(body, "model", str)
     if model is None:
@@ -154,7 +154,7 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(_get(options, "include_usage", bool))
 
 
-def _forced_calls(conversation: Conversation, parser_name: str) -> str | None:
+def forced_calls(conversation: Conversation, parser_name: str) -> str | None:
     """The grammar of a reply that must call tools (tool_choice required / named)."""
     schema = grammars.tool_call_schema(conversation)
     if schema is None:
@@ -166,7 +166,7 @@ def _forced_calls(conversation: Conversation, parser_name: str) -> str | None:
     return grammars.checked(grammar, "tool_choice")
 
 
-def _chat_prompt(conversation: Conversation, tokenizer: Tokenizer) -> list[int]:
+def chat_prompt(conversation: Conversation, tokenizer: Tokenizer) -> list[int]:
     kwargs = template_messages(conversation, tokenizer.hf.chat_template)
     try:
         return tokenizer.encode_chat(kwargs.pop("messages"), **kwargs)
@@ -206,7 +206,7 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     return (top or 0) if enabled else None
 
 
-def _default_max_tokens(prompt_len: int, served: ServedModel) -> int:
+def default_max_tokens(prompt_len: int, served: ServedModel) -> int:
     # At least 1, so a prompt that fills the context fails the context check below.
     return max(1, min(served.max_model_len - prompt_len, DEFAULT_MAX_TOKENS))
 
@@ -230,7 +230,7 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     raise InvalidRequestError("'stop' must be a string or an array of strings")
 
 
-def _check_context(kind: Kind, prompt_len: int, max_tokens: int, limit: int) -> None:
+def check_context(kind: Kind, prompt_len: int, max_tokens: int, limit: int) -> None:
     total = prompt_len + max_tokens
     if total <= limit:
         return

@@ -1,0 +1,145 @@
+"""Anthropic's Messages API on the gateway through the official anthropic client: text and
+tool_use replies whole and streamed event by event, tool choices, history blocks,
+count_tokens, stop sequences and errors in Anthropic's shape."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import anthropic
+import pytest
+
+from kvmesh.engine.loader import resolve_model
+from kvmesh.engine.tokenizer import Tokenizer
+from services.gateway.openai_api import create_app
+from tests.unit.fake_backend import ANSWER, FakeBackend, cached_tokens_for, serve_app
+
+MODEL = "smollm2-135m"
+ASK = [{"role": "user", "content": "Weather in Paris and the time?"}]
+WEATHER = {"name": "get_weather", "description": "Current weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}  # fmt: skip
+TIME = {"name": "get_time", "input_schema": {"type": "object", "properties": {}}}
+CALLS = (
+    "Checking.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "units": ["C"]}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_source(resolve_model(MODEL))
+
+
+@pytest.fixture
+def served(tok: Tokenizer) -> Iterator[tuple[anthropic.Anthropic, FakeBackend]]:
+    backend = FakeBackend(tok, tokens_per_chunk=1)
+    with serve_app(create_app(backend, tok)) as url:
+        base = url.removesuffix("/v1")
+        yield anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0), backend
+
+
+def _create(client: anthropic.Anthropic, **fields):
+    return client.messages.create(model=MODEL, **{"max_tokens": 200, "messages": ASK, **fields})
+
+
+def test_text_reply_whole_and_streamed(served, tok) -> None:
+    client, backend = served
+    reply = _create(client, system="Be brief.")
+    assert [b.type for b in reply.content] == ["text"] and reply.content[0].text == ANSWER
+    assert reply.stop_reason == "end_turn" and reply.id.startswith("msg_")
+    prompt = len(backend.requests[-1].prompt_token_ids)
+    usage = reply.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == prompt
+    assert usage.cache_read_input_tokens == cached_tokens_for(prompt)
+    assert usage.output_tokens == len(backend.answer_ids) + 1
+    assert "Be brief." in tok.decode(backend.requests[-1].prompt_token_ids)
+    with client.messages.stream(model=MODEL, max_tokens=200, messages=ASK) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert final.content[0].text == ANSWER and final.stop_reason == "end_turn"
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert kinds[-2] == "message_delta" and kinds.count("content_block_start") == 1
+    assert kinds.count("content_block_stop") == 1
+
+
+def test_tool_use_blocks_whole_and_streamed(served) -> None:
+    client, backend = served
+    backend.script(CALLS)
+    reply = _create(client, tools=[WEATHER, TIME])
+    assert reply.stop_reason == "tool_use"
+    assert [b.type for b in reply.content] == ["text", "tool_use", "tool_use"]
+    text, weather, clock = reply.content
+    assert text.text == "Checking."
+    assert (weather.name, weather.input) == ("get_weather", {"city": "Paris", "units": ["C"]})
+    assert (clock.name, clock.input) == ("get_time", {})
+    assert weather.id.startswith("toolu_") and weather.id != clock.id
+    with client.messages.stream(model=MODEL, max_tokens=200, messages=ASK,
+                                tools=[WEATHER, TIME]) as stream:  # fmt: skip
+        events = list(stream)
+        final = stream.get_final_message()
+    assert [(b.type, getattr(b, "input", None)) for b in final.content] == [
+        (b.type, getattr(b, "input", None)) for b in reply.content
+    ]
+    assert final.stop_reason == "tool_use"
+    json_deltas = [e for e in events if e.type == "content_block_delta"
+                   and e.delta.type == "input_json_delta"]  # fmt: skip
+    assert len(json_deltas) > 4  # the input streamed piece by piece
+    starts = [e.index for e in events if e.type == "content_block_start"]
+    stops = [e.index for e in events if e.type == "content_block_stop"]
+    assert starts == stops == [0, 1, 2]
+
+
+def test_tool_choices_history_and_count_tokens(served, tok) -> None:
+    client, backend = served
+    _create(client, tools=[WEATHER, TIME], tool_choice={"type": "any"})
+    assert "anyOf" in backend.requests[-1].params.grammar
+    _create(client, tools=[WEATHER, TIME], tool_choice={"type": "tool", "name": "get_time"})
+    assert '"const": "get_time"' in backend.requests[-1].params.grammar
+    _create(client, tools=[WEATHER], tool_choice={"type": "none"})
+    assert "<tools>" not in tok.decode(backend.requests[-1].prompt_token_ids)
+    history = [
+        *ASK,
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "I should call the tool.", "signature": "x"},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "18 C"}]},
+            {"type": "text", "text": "And tomorrow?"}]},
+    ]  # fmt: skip
+    _create(client, messages=history, tools=[WEATHER])
+    prompt = tok.decode(backend.requests[-1].prompt_token_ids, skip_special_tokens=False)
+    assert "<tool_response>\n18 C\n</tool_response>" in prompt and "And tomorrow?" in prompt
+    assert '"arguments": {"city": "Paris"}' in prompt and "I should call" not in prompt
+    counted = client.messages.count_tokens(model=MODEL, messages=history, tools=[WEATHER])
+    assert counted.input_tokens == len(backend.requests[-1].prompt_token_ids)
+
+
+def test_stop_sequence_reported(served) -> None:
+    client, _ = served
+    reply = _create(client, stop_sequences=["famous"])
+    assert reply.stop_reason == "stop_sequence" and reply.stop_sequence == "famous"
+    assert reply.content[0].text == ANSWER[: ANSWER.index("famous")]
+
+
+BAD = [
+    ({"max_tokens": None}, "'max_tokens' is required"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "'messages[0].content[0].type' 'image' is not supported"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "'messages[0].role'"),
+    ({"tools": [{"name": "t"}]}, "'tools[0].input_schema'"),
+    ({"tool_choice": {"type": "sometimes"}}, "'tool_choice' must be"),
+    ({"temperature": 1.5}, "'temperature' must be a number in [0.0, 1.0]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "message"), BAD)
+def test_bad_requests_get_anthropic_errors(served, fields, message) -> None:
+    client, _ = served
+    body = {"model": MODEL, "max_tokens": 64, "messages": ASK, **fields}
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.post("/v1/messages", cast_to=object, body={k: v for k, v in body.items()
+                                                          if v is not None})  # fmt: skip
+    error = info.value.body
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert message in error["error"]["message"]
