@@ -41,6 +41,7 @@ from services.gateway.backend import GenerateBackend
 from services.gateway.generation import SERVICE, Delta, Generation, Routing
 from services.gateway.openai_responses import LogprobFormatter, ResponseMeta
 from services.gateway.readiness import AlwaysReady, Readiness
+from services.gateway.responses_api import ResponsesApi
 from services.gateway.tool_output import ToolReply
 from services.gateway.tool_output import finish_reason as finish_reason_of
 
@@ -56,16 +57,18 @@ def create_app(
     readiness: Readiness | None = None,
     tool_parser: str | None = None,
 ) -> Starlette:
-    """POST /v1/chat/completions, /v1/completions, /v1/messages (+ /count_tokens: Anthropic's
+    """POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages (+ /count_tokens: Anthropic's
     API); GET /v1/models, /health (readiness: 503
     until a request would succeed), /live (liveness), /metrics. `tool_parser`: the format of
     the model's tool calls (None: chosen from its chat template)."""
     api = _OpenAIApi(backend, tokenizer, max_body_bytes, tool_parser)
-    anthropic = AnthropicApi(backend, tokenizer, api.served,
-                             lambda request: _read_json(request, max_body_bytes))  # fmt: skip
+    read = lambda request: _read_json(request, max_body_bytes)  # noqa: E731
+    anthropic = AnthropicApi(backend, tokenizer, api.served, read)
+    responses = ResponsesApi(backend, tokenizer, api.served, read)
     routes = [
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/v1/messages", anthropic.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 import anthropic
 import pytest
 
-from kvmesh.engine.loader import resolve_model
 from kvmesh.engine.tokenizer import Tokenizer
 from services.gateway.openai_api import create_app
 from tests.unit.fake_backend import ANSWER, FakeBackend, cached_tokens_for, serve_app
@@ -24,11 +23,6 @@ CALLS = (
     '{"name": "get_weather", "arguments": {"city": "Paris", "units": ["C"]}}\n</tool_call>\n'
     '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 )
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_source(resolve_model(MODEL))
 
 
 @pytest.fixture

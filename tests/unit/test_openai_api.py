@@ -12,7 +12,6 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from kvmesh.engine.loader import resolve_model
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import (
     CapacityError,
@@ -38,11 +37,6 @@ MODEL = "smollm2-135m"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_source(resolve_model(MODEL))
 
 
 @pytest.fixture

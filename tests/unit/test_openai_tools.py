@@ -4,17 +4,14 @@ render into, calls parsed from the reply (whole and streamed), forced tool choic
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 from starlette.testclient import TestClient
 
-from kvmesh.engine.loader import resolve_model
-from kvmesh.engine.tokenizer import Tokenizer
 from services.gateway.openai_api import create_app
-from tests.unit.fake_backend import FakeBackend, serve_app
+from tests.unit.fake_backend import FakeBackend
 
 MODEL = "smollm2-135m"
 WEATHER_TOOL = {
@@ -36,16 +33,9 @@ TWO_CALLS = (
 )
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_source(resolve_model(MODEL))
-
-
 @pytest.fixture
-def served(tok: Tokenizer) -> Iterator[tuple[openai.OpenAI, FakeBackend]]:
-    backend = FakeBackend(tok, tokens_per_chunk=1)
-    with serve_app(create_app(backend, tok)) as url:
-        yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30), backend
+def served(openai_served):
+    return openai_served
 
 
 def _create(client: openai.OpenAI, **fields: Any) -> Any:

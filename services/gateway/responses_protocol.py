@@ -1,0 +1,139 @@
+"""OpenAI Responses (stateless) -> the internal `Conversation` and a `ParsedRequest`: `input` as
+a string or items (messages with roles system / developer / user / assistant, function_call
+and function_call_output items; reasoning items accepted, not rendered), `instructions`, flat
+function `tools`, `tool_choice`, `parallel_tool_calls`, `max_output_tokens`, `text.format`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from kvmesh.agent.conversation import ROLES, Conversation
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.errors import InvalidRequestError
+from services.gateway import openai_protocol as common
+from services.gateway.openai_chat import parse_conversation as parse_chat
+from services.gateway.openai_protocol import ParsedRequest, ServedModel, ToolSetup
+from services.gateway.output_format import output_grammar
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def parse_response_request(body: Any, tokenizer: Tokenizer, served: ServedModel) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    if body.get("previous_response_id") is not None:
+        raise InvalidRequestError(
+            "'previous_response_id' is not supported: this server is stateless; send the "
+            "whole conversation in 'input'"
+        )
+    conversation = parse_conversation(body)
+    prompt = common.chat_prompt(conversation, tokenizer)
+    requested = body.get("max_output_tokens")
+    if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool)):
+        raise InvalidRequestError("'max_output_tokens' must be an integer")
+    max_tokens = requested or common.default_max_tokens(len(prompt), served)
+    common.check_context("chat", len(prompt), max_tokens, served.max_model_len)
+    forced = common.forced_calls(conversation, served.tool_parser)
+    output = _text_format(body)
+    if forced is not None and output is not None:
+        raise InvalidRequestError(
+            "a forced tool call and 'text.format' cannot both constrain the reply"
+        )
+    fields = {n: float(body[n]) for n in ("temperature", "top_p") if _number(body, n)}
+    params = SamplingParams(max_tokens=max_tokens, grammar=forced or output, **fields)
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise InvalidRequestError("'stream' must be a boolean")
+    tools = ToolSetup(served.tool_parser) if conversation.offers_tools else None
+    model = common.check_model(body, served)
+    return ParsedRequest("chat", model, tuple(prompt), replace(params, stop=()), (), stream,
+                         tools=tools)  # fmt: skip
+
+
+def parse_conversation(body: dict[str, Any]) -> Conversation:
+    """The Responses body as chat messages, then the chat translator's rules (one place)."""
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise InvalidRequestError("'input' must be a string or a non-empty array of items")
+    messages: list[dict[str, Any]] = []
+    if body.get("instructions"):
+        messages.append({"role": "system", "content": body["instructions"]})
+    for i, item in enumerate(items):
+        messages.extend(_item(i, item, messages))
+    chat = {"messages": messages, "tools": [_tool(i, t) for i, t in enumerate(body.get("tools") or [])],
+            "tool_choice": _choice(body.get("tool_choice")),
+            "parallel_tool_calls": body.get("parallel_tool_calls")}  # fmt: skip
+    return parse_chat({k: v for k, v in chat.items() if v not in (None, [])})
+
+
+def _item(i: int, item: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    at = f"input[{i}]"
+    if not isinstance(item, dict):
+        raise InvalidRequestError(f"'{at}' must be an object")
+    kind = item.get("type", "message")
+    if kind == "message":
+        if item.get("role") not in ROLES or item.get("role") == "tool":
+            raise InvalidRequestError(f"'{at}.role' must be system, developer, user or assistant")
+        return [{"role": item["role"], "content": _content(at, item.get("content"))}]
+    if kind == "function_call":
+        call = {"id": item.get("call_id"), "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}  # fmt: skip
+        if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("content"):
+            messages[-1].setdefault("tool_calls", []).append(call)  # parallel calls: one turn
+            return []
+        return [{"role": "assistant", "content": None, "tool_calls": [call]}]
+    if kind == "function_call_output":
+        output = item.get("output")
+        if not isinstance(output, str):
+            raise InvalidRequestError(f"'{at}.output' must be a string")
+        return [{"role": "tool", "tool_call_id": item.get("call_id"), "content": output}]
+    if kind == "reasoning":
+        return []
+    raise InvalidRequestError(
+        f"'{at}.type' {kind!r} is not supported (message, function_call, function_call_output)"
+    )
+
+
+def _content(at: str, content: Any) -> Any:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return [{"type": "text", "text": p.get("text")} if isinstance(p, dict)
+                and p.get("type") in _TEXT_PARTS else p for p in content]  # fmt: skip
+    raise InvalidRequestError(f"'{at}.content' must be a string or an array of text parts")
+
+
+def _tool(i: int, tool: Any) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise InvalidRequestError(f"'tools[{i}]' must be a function tool (type \"function\")")
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+    return {"type": "function", "function": function}
+
+
+def _choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def _text_format(body: dict[str, Any]) -> str | None:
+    text = body.get("text") or {}
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":  # flat in Responses
+        fmt = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
+    return output_grammar({"response_format": fmt})
+
+
+def _number(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequestError(f"'{name}' must be a number")
+    return True

@@ -1,0 +1,28 @@
+"""Fixtures of the gateway's API tests: the default model's tokenizer, and the gateway app
+over a scripted backend on a real server with the official openai client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from kvmesh.engine.loader import resolve_model
+from kvmesh.engine.tokenizer import Tokenizer
+from tests.unit.fake_backend import FakeBackend, serve_app
+
+
+@pytest.fixture(scope="session")
+def tok() -> Tokenizer:
+    return Tokenizer.from_source(resolve_model("smollm2-135m"))
+
+
+@pytest.fixture
+def openai_served(tok: Tokenizer) -> Iterator[tuple[openai.OpenAI, FakeBackend]]:
+    """(client, backend): the backend replies token by token what a test scripts."""
+    from services.gateway.openai_api import create_app
+
+    backend = FakeBackend(tok, tokens_per_chunk=1)
+    with serve_app(create_app(backend, tok)) as url:
+        yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30), backend
