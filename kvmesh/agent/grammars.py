@@ -61,3 +61,15 @@ def tool_call_schema(conversation: Conversation) -> dict[str, Any] | None:
         for t in tools
     ]  # fmt: skip
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def token_literals(hf_tokenizer: Any):
+    """Delimiter -> Lark literal for this tokenizer: `<[id]>` where the delimiter is one
+    added / special token (llguidance matches those by id only), else the quoted text."""
+    added = getattr(hf_tokenizer, "get_added_vocab", dict)()
+
+    def literal(tag: str) -> str:
+        token = added.get(tag)
+        return f"<[{token}]>" if token is not None else json.dumps(tag)
+
+    return literal

@@ -31,10 +31,10 @@ def parse_messages(body: Any, tokenizer: Tokenizer, served: ServedModel) -> Pars
     stop = body.get("stop_sequences") or []
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise InvalidRequestError("'stop_sequences' must be an array of non-empty strings")
+    grammar = common.forced_calls(conversation, served.tool_parser, tokenizer)
     params = SamplingParams(
-        max_tokens=max_tokens, stop=tuple(stop), grammar=common.forced_calls(conversation, served.tool_parser),
-        **_sampling_fields(body),
-    )  # fmt: skip
+        max_tokens=max_tokens, stop=tuple(stop), grammar=grammar, **_sampling_fields(body)
+    )
     tools = ToolSetup(served.tool_parser) if conversation.offers_tools else None
     stream = body.get("stream") or False
     if not isinstance(stream, bool):

@@ -64,9 +64,15 @@ class Generation:
         self._request_id = request_id
         self._started = started
         params = parsed.params
+        # a reply read for tool calls keeps special tokens: several formats delimit calls with them
+        skip_special = params.skip_special_tokens and parsed.tools is None
+        # ...but never the tokens that end the reply (EOS, stop token ids)
+        self._hidden = (
+            frozenset() if skip_special else tokenizer.eos_token_ids | set(params.stop_token_ids)
+        )
         self._detok = IncrementalDetokenizer(
             tokenizer, parsed.stop, params.include_stop_str_in_output,
-            params.skip_special_tokens, parsed.prompt_token_ids,
+            skip_special, parsed.prompt_token_ids,
         )  # fmt: skip
         self._first_token_at: float | None = None
         self._backend_finished = False
@@ -106,7 +112,12 @@ class Generation:
         self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
         self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
         self._backend_finished = chunk.finish_reason is not None
-        result = self._detok.push(chunk.token_ids, final=self._backend_finished)
+        ids = (
+            [t for t in chunk.token_ids if t not in self._hidden]
+            if self._hidden
+            else chunk.token_ids
+        )
+        result = self._detok.push(ids, final=self._backend_finished)
         finish = "stop" if result.stopped_on is not None else chunk.finish_reason
         return Delta(result.delta, list(chunk.logprobs), finish, result.stopped_on)
 

@@ -86,7 +86,7 @@ def parse_request(
     if kind == "chat":
         conversation = parse_conversation(body)
         tools = ToolSetup(served.tool_parser) if conversation.offers_tools else None
-        forced = forced_calls(conversation, served.tool_parser)
+        forced = forced_calls(conversation, served.tool_parser, tokenizer)
         prompt = chat_prompt(conversation, tokenizer)
         requested = _get(body, "max_completion_tokens", int)
         requested = _get(body, "max_tokens", int) if requested is None else requested
@@ -154,7 +154,7 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(_get(options, "include_usage", bool))
 
 
-def forced_calls(conversation: Conversation, parser_name: str) -> str | None:
+def forced_calls(conversation: Conversation, parser_name: str, tokenizer: Tokenizer) -> str | None:
     """The grammar of a reply that must call tools (tool_choice required / named)."""
     schema = grammars.tool_call_schema(conversation)
     if schema is None:
@@ -162,7 +162,8 @@ def forced_calls(conversation: Conversation, parser_name: str) -> str | None:
     # named: that function, once (as vLLM and OpenAI do); required: one call, or several
     # unless parallel_tool_calls is false
     many = conversation.tool_choice.mode == "required" and conversation.parallel_tool_calls
-    grammar = get_parser(parser_name).call_grammar(schema, many)
+    literal = grammars.token_literals(tokenizer.hf)
+    grammar = get_parser(parser_name).call_grammar(schema, many, literal)
     return grammars.checked(grammar, "tool_choice")
 
 

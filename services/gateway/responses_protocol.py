@@ -35,7 +35,7 @@ def parse_response_request(body: Any, tokenizer: Tokenizer, served: ServedModel)
         raise InvalidRequestError("'max_output_tokens' must be an integer")
     max_tokens = requested or common.default_max_tokens(len(prompt), served)
     common.check_context("chat", len(prompt), max_tokens, served.max_model_len)
-    forced = common.forced_calls(conversation, served.tool_parser)
+    forced = common.forced_calls(conversation, served.tool_parser, tokenizer)
     output = _text_format(body)
     if forced is not None and output is not None:
         raise InvalidRequestError(

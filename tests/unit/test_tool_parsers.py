@@ -41,17 +41,44 @@ HERMES_CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("text", "content", "calls"), HERMES_CASES)
-def test_hermes_whole_output(text, content, calls):
-    parsed = parse_output(get_parser("hermes"), text)
+KIMI = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+        "<|tool_call_begin|>functions.now:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
+        "<|tool_calls_section_end|>")  # fmt: skip
+DEEPSEEK = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+            '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>'
+            '<｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')  # fmt: skip
+GLM = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+       "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+       "<tool_call>now\n</tool_call>")  # fmt: skip
+OTHER_CASES = [
+    ("kimi_k2", "Sure. " + KIMI, "Sure.", [("get_weather", '{"city": "Paris"}'), ("now", "{}")]),
+    ("kimi_k2", "no calls <|tool", "no calls <|tool", []),
+    ("deepseek_v3", "Let me see.\n" + DEEPSEEK, "Let me see.",
+     [("get_weather", '{"city": "Paris"}'), ("now", "{}")]),
+    ("glm45", "Checking " + GLM, "Checking",
+     [("get_weather", '{"city": "Paris", "days": 3}'), ("now", "{}")]),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+     '{"name": "now", "parameters": {}}', "", [("get_weather", '{"city": "Paris"}'), ("now", "{}")]),
+    ("llama3_json", '<|python_tag|>{"name": "now", "parameters": {}}', "", [("now", "{}")]),
+    ("llama3_json", 'Hello <|python_tag|>{"name": "now", "parameters": {}}', "Hello", [("now", "{}")]),
+    ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),  # JSON naming no function: content
+    ("llama3_json", "Just words.", "Just words.", []),
+]  # fmt: skip
+ALL_CASES = [("hermes", *case) for case in HERMES_CASES] + OTHER_CASES
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), ALL_CASES)
+def test_whole_output(parser, text, content, calls):
+    parsed = parse_output(get_parser(parser), text)
     assert parsed.content == content
     assert [(c.name, c.arguments) for c in parsed.tool_calls] == calls
     assert len({c.id for c in parsed.tool_calls}) == len(calls)
     assert all(c.id.startswith("call_") for c in parsed.tool_calls)
 
 
-def _stream(text: str, cuts: list[int]):
-    stream = ToolCallStream(get_parser("hermes"))
+def _stream(text: str, cuts: list[int], parser: str = "hermes"):
+    stream = ToolCallStream(get_parser(parser))
     events = []
     bounds = [0, *cuts, len(text)]
     for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
@@ -73,11 +100,12 @@ def _assemble(events):
     return content, [tuple(c) for c in calls.values()]
 
 
-@pytest.mark.parametrize(("text", "content", "calls"), HERMES_CASES)
-def test_hermes_stream_adds_up_whatever_the_split(text, content, calls):
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), ALL_CASES)
+def test_stream_adds_up_whatever_the_split(parser, text, content, calls):
     for cut in range(len(text) + 1):  # two pieces at every point
-        assert _assemble(_stream(text, [cut])) == (content, calls), cut
-    assert _assemble(_stream(text, list(range(1, len(text))))) == (content, calls)  # by char
+        assert _assemble(_stream(text, [cut], parser)) == (content, calls), cut
+    by_char = _stream(text, list(range(1, len(text))), parser)
+    assert _assemble(by_char) == (content, calls)
 
 
 def test_stream_sends_name_first_then_only_new_argument_text():
@@ -92,5 +120,46 @@ def test_stream_sends_name_first_then_only_new_argument_text():
 def test_parser_registry():
     assert parser_for(None) == "hermes"
     assert parser_for("{% if tools %}<tool_call>{% endif %}") == "hermes"
+    assert parser_for("<tool_call>{{ name }}<arg_key>") == "glm45"
+    assert parser_for("<|tool_calls_section_begin|>") == "kimi_k2"
+    assert parser_for("<｜tool▁calls▁begin｜>") == "deepseek_v3"
+    assert parser_for("{{ '<|python_tag|>' }}") == "llama3_json"
     with pytest.raises(InvalidRequestError, match="unknown tool-call parser"):
         get_parser("nope")
+
+
+FORCED = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+CANONICAL = {  # what each format's forced-call grammar must accept, as text
+    "hermes": '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>',
+    "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+    '<|tool_call_argument_begin|>{"city":"Paris"}<|tool_call_end|><|tool_calls_section_end|>',
+    "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+    '```json\n{"city":"Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "llama3_json": '{"name":"get_weather","parameters":{"city":"Paris"}}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(CANONICAL))
+def test_forced_call_grammars_accept_their_format(name, tok):
+    import llguidance
+    import llguidance.hf
+
+    from kvmesh.agent import grammars
+    from kvmesh.agent.conversation import Conversation, Message, Tool, ToolChoice
+
+    conversation = Conversation((Message("user", "hi"),), (Tool("get_weather", "", FORCED),),
+                                ToolChoice("named", "get_weather"))  # fmt: skip
+    parser = get_parser(name)
+    grammar = grammars.checked(
+        parser.call_grammar(
+            grammars.tool_call_schema(conversation), False, grammars.token_literals(tok.hf)
+        ),
+        "g",
+    )
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tok.hf), grammar)
+    ids = tok.encode(CANONICAL[name], add_special_tokens=False)
+    assert matcher.validate_tokens(ids) == len(ids)
+    matcher.consume_tokens(ids)
+    assert matcher.is_accepting()
+    (call,) = parse_output(parser, CANONICAL[name]).tool_calls
+    assert (call.name, call.arguments) == ("get_weather", '{"city":"Paris"}')

@@ -13,14 +13,27 @@ from kvmesh.agent.tool_parsers.base import (
     ToolParser,
     parse_output,
 )
+from kvmesh.agent.tool_parsers.deepseek_v3 import DeepSeekV3Parser
+from kvmesh.agent.tool_parsers.glm45 import Glm45Parser
 from kvmesh.agent.tool_parsers.hermes import HermesParser
+from kvmesh.agent.tool_parsers.kimi_k2 import KimiK2Parser
+from kvmesh.agent.tool_parsers.llama3_json import Llama3JsonParser
 from kvmesh.errors import InvalidRequestError
 
-PARSERS: dict[str, type] = {"hermes": HermesParser}
+PARSERS: dict[str, type] = {
+    parser.name: parser
+    for parser in (HermesParser, Llama3JsonParser, KimiK2Parser, DeepSeekV3Parser, Glm45Parser)
+}
 
 # A marker of each format in a chat template, most specific first; a template with none of
 # them gets the built-in tool template, whose format is hermes.
-_MARKERS: tuple[tuple[str, str], ...] = (("<tool_call>", "hermes"),)
+_MARKERS: tuple[tuple[str, str], ...] = (
+    ("tool_calls_section_begin", "kimi_k2"),
+    ("tool▁calls▁begin", "deepseek_v3"),
+    ("<arg_key>", "glm45"),
+    ("<tool_call>", "hermes"),
+    ("<|python_tag|>", "llama3_json"),
+)
 
 
 def get_parser(name: str) -> ToolParser:

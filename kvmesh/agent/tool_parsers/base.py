@@ -9,7 +9,7 @@ deltas always add up to it (a parser must keep every partial answer a prefix of 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvmesh.agent.conversation import ToolCall, new_call_id
 
@@ -32,8 +32,9 @@ class ToolParser(Protocol):
 
     def scan(self, text: str, final: bool) -> ScanState: ...
 
-    def call_grammar(self, call_schema: dict, many: bool) -> str:
-        """A Lark grammar (llguidance) for a reply made of forced calls in this format."""
+    def call_grammar(self, call_schema: dict, many: bool, literal: Any) -> str:
+        """A Lark grammar (llguidance) for a reply made of forced calls in this format;
+        `literal` writes a delimiter (a special token of the model's tokenizer: by id)."""
         ...
 
 

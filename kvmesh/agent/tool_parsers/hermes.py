@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from kvmesh.agent.grammars import JSON_STYLE
 from kvmesh.agent.json_spans import ObjectScan, scan_object, skip_space
 from kvmesh.agent.tool_parsers.base import CallState, ScanState
+from kvmesh.agent.tool_parsers.tagged import Literal, certain_content, json_rule, quoted
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -33,21 +33,13 @@ class HermesParser:
             at = text.find(OPEN, close + len(CLOSE))
         return ScanState(text[:first].rstrip(), tuple(calls))
 
-    def call_grammar(self, call_schema: dict, many: bool) -> str:
+    def call_grammar(self, call_schema: dict, many: bool, literal: Literal = quoted) -> str:
         """A Lark grammar for a reply of forced calls ({"name", "arguments"} per `call_schema`;
         `many`: one or more calls, else exactly one)."""
-        body = json.dumps({**call_schema, "x-guidance": JSON_STYLE})
+        body = json_rule(call_schema)
+        call = f'{literal(OPEN)} "\\n" {body} "\\n" {literal(CLOSE)}'
         more = ' ("\\n" call)*' if many else ""
-        return f'start: call{more}\ncall: "{OPEN}\\n" %json {body} "\\n{CLOSE}"\n'
-
-
-def certain_content(text: str, tag: str) -> str:
-    """Text that stays content whatever follows: without a suffix that may begin `tag`, and
-    without trailing whitespace (dropped if a call follows)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return text[:-size].rstrip()
-    return text.rstrip()
+        return f"start: call{more}\ncall: {call}\n"
 
 
 def _calls(body: str, settled: bool) -> list[CallState]:
