@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 DEFAULT_MAX_TOKENS = 1024  # max_tokens missing: the remaining context, capped at this
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
-_UNSUPPORTED = ("logit_bias", "suffix", "echo")  # unless null/false/empty
+_UNSUPPORTED = ("suffix", "echo")  # unless null/false/empty
 _SAMPLING_FIELDS: tuple[tuple[type, tuple[str, ...]], ...] = (  # passed on to SamplingParams
     (float, ("temperature", "top_p", "min_p", "repetition_penalty")),
     (float, ("presence_penalty", "frequency_penalty")),
@@ -103,6 +103,7 @@ def parse_request(
             "both constrain the reply"
         )
     params = _sampling(body, max_tokens, logprobs, forced or output)
+    params = replace(params, logit_bias=_logit_bias(body, tokenizer.vocab_size))
     check_context(kind, len(prompt), max_tokens, served.max_model_len)
     return ParsedRequest(
         kind, model, tuple(prompt), replace(params, stop=()), params.stop,
@@ -218,6 +219,19 @@ def _sampling(body: dict[str, Any], max_tokens: int, logprobs: int | None,
     given = {name: value for name, value in values.items() if value is not None}
     return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=_stop(body),
                           grammar=grammar, **given)  # fmt: skip
+
+
+def _logit_bias(body: dict[str, Any], vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias in [-100, 100]}."""
+    bias = _get(body, "logit_bias", dict) or {}
+    out = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab):
+            raise InvalidRequestError(f"'logit_bias' keys must be token ids in [0, {vocab})")
+        if isinstance(value, bool) or not isinstance(value, int | float) or abs(value) > 100:
+            raise InvalidRequestError(f"'logit_bias[{key}]' must be a number in [-100, 100]")
+        out.append((int(key), float(value)))
+    return tuple(out)
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:

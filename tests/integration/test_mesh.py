@@ -165,6 +165,46 @@ def test_forced_tool_call_through_the_mesh_streamed_and_not(client):
     assert (name, arguments) == ("get_weather", call.function.arguments)
 
 
+def test_an_openai_agents_sdk_loop_runs_to_the_end(mesh):
+    """A real agent framework's loop over two tools: a forced call (tool_choice required, then
+    reset to auto by the SDK), the tool's result sent back, a final answer; nothing is sent
+    anywhere but the mesh (the SDK's tracing is off)."""
+    import agents
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+    calls: list[tuple[str, str]] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        calls.append(("get_weather", city))
+        return f"It is 18 degrees and sunny in {city}."
+
+    @agents.function_tool
+    def get_time(city: str) -> str:
+        """The local time in a city."""
+        calls.append(("get_time", city))
+        return "It is 9:00."
+
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="unused",
+                         max_retries=0)  # fmt: skip
+    agent = agents.Agent(
+        name="weather", instructions="Answer with the tools' results.",
+        tools=[get_weather, get_time],
+        model=agents.OpenAIChatCompletionsModel(model="smollm2-135m", openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
+                                            max_tokens=64),
+    )  # fmt: skip
+    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+    kinds = [item.type for item in result.new_items]
+    made = kinds.count("tool_call_item")
+    assert made >= 1 and kinds.count("tool_call_output_item") == made == len(calls), kinds
+    assert kinds[0] == "tool_call_item" and kinds[-1] == "message_output_item", kinds
+    assert all(name in ("get_weather", "get_time") and city for name, city in calls)
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+
+
 def test_concurrent_requests_spread_over_workers(client, mesh):
     from concurrent.futures import ThreadPoolExecutor
 

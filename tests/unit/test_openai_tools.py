@@ -163,6 +163,9 @@ BAD = [
     ({"response_format": {"type": "choice", "choice": []}}, "'response_format.choice' must be"),
     ({"guided_regex": "[a-z]+", "response_format": {"type": "json_object"}}, "at most one of"),
     ({"guided_json": "{not json"}, "'guided_json' is not JSON"),
+    ({"logit_bias": {"abc": 1}}, "'logit_bias' keys must be token ids"),
+    ({"logit_bias": {"99999999": 1}}, "'logit_bias' keys must be token ids"),
+    ({"logit_bias": {"5": 101}}, "'logit_bias[5]' must be a number in [-100, 100]"),
 ]  # fmt: skip
 
 
@@ -197,3 +200,9 @@ def test_output_formats_become_grammars(served, fields, marker) -> None:
     assert (
         grammar is None if marker is None else (marker.replace(" ", "") in grammar.replace(" ", ""))
     )
+
+
+def test_logit_bias_reaches_the_sampling_params(served) -> None:
+    client, backend = served
+    client.chat.completions.create(model=MODEL, messages=ASK, logit_bias={"42": -100, "7": 5.5})
+    assert backend.requests[-1].params.logit_bias == ((7, 5.5), (42, -100.0))
