@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import anyio
 import structlog
 
-from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.engine.detokenizer import DetokenizeResult, IncrementalDetokenizer
 from kvmesh.engine.outputs import TokenLogprob
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidRequestError, KvmeshError
 from kvmesh.mesh import metrics
@@ -53,6 +54,26 @@ class Routing:
         return cls(session, salt)
 
 
+class ReplyDetokenizer:
+    """Incremental text with stop strings. A reply read for tool calls keeps special tokens
+    (several formats delimit calls with them) but never the ones that end it (EOS, stop ids)."""
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, stop: tuple[str, ...],
+                 prompt: Sequence[int], reads_tools: bool) -> None:  # fmt: skip
+        skip_special = params.skip_special_tokens and not reads_tools
+        self._hidden = (
+            frozenset() if skip_special else tokenizer.eos_token_ids | set(params.stop_token_ids)
+        )
+        self._inner = IncrementalDetokenizer(
+            tokenizer, stop, params.include_stop_str_in_output, skip_special, prompt
+        )
+
+    def push(self, token_ids: Sequence[int], final: bool) -> DetokenizeResult:
+        if self._hidden:
+            token_ids = [t for t in token_ids if t not in self._hidden]
+        return self._inner.push(token_ids, final=final)
+
+
 class Generation:
     """One request's run through the backend; counts tokens and records latency metrics."""
 
@@ -64,16 +85,8 @@ class Generation:
         self._request_id = request_id
         self._started = started
         params = parsed.params
-        # a reply read for tool calls keeps special tokens: several formats delimit calls with them
-        skip_special = params.skip_special_tokens and parsed.tools is None
-        # ...but never the tokens that end the reply (EOS, stop token ids)
-        self._hidden = (
-            frozenset() if skip_special else tokenizer.eos_token_ids | set(params.stop_token_ids)
-        )
-        self._detok = IncrementalDetokenizer(
-            tokenizer, parsed.stop, params.include_stop_str_in_output,
-            skip_special, parsed.prompt_token_ids,
-        )  # fmt: skip
+        self._detok = ReplyDetokenizer(tokenizer, params, parsed.stop, parsed.prompt_token_ids,
+                                       parsed.tools is not None)  # fmt: skip
         self._first_token_at: float | None = None
         self._backend_finished = False
         self._closed = False
@@ -112,12 +125,7 @@ class Generation:
         self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
         self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
         self._backend_finished = chunk.finish_reason is not None
-        ids = (
-            [t for t in chunk.token_ids if t not in self._hidden]
-            if self._hidden
-            else chunk.token_ids
-        )
-        result = self._detok.push(ids, final=self._backend_finished)
+        result = self._detok.push(chunk.token_ids, final=self._backend_finished)
         finish = "stop" if result.stopped_on is not None else chunk.finish_reason
         return Delta(result.delta, list(chunk.logprobs), finish, result.stopped_on)
 

@@ -3,26 +3,39 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 
 import grpc
 import structlog
 
-from kvmesh.engine.detokenizer import IncrementalDetokenizer
+from kvmesh.agent.tool_parsers import (
+    ArgumentsDelta,
+    CallStart,
+    ContentDelta,
+    ToolCallStream,
+    get_parser,
+    parser_for,
+)
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import ContextLengthError, InvalidRequestError, KvmeshError, ModelNotFoundError
 from kvmesh.mesh import convert
 from kvmesh.mesh.error_mapping import grpc_details, grpc_status
 from kvmesh.proto.v1 import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.backend import GenerateBackend, GenerateInput
+from services.gateway.generation import ReplyDetokenizer
+from services.gateway.grpc_chat import conversation_of
+from services.gateway.openai_protocol import chat_prompt, forced_calls
 
 log = structlog.get_logger(__name__)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, live_counts) -> None:
+    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, live_counts,
+                 tool_parser: str | None = None) -> None:  # fmt: skip
         self.backend = backend
         self.tokenizer = tokenizer
         self._live_counts = live_counts  # () -> (prefill workers, decode workers)
+        self._tool_parser = tool_parser or parser_for(tokenizer.hf.chat_template)
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -30,16 +43,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
-            prompt, params = self._parse(request)
+            prompt, params, reads_tools = self._parse(request)
         except KvmeshError as exc:
             await context.abort(grpc_status(exc), grpc_details(exc))
-        detok = IncrementalDetokenizer(
-            self.tokenizer,
-            params.stop,
-            params.include_stop_str_in_output,
-            params.skip_special_tokens,
-            prompt,
-        )
+        detok = ReplyDetokenizer(self.tokenizer, params, params.stop, prompt, reads_tools)
+        calls = ToolCallStream(get_parser(self._tool_parser)) if reads_tools else None
         completion = 0
         try:
             async for chunk in self.backend.generate(
@@ -51,7 +59,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if result.stopped_on is not None and finish is None:
                     await self.backend.abort(request_id)
                     finish = "stop"
-                yield _response(request_id, chunk, result.delta, finish, len(prompt), completion)
+                message = _response(request_id, chunk, result.delta, finish, len(prompt),
+                                    completion)  # fmt: skip
+                if calls is not None:
+                    _read_calls(message, calls.push(result.delta, final=finish is not None))
+                yield message
                 if finish is not None:
                     return
         except KvmeshError as exc:
@@ -66,12 +78,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 f"model {request.model!r} is not served here ({self.backend.model_name})"
             )
         kind = request.WhichOneof("input")
+        conversation, forced = None, None
         if kind == "prompt":
             prompt = self.tokenizer.encode(request.prompt)
         elif kind == "chat":
-            prompt = self.tokenizer.encode_chat(
-                [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            )
+            conversation = conversation_of(request.chat)
+            prompt = chat_prompt(conversation, self.tokenizer)
+            forced = forced_calls(conversation, self._tool_parser, self.tokenizer)
         elif kind == "token_ids":
             prompt = list(request.token_ids.ids)
         else:
@@ -79,16 +92,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
         params = convert.sampling_from_pb(request.sampling, tuple(request.stop))
+        if kind == "chat" and forced is not None:
+            if params.grammar is not None:
+                raise InvalidRequestError("a forced tool call and a grammar cannot both apply")
+            params = replace(params, grammar=forced)
         if request.include_stop_str_in_output:
-            from dataclasses import replace
-
             params = replace(params, include_stop_str_in_output=True)
         if len(prompt) + params.max_tokens > self.backend.max_model_len:
             raise ContextLengthError(
                 f"this model's maximum context length is {self.backend.max_model_len} tokens; the "
                 f"request has {len(prompt)} prompt tokens and max_tokens {params.max_tokens}"
             )
-        return prompt, params
+        return prompt, params, kind == "chat" and conversation.offers_tools
 
     async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:
         await self.backend.abort(request.request_id)
@@ -134,6 +149,16 @@ def _response(
             )
         )
     return msg
+
+
+def _read_calls(message: gateway_pb2.GenerateResponse, events) -> None:
+    """With tools: the message's text is only the content; calls go to tool_calls."""
+    message.text = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    for event in events:
+        if isinstance(event, CallStart):
+            message.tool_calls.add(index=event.index, id=event.id, name=event.name)
+        elif isinstance(event, ArgumentsDelta):
+            message.tool_calls.add(index=event.index, arguments=event.text)
 
 
 def add_to(servicer: GatewayServicer):

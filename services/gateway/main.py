@@ -62,7 +62,11 @@ async def serve_gateway(options: GatewayOptions) -> None:
         counts = lambda: (len(watcher.alive("prefill")), len(watcher.alive("decode")))  # noqa: E731
         readiness = MeshReadiness(watcher.alive)
         grpc_server, grpc_port, health = await start_server(
-            [grpc_api.add_to(grpc_api.GatewayServicer(backend, tokenizer, counts))],
+            [
+                grpc_api.add_to(
+                    grpc_api.GatewayServicer(backend, tokenizer, counts, options.tool_call_parser)
+                )
+            ],  # fmt: skip
             options.host,
             options.grpc_port,
             serving=False,  # until `follow` sees the workers a request needs

@@ -247,6 +247,42 @@ def test_grpc_gateway_long_prompt_messages_stay_small(mesh, reference):
         assert 0 < _metric(worker.metrics_address, "kvmesh_grpc_message_bytes_max") < 64 << 10
 
 
+def test_grpc_gateway_tool_calls_equal_the_rest_ones(mesh, client):
+    """Tools, a named choice and the history's calls as proto fields; the reply's call comes
+    back as tool_calls pieces equal to what the REST front end answers."""
+    import json
+
+    history = [gateway_pb2.ChatMessage(role="user", content="What is the weather in Paris?")]
+    weather = WEATHER["function"]
+    chat = gateway_pb2.ChatMessages(
+        messages=history,
+        tools=[gateway_pb2.Tool(name=weather["name"], description=weather["description"],
+                                parameters_json=json.dumps(weather["parameters"]))],
+        tool_choice=gateway_pb2.ToolChoice(mode="named", name="get_weather"),
+    )  # fmt: skip
+    with grpc.insecure_channel(f"127.0.0.1:{mesh.grpc_port}") as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        request = gateway_pb2.GenerateRequest(
+            chat=chat, sampling=common_pb2.SamplingParams(max_tokens=48, temperature=0.0)
+        )
+        responses = list(stub.Generate(request, timeout=300))
+        pieces = [c for r in responses for c in r.tool_calls]
+        bad = gateway_pb2.ChatMessages(messages=history, tools=[gateway_pb2.Tool(
+            name="x", parameters_json="{not json")])  # fmt: skip
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(gateway_pb2.GenerateRequest(chat=bad), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "parameters_json" in info.value.details()
+    assert pieces[0].name == "get_weather" and pieces[0].id.startswith("call_")
+    rest = client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": history[0].content}],
+        max_tokens=48, temperature=0, tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    ).choices[0].message.tool_calls[0]  # fmt: skip
+    assert "".join(p.arguments for p in pieces) == rest.function.arguments
+    assert "".join(r.text for r in responses) == ""  # the reply is the call alone
+
+
 def test_bad_requests_get_openai_errors(client):
     import openai
 

@@ -26,27 +26,35 @@ from kvmesh.proto.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 from kvmesh.proto.v1 import decode_pb2 as kvmesh_dot_v1_dot_decode__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/gateway.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\x1a\x16kvmesh/v1/decode.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.kvmesh.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x08 \x01(\x08\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x12\n\ncache_salt\x18\n \x01(\tB\x07\n\x05input\"\xe4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x1f\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x10.kvmesh.v1.Error\"\x15\n\x13GetModelInfoRequest\"\x81\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x17\n\x0fprefill_workers\x18\x04 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x05 \x01(\r2\xdd\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12O\n\x0cGetModelInfo\x12\x1e.kvmesh.v1.GetModelInfoRequest\x1a\x1f.kvmesh.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/gateway.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\x1a\x16kvmesh/v1/decode.proto\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.kvmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"R\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"(\n\nToolChoice\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\xbe\x01\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\x1e\n\x05tools\x18\x02 \x03(\x0b\x32\x0f.kvmesh.v1.Tool\x12*\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.kvmesh.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x08 \x01(\x08\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x12\n\ncache_salt\x18\n \x01(\tB\x07\n\x05input\"\x92\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x1f\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x10.kvmesh.v1.Error\x12,\n\ntool_calls\x18\x08 \x03(\x0b\x32\x18.kvmesh.v1.ToolCallDelta\"\x15\n\x13GetModelInfoRequest\"\x81\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x17\n\x0fprefill_workers\x18\x04 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x05 \x01(\r2\xdd\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12O\n\x0cGetModelInfo\x12\x1e.kvmesh.v1.GetModelInfoRequest\x1a\x1f.kvmesh.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHATMESSAGE']._serialized_start=86
-  _globals['_CHATMESSAGE']._serialized_end=130
-  _globals['_CHATMESSAGES']._serialized_start=132
-  _globals['_CHATMESSAGES']._serialized_end=188
-  _globals['_TOKENIDS']._serialized_start=190
-  _globals['_TOKENIDS']._serialized_end=213
-  _globals['_GENERATEREQUEST']._serialized_start=216
-  _globals['_GENERATEREQUEST']._serialized_end=513
-  _globals['_GENERATERESPONSE']._serialized_start=516
-  _globals['_GENERATERESPONSE']._serialized_end=744
-  _globals['_GETMODELINFOREQUEST']._serialized_start=746
-  _globals['_GETMODELINFOREQUEST']._serialized_end=767
-  _globals['_GETMODELINFORESPONSE']._serialized_start=770
-  _globals['_GETMODELINFORESPONSE']._serialized_end=899
-  _globals['_GATEWAY']._serialized_start=902
-  _globals['_GATEWAY']._serialized_end=1123
+  _globals['_TOOLCALL']._serialized_start=86
+  _globals['_TOOLCALL']._serialized_end=141
+  _globals['_CHATMESSAGE']._serialized_start=143
+  _globals['_CHATMESSAGE']._serialized_end=264
+  _globals['_TOOL']._serialized_start=266
+  _globals['_TOOL']._serialized_end=348
+  _globals['_TOOLCHOICE']._serialized_start=350
+  _globals['_TOOLCHOICE']._serialized_end=390
+  _globals['_CHATMESSAGES']._serialized_start=393
+  _globals['_CHATMESSAGES']._serialized_end=583
+  _globals['_TOOLCALLDELTA']._serialized_start=585
+  _globals['_TOOLCALLDELTA']._serialized_end=660
+  _globals['_TOKENIDS']._serialized_start=662
+  _globals['_TOKENIDS']._serialized_end=685
+  _globals['_GENERATEREQUEST']._serialized_start=688
+  _globals['_GENERATEREQUEST']._serialized_end=985
+  _globals['_GENERATERESPONSE']._serialized_start=988
+  _globals['_GENERATERESPONSE']._serialized_end=1262
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1264
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1285
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1288
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1417
+  _globals['_GATEWAY']._serialized_start=1420
+  _globals['_GATEWAY']._serialized_end=1641
 # @@protoc_insertion_point(module_scope)
