@@ -84,6 +84,8 @@ class HandOver:
                 f"request {request_id}: the prefilled first token {first_token} does not follow "
                 "the request's grammar (prefill and decode disagree on it)"
             )
+        # a seeded draw: this request's generator continues where the prefill worker's stopped
+        self.sampler.replay_draw(seq, self.model_config.vocab_size)
         reason = self.scheduler.add_prefilled(seq, first_token)
         if reason is None and draft_window is not None and self.speculator is not None:
             self.speculator.seed(seq, *draft_window)

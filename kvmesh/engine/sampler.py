@@ -55,6 +55,13 @@ class Sampler:
         """The request's own generator when it is seeded (None: the global one)."""
         return self._generator(seq, torch.device("cpu")) if seq.params.seed is not None else None
 
+    def replay_draw(self, seq: Sequence, width: int) -> None:
+        """Advance a seeded random request's generator past the draw that sampled its first
+        token elsewhere (a prefill worker draws one [1, width] noise row, as `_noise` does), so
+        the tokens through the mesh are the ones a single engine samples."""
+        if seq.params.seed is not None and not seq.params.greedy:
+            torch.empty(width).exponential_(generator=self._generator(seq, torch.device("cpu")))
+
     def release(self, seq_id: str) -> None:
         """Forget the request's generator; a later request with the same seed replays."""
         self._generators.pop(seq_id, None)

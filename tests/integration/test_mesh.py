@@ -92,6 +92,17 @@ def test_chat_greedy_equals_engine_streamed_and_not(client, reference, question)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.text
 
 
+def test_seeded_sampling_through_the_mesh_equals_the_engine(client, reference):
+    """Prefill samples the first token, decode the rest: decode's generator continues where
+    prefill's stopped, so a seed gives the engine's tokens."""
+    messages = [{"role": "user", "content": "Tell me a story about a dragon."}]
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
+    want = reference.chat(messages, params)[0]
+    got = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=24,
+                                         temperature=0.9, top_p=0.95, seed=1234)  # fmt: skip
+    assert got.choices[0].message.content == want.text
+
+
 def test_completion_greedy_equals_engine_streamed_and_not(client, reference):
     prompt = "The three primary colours are"
     want = reference.generate(prompt, SamplingParams(max_tokens=32, temperature=0.0))[0]
