@@ -87,6 +87,7 @@ class Generation:
         params = parsed.params
         self._detok = ReplyDetokenizer(tokenizer, params, parsed.stop, parsed.prompt_token_ids,
                                        parsed.tools is not None)  # fmt: skip
+        self._echo = parsed.echo
         self._first_token_at: float | None = None
         self._backend_finished = False
         self._closed = False
@@ -127,7 +128,8 @@ class Generation:
         self._backend_finished = chunk.finish_reason is not None
         result = self._detok.push(chunk.token_ids, final=self._backend_finished)
         finish = "stop" if result.stopped_on is not None else chunk.finish_reason
-        return Delta(result.delta, list(chunk.logprobs), finish, result.stopped_on)
+        text, self._echo = self._echo + result.delta, ""  # echo: the prompt comes first
+        return Delta(text, list(chunk.logprobs), finish, result.stopped_on)
 
     async def _close(self, stream: AsyncIterator[GenerateChunk]) -> None:
         if self._closed:

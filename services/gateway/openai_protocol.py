@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 DEFAULT_MAX_TOKENS = 1024  # max_tokens missing: the remaining context, capped at this
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
-_UNSUPPORTED = ("suffix", "echo")  # unless null/false/empty
+_UNSUPPORTED = ("suffix",)  # unless null/false/empty
 _SAMPLING_FIELDS: tuple[tuple[type, tuple[str, ...]], ...] = (  # passed on to SamplingParams
     (float, ("temperature", "top_p", "min_p", "repetition_penalty")),
     (float, ("presence_penalty", "frequency_penalty")),
@@ -66,6 +66,7 @@ class ParsedRequest:
     include_usage: bool = False  # stream_options.include_usage
     user: str | None = None
     tools: ToolSetup | None = None  # chat with tools offered: the reply is parsed for calls
+    echo: str = ""  # completions with echo: the prompt's text, sent before the completion
 
     @property
     def logprobs(self) -> int | None:
@@ -82,8 +83,10 @@ def parse_request(
     model = check_model(body, served)
     _check_unsupported(body)
     stream, include_usage = _stream_options(body)
-    tools, forced = None, None
+    tools, forced, echo = None, None, ""
     if kind == "chat":
+        if body.get("echo"):
+            raise InvalidRequestError("'echo' is only for /v1/completions")
         conversation = parse_conversation(body)
         tools = ToolSetup(served.tool_parser) if conversation.offers_tools else None
         forced = forced_calls(conversation, served.tool_parser, tokenizer)
@@ -95,6 +98,7 @@ def parse_request(
         prompt = _completion_prompt(body, tokenizer)
         requested = _get(body, "max_tokens", int)
         logprobs = _get(body, "logprobs", int)
+        echo = _echo(body, prompt, tokenizer, logprobs)
     max_tokens = default_max_tokens(len(prompt), served) if requested is None else requested
     output = output_grammar(body)
     if forced is not None and output is not None:
@@ -107,7 +111,7 @@ def parse_request(
     check_context(kind, len(prompt), max_tokens, served.max_model_len)
     return ParsedRequest(
         kind, model, tuple(prompt), replace(params, stop=()), params.stop,
-        stream, include_usage, _get(body, "user", str), tools,
+        stream, include_usage, _get(body, "user", str), tools, echo,
     )  # fmt: skip
 
 
@@ -194,6 +198,18 @@ def _completion_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
     if any(t < 0 or t >= tokenizer.vocab_size for t in ids):
         raise InvalidRequestError(f"'prompt' has token ids outside [0, {tokenizer.vocab_size})")
     return ids
+
+
+def _echo(body: dict[str, Any], prompt: list[int], tokenizer: Tokenizer,
+          logprobs: int | None) -> str:  # fmt: skip
+    """The prompt as text (a string prompt exactly as sent) when 'echo' is true."""
+    if not _get(body, "echo", bool):
+        return ""
+    if logprobs is not None:
+        raise InvalidRequestError("'echo' with 'logprobs' is not supported (no prompt logprobs)")
+    sent = body.get("prompt")
+    sent = sent[0] if isinstance(sent, list) and len(sent) == 1 else sent
+    return sent if isinstance(sent, str) else tokenizer.decode(prompt)
 
 
 def _is_int(value: Any) -> bool:

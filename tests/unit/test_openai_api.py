@@ -277,7 +277,7 @@ def test_context_length_message(client: TestClient, tok: Tokenizer) -> None:
         ({"prompt": ["a", "b"]}, "batches"),
         ({"prompt": [1, -1]}, "token ids outside"),
         ({"prompt": "hi", "logprobs": True}, "'logprobs' must be of type integer"),
-        ({"prompt": "hi", "echo": True}, "'echo' is not supported"),
+        ({"prompt": "hi", "echo": "yes"}, "'echo' must be of type boolean"),
     ],
 )
 def test_bad_completion_request(client: TestClient, body: dict, fragment: str) -> None:

@@ -206,3 +206,20 @@ def test_logit_bias_reaches_the_sampling_params(served) -> None:
     client, backend = served
     client.chat.completions.create(model=MODEL, messages=ASK, logit_bias={"42": -100, "7": 5.5})
     assert backend.requests[-1].params.logit_bias == ((7, 5.5), (42, -100.0))
+
+
+def test_echo_on_completions(served) -> None:
+    client, backend = served
+    backend.script(" Paris.")
+    reply = client.completions.create(model=MODEL, prompt="The capital of France is", echo=True)
+    assert reply.choices[0].text == "The capital of France is Paris."
+    chunks = list(client.completions.create(model=MODEL, prompt="The capital of France is",
+                                            echo=True, stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reply.choices[0].text
+    ids = client.completions.create(model=MODEL, prompt=[504, 3575], echo=True)
+    assert ids.choices[0].text.endswith(" Paris.") and len(ids.choices[0].text) > len(" Paris.")
+    for bad, message in (({"logprobs": 2}, "'echo' with 'logprobs'"),):
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.completions.create(model=MODEL, prompt="x", echo=True, **bad)
+    with pytest.raises(openai.BadRequestError, match="only for /v1/completions"):
+        client.chat.completions.create(model=MODEL, messages=ASK, extra_body={"echo": True})
