@@ -8,6 +8,7 @@ aborted down the chain with backend.abort(request_id).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -38,6 +39,7 @@ from services.gateway import openai_protocol as proto
 from services.gateway import openai_responses as resp
 from services.gateway.anthropic_api import AnthropicApi
 from services.gateway.backend import GenerateBackend
+from services.gateway.choices import Choice, choice_requests, merged, total_usage
 from services.gateway.generation import SERVICE, Delta, Generation, Routing
 from services.gateway.openai_responses import LogprobFormatter, ResponseMeta
 from services.gateway.readiness import AlwaysReady, Readiness
@@ -139,80 +141,73 @@ class _OpenAIApi:
             log.info("request.accepted", kind=kind, prompt_tokens=len(parsed.prompt_token_ids),
                      max_tokens=parsed.params.max_tokens, stream=parsed.stream)  # fmt: skip
             routing = Routing.from_headers(request.headers)
-            generation = Generation(
-                self._backend, self._tokenizer, parsed, request_id, started, routing
-            )
+            choices = [
+                Choice(i, Generation(self._backend, self._tokenizer, one, rid, started, routing),
+                       LogprobFormatter(kind, self._tokenizer, parsed.logprobs is not None),
+                       ToolReply(parsed.tools) if parsed.tools is not None else None)
+                for i, (rid, one) in enumerate(choice_requests(parsed, request_id))
+            ]  # fmt: skip
             meta = ResponseMeta.for_request(parsed, request_id)
-            formatter = LogprobFormatter(kind, self._tokenizer, parsed.logprobs is not None)
-            tools = ToolReply(parsed.tools) if parsed.tools is not None else None
             if parsed.stream:
-                return await _stream(meta, generation, formatter, tools)
-            result = await _complete(meta, generation, formatter, tools)
+                return await _stream(meta, choices)
+            result = await _complete(meta, choices)
         except Exception as exc:
             return _error_response(exc)
         _count("ok")
         return JSONResponse(result)
 
 
-async def _complete(
-    meta: ResponseMeta, generation: Generation, formatter: LogprobFormatter,
-    tools: ToolReply | None,
-) -> dict[str, Any]:  # fmt: skip
-    texts: list[str] = []
-    logprobs: list[TokenLogprob | None] = []
-    finish_reason: str | None = None
-    deltas = generation.deltas()
-    try:
-        async for delta in deltas:
-            texts.append(delta.text)
-            logprobs.extend(delta.logprobs)
-            finish_reason = delta.finish_reason
-    finally:
-        await deltas.aclose()
-    text = "".join(texts)
-    message = tools.message(text) if tools is not None else None
-    if message is not None:
-        finish_reason = finish_reason_of(finish_reason, "tool_calls" in message)
-    return resp.response_body(
-        meta, text, finish_reason, formatter.format(logprobs), generation.usage, message
-    )
+async def _complete(meta: ResponseMeta, choices: list[Choice]) -> dict[str, Any]:
+    texts: list[list[str]] = [[] for _ in choices]
+    logprobs: list[list[TokenLogprob | None]] = [[] for _ in choices]
+    finish: list[str | None] = [None for _ in choices]
+    async with contextlib.aclosing(merged([c.generation.deltas() for c in choices])) as deltas:
+        async for index, delta in deltas:
+            texts[index].append(delta.text)
+            logprobs[index].extend(delta.logprobs)
+            finish[index] = delta.finish_reason
+    bodies = []
+    for choice in choices:
+        text = "".join(texts[choice.index])
+        message = choice.tools.message(text) if choice.tools is not None else None
+        reason = finish[choice.index]
+        if message is not None:
+            reason = finish_reason_of(reason, "tool_calls" in message)
+        lps = choice.formatter.format(logprobs[choice.index])
+        bodies.append(resp.response_body(meta, text, reason, lps, total_usage(choices), message))
+    body = bodies[0]
+    body["choices"] = [dict(b["choices"][0], index=i) for i, b in enumerate(bodies)]
+    return body
 
 
-async def _stream(
-    meta: ResponseMeta, generation: Generation, formatter: LogprobFormatter,
-    tools: ToolReply | None,
-) -> StreamingResponse:  # fmt: skip
+async def _stream(meta: ResponseMeta, choices: list[Choice]) -> StreamingResponse:
     """Waits for the first delta, so an error before any output is a plain HTTP error."""
-    deltas = generation.deltas()
+    deltas = merged([c.generation.deltas() for c in choices])
     try:
         first = await anext(deltas)
     except BaseException:
         await deltas.aclose()
         raise
-    events = _sse_events(meta, generation, formatter, first, deltas, tools)
+    events = _sse_events(meta, choices, first, deltas)
     headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
-async def _sse_events(
-    meta: ResponseMeta,
-    generation: Generation,
-    formatter: LogprobFormatter,
-    first: Delta,
-    deltas: AsyncGenerator[Delta, None],
-    tools: ToolReply | None,
-) -> AsyncIterator[str]:
+async def _sse_events(meta: ResponseMeta, choices: list[Choice], first: tuple[int, Delta],
+                      deltas: AsyncGenerator[tuple[int, Delta], None]) -> AsyncIterator[str]:  # fmt: skip
     outcome = "cancelled"  # unless the loop below ends
     try:
         if meta.kind == "chat":
-            yield _sse(resp.chunk_body(meta, "", role=True))
-        delta: Delta | None = first
-        while delta is not None:
-            for body in _delta_chunks(meta, delta, formatter, tools):
+            for choice in choices:
+                yield _sse(resp.chunk_body(meta, "", role=True, index=choice.index))
+        item: tuple[int, Delta] | None = first
+        while item is not None:
+            index, delta = item
+            for body in _delta_chunks(meta, delta, choices[index]):
                 yield _sse(body)
-            delta = await anext(deltas, None)
+            item = await anext(deltas, None)
         if meta.include_usage:
-            yield _sse(resp.usage_chunk_body(meta, generation.usage))
+            yield _sse(resp.usage_chunk_body(meta, total_usage(choices)))
         outcome = "ok"
     except Exception as exc:  # in-band: the HTTP status is already sent
         outcome = _outcome(http_status(exc))
@@ -225,23 +220,23 @@ async def _sse_events(
     yield "data: [DONE]\n\n"
 
 
-def _delta_chunks(meta: ResponseMeta, delta: Delta, formatter: LogprobFormatter,
-                  tools: ToolReply | None) -> list[dict]:  # fmt: skip
-    logprobs = formatter.format(delta.logprobs) if delta.logprobs else None
+def _delta_chunks(meta: ResponseMeta, delta: Delta, choice: Choice) -> list[dict]:
+    logprobs = choice.formatter.format(delta.logprobs) if delta.logprobs else None
     bodies = []
     finish = delta.finish_reason
+    tools, index = choice.tools, choice.index
     if tools is not None:
         parts = tools.delta_bodies(delta.text, final=finish is not None)
         if logprobs is not None and not parts:
             parts = [{}]  # the tokens' logprobs even where they added no certain text yet
         for i, part in enumerate(parts):
             bodies.append(resp.chunk_body(meta, None, logprobs=None if i else logprobs,
-                                          delta=part))  # fmt: skip
+                                          delta=part, index=index))  # fmt: skip
         finish = finish_reason_of(finish, tools.called)
     elif delta.text or logprobs is not None:
-        bodies.append(resp.chunk_body(meta, delta.text, logprobs=logprobs))
+        bodies.append(resp.chunk_body(meta, delta.text, logprobs=logprobs, index=index))
     if finish is not None:
-        bodies.append(resp.chunk_body(meta, None, finish))
+        bodies.append(resp.chunk_body(meta, None, finish, index=index))
     return bodies
 
 

@@ -25,6 +25,7 @@ Kind = Literal["chat", "completion"]
 T = TypeVar("T")
 
 DEFAULT_MAX_TOKENS = 1024  # max_tokens missing: the remaining context, capped at this
+MAX_N = 16  # choices per request
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 _UNSUPPORTED = ("suffix",)  # unless null/false/empty
 _SAMPLING_FIELDS: tuple[tuple[type, tuple[str, ...]], ...] = (  # passed on to SamplingParams
@@ -67,6 +68,7 @@ class ParsedRequest:
     user: str | None = None
     tools: ToolSetup | None = None  # chat with tools offered: the reply is parsed for calls
     echo: str = ""  # completions with echo: the prompt's text, sent before the completion
+    n: int = 1  # choices, generated at once (choices.py)
 
     @property
     def logprobs(self) -> int | None:
@@ -111,7 +113,7 @@ def parse_request(
     check_context(kind, len(prompt), max_tokens, served.max_model_len)
     return ParsedRequest(
         kind, model, tuple(prompt), replace(params, stop=()), params.stop,
-        stream, include_usage, _get(body, "user", str), tools, echo,
+        stream, include_usage, _get(body, "user", str), tools, echo, _n(body),
     )  # fmt: skip
 
 
@@ -145,10 +147,16 @@ def _check_unsupported(body: dict[str, Any]) -> None:
     for name in _UNSUPPORTED:
         if body.get(name) not in (None, False, [], {}, ""):
             raise InvalidRequestError(f"'{name}' is not supported")
-    for name in ("n", "best_of"):
-        value = _get(body, name, int)
-        if value is not None and value != 1:
-            raise InvalidRequestError(f"only {name}=1 is supported, got {name}={value}")
+    best_of = _get(body, "best_of", int)
+    if best_of is not None and best_of != (_get(body, "n", int) or 1):
+        raise InvalidRequestError(f"only best_of=n is supported, got best_of={best_of}")
+
+
+def _n(body: dict[str, Any]) -> int:
+    n = _get(body, "n", int)
+    if n is not None and not 1 <= n <= MAX_N:
+        raise InvalidRequestError(f"'n' must be in [1, {MAX_N}], got {n}")
+    return n or 1
 
 
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:

@@ -76,10 +76,11 @@ def chunk_body(
     logprobs: Any = None,
     role: bool = False,
     delta: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One stream chunk; chat's first chunk has role=True, the finishing one text=None;
-    `delta`: a chat delta given whole (tool calls)."""
-    choice: dict[str, Any] = {"index": 0}
+    """One stream chunk of choice `index`; chat's first chunk has role=True, the finishing one
+    text=None; `delta`: a chat delta given whole (tool calls)."""
+    choice: dict[str, Any] = {"index": index}
     if meta.kind == "chat":
         head = {"role": "assistant"} if role else {}
         choice["delta"] = {**head, **(delta or ({} if text is None else {"content": text}))}

@@ -101,6 +101,11 @@ def test_seeded_sampling_through_the_mesh_equals_the_engine(client, reference):
     got = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=24,
                                          temperature=0.9, top_p=0.95, seed=1234)  # fmt: skip
     assert got.choices[0].message.content == want.text
+    two = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=24,
+                                         temperature=0.9, top_p=0.95, seed=1234, n=2)  # fmt: skip
+    second = reference.chat(messages, SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95,
+                                                     seed=1235))[0]  # fmt: skip
+    assert [c.message.content for c in two.choices] == [want.text, second.text]
 
 
 def test_completion_greedy_equals_engine_streamed_and_not(client, reference):

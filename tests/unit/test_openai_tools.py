@@ -223,3 +223,38 @@ def test_echo_on_completions(served) -> None:
             client.completions.create(model=MODEL, prompt="x", echo=True, **bad)
     with pytest.raises(openai.BadRequestError, match="only for /v1/completions"):
         client.chat.completions.create(model=MODEL, messages=ASK, extra_body={"echo": True})
+
+
+def test_n_choices_whole_and_streamed(served) -> None:
+    client, backend = served
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, n=3, seed=5, temperature=1)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    requests = backend.requests[-3:]
+    assert sorted(r.params.seed for r in requests) == [5, 6, 7]  # choices differ and replay
+    assert len({r.request_id for r in requests}) == 3
+    per_choice = len(backend.answer_ids) + 1
+    assert reply.usage.completion_tokens == 3 * per_choice
+    assert reply.usage.prompt_tokens == len(requests[0].prompt_token_ids)  # the prompt once
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, n=2, stream=True,
+                                            stream_options={"include_usage": True})  # fmt: skip
+    texts, finishes = {0: "", 1: ""}, {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens == 2 * per_choice
+    assert texts == {0: reply.choices[0].message.content, 1: reply.choices[0].message.content}
+    assert finishes == {0: "stop", 1: "stop"}
+    completions = client.completions.create(model=MODEL, prompt="Paris is", n=2, best_of=2)
+    assert [c.index for c in completions.choices] == [0, 1]
+
+
+def test_a_failing_choice_ends_the_request_whole_and_streamed(served) -> None:
+    client, backend = served
+    backend.fail_after_chunks = 3
+    with pytest.raises(openai.APIError, match="decode worker went away"):
+        client.chat.completions.create(model=MODEL, messages=ASK, n=2)
+    with pytest.raises(openai.APIError, match="decode worker went away"):  # in band, not a hang
+        list(client.chat.completions.create(model=MODEL, messages=ASK, n=2, stream=True))

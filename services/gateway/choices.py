@@ -1,0 +1,78 @@
+"""The `n` choices of one OpenAI request: one generation each (choice i under request id
+`<id>-i` for i > 0, and seed + i when seeded, so the choices differ and replay), run at once
+(the prompt's pages are shared through the prefix cache), whole or as one merged stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, replace
+
+from services.gateway.generation import Delta, Generation
+from services.gateway.openai_protocol import ParsedRequest
+from services.gateway.openai_responses import LogprobFormatter, Usage
+from services.gateway.tool_output import ToolReply
+
+
+@dataclass
+class Choice:
+    index: int
+    generation: Generation
+    formatter: LogprobFormatter
+    tools: ToolReply | None
+
+
+def choice_requests(parsed: ParsedRequest, request_id: str) -> list[tuple[str, ParsedRequest]]:
+    """(request id, request) of each choice."""
+    out = []
+    for i in range(parsed.n):
+        params = parsed.params
+        if i and params.seed is not None:
+            params = replace(params, seed=params.seed + i)
+        out.append((request_id if i == 0 else f"{request_id}-{i}", replace(parsed, params=params)))
+    return out
+
+
+def total_usage(choices: list[Choice]) -> Usage:
+    """The prompt once, the completions of every choice."""
+    usages = [c.generation.usage for c in choices]
+    return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages),
+                 usages[0].cached_tokens)  # fmt: skip
+
+
+async def merged(streams: list[AsyncGenerator[Delta, None]]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) from every stream as they come; the first error ends them all."""
+    if len(streams) == 1:  # no tasks for the usual case
+        try:
+            async for delta in streams[0]:
+                yield 0, delta
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncGenerator[Delta, None]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta, None))
+            await queue.put((index, None, None))
+        except Exception as exc:
+            await queue.put((index, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, delta, error = await queue.get()
+            if error is not None:
+                raise error
+            if delta is None:
+                running -= 1
+                continue
+            yield index, delta
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
