@@ -52,6 +52,7 @@ bench: model
 	$(BIN)/kvmesh bench spec --output bench/results/spec.json
 	$(BIN)/kvmesh bench weights --output bench/results/weights.json
 	$(BIN)/kvmesh bench coldstart --output bench/results/coldstart.json
+	$(BIN)/kvmesh bench agent-api --output bench/results/agent-api.json
 
 protos: install
 	$(BIN)/python scripts/gen_protos.py

@@ -53,6 +53,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         # `kvmesh bench NAME` runs kvmesh.benchmarks.NAME.run_NAME_bench (serve's agent workload
         # is the agent bench)
         bench = "agent" if getattr(args, "workload", "") == "agent" else args.bench
+        bench = bench.replace("-", "_")  # agent-api -> agent_api
         module = importlib.import_module(f"kvmesh.benchmarks.{bench}")
         return getattr(module, f"run_{bench}_bench")(args)
     return 1

@@ -299,6 +299,8 @@ _BENCHES = {  # name: (help, module whose add_arguments defines its flags)
              "kvmesh.benchmarks.step"),
     "compiled": ("the compiled decode step vs the eager one, side by side in one engine",
                  "kvmesh.benchmarks.compiled"),
+    "agent-api": ("grammar cost per step, cold vs cached grammar TTFT, EAGLE on JSON with grammar",
+                  "kvmesh.benchmarks.agent_api"),
 }  # fmt: skip
 
 

@@ -11,9 +11,10 @@ from typing import Any
 from kvmesh.agent.conversation import Conversation
 from kvmesh.errors import InvalidRequestError
 
-# compact JSON (", " / ": " are not allowed either): a small model under a mask that lets it
-# add whitespace can spend every token on it
-JSON_STYLE = {"whitespace_flexible": False}
+# JSON in json.dumps' style (", " and ": ", no other whitespace): what models write and what the
+# tool template shows them, so drafts (EAGLE, n-gram) still match; flexible whitespace would
+# let a small model spend every token on it
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def json_schema(schema: dict[str, Any], field: str) -> str:

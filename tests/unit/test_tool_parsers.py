@@ -130,12 +130,12 @@ def test_parser_registry():
 
 FORCED = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 CANONICAL = {  # what each format's forced-call grammar must accept, as text
-    "hermes": '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>',
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
     "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
-    '<|tool_call_argument_begin|>{"city":"Paris"}<|tool_call_end|><|tool_calls_section_end|>',
+    '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>',
     "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
-    '```json\n{"city":"Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
-    "llama3_json": '{"name":"get_weather","parameters":{"city":"Paris"}}',
+    '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
 }
 
 
@@ -162,4 +162,4 @@ def test_forced_call_grammars_accept_their_format(name, tok):
     matcher.consume_tokens(ids)
     assert matcher.is_accepting()
     (call,) = parse_output(parser, CANONICAL[name]).tool_calls
-    assert (call.name, call.arguments) == ("get_weather", '{"city":"Paris"}')
+    assert (call.name, call.arguments) == ("get_weather", '{"city": "Paris"}')
