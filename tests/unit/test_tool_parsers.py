@@ -163,3 +163,35 @@ def test_forced_call_grammars_accept_their_format(name, tok):
     assert matcher.is_accepting()
     (call,) = parse_output(parser, CANONICAL[name]).tool_calls
     assert (call.name, call.arguments) == ("get_weather", '{"city": "Paris"}')
+
+
+def test_delimiters_that_are_added_tokens_are_matched_by_id(tok):
+    """Kimi's delimiters as the special tokens they are in its tokenizer: the forced-call
+    grammar names them by id, and the call tokenized with them is accepted."""
+    import copy
+
+    import llguidance
+    import llguidance.hf
+
+    from kvmesh.agent import grammars
+    from kvmesh.agent.conversation import Conversation, Message, Tool, ToolChoice
+    from kvmesh.agent.tool_parsers import kimi_k2
+
+    hf = copy.deepcopy(tok.hf)
+    specials = [kimi_k2.SECTION, kimi_k2.SECTION_END, kimi_k2.CALL, kimi_k2.ARGS, kimi_k2.CALL_END]
+    hf.add_special_tokens({"additional_special_tokens": specials})
+    conversation = Conversation((Message("user", "hi"),), (Tool("get_weather", "", FORCED),),
+                                ToolChoice("named", "get_weather"))  # fmt: skip
+    literal = grammars.token_literals(hf)
+    grammar = get_parser("kimi_k2").call_grammar(grammars.tool_call_schema(conversation), False,
+                                                 literal)  # fmt: skip
+    assert literal(kimi_k2.CALL) == f"<[{hf.convert_tokens_to_ids(kimi_k2.CALL)}]>"
+    assert kimi_k2.CALL not in grammar  # by id, never as text
+    ids = hf.encode(CANONICAL["kimi_k2"], add_special_tokens=False)
+    assert hf.convert_tokens_to_ids(kimi_k2.CALL) in ids
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(hf, n_vocab=len(hf)), grammar)
+    assert not matcher.is_error(), matcher.get_error()
+    assert matcher.validate_tokens(ids) == len(ids)
+    text = hf.decode(ids, skip_special_tokens=False)
+    (call,) = parse_output(get_parser("kimi_k2"), text).tool_calls
+    assert (call.name, call.arguments) == ("get_weather", '{"city": "Paris"}')
