@@ -75,6 +75,10 @@ class Constraints:
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._matchers
 
+    def __len__(self) -> int:
+        """Requests holding a matcher."""
+        return len(self._matchers)
+
     def release(self, seq_id: str) -> None:
         self._matchers.pop(seq_id, None)
 

@@ -98,3 +98,31 @@ def test_a_prefilled_first_token_is_replayed_into_the_grammar(llm):
     assert "replay-ok" in engine.constraints
     engine.abort("replay-ok")
     assert "replay-ok" not in engine.constraints
+
+
+def test_preemption_keeps_the_grammar_state(llm):
+    """Requests preempted mid-output (their KV recomputed) go on under the same matcher: the
+    outputs equal an unpressured run's and stay valid."""
+    grammar = grammars.json_schema(SCHEMA, "schema")
+    prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": f"Trip plan {i} as JSON."}])
+               for i in range(5)]  # fmt: skip
+    params = _params(grammar, max_tokens=40)
+    reference = [o.text for o in llm.generate_ids(prompts, params)]
+    need = len(prompts[0]) + 40
+    tiny = LLM(dtype="fp32", num_pages=(2 * need) // 16 + 2, max_num_batched_tokens=32)
+    preempted: list[str] = []
+    schedule = tiny.engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        preempted.extend(out.preempted)
+        return out
+
+    tiny.engine.scheduler.schedule = spy
+    outputs = tiny.generate_ids(prompts, params)
+    assert preempted, "the page budget was meant to force preemption"
+    assert [o.text for o in outputs] == reference
+    for out in outputs:
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert len(tiny.engine.constraints) == 0  # every matcher released
