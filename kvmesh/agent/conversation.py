@@ -101,6 +101,3 @@ class Conversation:
     def offers_tools(self) -> bool:
         """Whether the prompt shows tools and the output is parsed for calls."""
         return bool(self.tools) and self.tool_choice.mode != "none"
-
-    def tool(self, name: str) -> Tool | None:
-        return next((tool for tool in self.tools if tool.name == name), None)

@@ -69,8 +69,7 @@ class Member:
 @dataclass(frozen=True)
 class ObjectScan:
     members: dict[str, Member]
-    end: int | None  # after the closing brace; None while the object is unfinished
-    valid: bool  # False: the text breaks JSON syntax (not merely unfinished)
+    end: int | None  # after the closing brace; None while unfinished (or not JSON)
 
 
 def scan_object(text: str, i: int) -> ObjectScan:
@@ -79,15 +78,15 @@ def scan_object(text: str, i: int) -> ObjectScan:
     j = skip_space(text, i + 1)
     while j < len(text):
         if text[j] == "}":
-            return ObjectScan(members, j + 1, True)
+            return ObjectScan(members, j + 1)
         key = _STRING.match(text, j)
         if key is None:
-            return ObjectScan(members, None, text[j] == '"')
+            return ObjectScan(members, None)
         colon = skip_space(text, key.end())
         if colon >= len(text):
             break
         if text[colon] != ":":
-            return ObjectScan(members, None, False)
+            return ObjectScan(members, None)
         start = skip_space(text, colon + 1)
         if start >= len(text):
             break
@@ -99,13 +98,5 @@ def scan_object(text: str, i: int) -> ObjectScan:
         if j < len(text) and text[j] == ",":
             j = skip_space(text, j + 1)
         elif j < len(text) and text[j] != "}":
-            return ObjectScan(members, None, False)
-    return ObjectScan(members, None, True)
-
-
-def is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
+            return ObjectScan(members, None)
+    return ObjectScan(members, None)

@@ -184,7 +184,8 @@ class Engine(HandOver):
     def step(self) -> list[TokenOutput]:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
-            self._cut_drafts()
+            if self.constraints:  # some request has a grammar
+                self._cut_drafts()
         output = self.scheduler.schedule()
         self.page_tags.stamp(self.block_manager.take_stamps())
         failed: list[TokenOutput] = []
@@ -205,9 +206,10 @@ class Engine(HandOver):
             else ({}, {})
         )
         finished = {s.seq_id for s in self.scheduler.update(output, tokens)}
-        for seq in seqs:  # a finished one's last token may be EOS, which ends no grammar
-            if seq.seq_id in self.constraints and seq.seq_id not in finished:
-                self.constraints.commit(seq.seq_id, tokens[seq.seq_id])
+        if self.constraints:  # a finished one's last token may be EOS, which ends no grammar
+            for seq in seqs:
+                if seq.seq_id in self.constraints and seq.seq_id not in finished:
+                    self.constraints.commit(seq.seq_id, tokens[seq.seq_id])
         for seq_id in finished:
             self.sampler.release(seq_id)
             self.constraints.release(seq_id)

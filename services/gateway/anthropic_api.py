@@ -84,7 +84,7 @@ class _Reply:
         self.open: str | None = None  # its type
         self.called = False
 
-    def head(self, generation: Generation) -> dict[str, Any]:
+    def head(self) -> dict[str, Any]:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.parsed.model}
 
     def blocks(self, text: str) -> list[dict[str, Any]]:
@@ -151,13 +151,13 @@ async def _whole(reply: _Reply, generation: Generation,
         await deltas.aclose()
     content = reply.blocks("".join(texts))
     stop_reason, stop_sequence = reply.stop(last)
-    return {**reply.head(generation), "content": content, "stop_reason": stop_reason,
+    return {**reply.head(), "content": content, "stop_reason": stop_reason,
             "stop_sequence": stop_sequence, "usage": _usage(generation)}  # fmt: skip
 
 
 async def _events(reply: _Reply, generation: Generation, first: Delta,
                   deltas: AsyncGenerator[Delta, None]) -> AsyncIterator[str]:  # fmt: skip
-    start = {**reply.head(generation), "content": [], "stop_reason": None, "stop_sequence": None,
+    start = {**reply.head(), "content": [], "stop_reason": None, "stop_sequence": None,
              "usage": {**_usage(generation), "output_tokens": 0}}  # fmt: skip
     yield _sse("message_start", {"type": "message_start", "message": start})
     try:

@@ -174,7 +174,7 @@ def _list(body: dict, name: str) -> list:
 
 
 def _sampling_fields(body: dict) -> dict[str, Any]:
-    fields: dict[str, Any] = {"temperature": 1.0}
+    fields: dict[str, Any] = {}
     for name, low, high in _NUMBERS:
         value = body.get(name)
         if value is None:

@@ -108,8 +108,8 @@ def parse_request(
             "a forced tool call (tool_choice required or named) and 'response_format' cannot "
             "both constrain the reply"
         )
-    params = _sampling(body, max_tokens, logprobs, forced or output)
-    params = replace(params, logit_bias=_logit_bias(body, tokenizer.vocab_size))
+    bias = _logit_bias(body, tokenizer.vocab_size)
+    params = _sampling(body, max_tokens, logprobs, forced or output, bias)
     check_context(kind, len(prompt), max_tokens, served.max_model_len)
     return ParsedRequest(
         kind, model, tuple(prompt), replace(params, stop=()), params.stop,
@@ -237,12 +237,12 @@ def default_max_tokens(prompt_len: int, served: ServedModel) -> int:
     return max(1, min(served.max_model_len - prompt_len, DEFAULT_MAX_TOKENS))
 
 
-def _sampling(body: dict[str, Any], max_tokens: int, logprobs: int | None,
-              grammar: str | None) -> SamplingParams:  # fmt: skip
+def _sampling(body: dict[str, Any], max_tokens: int, logprobs: int | None, grammar: str | None,
+              logit_bias: tuple[tuple[int, float], ...]) -> SamplingParams:  # fmt: skip
     values = {n: _get(body, n, kind) for kind, names in _SAMPLING_FIELDS for n in names}
     given = {name: value for name, value in values.items() if value is not None}
     return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=_stop(body),
-                          grammar=grammar, **given)  # fmt: skip
+                          grammar=grammar, logit_bias=logit_bias, **given)  # fmt: skip
 
 
 def _logit_bias(body: dict[str, Any], vocab: int) -> tuple[tuple[int, float], ...]:

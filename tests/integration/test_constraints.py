@@ -12,6 +12,7 @@ import pytest
 from kvmesh import LLM, SamplingParams
 from kvmesh.agent import grammars
 from kvmesh.errors import InvalidRequestError
+from tests.integration.preemption import generate_under_preemption
 
 SCHEMA = {
     "type": "object",
@@ -108,21 +109,9 @@ def test_preemption_keeps_the_grammar_state(llm):
                for i in range(5)]  # fmt: skip
     params = _params(grammar, max_tokens=40)
     reference = [o.text for o in llm.generate_ids(prompts, params)]
-    need = len(prompts[0]) + 40
-    tiny = LLM(dtype="fp32", num_pages=(2 * need) // 16 + 2, max_num_batched_tokens=32)
-    preempted: list[str] = []
-    schedule = tiny.engine.scheduler.schedule
-
-    def spy():
-        out = schedule()
-        preempted.extend(out.preempted)
-        return out
-
-    tiny.engine.scheduler.schedule = spy
-    outputs = tiny.generate_ids(prompts, params)
-    assert preempted, "the page budget was meant to force preemption"
+    outputs, engine = generate_under_preemption(prompts, params)
     assert [o.text for o in outputs] == reference
     for out in outputs:
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(out.text), SCHEMA)
-    assert len(tiny.engine.constraints) == 0  # every matcher released
+    assert len(engine.constraints) == 0  # every matcher released

@@ -7,6 +7,7 @@ import torch
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.errors import ContextLengthError, InvalidRequestError
+from tests.integration.preemption import generate_under_preemption
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 SYSTEM = (
@@ -55,22 +56,10 @@ def test_chunked_prefill_and_preemption_keep_tokens(llm):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     llm.engine.block_manager.reset_prefix_cache()
     reference = [o.token_ids for o in llm.generate_ids(prompts, params)]
-    need = len(prompts[0]) + 40
-    tiny = LLM(dtype="fp32", num_pages=(2 * need) // 16 + 2, max_num_batched_tokens=32)
-    preempted: list[str] = []
-    schedule = tiny.engine.scheduler.schedule
-
-    def spy():
-        out = schedule()
-        preempted.extend(out.preempted)
-        return out
-
-    tiny.engine.scheduler.schedule = spy
-    outputs = tiny.generate_ids(prompts, params)
-    assert preempted, "the page budget was meant to force preemption"
+    outputs, tiny = generate_under_preemption(prompts, params)
     assert [o.token_ids for o in outputs] == reference
-    tiny.engine.block_manager.check_integrity()
-    assert tiny.engine.block_manager.num_used_pages == 0
+    tiny.block_manager.check_integrity()
+    assert tiny.block_manager.num_used_pages == 0
 
 
 def test_seeded_sampling_is_reproducible(llm):

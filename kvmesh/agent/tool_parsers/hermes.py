@@ -64,9 +64,9 @@ def _calls(body: str, settled: bool) -> list[CallState]:
     return calls
 
 
-def call_state(body: str, scan: ObjectScan, name_key: str = "name") -> CallState:
+def call_state(body: str, scan: ObjectScan) -> CallState:
     """A {"name": ..., "arguments": {...}} object (or "parameters"), arguments as written."""
-    name_member = scan.members.get(name_key)
+    name_member = scan.members.get("name")
     name = None
     if name_member is not None and name_member.end is not None:
         value = json.loads(name_member.raw(body)) if body[name_member.start] == '"' else None
