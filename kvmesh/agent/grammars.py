@@ -1,14 +1,12 @@
 """Grammars for what a reply must be, in llguidance's formats (checked here, enforced by the
 engine that samples: engine/constraints.py): `response_format` json_object / json_schema, the
-kvmesh extras regex / choice / Lark grammar, and forced tool calls (tool_choice required or
-named, one call when parallel_tool_calls is false) in the model's tool-call format."""
+kvmesh extras regex / choice / Lark grammar (tool calls: agent/tool_grammar.py)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from kvmesh.agent.conversation import Conversation
 from kvmesh.errors import InvalidRequestError
 
 # JSON in json.dumps' style (", " and ": ", no other whitespace): what models write and what the
@@ -48,20 +46,6 @@ def checked(grammar: str, field: str) -> str:
     if error:
         raise InvalidRequestError(f"'{field}' cannot be enforced: {'; '.join(messages)}")
     return grammar
-
-
-def tool_call_schema(conversation: Conversation) -> dict[str, Any] | None:
-    """The JSON schema of one forced call ({"name", "arguments"}), or None if none is forced."""
-    choice = conversation.tool_choice
-    if not conversation.tools or choice.mode not in ("required", "named"):
-        return None
-    tools = [t for t in conversation.tools if choice.name in (None, t.name)]
-    options = [
-        {"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-         "required": ["name", "arguments"], "additionalProperties": False}
-        for t in tools
-    ]  # fmt: skip
-    return options[0] if len(options) == 1 else {"anyOf": options}
 
 
 def token_literals(hf_tokenizer: Any):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvmesh.engine.tokenizer import Tokenizer
@@ -20,7 +20,9 @@ class DetokenizeResult:
 
 
 class IncrementalDetokenizer:
-    """Turns output token ids into text deltas; holds back a possible partial stop string."""
+    """Turns output token ids into text deltas; holds back a possible partial stop string.
+    `calls_from(text)`, where a reply is read for tool calls, says where its calls begin (-1:
+    not yet): stop strings end the content before them, never a call's arguments."""
 
     def __init__(
         self,
@@ -29,10 +31,12 @@ class IncrementalDetokenizer:
         include_stop: bool = False,
         skip_special_tokens: bool = True,
         prompt_ids: Sequence[int] = (),
+        calls_from: Callable[[str], int] | None = None,
     ) -> None:
         self._tok = tokenizer
         self._stop = tuple(stop)
         self._include_stop = include_stop
+        self._calls_from = calls_from
         self._skip = skip_special_tokens
         # A few prompt tokens of left context, so the first output token renders as it would inline.
         self._ids: list[int] = list(prompt_ids[-_WINDOW:])
@@ -71,7 +75,9 @@ class IncrementalDetokenizer:
     def _check_stop(self, searched: int) -> bool:
         # Text before `searched` held no stop string, so a new hit must end after it.
         start = max(0, searched - max(len(s) for s in self._stop) + 1)
-        hits = [(self.text.find(s, start), s) for s in self._stop]
+        calls = self._calls_from(self.text) if self._calls_from is not None else -1
+        end = len(self.text) if calls < 0 else calls
+        hits = [(self.text.find(s, start, end), s) for s in self._stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
             return False

@@ -22,7 +22,6 @@ from kvmesh.agent.tool_parsers import (
     CallStart,
     ContentDelta,
     ToolCallStream,
-    get_parser,
     parse_output,
 )
 from kvmesh.engine.tokenizer import Tokenizer
@@ -79,7 +78,7 @@ class _Reply:
     def __init__(self, parsed: ParsedRequest, message_id: str) -> None:
         self.parsed = parsed
         self.id = message_id
-        self.stream = ToolCallStream(get_parser(parsed.tools.parser)) if parsed.tools else None
+        self.stream = ToolCallStream(parsed.tools.parser_object()) if parsed.tools else None
         self.index = -1  # the open block's index
         self.open: str | None = None  # its type
         self.called = False
@@ -90,7 +89,7 @@ class _Reply:
     def blocks(self, text: str) -> list[dict[str, Any]]:
         if self.parsed.tools is None:
             return [{"type": "text", "text": text}] if text else []
-        out = parse_output(get_parser(self.parsed.tools.parser), text)
+        out = parse_output(self.parsed.tools.parser_object(), text)
         self.called = bool(out.tool_calls)
         blocks = [{"type": "text", "text": out.content}] if out.content else []
         return blocks + [{"type": "tool_use", "id": _tool_id(c.id), "name": c.name,

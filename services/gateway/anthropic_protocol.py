@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvmesh.agent.conversation import Conversation, Message, Tool, ToolCall, ToolChoice
+from kvmesh.agent.tool_grammar import reply_grammar
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidRequestError
@@ -31,11 +32,11 @@ def parse_messages(body: Any, tokenizer: Tokenizer, served: ServedModel) -> Pars
     stop = body.get("stop_sequences") or []
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise InvalidRequestError("'stop_sequences' must be an array of non-empty strings")
-    grammar = common.forced_calls(conversation, served.tool_parser, tokenizer)
+    grammar = reply_grammar(conversation, served.tool_parser, tokenizer.hf, None, "")
     params = SamplingParams(
         max_tokens=max_tokens, stop=tuple(stop), grammar=grammar, **_sampling_fields(body)
     )
-    tools = ToolSetup(served.tool_parser) if conversation.offers_tools else None
+    tools = ToolSetup.of(conversation, served.tool_parser)
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise InvalidRequestError("'stream' must be a boolean")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import anyio
 import structlog
 
+from kvmesh.agent.tool_parsers import ToolParser
 from kvmesh.engine.detokenizer import DetokenizeResult, IncrementalDetokenizer
 from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
@@ -56,17 +57,19 @@ class Routing:
 
 class ReplyDetokenizer:
     """Incremental text with stop strings. A reply read for tool calls keeps special tokens
-    (several formats delimit calls with them) but never the ones that end it (EOS, stop ids)."""
+    (several formats delimit calls with them) but never the ones that end it (EOS, stop ids),
+    and its stop strings apply to its content only: a call's arguments are never cut."""
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, stop: tuple[str, ...],
-                 prompt: Sequence[int], reads_tools: bool) -> None:  # fmt: skip
-        skip_special = params.skip_special_tokens and not reads_tools
+                 prompt: Sequence[int], tools: ToolParser | None) -> None:  # fmt: skip
+        skip_special = params.skip_special_tokens and tools is None
         self._hidden = (
             frozenset() if skip_special else tokenizer.eos_token_ids | set(params.stop_token_ids)
         )
         self._inner = IncrementalDetokenizer(
-            tokenizer, stop, params.include_stop_str_in_output, skip_special, prompt
-        )
+            tokenizer, stop, params.include_stop_str_in_output, skip_special, prompt,
+            tools.call_start if tools is not None else None,
+        )  # fmt: skip
 
     def push(self, token_ids: Sequence[int], final: bool) -> DetokenizeResult:
         if self._hidden:
@@ -85,8 +88,9 @@ class Generation:
         self._request_id = request_id
         self._started = started
         params = parsed.params
+        tools = parsed.tools.parser_object() if parsed.tools is not None else None
         self._detok = ReplyDetokenizer(tokenizer, params, parsed.stop, parsed.prompt_token_ids,
-                                       parsed.tools is not None)  # fmt: skip
+                                       tools)  # fmt: skip
         self._echo = parsed.echo
         self._first_token_at: float | None = None
         self._backend_finished = False

@@ -8,12 +8,12 @@ from dataclasses import replace
 import grpc
 import structlog
 
+from kvmesh.agent.tool_grammar import reply_grammar
 from kvmesh.agent.tool_parsers import (
     ArgumentsDelta,
     CallStart,
     ContentDelta,
     ToolCallStream,
-    get_parser,
     parser_for,
 )
 from kvmesh.engine.tokenizer import Tokenizer
@@ -24,7 +24,7 @@ from kvmesh.proto.v1 import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grp
 from services.gateway.backend import GenerateBackend, GenerateInput
 from services.gateway.generation import ReplyDetokenizer
 from services.gateway.grpc_chat import conversation_of
-from services.gateway.openai_protocol import chat_prompt, forced_calls
+from services.gateway.openai_protocol import ToolSetup, chat_prompt
 
 log = structlog.get_logger(__name__)
 
@@ -43,11 +43,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
-            prompt, params, reads_tools = self._parse(request)
+            prompt, params, tools = self._parse(request)
         except KvmeshError as exc:
             await context.abort(grpc_status(exc), grpc_details(exc))
-        detok = ReplyDetokenizer(self.tokenizer, params, params.stop, prompt, reads_tools)
-        calls = ToolCallStream(get_parser(self._tool_parser)) if reads_tools else None
+        parser = tools.parser_object() if tools is not None else None
+        detok = ReplyDetokenizer(self.tokenizer, params, params.stop, prompt, parser)
+        calls = ToolCallStream(parser) if parser is not None else None
         completion = 0
         try:
             async for chunk in self.backend.generate(
@@ -78,13 +79,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 f"model {request.model!r} is not served here ({self.backend.model_name})"
             )
         kind = request.WhichOneof("input")
-        conversation, forced = None, None
+        conversation = None
         if kind == "prompt":
             prompt = self.tokenizer.encode(request.prompt)
         elif kind == "chat":
             conversation = conversation_of(request.chat)
             prompt = chat_prompt(conversation, self.tokenizer)
-            forced = forced_calls(conversation, self._tool_parser, self.tokenizer)
         elif kind == "token_ids":
             prompt = list(request.token_ids.ids)
         else:
@@ -92,10 +92,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
         params = convert.sampling_from_pb(request.sampling, tuple(request.stop))
-        if kind == "chat" and forced is not None:
-            if params.grammar is not None:
-                raise InvalidRequestError("a forced tool call and a grammar cannot both apply")
-            params = replace(params, grammar=forced)
+        if conversation is not None:
+            grammar = reply_grammar(conversation, self._tool_parser, self.tokenizer.hf,
+                                    params.grammar, "sampling.grammar")  # fmt: skip
+            params = replace(params, grammar=grammar)
         if request.include_stop_str_in_output:
             params = replace(params, include_stop_str_in_output=True)
         if len(prompt) + params.max_tokens > self.backend.max_model_len:
@@ -103,7 +103,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 f"this model's maximum context length is {self.backend.max_model_len} tokens; the "
                 f"request has {len(prompt)} prompt tokens and max_tokens {params.max_tokens}"
             )
-        return prompt, params, kind == "chat" and conversation.offers_tools
+        tools = ToolSetup.of(conversation, self._tool_parser) if conversation else None
+        return prompt, params, tools
 
     async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:
         await self.backend.abort(request.request_id)

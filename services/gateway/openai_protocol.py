@@ -11,10 +11,10 @@ from typing import Any, Literal, TypeVar
 
 import jinja2
 
-from kvmesh.agent import grammars
-from kvmesh.agent.conversation import Conversation
+from kvmesh.agent.conversation import Conversation, Tool
 from kvmesh.agent.templates import template_messages
-from kvmesh.agent.tool_parsers import get_parser
+from kvmesh.agent.tool_grammar import reply_grammar
+from kvmesh.agent.tool_parsers import ToolParser, get_parser
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
@@ -52,6 +52,15 @@ class ToolSetup:
     """How a chat reply that may call tools is read: by this parser (agent/tool_parsers)."""
 
     parser: str
+    tools: tuple[Tool, ...] = ()  # the tools offered (glm45 types argument values by them)
+
+    @classmethod
+    def of(cls, conversation: Conversation, parser: str) -> ToolSetup | None:
+        """None when the request offers no tools (its reply is plain text)."""
+        return cls(parser, conversation.tools) if conversation.offers_tools else None
+
+    def parser_object(self) -> ToolParser:
+        return get_parser(self.parser, self.tools)
 
 
 @dataclass(frozen=True)
@@ -85,13 +94,12 @@ def parse_request(
     model = check_model(body, served)
     _check_unsupported(body)
     stream, include_usage = _stream_options(body)
-    tools, forced, echo = None, None, ""
+    tools, conversation, echo = None, None, ""
     if kind == "chat":
         if body.get("echo"):
             raise InvalidRequestError("'echo' is only for /v1/completions")
         conversation = parse_conversation(body)
-        tools = ToolSetup(served.tool_parser) if conversation.offers_tools else None
-        forced = forced_calls(conversation, served.tool_parser, tokenizer)
+        tools = ToolSetup.of(conversation, served.tool_parser)
         prompt = chat_prompt(conversation, tokenizer)
         requested = _get(body, "max_completion_tokens", int)
         requested = _get(body, "max_tokens", int) if requested is None else requested
@@ -102,14 +110,12 @@ def parse_request(
         logprobs = _get(body, "logprobs", int)
         echo = _echo(body, prompt, tokenizer, logprobs)
     max_tokens = default_max_tokens(len(prompt), served) if requested is None else requested
-    output = output_grammar(body)
-    if forced is not None and output is not None:
-        raise InvalidRequestError(
-            "a forced tool call (tool_choice required or named) and 'response_format' cannot "
-            "both constrain the reply"
-        )
+    grammar = output_grammar(body)
+    if conversation is not None:
+        grammar = reply_grammar(conversation, served.tool_parser, tokenizer.hf, grammar,
+                                "response_format")  # fmt: skip
     bias = _logit_bias(body, tokenizer.vocab_size)
-    params = _sampling(body, max_tokens, logprobs, forced or output, bias)
+    params = _sampling(body, max_tokens, logprobs, grammar, bias)
     check_context(kind, len(prompt), max_tokens, served.max_model_len)
     return ParsedRequest(
         kind, model, tuple(prompt), replace(params, stop=()), params.stop,
@@ -165,19 +171,6 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     if options and not stream:
         raise InvalidRequestError("'stream_options' is only allowed when 'stream' is true")
     return stream, bool(_get(options, "include_usage", bool))
-
-
-def forced_calls(conversation: Conversation, parser_name: str, tokenizer: Tokenizer) -> str | None:
-    """The grammar of a reply that must call tools (tool_choice required / named)."""
-    schema = grammars.tool_call_schema(conversation)
-    if schema is None:
-        return None
-    # named: that function, once (as vLLM and OpenAI do); required: one call, or several
-    # unless parallel_tool_calls is false
-    many = conversation.tool_choice.mode == "required" and conversation.parallel_tool_calls
-    literal = grammars.token_literals(tokenizer.hf)
-    grammar = get_parser(parser_name).call_grammar(schema, many, literal)
-    return grammars.checked(grammar, "tool_choice")
 
 
 def chat_prompt(conversation: Conversation, tokenizer: Tokenizer) -> list[int]:

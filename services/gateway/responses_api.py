@@ -68,7 +68,7 @@ class _Reply:
     """The response object and its output items, built as the text arrives."""
 
     def __init__(self, parsed: ParsedRequest, request_id: str, body: dict[str, Any]) -> None:
-        parser = get_parser(parsed.tools.parser if parsed.tools else "hermes")
+        parser = parsed.tools.parser_object() if parsed.tools else get_parser("hermes")
         self.stream = ToolCallStream(parser) if parsed.tools else None
         self.request_id = request_id
         self.items: list[dict[str, Any]] = []

@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvmesh.agent.conversation import ROLES, Conversation
+from kvmesh.agent.tool_grammar import reply_grammar
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidRequestError
@@ -35,18 +36,14 @@ def parse_response_request(body: Any, tokenizer: Tokenizer, served: ServedModel)
         raise InvalidRequestError("'max_output_tokens' must be an integer")
     max_tokens = requested or common.default_max_tokens(len(prompt), served)
     common.check_context("chat", len(prompt), max_tokens, served.max_model_len)
-    forced = common.forced_calls(conversation, served.tool_parser, tokenizer)
-    output = _text_format(body)
-    if forced is not None and output is not None:
-        raise InvalidRequestError(
-            "a forced tool call and 'text.format' cannot both constrain the reply"
-        )
+    grammar = reply_grammar(conversation, served.tool_parser, tokenizer.hf, _text_format(body),
+                            "text.format")  # fmt: skip
     fields = {n: float(body[n]) for n in ("temperature", "top_p") if _number(body, n)}
-    params = SamplingParams(max_tokens=max_tokens, grammar=forced or output, **fields)
+    params = SamplingParams(max_tokens=max_tokens, grammar=grammar, **fields)
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise InvalidRequestError("'stream' must be a boolean")
-    tools = ToolSetup(served.tool_parser) if conversation.offers_tools else None
+    tools = ToolSetup.of(conversation, served.tool_parser)
     model = common.check_model(body, served)
     return ParsedRequest("chat", model, tuple(prompt), replace(params, stop=()), (), stream,
                          tools=tools)  # fmt: skip

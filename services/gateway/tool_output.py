@@ -12,7 +12,6 @@ from kvmesh.agent.tool_parsers import (
     ContentDelta,
     StreamEvent,
     ToolCallStream,
-    get_parser,
     parse_output,
 )
 from services.gateway.openai_protocol import ToolSetup
@@ -21,7 +20,7 @@ from services.gateway.openai_protocol import ToolSetup
 class ToolReply:
     def __init__(self, setup: ToolSetup) -> None:
         self._setup = setup
-        self._stream = ToolCallStream(get_parser(setup.parser))
+        self._stream = ToolCallStream(setup.parser_object())
 
     @property
     def called(self) -> bool:
@@ -34,7 +33,7 @@ class ToolReply:
 
     def message(self, text: str) -> dict[str, Any]:
         """The whole assistant message of a reply whose generated text is `text`."""
-        parsed = parse_output(get_parser(self._setup.parser), text)
+        parsed = parse_output(self._setup.parser_object(), text)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
         if parsed.tool_calls:
             message["tool_calls"] = [

@@ -73,6 +73,38 @@ def test_calls_in_the_reply_whole_and_streamed(served) -> None:
     assert argument_deltas > 6  # the arguments came token by token, not at the end
 
 
+def test_stop_strings_end_content_but_never_cut_a_call(served) -> None:
+    """A stop string inside a call's arguments does not apply (the call would be corrupt);
+    one in the content before the calls ends the reply there."""
+    client, backend = served
+    for stream in (False, True):
+        backend.script(TWO_CALLS)
+        reply = _collect(_create(client, tools=[WEATHER_TOOL, TIME_TOOL], stop=["}", "C"],
+                                 stream=stream))  # fmt: skip
+        assert reply == ("Let me look that up.", [("get_weather", ARGS), ("get_time", "{}")],
+                         "tool_calls")  # fmt: skip
+        backend.script(TWO_CALLS)
+        reply = _collect(_create(client, tools=[WEATHER_TOOL], stop=[" up"], stream=stream))
+        assert reply == ("Let me look that", [], "stop")
+
+
+def _collect(reply: Any) -> tuple[str, list[tuple[str, str]], str]:
+    """(content, [(name, arguments)], finish_reason) of a whole or streamed reply."""
+    if not isinstance(reply, openai.Stream):
+        message = reply.choices[0].message
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+        return message.content or "", calls, reply.choices[0].finish_reason
+    content, calls, finish = "", {}, None
+    for chunk in reply:
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        finish = choice.finish_reason or finish
+        for call in choice.delta.tool_calls or []:
+            name, args = calls.get(call.index, (call.function.name, ""))
+            calls[call.index] = (name, args + (call.function.arguments or ""))
+    return content, list(calls.values()), finish
+
+
 def test_tools_render_into_the_prompt_with_the_history(served, tok) -> None:
     client, backend = served
     history = [
@@ -107,12 +139,16 @@ def test_named_and_required_choices_send_a_grammar(served) -> None:
     _create(client, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required")
     grammar = backend.requests[-1].params.grammar
     assert "anyOf" in grammar and '"const": "get_time"' in grammar
-    assert '("\\n" call)*' in grammar  # required: parallel calls allowed...
+    assert "call)*" in grammar  # required: parallel calls allowed...
     _create(client, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
             parallel_tool_calls=False)  # fmt: skip
     assert "call)*" not in backend.requests[-1].params.grammar  # ...unless turned off
-    _create(client, tools=[WEATHER_TOOL])  # auto: the model chooses, no grammar
+    _create(client, tools=[WEATHER_TOOL])  # auto, nothing strict: the model chooses freely
     assert backend.requests[-1].params.grammar is None
+    strict = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": True}}
+    _create(client, tools=[strict])  # auto with a strict tool: text, or calls that follow it
+    grammar = backend.requests[-1].params.grammar
+    assert "lead[lazy]: TEXT" in grammar and '"required": ["city"]' in grammar
 
 
 def test_legacy_functions_map_onto_tools(served, tok) -> None:

@@ -3,6 +3,9 @@ flag names one (`--tool-call-parser`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from kvmesh.agent.conversation import Tool
 from kvmesh.agent.tool_parsers.base import (
     ArgumentsDelta,
     CallStart,
@@ -36,12 +39,13 @@ _MARKERS: tuple[tuple[str, str], ...] = (
 )
 
 
-def get_parser(name: str) -> ToolParser:
+def get_parser(name: str, tools: Sequence[Tool] = ()) -> ToolParser:
+    """The parser for one request (`tools`: the tools it offers)."""
     if name not in PARSERS:
         raise InvalidRequestError(
             f"unknown tool-call parser {name!r}; known: {', '.join(sorted(PARSERS))}"
         )
-    return PARSERS[name]()
+    return PARSERS[name](tools)
 
 
 def parser_for(chat_template: str | None) -> str:

@@ -8,10 +8,11 @@ deltas always add up to it (a parser must keep every partial answer a prefix of 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvmesh.agent.conversation import ToolCall, new_call_id
+from kvmesh.agent.conversation import Tool, ToolCall, new_call_id
 
 
 @dataclass(frozen=True)
@@ -29,13 +30,35 @@ class ScanState:
 
 class ToolParser(Protocol):
     name: str
+    trigger: str  # the delimiter that begins a reply's calls
+    bare_calls: bool  # whether a reply may also start with its calls, without the trigger
 
     def scan(self, text: str, final: bool) -> ScanState: ...
 
-    def call_grammar(self, call_schema: dict, many: bool, literal: Any) -> str:
-        """A Lark grammar (llguidance) for a reply made of forced calls in this format;
-        `literal` writes a delimiter (a special token of the model's tokenizer: by id)."""
+    def call_start(self, text: str) -> int:
+        """Where the calls begin in `text` (-1: not yet); stop strings end content only."""
         ...
+
+    def call_grammar(self, call_schema: dict, many: bool, literal: Any) -> str:
+        """Lark rules (llguidance) whose rule `calls` is what follows the trigger (or starts
+        the reply, for bare calls) in a reply of calls in this format: one call, or several
+        when `many`; `literal` writes a delimiter (a special token of the model's tokenizer: by
+        id). agent/tool_grammar.py builds whole grammars from them."""
+        ...
+
+
+class TaggedFormat:
+    """What most formats share: calls begin at the trigger, and the request's tools are kept
+    for formats whose argument values are typed by their schema (glm45)."""
+
+    trigger: str
+    bare_calls = False
+
+    def __init__(self, tools: Sequence[Tool] = ()) -> None:
+        self.tools = tuple(tools)
+
+    def call_start(self, text: str) -> int:
+        return text.find(self.trigger)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from kvmesh.agent.tool_parsers.base import CallState, ScanState
+from kvmesh.agent.tool_parsers.base import CallState, ScanState, TaggedFormat
 from kvmesh.agent.tool_parsers.tagged import (
     Literal,
     certain_content,
@@ -22,8 +22,9 @@ CALL, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜
 FENCE, FENCE_END = "```json\n", "\n```"
 
 
-class DeepSeekV3Parser:
+class DeepSeekV3Parser(TaggedFormat):
     name = "deepseek_v3"
+    trigger = SECTION
 
     def scan(self, text: str, final: bool) -> ScanState:
         first = text.find(SECTION)
@@ -43,7 +44,7 @@ class DeepSeekV3Parser:
             head = f'{literal(CALL)} "function" {literal(SEP)} {json.dumps(name + chr(10) + FENCE)}'
             return f"{head} {json_rule(arguments)} {json.dumps(FENCE_END)} {literal(CALL_END)}"
 
-        return sections(literal(SECTION), literal(SECTION_END), options(call_schema, call), many)
+        return sections(literal(SECTION_END), options(call_schema, call), many)
 
 
 def _call(text: str, start: int, final: bool) -> tuple[CallState | None, int]:

@@ -7,14 +7,15 @@ from __future__ import annotations
 import json
 
 from kvmesh.agent.json_spans import ObjectScan, scan_object, skip_space
-from kvmesh.agent.tool_parsers.base import CallState, ScanState
+from kvmesh.agent.tool_parsers.base import CallState, ScanState, TaggedFormat
 from kvmesh.agent.tool_parsers.tagged import Literal, certain_content, json_rule, quoted
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
-class HermesParser:
+class HermesParser(TaggedFormat):
     name = "hermes"
+    trigger = OPEN
 
     def scan(self, text: str, final: bool) -> ScanState:
         first = text.find(OPEN)
@@ -34,12 +35,10 @@ class HermesParser:
         return ScanState(text[:first].rstrip(), tuple(calls))
 
     def call_grammar(self, call_schema: dict, many: bool, literal: Literal = quoted) -> str:
-        """A Lark grammar for a reply of forced calls ({"name", "arguments"} per `call_schema`;
-        `many`: one or more calls, else exactly one)."""
-        body = json_rule(call_schema)
-        call = f'{literal(OPEN)} "\\n" {body} "\\n" {literal(CLOSE)}'
-        more = ' ("\\n" call)*' if many else ""
-        return f"start: call{more}\ncall: {call}\n"
+        """After the first <tool_call>: {"name", "arguments"} per `call_schema` and the close
+        tag; with `many`, more calls each in its own tags."""
+        more = f' ("\\n" {literal(OPEN)} call)*' if many else ""
+        return f'calls: call{more}\ncall: "\\n" {json_rule(call_schema)} "\\n" {literal(CLOSE)}\n'
 
 
 def _calls(body: str, settled: bool) -> list[CallState]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from kvmesh.agent.tool_parsers.base import CallState, ScanState
+from kvmesh.agent.tool_parsers.base import CallState, ScanState, TaggedFormat
 from kvmesh.agent.tool_parsers.tagged import (
     Literal,
     certain_content,
@@ -21,8 +21,9 @@ SECTION, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end
 CALL, ARGS, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 
 
-class KimiK2Parser:
+class KimiK2Parser(TaggedFormat):
     name = "kimi_k2"
+    trigger = SECTION
 
     def scan(self, text: str, final: bool) -> ScanState:
         first = text.find(SECTION)
@@ -45,4 +46,4 @@ class KimiK2Parser:
             head = literal(CALL) + " " + json.dumps(f"functions.{name}:")
             return f"{head} /[0-9]+/ {literal(ARGS)} {json_rule(arguments)} {literal(CALL_END)}"
 
-        return sections(literal(SECTION), literal(SECTION_END), options(call_schema, call), many)
+        return sections(literal(SECTION_END), options(call_schema, call), many)

@@ -5,15 +5,21 @@ content, up to a <|python_tag|> that starts calls."""
 from __future__ import annotations
 
 from kvmesh.agent.json_spans import scan_object, skip_space
-from kvmesh.agent.tool_parsers.base import CallState, ScanState
+from kvmesh.agent.tool_parsers.base import CallState, ScanState, TaggedFormat
 from kvmesh.agent.tool_parsers.hermes import call_state
 from kvmesh.agent.tool_parsers.tagged import Literal, certain_content, json_rule, options, quoted
 
 TAG = "<|python_tag|>"
 
 
-class Llama3JsonParser:
+class Llama3JsonParser(TaggedFormat):
     name = "llama3_json"
+    trigger = TAG
+    bare_calls = True
+
+    def call_start(self, text: str) -> int:
+        start = skip_space(text, 0)
+        return start if text.startswith("{", start) else text.find(TAG)
 
     def scan(self, text: str, final: bool) -> ScanState:
         start = skip_space(text, 0)
@@ -39,7 +45,7 @@ class Llama3JsonParser:
             return json_rule(schema)
 
         more = ' ("; " call)*' if many else ""
-        return f"start: call{more}\ncall: {options(call_schema, call)}\n"
+        return f"calls: call{more}\ncall: {options(call_schema, call)}\n"
 
 
 def _calls(text: str, at: int) -> tuple[CallState, ...]:

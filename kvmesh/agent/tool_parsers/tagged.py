@@ -29,10 +29,10 @@ def options(call_schema: dict, call: Callable[[str, dict], str]) -> str:
     )
 
 
-def sections(begin: str, end: str, call: str, many: bool) -> str:
-    """start: BEGIN call (call)* END, or exactly one call."""
+def sections(end: str, call: str, many: bool) -> str:
+    """After the section's begin tag: one call (or several) then its END."""
     more = " call*" if many else ""
-    return f"start: {begin} call{more} {end}\ncall: {call}\n"
+    return f"calls: call{more} {end}\ncall: {call}\n"
 
 
 def held(text: str, tag: str) -> int:
