@@ -72,26 +72,27 @@ class LLM:
         return self.generate_ids(token_lists, params or SamplingParams())
 
     def generate_ids(
-        self, prompts: Seq[list[int]], params: SamplingParams
+        self, prompts: Seq[list[int]], params: SamplingParams | Seq[SamplingParams]
     ) -> list[CompletionOutput]:
-        """Run every prompt to completion with continuous batching; outputs in prompt order."""
+        """Run every prompt to completion with continuous batching (one SamplingParams for all,
+        or one per prompt); outputs in prompt order."""
         start = time.perf_counter()
         outputs: dict[str, CompletionOutput] = {}
         detoks: dict[str, IncrementalDetokenizer] = {}
+        each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(each) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(each)} SamplingParams")
         try:
-            for prompt in prompts:
+            for prompt, one in zip(prompts, each, strict=True):
                 rid = f"req-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_request(rid, prompt, one)
                 outputs[rid] = CompletionOutput(
-                    rid, list(prompt), logprobs=[] if params.logprobs is not None else None
+                    rid, list(prompt), logprobs=[] if one.logprobs is not None else None
                 )
                 detoks[rid] = IncrementalDetokenizer(
-                    self.tokenizer,
-                    params.stop,
-                    params.include_stop_str_in_output,
-                    params.skip_special_tokens,
-                    prompt,
-                )
+                    self.tokenizer, one.stop, one.include_stop_str_in_output,
+                    one.skip_special_tokens, prompt,
+                )  # fmt: skip
             while self.engine.has_unfinished():
                 for step in self.engine.step():
                     self._absorb(outputs[step.request_id], detoks[step.request_id], step, start)

@@ -76,6 +76,24 @@ def test_speculation_keeps_the_constrained_output(llm):
     assert spec.engine.speculator.stats.draft_tokens > 0  # drafts were cut and verified under masks
 
 
+def test_schema_suite_in_the_engine_with_and_without_eagle(llm):
+    """tests/data/agent_schemas.json in the engine: every answer finishes valid for its schema
+    or tools, and the engine with a local EAGLE head answers exactly the same."""
+    from tests.integration import agent_schemas
+
+    cases = agent_schemas.cases()
+    assert len(cases) >= 30
+    want = agent_schemas.suite_reference(llm)
+    for case, answer in zip(cases, want, strict=True):
+        assert answer.finish in ("stop", "tool_calls"), (case["name"], answer)
+        agent_schemas.check(case, answer)
+    eagle = LLM(dtype="fp32", max_num_seqs=32, speculative="eagle")
+    got = agent_schemas.engine_answers(eagle, [agent_schemas.body(case) for case in cases])
+    names = [case["name"] for case in cases]
+    assert list(zip(names, got, strict=True)) == list(zip(names, want, strict=True))
+    assert eagle.engine.speculator.stats.draft_tokens > 0
+
+
 def test_bad_grammar_and_bias_are_typed_errors(llm):
     with pytest.raises(InvalidRequestError, match="grammar"):
         llm.generate("hi", SamplingParams(grammar="start: nope"))

@@ -160,6 +160,41 @@ def test_structured_output_through_the_mesh_equals_the_engine(client, reference)
     assert isinstance(parsed.choices[0].message.parsed, Trip)
 
 
+def test_schema_suite_through_the_mesh_equals_the_engine(client, llm):
+    """Schemas and tool sets of tests/data/agent_schemas.json (the short ones; the engine runs
+    them all: test_constraints.py), four in flight at once: the mesh answers exactly what the
+    engine does, every answer valid for its schema / tools; a reply cut by max_tokens says
+    length and is not passed off as JSON."""
+    import json
+
+    import openai
+    from pydantic import BaseModel
+
+    from tests.integration import agent_schemas
+
+    cases = agent_schemas.cases(agent_schemas.MESH_CASES)
+    want = agent_schemas.suite_reference(llm, agent_schemas.MESH_CASES)
+    got = agent_schemas.mesh_answers(client, [agent_schemas.body(case) for case in cases])
+    for case, answer, expected in zip(cases, got, want, strict=True):
+        assert answer == expected, case["name"]
+        agent_schemas.check(case, answer)
+    assert sum(a.finish in ("stop", "tool_calls") for a in got) == len(cases)
+    cut = [c for c in cases if "schema" in c][:2]
+    for answer in agent_schemas.mesh_answers(client, [agent_schemas.body(c, 6) for c in cut]):
+        assert answer.finish == "length"
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(answer.content)
+
+    class Character(BaseModel):
+        name: str
+        strength: int
+
+    with pytest.raises(openai.LengthFinishReasonError):  # the SDK sees the cut too
+        client.chat.completions.parse(model="smollm2-135m", max_tokens=4, temperature=0,
+                                      messages=[{"role": "user", "content": "A hero?"}],
+                                      response_format=Character)  # fmt: skip
+
+
 def test_forced_tool_call_through_the_mesh_streamed_and_not(client):
     import json
 

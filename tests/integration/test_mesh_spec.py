@@ -66,3 +66,18 @@ def test_greedy_through_the_mesh_equals_the_engine_without_speculation(mesh, llm
     assert drafted > 0 and 0 < accepted <= drafted, (name, drafted, accepted)
     if name == "eagle-remote":
         assert any(w.role == "draft" for w in workers)
+
+
+def test_schema_suite_with_speculation_equals_the_engine(mesh, llm):
+    """The structured-output suite with drafts (n-gram; EAGLE on the draft service): drafts cut
+    at the grammar's first rejection, answers equal to the engine's without speculation."""
+    from tests.integration import agent_schemas
+
+    name, running = mesh
+    cases = agent_schemas.cases(agent_schemas.MESH_CASES)
+    want = agent_schemas.suite_reference(llm, agent_schemas.MESH_CASES)
+    got = agent_schemas.mesh_answers(client_for(running),
+                                     [agent_schemas.body(case) for case in cases])  # fmt: skip
+    for case, answer, expected in zip(cases, got, want, strict=True):
+        assert answer == expected, (name, case["name"])
+        agent_schemas.check(case, answer)

@@ -1,0 +1,114 @@
+"""The structured-output suite (tests/data/agent_schemas.json): each case as an OpenAI chat
+body, the single-process engine's answers to the very same requests (prompt and grammar built
+by the gateway's own parser), and the checks every answer must pass."""
+
+from __future__ import annotations
+
+import functools
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from kvmesh.agent.tool_parsers import parse_output
+from services.gateway.openai_protocol import ServedModel, parse_request
+
+DATA = Path(__file__).parent.parent / "data" / "agent_schemas.json"
+MODEL = "smollm2-135m"
+MAX_TOKENS = 160
+
+
+# short answers, schemas and tool sets both: the part of the suite run through whole meshes
+MESH_CASES = ("docker-compose", "city-population", "user-optional-age", "postal-address",
+              "moderation", "tools-add", "tools-weather-attractions", "tools-flights")  # fmt: skip
+
+
+def cases(names: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    every = json.loads(DATA.read_text())["cases"]
+    return every if names is None else [case for case in every if case["name"] in names]
+
+
+def body(case: dict[str, Any], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    """The chat request of one case: greedy, with its response format or its tools."""
+    fields: dict[str, Any] = {
+        "model": MODEL, "max_tokens": max_tokens, "temperature": 0,
+        "messages": [{"role": "user", "content": case["prompt"]}],
+    }  # fmt: skip
+    if "system" in case:
+        fields["messages"].insert(0, {"role": "system", "content": case["system"]})
+    if "schema" in case:
+        fields["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": case["name"], "schema": case["schema"], "strict": True}}  # fmt: skip
+    else:
+        fields["tools"], fields["tool_choice"] = case["tools"], case["tool_choice"]
+        fields["parallel_tool_calls"] = case.get("parallel_tool_calls", True)
+    return fields
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a reply says: content, calls [(name, arguments JSON text)], finish reason."""
+
+    content: str
+    calls: tuple[tuple[str, str], ...]
+    finish: str
+
+
+@functools.cache
+def suite_reference(llm: Any, names: tuple[str, ...] | None = None) -> tuple[Answer, ...]:
+    """The engine's answers to the suite or to the named cases (computed once per engine)."""
+    llm.engine.block_manager.reset_prefix_cache()
+    return tuple(engine_answers(llm, [body(case) for case in cases(names)]))
+
+
+def engine_answers(llm: Any, bodies: list[dict[str, Any]]) -> list[Answer]:
+    """The engine's answers, all requests batched as the mesh would see them at once."""
+    served = ServedModel(MODEL, llm.engine.max_model_len)
+    parsed = [parse_request("chat", b, llm.tokenizer, served) for b in bodies]
+    outputs = llm.generate_ids([list(p.prompt_token_ids) for p in parsed],
+                               [p.params for p in parsed])  # fmt: skip
+    answers = []
+    for request, out in zip(parsed, outputs, strict=True):
+        text = llm.tokenizer.decode(out.token_ids, skip_special_tokens=request.tools is None)
+        if request.tools is None:
+            answers.append(Answer(text, (), out.finish_reason))
+            continue
+        reply = parse_output(request.tools.parser_object(), text)
+        calls = tuple((c.name, c.arguments) for c in reply.tool_calls)
+        finish = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
+        answers.append(Answer(reply.content, calls, finish))
+    return answers
+
+
+def mesh_answers(client: Any, bodies: list[dict[str, Any]]) -> list[Answer]:
+    """The mesh's answers through the openai client, all requests in flight at once."""
+
+    def ask(fields: dict[str, Any]) -> Answer:
+        choice = client.chat.completions.create(**fields).choices[0]
+        calls = tuple(
+            (c.function.name, c.function.arguments) for c in choice.message.tool_calls or []
+        )
+        return Answer(choice.message.content or "", calls, choice.finish_reason)
+
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(ask, bodies))
+
+
+def check(case: dict[str, Any], answer: Answer) -> None:
+    """A finished answer is valid JSON for the schema / calls valid for their tools; a cut one
+    says `length`."""
+    assert answer.finish in ("stop", "tool_calls", "length"), (case["name"], answer)
+    if answer.finish == "length":
+        return
+    if "schema" in case:
+        jsonschema.validate(json.loads(answer.content), case["schema"])
+        return
+    tools = {t["function"]["name"]: t["function"]["parameters"] for t in case["tools"]}
+    choice = case["tool_choice"]
+    if choice != "auto":
+        assert answer.calls and answer.finish == "tool_calls", (case["name"], answer)
+    for name, arguments in answer.calls:
+        jsonschema.validate(json.loads(arguments), tools[name])
