@@ -66,7 +66,8 @@ def reply_grammar(conversation: Conversation, parser_name: str, hf_tokenizer: An
     rules = parser.call_grammar(schema, conversation.parallel_tool_calls, literal)
     bare = " | calls" if parser.bare_calls else ""
     if output is not None:
-        return _checked(_with_output(f"start: @output | {trigger} calls{bare}\n{rules}", output))
+        main = f"start: @output | {trigger} calls{bare}\n{rules}"
+        return _checked(_with_output(main, output), f"tools' with '{output_field}")
     lead = "lead[lazy]" if trigger.startswith('"') else "lead"  # a special token is never text
     text = NOT_JSON if parser.bare_calls else ANY_TEXT
     return _checked(
@@ -84,5 +85,5 @@ def _with_output(main: str, output: str) -> str:
     return json.dumps({"grammars": [{"name": "reply", "lark_grammar": main}, *others]})
 
 
-def _checked(grammar: str) -> str:
-    return grammars.checked(grammar, "tools")
+def _checked(grammar: str, field: str = "tools") -> str:
+    return grammars.checked(grammar, field)

@@ -37,6 +37,7 @@ class IncrementalDetokenizer:
         self._stop = tuple(stop)
         self._include_stop = include_stop
         self._calls_from = calls_from
+        self._calls_begun = False  # once calls begin, no stop string can end the output
         self._skip = skip_special_tokens
         # A few prompt tokens of left context, so the first output token renders as it would inline.
         self._ids: list[int] = list(prompt_ids[-_WINDOW:])
@@ -61,7 +62,7 @@ class IncrementalDetokenizer:
         """Append decoded text; True when a stop string now ends inside it."""
         searched = len(self.text)
         self.text += new
-        return bool(new and self._stop) and self._check_stop(searched)
+        return bool(new and self._stop) and not self._calls_begun and self._check_stop(searched)
 
     def _decode_new(self, flush: bool = False) -> str:
         prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
@@ -76,6 +77,7 @@ class IncrementalDetokenizer:
         # Text before `searched` held no stop string, so a new hit must end after it.
         start = max(0, searched - max(len(s) for s in self._stop) + 1)
         calls = self._calls_from(self.text) if self._calls_from is not None else -1
+        self._calls_begun = calls >= 0
         end = len(self.text) if calls < 0 else calls
         hits = [(self.text.find(s, start, end), s) for s in self._stop]
         hits = [(i, s) for i, s in hits if i >= 0]
@@ -88,7 +90,7 @@ class IncrementalDetokenizer:
 
     def _take(self, final: bool) -> str:
         end = len(self.text)
-        if not final and self._stop:
+        if not final and self._stop and not self._calls_begun:
             end = max(self._emitted, end - max(len(s) for s in self._stop) + 1)
         delta = self.text[self._emitted : end]
         self._emitted = end

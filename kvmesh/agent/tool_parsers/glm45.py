@@ -27,6 +27,10 @@ class Glm45Parser(TaggedFormat):
     name = "glm45"
     trigger = OPEN
 
+    def __init__(self, tools: Sequence[Tool] = ()) -> None:
+        super().__init__(tools)
+        self._texts = {tool.name: _text_arguments(tool) for tool in tools}
+
     def scan(self, text: str, final: bool) -> ScanState:
         first = text.find(OPEN)
         if first < 0:
@@ -58,7 +62,7 @@ class Glm45Parser(TaggedFormat):
         if name_end < 0 and not settled:
             return None
         name = (body if name_end < 0 else body[:name_end]).strip()
-        texts = _text_arguments(self.tools, name)
+        texts = self._texts.get(name, frozenset())
         pairs, at = [], body.find(KEY)
         while at >= 0:
             key_end = body.find(KEY_END, at)
@@ -88,10 +92,9 @@ def _is_text(schema: object) -> bool:
     return isinstance(schema, dict) and schema.get("type") == "string"
 
 
-def _text_arguments(tools: Sequence[Tool], name: str) -> frozenset[str]:
+def _text_arguments(tool: Tool) -> frozenset[str]:
     """The arguments the tool's schema types as strings (written as raw text)."""
-    tool = next((t for t in tools if t.name == name), None)
-    properties = (tool.parameters.get("properties") or {}) if tool is not None else {}
+    properties = tool.parameters.get("properties") or {}
     return frozenset(k for k, v in properties.items() if _is_text(v))
 
 
