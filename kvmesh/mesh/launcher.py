@@ -118,13 +118,18 @@ class Mesh:
         return (self.options.prefill + self.options.decode) * 2 > (os.cpu_count() or 1)
 
     def _threads(self, role: str) -> dict[str, str]:
-        """Unpinned prefill workers on a crowded machine serve on one torch thread: two OpenMP
-        teams spinning on the same cores stall each other's barriers for whole time slices (a
-        16-request burst took up to 3x longer; docs/benchmarks.md). Decode, the latency-critical
-        side, keeps a thread per CPU. KVMESH_NUM_THREADS overrides both."""
-        if role != "prefill" or not self._crowded() or num_threads():
+        """Torch threads per unpinned worker on a crowded machine: two OpenMP teams spinning on
+        the same cores stall each other's barriers for whole time slices. Prefill, bursty,
+        serves on one thread (a 16-request burst took up to 3x longer; docs/benchmarks.md);
+        decode workers, busy at every step, share the CPUs (two decode workers of two threads
+        each on 2 CPUs ran 20x slower than one engine). KVMESH_NUM_THREADS overrides both."""
+        cpus = os.cpu_count() or 1
+        if num_threads() or not self._crowded():
             return {}
-        return {"KVMESH_NUM_THREADS": "1"}
+        if role == "prefill":
+            return {"KVMESH_NUM_THREADS": "1"}
+        share = max(1, cpus // max(1, self.options.decode))
+        return {"KVMESH_NUM_THREADS": str(share)} if share < cpus else {}
 
     def _spawn_gateway(self) -> None:
         ports = ["--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]

@@ -161,10 +161,9 @@ def test_structured_output_through_the_mesh_equals_the_engine(client, reference)
 
 
 def test_schema_suite_through_the_mesh_equals_the_engine(client, llm):
-    """Schemas and tool sets of tests/data/agent_schemas.json (the short ones; the engine runs
-    them all: test_constraints.py), four in flight at once: the mesh answers exactly what the
-    engine does, every answer valid for its schema / tools; a reply cut by max_tokens says
-    length and is not passed off as JSON."""
+    """Every schema and tool set of tests/data/agent_schemas.json, four in flight at once: the
+    mesh answers exactly what the engine does, every answer valid for its schema / tools; a
+    reply cut by max_tokens says length and is not passed off as JSON."""
     import json
 
     import openai
@@ -172,8 +171,8 @@ def test_schema_suite_through_the_mesh_equals_the_engine(client, llm):
 
     from tests.integration import agent_schemas
 
-    cases = agent_schemas.cases(agent_schemas.MESH_CASES)
-    want = agent_schemas.suite_reference(llm, agent_schemas.MESH_CASES)
+    cases = agent_schemas.cases()
+    want = agent_schemas.suite_reference(llm)
     got = agent_schemas.mesh_answers(client, [agent_schemas.body(case) for case in cases])
     for case, answer, expected in zip(cases, got, want, strict=True):
         assert answer == expected, case["name"]

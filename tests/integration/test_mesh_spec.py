@@ -74,8 +74,8 @@ def test_schema_suite_with_speculation_equals_the_engine(mesh, llm):
     from tests.integration import agent_schemas
 
     name, running = mesh
-    cases = agent_schemas.cases(agent_schemas.MESH_CASES)
-    want = agent_schemas.suite_reference(llm, agent_schemas.MESH_CASES)
+    cases = agent_schemas.cases()
+    want = agent_schemas.suite_reference(llm)
     got = agent_schemas.mesh_answers(client_for(running),
                                      [agent_schemas.body(case) for case in cases])  # fmt: skip
     for case, answer, expected in zip(cases, got, want, strict=True):

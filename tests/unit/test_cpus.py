@@ -115,12 +115,18 @@ def _worker_envs(monkeypatch, tmp_path: Path, cpus: int, **options) -> dict[str,
 
 def test_unpinned_prefill_workers_on_a_crowded_machine_serve_on_one_thread(monkeypatch, tmp_path):
     """Two OpenMP teams on the same two cores stall each other: prefill gets one thread there,
-    decode keeps one per CPU; a roomy machine, KVMESH_NUM_THREADS or pinning leave both alone."""
+    one decode worker keeps one per CPU, several share them; a roomy machine,
+    KVMESH_NUM_THREADS or pinning leave both alone."""
     for name in ("KVMESH_NUM_THREADS", "KVMESH_PREFILL_CPUS", "KVMESH_DECODE_CPUS"):
         monkeypatch.delenv(name, raising=False)
     crowded = _worker_envs(monkeypatch, tmp_path, 2)
     assert crowded == {"prefill-0": {"KVMESH_NUM_THREADS": "1"}, "decode-0": {}}
     assert _worker_envs(monkeypatch, tmp_path, 8) == {"prefill-0": {}, "decode-0": {}}
+    two = _worker_envs(monkeypatch, tmp_path, 2, prefill=2, decode=2)
+    assert {name: env["KVMESH_NUM_THREADS"] for name, env in two.items()} == {
+        "prefill-0": "1", "prefill-1": "1", "decode-0": "1", "decode-1": "1"}  # fmt: skip
+    assert _worker_envs(monkeypatch, tmp_path, 4, prefill=2, decode=2)["decode-0"] == {
+        "KVMESH_NUM_THREADS": "2"}  # fmt: skip
     pinned = _worker_envs(monkeypatch, tmp_path, 2, role_cpus={"prefill": "0"})
     assert pinned["prefill-0"] == {"KVMESH_CPUS": "0"}
     monkeypatch.setenv("KVMESH_NUM_THREADS", "2")
