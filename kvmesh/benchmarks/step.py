@@ -50,8 +50,8 @@ PARTS = ("step", "model", "plan", "schedule", "update", "integrity", "sample")
 
 def measure(engine, concurrency: int, steps: int, prompt_tokens: int) -> dict:
     from kvmesh.engine import engine as engine_module
+    from kvmesh.engine.sample_step import sample_step
     from kvmesh.engine.sampling_params import SamplingParams
-    from kvmesh.engine.spec.speculator import sample_step
 
     clock = _Clock()
     runner = engine.runner

@@ -25,11 +25,12 @@ from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.loader import load_weights
 from kvmesh.engine.outputs import Reservation, TokenOutput
 from kvmesh.engine.runner import ModelRunner
+from kvmesh.engine.sample_step import sample_step
 from kvmesh.engine.sampler import Sampler
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvmesh.engine.sequence import FinishReason, Sequence
-from kvmesh.engine.spec.speculator import build_speculator, sample_step
+from kvmesh.engine.spec.speculator import build_speculator
 from kvmesh.engine.step import ChunkPlan, StepPlan
 from kvmesh.errors import (
     CapacityError,

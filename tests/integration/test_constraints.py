@@ -78,7 +78,8 @@ def test_speculation_keeps_the_constrained_output(llm):
 
 def test_schema_suite_in_the_engine_with_and_without_eagle(llm):
     """tests/data/agent_schemas.json in the engine: every answer finishes valid for its schema
-    or tools, and the engine with a local EAGLE head answers exactly the same."""
+    or tools; asking for logprobs (every row masked before the draw, not checked after it) and
+    the engine with a local EAGLE head answer exactly the same."""
     from tests.integration import agent_schemas
 
     cases = agent_schemas.cases()
@@ -87,9 +88,13 @@ def test_schema_suite_in_the_engine_with_and_without_eagle(llm):
     for case, answer in zip(cases, want, strict=True):
         assert answer.finish in ("stop", "tool_calls"), (case["name"], answer)
         agent_schemas.check(case, answer)
+    names = [case["name"] for case in cases]
+    masked = agent_schemas.engine_answers(
+        llm, [{**agent_schemas.body(case), "logprobs": True} for case in cases]
+    )
+    assert list(zip(names, masked, strict=True)) == list(zip(names, want, strict=True))
     eagle = LLM(dtype="fp32", max_num_seqs=32, speculative="eagle")
     got = agent_schemas.engine_answers(eagle, [agent_schemas.body(case) for case in cases])
-    names = [case["name"] for case in cases]
     assert list(zip(names, got, strict=True)) == list(zip(names, want, strict=True))
     assert eagle.engine.speculator.stats.draft_tokens > 0
 

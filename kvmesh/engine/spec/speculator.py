@@ -1,11 +1,10 @@
 """The engine's side of speculative decoding: before a step, ask the policy how many drafts each
-sequence verifies and the proposer for them; after it, turn the step's logits into emitted
-tokens (plain rows sampled as a batch, draft rows verified), and hand the policy what the step
-measured (its rows and seconds, the drafting seconds, each verification's acceptance)."""
+sequence verifies and the proposer for them; after it (engine/sample_step.py turns the step's
+logits into emitted tokens), hand the policy what the step measured (its rows and seconds, the
+drafting seconds, each verification's acceptance)."""
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
@@ -15,9 +14,7 @@ from typing import Protocol
 import structlog
 import torch
 
-from kvmesh.engine.constraints import Constraints, apply_bias, apply_masks
-from kvmesh.engine.runner import ModelRunner, StepResult
-from kvmesh.engine.sampler import Sampler, TokenLogprob
+from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.scheduler import ScheduledChunk
 from kvmesh.engine.sequence import Sequence
 from kvmesh.engine.spec.cost import StepSample
@@ -30,7 +27,6 @@ from kvmesh.engine.spec.policy import (
     PolicyConfig,
 )
 from kvmesh.engine.spec.stats import SpecStats
-from kvmesh.engine.spec.verify import verify_greedy, verify_sampled
 
 log = structlog.get_logger(__name__)
 LOG_EVERY = 512  # policy steps between two `spec.policy` log lines
@@ -184,60 +180,6 @@ class Speculator:
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
-
-
-def sample_step(
-    result: StepResult, seqs: list[Sequence], sampler: Sampler,
-    drafts: dict[str, tuple[int, ...]], stats: SpecStats | None,
-    constraints: Constraints | None = None,
-) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob | None]]]:  # fmt: skip
-    """Tokens (and logprobs) each sampling sequence emits this step (`seqs`: the sequences of
-    `result.req_ids`), after the logits processors (grammar masks, logit bias)."""
-    starts = [0, *itertools.accumulate(result.rows)][:-1]  # first row of each sequence
-    if constraints is not None:
-        process_logits(result, seqs, starts, drafts, constraints)
-    plain = [i for i, n in enumerate(result.rows) if n == 1]
-    tokens: dict[str, list[int]] = {}
-    logprobs: dict[str, list[TokenLogprob | None]] = {}
-    if plain:
-        every = len(plain) == len(result.rows)  # no drafts: the rows are the logits, in order
-        rows = result.logits if every else result.logits[torch.tensor([starts[i] for i in plain])]
-        plain_seqs = [seqs[i] for i in plain]
-        sampled = sampler(rows, plain_seqs)
-        for seq, token, logprob in zip(plain_seqs, sampled.token_ids, sampled.logprobs,
-                                       strict=True):  # fmt: skip
-            tokens[seq.seq_id], logprobs[seq.seq_id] = [token], [logprob]
-    for i, count in enumerate(result.rows):
-        if count == 1:
-            continue
-        seq = seqs[i]
-        rows = result.logits[starts[i] : starts[i] + count]
-        draft = list(drafts[seq.seq_id])
-        if seq.params.greedy:
-            emitted = verify_greedy(rows, draft)
-        else:
-            emitted = verify_sampled(
-                sampler.probabilities(rows, seq), draft, sampler.generator(seq)
-            )
-        tokens[seq.seq_id], logprobs[seq.seq_id] = emitted, [None] * len(emitted)
-        if stats is not None:
-            stats.record(seq.seq_id, len(draft), len(emitted))
-    return tokens, logprobs
-
-
-def process_logits(result: StepResult, seqs: list[Sequence], starts: list[int],
-                   drafts: dict[str, tuple[int, ...]], constraints: Constraints) -> None:  # fmt: skip
-    """Each constrained sequence's rows masked by its grammar (the row verifying draft i by
-    the grammar's state after drafts[:i]) and biased, in place."""
-    for seq, start, count in zip(seqs, starts, result.rows, strict=True):
-        if not seq.params.has_processors:
-            continue
-        with torch.inference_mode():  # the logits are an inference tensor
-            rows = result.logits[start : start + count]
-            if seq.seq_id in constraints:
-                apply_masks(rows, constraints.masks(seq.seq_id, drafts.get(seq.seq_id, ())))
-            if seq.params.logit_bias:
-                apply_bias(rows, seq.params.logit_bias)
 
 
 def build_speculator(config, model_name: str, runner: ModelRunner,
