@@ -34,6 +34,18 @@ def metric_sum(address: str, name: str) -> float:
 
 
 @contextlib.contextmanager
+def running_mesh(options: UpOptions) -> Iterator[Mesh]:
+    """A mesh on loopback for a module's tests, stopped on exit whatever happens."""
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    running = Mesh(options)
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
+
+
+@contextlib.contextmanager
 def mesh_with_faults(options: UpOptions, faults: str) -> Iterator[Mesh]:
     """A running mesh whose processes inherit KVMESH_FAULTS (the test's own environment is
     restored as soon as they are started); stopped on exit."""

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from kvmesh import LLM, SamplingParams
-from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
+from kvmesh.mesh.launcher import UpOptions, list_workers
 from kvmesh.proto.v1 import (
     common_pb2,
     decode_pb2,
@@ -22,7 +22,12 @@ from kvmesh.proto.v1 import (
     gateway_pb2_grpc,
     prefill_pb2_grpc,
 )
-from tests.integration.mesh_probes import router_caught_up, router_sees_idle, wait_for
+from tests.integration.mesh_probes import (
+    router_caught_up,
+    router_sees_idle,
+    running_mesh,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(900)
 QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn."]
@@ -30,17 +35,12 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn."]
 
 @pytest.fixture(scope="module")
 def mesh():
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     options = UpOptions(
         prefill=2, decode=2, worker_args=("--kv-cache-mib", "96", "--max-num-seqs", "16"),
         gateway_args=("--affinity-slack-tokens", "600"),  # affinity yields above 2x least + 600
     )  # fmt: skip
-    running = Mesh(options)
-    try:
-        running.start()
+    with running_mesh(options) as running:
         yield running
-    finally:
-        running.stop()
     for proc in running.procs.values():
         assert proc.poll() is not None, "a mesh process outlived the fixture"
 

@@ -7,14 +7,14 @@ sent back and answered."""
 from __future__ import annotations
 
 import json
-import os
 
 import jsonschema
 import pytest
 
 from kvmesh import SamplingParams
-from kvmesh.mesh.launcher import Mesh, UpOptions
+from kvmesh.mesh.launcher import UpOptions
 from tests.integration.chat_client import client_for
+from tests.integration.mesh_probes import running_mesh
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "smollm2-135m"
@@ -26,13 +26,8 @@ GREEDY = {"temperature": 0}  # the anthropic client no longer types it: sent as 
 
 @pytest.fixture(scope="module")
 def mesh():
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    running = Mesh(UpOptions(prefill=1, decode=1, kvstore="none"))
-    try:
-        running.start()
+    with running_mesh(UpOptions(prefill=1, decode=1, kvstore="none")) as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture(scope="module")

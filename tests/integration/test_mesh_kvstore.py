@@ -10,9 +10,9 @@ import signal
 import pytest
 
 from kvmesh.mesh.grpc_server import channel
-from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
+from kvmesh.mesh.launcher import UpOptions, list_workers
 from kvmesh.proto.v1 import kvstore_pb2, kvstore_pb2_grpc
-from tests.integration.mesh_probes import offers_done, wait_for
+from tests.integration.mesh_probes import offers_done, running_mesh, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -20,17 +20,12 @@ pytestmark = pytest.mark.timeout(900)
 @pytest.fixture(scope="module", params=["builtin", "mooncake"])
 def mesh(request):
     """The store's second tier: its own disk directory, or Mooncake Store (mooncake_master)."""
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     options = UpOptions(
         prefill=1, decode=1, worker_args=("--kv-cache-mib", "32"),  # 45 pages per worker
         kvstore=request.param, kvstore_args=("--ram-mib", "32", "--disk-mib", "256"),  # 45 RAM pages
     )  # fmt: skip
-    running = Mesh(options)
-    try:
-        running.start()
+    with running_mesh(options) as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture(scope="module")

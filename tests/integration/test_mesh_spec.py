@@ -5,15 +5,15 @@ head on the draft service (with the prefill worker handing its window to decode)
 from __future__ import annotations
 
 import asyncio
-import os
 import urllib.request
 
 import pytest
 
 from kvmesh import SamplingParams
 from kvmesh.engine.spec.prompts import chat_prompts, split, structured_prompts
-from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
+from kvmesh.mesh.launcher import UpOptions, list_workers
 from tests.integration.chat_client import chat_text, client_for
+from tests.integration.mesh_probes import running_mesh
 
 pytestmark = pytest.mark.timeout(600)
 SETUPS = {
@@ -24,14 +24,9 @@ SETUPS = {
 
 @pytest.fixture(scope="module", params=sorted(SETUPS))
 def mesh(request):
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     args = (*SETUPS[request.param], "--kv-cache-memory", "64MiB")
-    running = Mesh(UpOptions(prefill=1, decode=1, kvstore="none", worker_args=args))
-    try:
-        running.start()
+    with running_mesh(UpOptions(prefill=1, decode=1, kvstore="none", worker_args=args)) as running:
         yield request.param, running
-    finally:
-        running.stop()
 
 
 # Drafts that the target accepts (copying the prompt): the adaptive policy turns speculation off
