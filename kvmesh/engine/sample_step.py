@@ -59,9 +59,7 @@ def sample_step(
     for i in checked:
         seq_id = seqs[i].seq_id
         rows = result.logits[starts[i] : starts[i] + result.rows[i]]
-        tokens[seq_id] = _grammar_checked(
-            constraints, seq_id, rows, drafts.get(seq_id, ()), tokens[seq_id]
-        )
+        tokens[seq_id] = _grammar_checked(constraints, seq_id, rows, drafts.get(seq_id, ()))
         logprobs[seq_id] = [None] * len(tokens[seq_id])
     if stats is not None:
         for i, count in enumerate(result.rows):
@@ -94,14 +92,16 @@ def process_logits(result: StepResult, seqs: list[Sequence], starts: list[int],
 
 
 def _grammar_checked(constraints: Constraints, seq_id: str, rows: torch.Tensor,
-                     draft: tuple[int, ...], emitted: list[int]) -> list[int]:  # fmt: skip
-    """The greedy tokens of `rows` (one row, or one per draft prefix) under the grammar, given
-    those chosen without it: the drafts it accepted stand (the grammar allows every draft);
-    a choice the grammar rejects is made again over its masked row, and where that now equals
-    the draft there, verification goes on."""
-    out, token = list(emitted[:-1]), emitted[-1]
+                     draft: tuple[int, ...]) -> list[int]:  # fmt: skip
+    """The greedy tokens of `rows` (one row, or one per draft prefix) under the grammar: each
+    row's argmax where the grammar surely allows it after the drafts before it, else the argmax
+    of that row masked; verification goes on while the choice is the draft. (Drafts were cut
+    where the grammar rejects them byte by byte, but a draft the mask leaves out, such as `{`
+    where `{"` is forced, is still a choice to check.)"""
+    choices = greedy_tokens(rows).tolist()
+    out: list[int] = []
     while True:
-        at = len(out)
+        at, token = len(out), choices[len(out)]
         if not constraints.surely_allows(seq_id, draft[:at], token):
             with torch.inference_mode():
                 row = rows[at : at + 1]
@@ -110,4 +110,3 @@ def _grammar_checked(constraints: Constraints, seq_id: str, rows: torch.Tensor,
         out.append(token)
         if at == len(draft) or token != draft[at]:
             return out
-        token = int(greedy_tokens(rows[at + 1 : at + 2])[0])
