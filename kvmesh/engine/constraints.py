@@ -10,9 +10,11 @@ never hold diverging states. Requests without processors keep the sampler's gree
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -90,27 +92,29 @@ class Constraints:
         """True when the grammar's mask after the (accepted) `prefix` holds `token`, found
         without computing the mask; False when it does not or cannot be told cheaply (where
         the grammar forces bytes, the mask holds only their canonical tokens: ask the mask)."""
+        with self._after(seq_id, prefix) as matcher:
+            if matcher.is_stopped():  # a finished grammar allows only its end
+                return token == self._tokenizer().eos_token
+            return not matcher.compute_ff_bytes() and matcher.validate_tokens([token]) == 1
+
+    def mask_after(self, seq_id: str, prefix: Seq[int]) -> torch.Tensor:
+        """[1, words] int32 bitmask: the tokens allowed after the (accepted) `prefix`."""
+        out = torch.empty((1, self._words), dtype=torch.int32)
+        with self._after(seq_id, prefix) as matcher:
+            matcher.unsafe_compute_mask_ptr(out[0].data_ptr(), self._words * 4)
+        return out
+
+    @contextlib.contextmanager
+    def _after(self, seq_id: str, prefix: Seq[int]) -> Iterator[Any]:
+        """The request's matcher advanced past `prefix` (drafts it accepts), rolled back after."""
         matcher = self._matchers[seq_id]
         if prefix and not matcher.consume_tokens(list(prefix)):
             raise AssertionError("a prefix the grammar rejects reached a check")
         try:
-            if matcher.is_stopped():  # a finished grammar allows only its end
-                return token == self._tokenizer().eos_token
-            return not matcher.compute_ff_bytes() and matcher.validate_tokens([token]) == 1
+            yield matcher
         finally:
             if prefix:
                 matcher.rollback(len(prefix))
-
-    def mask_after(self, seq_id: str, prefix: Seq[int]) -> torch.Tensor:
-        """[1, words] int32 bitmask: the tokens allowed after the (accepted) `prefix`."""
-        matcher = self._matchers[seq_id]
-        out = torch.empty((1, self._words), dtype=torch.int32)
-        if prefix and not matcher.consume_tokens(list(prefix)):
-            raise AssertionError("a prefix the grammar rejects reached a mask")
-        matcher.unsafe_compute_mask_ptr(out[0].data_ptr(), self._words * 4)
-        if prefix:
-            matcher.rollback(len(prefix))
-        return out
 
     def commit(self, seq_id: str, tokens: Seq[int]) -> bool:
         """Advance past the emitted tokens; False if the grammar rejects one."""

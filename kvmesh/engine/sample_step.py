@@ -43,8 +43,9 @@ def sample_step(
         for seq, token, logprob in zip(plain_seqs, sampled.token_ids, sampled.logprobs,
                                        strict=True):  # fmt: skip
             tokens[seq.seq_id], logprobs[seq.seq_id] = [token], [logprob]
+    skip = set(checked)
     for i, count in enumerate(result.rows):
-        if count == 1:
+        if count == 1 or i in skip:  # checked: verified under the grammar below
             continue
         seq = seqs[i]
         rows = result.logits[starts[i] : starts[i] + count]
@@ -59,7 +60,11 @@ def sample_step(
     for i in checked:
         seq_id = seqs[i].seq_id
         rows = result.logits[starts[i] : starts[i] + result.rows[i]]
-        tokens[seq_id] = _grammar_checked(constraints, seq_id, rows, drafts.get(seq_id, ()))
+        # a plain row's argmax is the sampler's token already; a verifying chunk's, one pass
+        choices = tokens[seq_id] if len(rows) == 1 else greedy_tokens(rows).tolist()
+        tokens[seq_id] = _grammar_checked(
+            constraints, seq_id, rows, drafts.get(seq_id, ()), choices
+        )
         logprobs[seq_id] = [None] * len(tokens[seq_id])
     if stats is not None:
         for i, count in enumerate(result.rows):
@@ -73,7 +78,7 @@ def process_logits(result: StepResult, seqs: list[Sequence], starts: list[int],
     """Each constrained sequence's rows biased and, unless its greedy choice is checked after
     the draw (the indices returned), masked by its grammar (the row verifying draft i by the
     grammar's state after drafts[:i]), in place."""
-    checked = []
+    checked: list[int] = []
     for i, (seq, start, count) in enumerate(zip(seqs, starts, result.rows, strict=True)):
         if not seq.params.has_processors:
             continue
@@ -92,13 +97,12 @@ def process_logits(result: StepResult, seqs: list[Sequence], starts: list[int],
 
 
 def _grammar_checked(constraints: Constraints, seq_id: str, rows: torch.Tensor,
-                     draft: tuple[int, ...]) -> list[int]:  # fmt: skip
-    """The greedy tokens of `rows` (one row, or one per draft prefix) under the grammar: each
-    row's argmax where the grammar surely allows it after the drafts before it, else the argmax
-    of that row masked; verification goes on while the choice is the draft. (Drafts were cut
-    where the grammar rejects them byte by byte, but a draft the mask leaves out, such as `{`
-    where `{"` is forced, is still a choice to check.)"""
-    choices = greedy_tokens(rows).tolist()
+                     draft: tuple[int, ...], choices: list[int]) -> list[int]:  # fmt: skip
+    """The greedy tokens of `rows` (one row, or one per draft prefix) under the grammar, given
+    each row's argmax (`choices`): the argmax where the grammar surely allows it after the drafts
+    before it, else the argmax of that row masked; verification goes on while the choice is the
+    draft. (Drafts were cut where the grammar rejects them byte by byte, but a draft the mask
+    leaves out, such as `{` where `{"` is forced, is still a choice to check.)"""
     out: list[int] = []
     while True:
         at, token = len(out), choices[len(out)]

@@ -123,12 +123,12 @@ class Mesh:
         serves on one thread (a 16-request burst took up to 3x longer; docs/benchmarks.md);
         decode workers, busy at every step, share the CPUs (two decode workers of two threads
         each on 2 CPUs ran 20x slower than one engine). KVMESH_NUM_THREADS overrides both."""
-        cpus = os.cpu_count() or 1
         if num_threads() or not self._crowded():
             return {}
         if role == "prefill":
             return {"KVMESH_NUM_THREADS": "1"}
-        share = max(1, cpus // max(1, self.options.decode))
+        cpus = os.cpu_count() or 1
+        share = max(1, cpus // self.options.decode)  # called for decode workers: decode >= 1
         return {"KVMESH_NUM_THREADS": str(share)} if share < cpus else {}
 
     def _spawn_gateway(self) -> None:

@@ -21,9 +21,8 @@ MODEL = "smollm2-135m"
 MAX_TOKENS = 160
 
 
-def cases(names: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
-    every = json.loads(DATA.read_text())["cases"]
-    return every if names is None else [case for case in every if case["name"] in names]
+def cases() -> list[dict[str, Any]]:
+    return json.loads(DATA.read_text())["cases"]
 
 
 def body(case: dict[str, Any], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
@@ -53,10 +52,10 @@ class Answer:
 
 
 @functools.cache
-def suite_reference(llm: Any, names: tuple[str, ...] | None = None) -> tuple[Answer, ...]:
-    """The engine's answers to the suite or to the named cases (computed once per engine)."""
+def suite_reference(llm: Any) -> tuple[Answer, ...]:
+    """The engine's answers to the whole suite (computed once per engine)."""
     llm.engine.block_manager.reset_prefix_cache()
-    return tuple(engine_answers(llm, [body(case) for case in cases(names)]))
+    return tuple(engine_answers(llm, [body(case) for case in cases()]))
 
 
 def engine_answers(llm: Any, bodies: list[dict[str, Any]]) -> list[Answer]:
@@ -81,7 +80,7 @@ def engine_answers(llm: Any, bodies: list[dict[str, Any]]) -> list[Answer]:
 
 
 def mesh_answers(client: Any, bodies: list[dict[str, Any]]) -> list[Answer]:
-    """The mesh's answers through the openai client, all requests in flight at once."""
+    """The mesh's answers through the openai client, four requests in flight at a time."""
 
     def ask(fields: dict[str, Any]) -> Answer:
         choice = client.chat.completions.create(**fields).choices[0]

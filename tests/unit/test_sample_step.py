@@ -33,7 +33,8 @@ def _masked_choice(constraints: Constraints, rows: torch.Tensor, draft: list[int
 
 
 def _checked_choice(constraints: Constraints, rows: torch.Tensor, draft: list[int]) -> list[int]:
-    return _grammar_checked(constraints, "s", rows.clone(), tuple(draft))
+    rows = rows.clone()
+    return _grammar_checked(constraints, "s", rows, tuple(draft), rows.argmax(-1).tolist())
 
 
 def test_checked_choices_equal_masked_ones_with_and_without_drafts(tok, constraints):
@@ -83,10 +84,10 @@ def test_a_row_whose_argmax_the_grammar_allows_is_left_as_it_is(tok, constraints
         rows = torch.zeros(1, len(tok.hf))
         yes = tok.hf.encode("yes")[0]
         rows[0, yes] = 5.0
-        assert _grammar_checked(constraints, "s", rows, ()) == [yes]
+        assert _grammar_checked(constraints, "s", rows, (), [yes]) == [yes]
         assert not bool(torch.isinf(rows).any())  # no mask computed
         rows[0, tok.hf.encode("maybe")[0]] = 9.0
-        chosen = _grammar_checked(constraints, "s", rows, ())
+        chosen = _grammar_checked(constraints, "s", rows, (), [int(rows.argmax())])
         assert chosen == [yes] and bool(torch.isinf(rows).any())
     finally:
         constraints.release("s")
