@@ -133,8 +133,8 @@ class Supervisor:
             child.proc = self._start(child.cmd, child.log_path, "a", child.env)
             child.started_at, child.restart_at = time.monotonic(), None
             child.restarts += 1
+        self.on_change()  # the state file names the new pid before anyone reads "restarted"
         self.say(f"kvmesh: {child.name} restarted (pid {child.proc.pid})")
-        self.on_change()
 
     def stop(self, grace: float, first: tuple[str, ...] = ()) -> None:
         """Stop the children named in `first` (in that order), then all others together."""

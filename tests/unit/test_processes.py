@@ -135,6 +135,20 @@ def test_a_dying_child_is_restarted_with_backoff_then_given_up(tmp_path):
     assert supervisor.pids()["flaky"] != first_pid and flaky.restarts == 2
 
 
+def test_the_new_pid_is_recorded_before_the_restart_is_said(tmp_path):
+    recorded: dict[str, int] = {}
+    said: list[tuple[str, dict[str, int]]] = []
+    supervisor = Supervisor(
+        os.environ, lambda line: said.append((line, dict(recorded))),
+        RestartPolicy(max_restarts=1, backoff_s=0.01),
+        on_change=lambda: recorded.update(supervisor.pids()),
+    )  # fmt: skip
+    supervisor.spawn("w", ["sh", "-c", "exit 1"], tmp_path / "w.log")
+    assert _until(lambda: supervisor.check() is None and supervisor.children["w"].given_up, 10)
+    line, seen = next((line, seen) for line, seen in said if "restarted (pid" in line)
+    assert line == f"kvmesh: w restarted (pid {seen['w']})"  # the state named it already
+
+
 def test_a_critical_child_that_dies_is_handed_back_not_restarted(tmp_path):
     lines: list[str] = []
     supervisor = _supervisor(tmp_path, lines, backoff_s=0.01)
