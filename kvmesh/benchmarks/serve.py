@@ -8,7 +8,8 @@ serve_client.py): single-stream decode tok/s, TTFT on a ~500-token prompt, aggre
 Without `--url` it starts the mesh (etcd + gateway + prefill and decode workers) and measures
 the same, plus, for C in (1, 8, 16), rounds of C prompts through the in-process engine (`LLM.chat`,
 same dtype and KV budget as a worker) each followed by the same prompts through the mesh
-(serve_paired.py): mesh p50 / engine p50 for TPOT over the same rounds (targets: TPOT_TARGETS).
+(serve_paired.py): mesh p50 / engine p50 for TPOT over the same rounds (targets: TPOT_TARGETS),
+and each mesh process's CPU milliseconds per output token at every level (process_cpu.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kvmesh.benchmarks.process_cpu import CpuMeter
 from kvmesh.benchmarks.serve_client import Messages, Target, first_model, stream_one
 from kvmesh.benchmarks.serve_paired import measure_paired
 from kvmesh.benchmarks.serve_suite import (
@@ -96,6 +98,10 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"\nsingle stream / weight-bandwidth bound: {b['of_bound']} (memory-read "
                      f"ceiling {' then '.join(map(str, b['ceiling_gbs']))} GB/s, mean over "
                      f"{b['weight_bytes']} weight bytes = {b['bound_tok_s']} tok/s)")  # fmt: skip
+    for r in report["levels"]:
+        if r.get("cpu_ms_per_token"):
+            split = ", ".join(f"{k} {v}" for k, v in r["cpu_ms_per_token"].items())
+            lines.append(f"\nCPU ms per output token at {r['concurrency']} streams: {split}")
     for o in report["overhead"]:
         lines.append(
             f"| mesh / engine | {o['concurrency']} | | {o['ttft_p50_ratio']} | "
@@ -197,7 +203,8 @@ def _measure(args: argparse.Namespace, model: str, levels: list[int], compared: 
         from kvmesh.benchmarks.kernels import ceiling
 
         before = ceiling(5)  # the mesh idle, as after the suite: the bound from both
-        suite = measure_suite(target, args, levels, "mesh")
+        meter = CpuMeter({"etcd": mesh.etcd.pid, **mesh.supervisor.pids()} if mesh.etcd else {})
+        suite = measure_suite(target, args, levels, "mesh", meter)
         suite["bandwidth"] = bandwidth_bound(suite["single_stream"], model, args.dtype,
                                              args.weights, before)  # fmt: skip
         return suite, engine, paired
@@ -229,9 +236,14 @@ def _target(args: argparse.Namespace, url: str, model: str) -> Target:
 
 
 def measure_suite(
-    target: Target, args: argparse.Namespace, levels: list[int], path: str
+    target: Target,
+    args: argparse.Namespace,
+    levels: list[int],
+    path: str,
+    meter: CpuMeter | None = None,
 ) -> dict[str, Any]:
-    """Warm-up, then single stream, long prompt and every level, one after the other."""
+    """Warm-up, then single stream, long prompt and every level, one after the other; with a
+    meter, each level's CPU milliseconds per output token of every process."""
     asyncio.run(client_loops(target, list(level_prompts(0, 2)), 2, 8))
     n, tokens = args.requests_per_level, args.max_tokens
     single = long = None
@@ -240,7 +252,13 @@ def measure_suite(
     if args.long_prompt_requests:
         long = measure_long_prompt(target, args.long_prompt_requests, args.long_prompt_tokens,
                                    LONG_PROMPT_OUTPUT)  # fmt: skip
-    rows = [measure_target_level(target, c, requests_for(c, n), tokens, path) for c in levels]
+    rows = []
+    for c in levels:
+        before = meter.sample() if meter else {}
+        rows.append(measure_target_level(target, c, requests_for(c, n), tokens, path))
+        if meter:
+            rows[-1]["cpu_ms_per_token"] = meter.per_token(before, meter.sample(),
+                                                           rows[-1]["output_tokens"])  # fmt: skip
     return {"single_stream": single, "long_prompt": long, "levels": rows}
 
 

@@ -155,6 +155,7 @@ def summarize(
         "ttft_p90_ms": ms(ttfts, 90),
         "tpot_p50_ms": ms(tpots, 50),
         "tpot_p90_ms": ms(tpots, 90),
+        "output_tokens": tokens,
         "output_tok_s": round(tokens / wall_s, 1) if wall_s > 0 else None,
         "wall_s": round(wall_s, 3),
         "lengths_exact": all(t.exact for t in timings),
