@@ -77,6 +77,25 @@ def test_gqa_kernel_matches_reference(kv_dtype, dtype, heads, kv_heads, dim, pag
                                rtol=TOLERANCE[dtype])  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_pages_give_the_bits_of_fp32_pages_holding_their_values(dtype):
+    """The kernel applies an FP8 row's power-of-two scale once per token (to its score and its
+    probability), not to every element: the same bits, as scaling by 2**e commutes with rounding."""
+    layer8, layout, gen = _random_cache(KVCacheSpec.gqa(1, 3, 64, 16, "fp8_e4m3"), dtype, 16, 7)
+    pages = layer8.layer.data.shape[0]
+    cache32 = PagedKVCache(KVCacheSpec.gqa(1, 3, 64, 16, "fp32"), pages, dtype)
+    every = Slots.of(torch.arange(pages * 16), 16)
+    cache32.layers[0].write(every, *(x.float() for x in layer8.read(every)))  # exact values
+    q = torch.randn(len(LENGTHS), 9, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(len(LENGTHS), 3, 64, generator=gen).to(dtype) for _ in range(2))
+    backend = get_backend("cpu", "gqa")
+    meta = backend.build_metadata(layout)
+    from_fp8 = backend.forward(q, k, v, layer8, meta, 0.125)
+    stored = [x.float() for x in layer8.as_stored(k, v)]  # the new token as FP8 holds it
+    from_fp32 = backend.forward(q, *stored, cache32.layers[0], meta, 0.125)
+    assert torch.equal(from_fp8, from_fp32)
+
+
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8_e4m3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rank,rope,heads", [(64, 16, 4), (512, 64, 16)])

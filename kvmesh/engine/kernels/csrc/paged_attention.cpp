@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -36,6 +37,16 @@ struct TileRows {
   float k_scale[kTile], v_scale[kTile];
 };
 
+// 2**e exactly: the float's exponent bits where e is a normal exponent (every scale FP8 pages
+// hold), std::ldexp elsewhere (a library call: 32 per tile cost ~10 % of an FP8 layer).
+inline float pow2(int e) {
+  if (e < -126 || e > 127) return std::ldexp(1.0f, e);
+  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
 template <int S>
 void tile_rows(const PagedKV& kv, int64_t page, int head, int offset, int n, TileRows& t) {
   for (int j = 0; j < kTile; ++j) {
@@ -45,19 +56,21 @@ void tile_rows(const PagedKV& kv, int64_t page, int head, int offset, int n, Til
     t.v[j] = row + kv.v_part * kv.part_stride;
     if (S == kFP8) {
       const int64_t e = page * kv.exp_page + head * kv.exp_head + slot * kv.exp_slot;
-      t.k_scale[j] = std::ldexp(1.0f, kv.exps[e + kv.k_part * kv.exp_part] + 8);  // exact
-      t.v_scale[j] = std::ldexp(1.0f, kv.exps[e + kv.v_part * kv.exp_part] + 8);
+      t.k_scale[j] = pow2(kv.exps[e + kv.k_part * kv.exp_part] + 8);
+      t.v_scale[j] = pow2(kv.exps[e + kv.v_part * kv.exp_part] + 8);
     }
   }
 }
 
-// 16 values of a stored row from element `at` as fp32 (lanes past `n` zero): the same values a
-// dequantizing copy to fp32 holds, converted in registers where they are used.
+// 16 values of a stored row from element `at` as fp32 (lanes past `n` zero), FP8 ones without
+// their row's power-of-two scale (x 2**-8 only): the caller applies it once per token -- to the
+// token's score, to its probability -- which gives the same bits as scaling every element, since
+// multiplying by a power of two commutes with every rounding in between (all values normal).
 template <int S>
-inline Vec load_kv(const void* data, int64_t at, int n, float scale) {
+inline Vec load_unscaled(const void* data, int64_t at, int n) {
   if (S == kF32) return load_f32(static_cast<const float*>(data) + at, n);
   if (S == kBF16) return load_bf16(static_cast<const uint16_t*>(data) + at, n);
-  return mul(load_fp8(static_cast<const int8_t*>(data) + at, n), set1(scale));
+  return load_fp8(static_cast<const int8_t*>(data) + at, n);
 }
 
 // The scores of up to 3 heads of a group against the 16 key rows of a tile: each key chunk is
@@ -73,8 +86,8 @@ inline void tile_scores_heads(const PagedKV& kv, const TileRows& t, const float*
     for (int h = 0; h < kHeads; ++h) a[h][0] = a[h][1] = zero();
     for (int c = 0; c < nk; ++c) {
       const int n = kv.k_dim - 16 * c;
-      const Vec k0 = load_kv<S>(kv.data, t.k[j] + 16 * c, n, t.k_scale[j]);
-      const Vec k1 = load_kv<S>(kv.data, t.k[j + 1] + 16 * c, n, t.k_scale[j + 1]);
+      const Vec k0 = load_unscaled<S>(kv.data, t.k[j] + 16 * c, n);
+      const Vec k1 = load_unscaled<S>(kv.data, t.k[j + 1] + 16 * c, n);
 #pragma GCC unroll 3
       for (int h = 0; h < kHeads; ++h) {
         const Vec qc = loadu(q + 16 * (nk * h + c));
@@ -86,7 +99,10 @@ inline void tile_scores_heads(const PagedKV& kv, const TileRows& t, const float*
     for (int h = 0; h < kHeads; ++h) acc[h][j] = a[h][0], acc[h][j + 1] = a[h][1];
   }
 #pragma GCC unroll 3
-  for (int h = 0; h < kHeads; ++h) out[h] = transpose_sum16(acc[h]);
+  for (int h = 0; h < kHeads; ++h) {
+    out[h] = transpose_sum16(acc[h]);
+    if (S == kFP8) out[h] = mul(out[h], loadu(t.k_scale));  // lane j: token j's score
+  }
 }
 
 // The scores of `heads` heads (q: each head's k_dim values, 16 * nk apart) against a tile.
@@ -116,10 +132,10 @@ inline void accumulate_block(const PagedKV& kv, const TileRows& t, int c0, float
   for (int j = 0; j < n; ++j) {
     Vec p[kHeads];
 #pragma GCC unroll 8
-    for (int h = 0; h < kHeads; ++h) p[h] = set1(prob[h][j]);
+    for (int h = 0; h < kHeads; ++h) p[h] = set1(S == kFP8 ? prob[h][j] * t.v_scale[j] : prob[h][j]);
 #pragma GCC unroll 8
     for (int c = 0; c < kWidth; ++c) {
-      const Vec v = load_kv<S>(kv.data, t.v[j] + 16 * (c0 + c), kv.v_dim - 16 * (c0 + c), t.v_scale[j]);
+      const Vec v = load_unscaled<S>(kv.data, t.v[j] + 16 * (c0 + c), kv.v_dim - 16 * (c0 + c));
 #pragma GCC unroll 8
       for (int h = 0; h < kHeads; ++h) sum[h][c] = fmadd(p[h], v, sum[h][c]);
     }
