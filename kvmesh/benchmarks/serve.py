@@ -203,8 +203,7 @@ def _measure(args: argparse.Namespace, model: str, levels: list[int], compared: 
         from kvmesh.benchmarks.kernels import ceiling
 
         before = ceiling(5)  # the mesh idle, as after the suite: the bound from both
-        meter = CpuMeter({"etcd": mesh.etcd.pid, **mesh.supervisor.pids()} if mesh.etcd else {})
-        suite = measure_suite(target, args, levels, "mesh", meter)
+        suite = measure_suite(target, args, levels, "mesh", CpuMeter(mesh.pids()))
         suite["bandwidth"] = bandwidth_bound(suite["single_stream"], model, args.dtype,
                                              args.weights, before)  # fmt: skip
         return suite, engine, paired

@@ -203,13 +203,19 @@ class Mesh:
             for role in ("prefill", "decode", "kvstore", "draft")
         )
 
+    def pids(self) -> dict[str, int]:
+        """The pid of every process the mesh runs (none before etcd starts)."""
+        if self.etcd is None:
+            return {}
+        pids = {"etcd": self.etcd.pid, **self.supervisor.pids()}
+        if self.master is not None:
+            pids["mooncake_master"] = self.master.pid
+        return pids
+
     def _write_state(self) -> None:
         """The run's state file (`kvmesh status` reads it), with the pid of every process."""
         if self.etcd is None:
             return  # nothing runs yet
-        pids = {"etcd": self.etcd.pid, **self.supervisor.pids()}
-        if self.master is not None:
-            pids["mooncake_master"] = self.master.pid
         state = {
             "etcd": self.etcd.endpoint,
             "cluster": self.options.cluster,
@@ -217,7 +223,7 @@ class Mesh:
             "http": f"127.0.0.1:{self.http_port}",
             "grpc": f"127.0.0.1:{self.grpc_port}",
             "logs": str(self.run_dir),
-            "pids": pids,
+            "pids": self.pids(),
         }
         path = state_file()
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -65,7 +65,9 @@ void tile_rows(const PagedKV& kv, int64_t page, int head, int offset, int n, Til
 // 16 values of a stored row from element `at` as fp32 (lanes past `n` zero), FP8 ones without
 // their row's power-of-two scale (x 2**-8 only): the caller applies it once per token -- to the
 // token's score, to its probability -- which gives the same bits as scaling every element, since
-// multiplying by a power of two commutes with every rounding in between (all values normal).
+// multiplying by a power of two commutes with every rounding in between, as long as nothing falls
+// to a subnormal float (a probability times a scale below 2**-126: scales that small only come
+// with KV values below ~1e-30, and such a term could only change a sum that is itself that small).
 template <int S>
 inline Vec load_unscaled(const void* data, int64_t at, int n) {
   if (S == kF32) return load_f32(static_cast<const float*>(data) + at, n);
