@@ -10,6 +10,7 @@ import pytest
 
 from kvmesh.engine.spec.cost import (
     CostCurve,
+    GainCheck,
     PriorCurve,
     SpecFit,
     StepCosts,
@@ -182,6 +183,45 @@ def test_drafting_cost_counts_against_the_drafts():
     assert policy.plan(1, _candidates(1)).limits  # free rows: worth drafting
     policy.record_step(StepSample(1, 4, 1, 0.030, 4, 0.200))  # but drafting 4 took 200 ms
     assert policy.plan(1, _candidates(1)).limits == {}
+
+
+def test_the_gain_check_vetoes_only_drafting_that_lost_against_plain_steps():
+    check = GainCheck(window=3, min_steps=2)
+    # batch 10, plain 1 s: 10 tok/s; predicted 20 tokens in 1 s; came 15 tokens in 1 s
+    check.record(10, 1.0, (20.0, 1.0), (15.0, 1.0))
+    assert check.factor() == 1.0  # one step: not yet
+    check.record(10, 1.0, (20.0, 1.0), (15.0, 1.0))
+    assert check.factor() == 1.0  # short of the prediction, but a gain: left alone
+    check.record(10, 1.0, (20.0, 1.0), (9.0, 2.0))  # a loss: 4.5 tok/s
+    # the window (3 steps): 39 tokens in 4 s against plain 10 tok/s -> predicted 60 in 3 s
+    assert check.factor() == pytest.approx((39 / 4) / (60 / 3))
+    for _ in range(3):
+        check.record(10, 1.0, (20.0, 1.0), (30.0, 1.0))  # gains again: the old steps age out
+    assert check.factor() == 1.0
+
+
+def _drafting_steps(policy: AdaptivePolicy, accepted: int) -> list[dict[str, int]]:
+    """Four steps of one sequence the tracker rates at 0.9 whose drafts (as the tracker
+    learns nothing: huge shrink) are `accepted`: with none accepted, each step twice as long
+    as a plain one (a loss), else as long (a gain)."""
+    plans = []
+    for _ in range(4):
+        plans.append(policy.plan(1, [Candidate("a", 4)]).limits)
+        policy.record_verify("a", 4, accepted)
+        policy.record_step(StepSample(1, 4, 1, 0.030 if accepted else 0.060, 4, 0.0))
+    return plans
+
+
+@pytest.mark.parametrize(("accepted", "drafting_after"), [(0, False), (4, True)])
+def test_drafting_stops_at_a_batch_whose_steps_realise_less_than_predicted(
+    accepted, drafting_after
+):
+    policy = _policy(FLAT, 0.9, global_weight=1e-9, seq_shrink=1e6, gain_min_steps=4)
+    _plain_step(policy, 1, 0.030)
+    _plain_step(policy, 8, 0.030)
+    assert _drafting_steps(policy, accepted) == [{"a": 4}] * 4  # the model alone: draft
+    assert bool(policy.plan(1, [Candidate("a", 4)]).limits) is drafting_after
+    assert policy.plan(8, _candidates(8)).limits  # another batch keeps its own record
 
 
 def test_sequences_not_drafting_get_shadow_drafts_longest_unobserved_first():

@@ -178,3 +178,38 @@ class StepCosts:
             one_row = self.plain_curve.estimate(1) or 0.0
             surplus = row * drafts + self.chunk_prior * one_row * chunks
         return plain + surplus + (self.draft_curve.estimate(drafts) or 0.0)
+
+
+class GainCheck:
+    """A veto on drafting at one batch bucket once its drafting steps have lost: over the latest
+    `window` drafting steps (at least `min_steps`), their tokens per second (accepted drafts
+    counted, drafting seconds included) against plain steps' at the same batches; if below,
+    the factor by which they fell short of the policy's predictions, which then scale every
+    prediction at this bucket. Ratios of sums (a mean: accepted counts are skewed, a median
+    under-rates drafts). Whatever the model misjudges -- a proposer whose later drafts fare
+    worse than its first, rows dearer than the curve says -- shows up here; drafting that
+    gains, if less than predicted, is left alone (a workload that drafts well next, JSON after
+    chat, is not held back by it)."""
+
+    def __init__(self, window: int, min_steps: int) -> None:
+        self.min_steps = min_steps
+        # (plain tokens, plain s, predicted tokens, predicted s, tokens, s) per drafting step
+        self._steps: deque[tuple[float, ...]] = deque(maxlen=window)
+
+    def record(self, batch: int, plain_s: float, predicted: tuple[float, float],
+               realised: tuple[float, float]) -> None:  # fmt: skip
+        """One drafting step: its batch and the plain step's seconds there, and (tokens,
+        seconds) as predicted and as they came."""
+        if min(plain_s, predicted[1], realised[1]) > 0:
+            self._steps.append((batch, plain_s, *predicted, *realised))
+
+    def factor(self) -> float:
+        """Realised over predicted tokens per second where drafting lost, else 1."""
+        if len(self._steps) < self.min_steps:
+            return 1.0
+        batch, plain_s, p_tokens, p_s, tokens, seconds = (
+            sum(column) for column in zip(*self._steps, strict=True)
+        )
+        if tokens / seconds >= batch / plain_s:
+            return 1.0
+        return min(1.0, (tokens / seconds) / (p_tokens / p_s))

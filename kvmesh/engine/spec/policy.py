@@ -12,7 +12,9 @@ in the k rows and the chunk they cost; the plan's own rate becomes the next pric
 drafted unless the plan beats the plain step by `min_gain`. At batch 1 a row costs little and
 modest acceptance pays; at large batch the step is compute bound and speculation turns off.
 
-What it learns from: every verification; a plain step at each batch now and then (so the
+What it learns from: every verification; what drafting steps realised (spec/cost.py GainCheck:
+at a batch where they lost against plain steps, predictions are scaled by how far they fell
+short); a plain step at each batch now and then (so the
 baseline it compares with is measured, not inferred); and shadow drafts -- a sequence that
 does not draft this step gets one draft that is never verified, only compared with the token
 the target then emits (the same event as its acceptance, greedy or sampled), so a sequence
@@ -25,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvmesh.engine.spec.cost import PriorCurve, StepCosts, StepSample, bucket
+from kvmesh.engine.spec.cost import GainCheck, PriorCurve, StepCosts, StepSample, bucket
 
 # Decode step seconds by rows, relative to one row: SmolLM2-135M fp32, torch backend, on the
 # 2-core Xeon (AMX) VM, 2026-12-01 (`kvmesh bench spec --cost-profile`; above 64 rows inferred
@@ -53,6 +55,8 @@ class PolicyConfig:
     step_prior: tuple[tuple[int, float], ...] = STEP_PRIOR
     chunk_prior: float = CHUNK_PRIOR
     samples_per_bucket: int = 16  # cost curves: the median of the latest samples per bucket
+    gain_window: int = 32  # realised vs predicted gain: the latest drafting steps per bucket ...
+    gain_min_steps: int = 4  # ... once this many
 
     def __post_init__(self) -> None:
         if self.max_draft < 1:
@@ -62,8 +66,11 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         if min(self.min_gain, self.chunk_prior, self.seq_shrink, self.shadows_per_pass) < 0:
             raise ValueError("min_gain, chunk_prior, seq_shrink, shadows_per_pass must be >= 0")
-        if min(self.plain_every, self.samples_per_bucket, self.seq_memory, self.shadow_every) < 1:
-            raise ValueError("plain_every, samples_per_bucket, seq_memory, shadow_every >= 1")
+        counts = (self.plain_every, self.samples_per_bucket, self.seq_memory, self.shadow_every,
+                  self.gain_window, self.gain_min_steps)  # fmt: skip
+        if min(counts) < 1:
+            raise ValueError("plain_every, samples_per_bucket, seq_memory, shadow_every, "
+                             "gain_window, gain_min_steps must be >= 1")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -167,14 +174,19 @@ class AdaptivePolicy:
         self._since_plain: dict[int, int] = {}  # batch bucket -> its steps since a plain one
         self._seen_at: dict[str, int] = {}  # seq_id -> last step it drafted or shadowed
         self._last_total = 0  # drafts planned last step (where the row price is taken)
+        self._gains: dict[int, GainCheck] = {}  # batch bucket -> realised vs predicted
+        self._planned: dict[str, float] = {}  # this step's drafting sequences -> rate planned on
+        self._verified = [0.0, 0]  # this step's verifications: predicted worth, drafts accepted
 
     def plan(self, batch: int, candidates: Sequence[Candidate]) -> DraftPlan:
         self._step += 1
+        self._planned, self._verified = {}, [0.0, 0]
         usable = [c for c in candidates if c.cap > 0]
         base = self.costs.plain(batch)
         if not usable or base is None or self._plain_due(batch):
             return DraftPlan({})
         limits, speedup = self._choose(batch, base, usable)
+        self._planned = {seq_id: self.tracker.rate(seq_id) for seq_id in limits}
         shadows = self._shadows(batch, base, usable, limits)
         for seq_id in (*limits, *shadows):
             self._seen_at[seq_id] = self._step
@@ -219,7 +231,7 @@ class AdaptivePolicy:
             if found is None:
                 break
             price, guess = best[1] * batch / base, found
-        if best[1] < 1.0 + self.config.min_gain:
+        if best[1] * self._gain(batch).factor() < 1.0 + self.config.min_gain:
             return {}, best[1]
         return best
 
@@ -243,10 +255,29 @@ class AdaptivePolicy:
             return ()
         return tuple(idle[:count])
 
+    def _gain(self, batch: int) -> GainCheck:
+        key = bucket(batch)
+        check = self._gains.get(key)
+        if check is None:
+            check = self._gains[key] = GainCheck(self.config.gain_window,
+                                                 self.config.gain_min_steps)  # fmt: skip
+        return check
+
     def record_verify(self, seq_id: str, drafted: int, accepted: int) -> None:
+        rate = self._planned.get(seq_id)
+        if rate is not None:  # a planned draft verified (not a shadow): what was expected of it
+            self._verified[0] += _worth(rate, drafted)
+            self._verified[1] += accepted
         self.tracker.record(seq_id, drafted, accepted)
 
     def record_step(self, sample: StepSample) -> None:
+        plain_s = self.costs.plain(sample.batch)
+        if sample.chunks and self._planned and plain_s is not None:
+            batch, (worth, accepted) = sample.batch, self._verified
+            predicted = (batch + worth, self.costs.step(batch, sample.drafts, sample.chunks))
+            realised = (batch + accepted, sample.seconds + sample.draft_seconds)
+            self._gain(batch).record(batch, plain_s, predicted, realised)
+        self._planned, self._verified = {}, [0.0, 0]
         self.costs.record(sample)
         if sample.chunks == 0:
             self._since_plain[bucket(sample.batch)] = 0
