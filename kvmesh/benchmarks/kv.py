@@ -5,8 +5,9 @@ FP8, capacity at the budget; `--spec-only` stops there), then three tables:
 1. throughput: a `--dtype` model with BF16 KV and with FP8 KV in the same byte budget (default:
    what `BF16_REQUESTS` requests' whole context takes in BF16 pages, so FP8 holds ~31). Per level,
    C distinct chat prompts of ~`--prompt-tokens` tokens are submitted at once, `--max-tokens`
-   greedy tokens each (EOS ignored); tok/s = generated tokens / wall time, prefill included. The
-   two KV dtypes alternate per level, each engine is built once (prefix cache reset per run).
+   greedy tokens each (EOS ignored), on both engines at once, stepped in lockstep (one step of
+   each in turn: benchmarks/lockstep.py); tok/s = generated tokens / seconds of that engine's own
+   steps, prefill included. Each engine is built once (prefix cache reset per run).
 2. integrity: one engine with `kv_integrity` toggled off/on/off/on per level, best of 2 each;
    plus the time measured inside `PageTags.mismatched` as a share of the run (noise-free cost).
 3. quality under an fp32 model: greedy tokens until the first divergence from FP32 KV, and
@@ -19,33 +20,17 @@ import argparse
 import contextlib
 import gc
 import json
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvmesh.benchmarks.kv_quality import QUESTIONS, bench_quality, markdown
+from kvmesh.benchmarks.kv_runs import Run, lockstep_runs, timed_run
 from kvmesh.benchmarks.report import BenchRun, write_report
 
 TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "public_domain.txt"
 BF16_REQUESTS = 16  # the default budget holds this many requests' full context in BF16 pages
 REPORTED_ARGS = ("model", "dtype", "integrity_dtype", "prompt_tokens", "max_tokens", "repeats")
-
-
-@dataclass(frozen=True)
-class Run:
-    """One timed `generate_ids` batch."""
-
-    tokens: int
-    seconds: float
-    max_running: int  # most sequences in the running queue after any schedule()
-    preemptions: int
-    check_seconds: float  # inside PageTags.mismatched
-    check_calls: int
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.seconds
 
 
 @dataclass(frozen=True)
@@ -68,47 +53,6 @@ class IntegrityRow:
     on_over_off: float
     check_us_per_step: float
     check_fraction: float  # time inside the check / wall time of the integrity-on runs
-
-
-def timed_run(llm, prompts: list[list[int]], max_tokens: int) -> Run:
-    """Generate for all prompts at once; instance-level wrappers record the scheduler's running
-    queue (peak size, preemptions) and the time spent in the integrity check."""
-    from kvmesh import SamplingParams
-
-    engine = llm.engine
-    engine.block_manager.reset_prefix_cache()
-    schedule, mismatched = engine.scheduler.schedule, engine.page_tags.mismatched
-    seen: dict[str, object] = {}
-    stats = {"peak": 0, "check": 0.0, "calls": 0}
-
-    def traced_schedule():
-        out = schedule()
-        stats["peak"] = max(stats["peak"], len(engine.scheduler.running))
-        seen.update((seq.seq_id, seq) for seq in engine.scheduler.running)
-        return out
-
-    def timed_mismatched(seqs):
-        start = time.perf_counter()
-        try:
-            return mismatched(seqs)
-        finally:
-            stats["check"] += time.perf_counter() - start
-            stats["calls"] += 1
-
-    engine.scheduler.schedule, engine.page_tags.mismatched = traced_schedule, timed_mismatched
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    try:
-        start = time.perf_counter()
-        outs = llm.generate_ids(prompts, params)
-        seconds = time.perf_counter() - start
-    finally:
-        del engine.scheduler.schedule, engine.page_tags.mismatched
-    errors = [o.error for o in outs if o.error is not None]
-    if errors:
-        raise RuntimeError(f"{len(errors)} request(s) failed, e.g. {errors[0]}")
-    preemptions = sum(seq.num_preemptions for seq in seen.values())  # type: ignore[attr-defined]
-    tokens = sum(len(o.token_ids) for o in outs)
-    return Run(tokens, seconds, stats["peak"], preemptions, stats["check"], stats["calls"])
 
 
 def sized_prompts(tokenizer, n: int, tokens: int, text: str) -> list[list[int]]:
@@ -158,11 +102,10 @@ def bench_throughput(args, text: str, levels: list[int], budget: int) -> list[Th
     rows: list[ThroughputRow] = []
     for c in levels:
         prompts = sized_prompts(llms["bf16"].tokenizer, c, args.prompt_tokens, text)
-        base = None
-        for kv, llm in llms.items():  # interleaved: bf16 then fp8 at each level
-            run = timed_run(llm, prompts, args.max_tokens)
-            base = base or run.tok_s
-            cache = llm.engine.kv_cache
+        runs = lockstep_runs(llms, prompts, args.max_tokens)
+        base = runs["bf16"].tok_s
+        for kv, llm in llms.items():
+            run, cache = runs[kv], llm.engine.kv_cache
             rows.append(ThroughputRow(c, kv, cache.capacity_tokens, cache.nbytes, run.max_running,
                                       run.preemptions, round(run.tok_s, 1),
                                       round(run.tok_s / base, 2) if kv != "bf16" else None))  # fmt: skip

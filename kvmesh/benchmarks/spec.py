@@ -21,10 +21,10 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from kvmesh.benchmarks.lockstep import lockstep
 from kvmesh.engine.spec.prompts import chat_prompts, split, structured_prompts
 
 METHODS = ("none", "ngram", "eagle", "eagle-fixed", "eagle-remote")
@@ -79,17 +79,14 @@ def _lockstep(engines: dict, prompts: list[str], max_tokens: int) -> dict[str, d
             llm.engine.add_request(rid, conv, params)
         runs[name] = {"out": {rid: [] for rid in ids}, "seconds": 0.0, "cpu_s": 0.0,
                       "before": _counters(llm)}  # fmt: skip
-    active, turn = list(engines), 0
-    while active:
-        for name in active if turn % 2 == 0 else active[::-1]:
-            engine, run = engines[name].engine, runs[name]
-            wall, cpu = time.perf_counter(), time.process_time()
-            for out in engine.step():
-                run["out"][out.request_id] += out.new_token_ids
-            run["seconds"] += time.perf_counter() - wall
-            run["cpu_s"] += time.process_time() - cpu
-        active = [name for name in active if engines[name].engine.has_unfinished()]
-        turn += 1
+
+    def collect(name: str, outputs: list) -> None:
+        for out in outputs:
+            runs[name]["out"][out.request_id] += out.new_token_ids
+
+    spent = lockstep({name: llm.engine for name, llm in engines.items()}, collect)
+    for name, run in runs.items():
+        run["seconds"], run["cpu_s"] = spent[name].seconds, spent[name].cpu_s
     return {name: _result(run, engines[name]) for name, run in runs.items()}
 
 
