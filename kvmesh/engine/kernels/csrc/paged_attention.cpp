@@ -75,6 +75,16 @@ inline Vec load_unscaled(const void* data, int64_t at, int n) {
   return load_fp8(static_cast<const int8_t*>(data) + at, n);
 }
 
+// Chunks c and c + 1 of a stored row (32 values from element `at`, lanes past n zero), unscaled
+// as above: FP8 bytes widened 32 at a time (one widening, shift and mask for both chunks: ~2-4 %
+// of an FP8 layer on the AVX-512 EPYC); bf16 and fp32 pages keep loading chunk by chunk.
+template <int S>
+inline void load_unscaled_pair(const void* data, int64_t at, int n, Vec* out) {
+  if (S == kFP8) return load_fp8_pair(static_cast<const int8_t*>(data) + at, n, out[0], out[1]);
+  out[0] = load_unscaled<S>(data, at, n);
+  out[1] = load_unscaled<S>(data, at + 16, n - 16);
+}
+
 // The scores of up to 3 heads of a group against the 16 key rows of a tile: each key chunk is
 // loaded and converted once for all of them, 2 tokens at a time (6 accumulators, which fit AVX2's
 // 16 ymm; on AVX-512 this beat one head at a time over 16 accumulators by ~5 % in an interleaved
@@ -86,7 +96,23 @@ inline void tile_scores_heads(const PagedKV& kv, const TileRows& t, const float*
     Vec a[kHeads][2];
 #pragma GCC unroll 3
     for (int h = 0; h < kHeads; ++h) a[h][0] = a[h][1] = zero();
-    for (int c = 0; c < nk; ++c) {
+    int c = 0;
+    if constexpr (S == kFP8) {  // chunks in order, two at a time: the same FMA chains
+      for (; c + 1 < nk; c += 2) {
+        Vec k0[2], k1[2];
+        load_unscaled_pair<S>(kv.data, t.k[j] + 16 * c, kv.k_dim - 16 * c, k0);
+        load_unscaled_pair<S>(kv.data, t.k[j + 1] + 16 * c, kv.k_dim - 16 * c, k1);
+        for (int i = 0; i < 2; ++i) {
+#pragma GCC unroll 3
+          for (int h = 0; h < kHeads; ++h) {
+            const Vec qc = loadu(q + 16 * (nk * h + c + i));
+            a[h][0] = fmadd(qc, k0[i], a[h][0]);
+            a[h][1] = fmadd(qc, k1[i], a[h][1]);
+          }
+        }
+      }
+    }
+    for (; c < nk; ++c) {
       const int n = kv.k_dim - 16 * c;
       const Vec k0 = load_unscaled<S>(kv.data, t.k[j] + 16 * c, n);
       const Vec k1 = load_unscaled<S>(kv.data, t.k[j + 1] + 16 * c, n);
@@ -135,8 +161,20 @@ inline void accumulate_block(const PagedKV& kv, const TileRows& t, int c0, float
     Vec p[kHeads];
 #pragma GCC unroll 8
     for (int h = 0; h < kHeads; ++h) p[h] = set1(S == kFP8 ? prob[h][j] * t.v_scale[j] : prob[h][j]);
+    int c = 0;
+    if constexpr (S == kFP8) {
+      for (; c + 1 < kWidth; c += 2) {
+        Vec v[2];
+        load_unscaled_pair<S>(kv.data, t.v[j] + 16 * (c0 + c), kv.v_dim - 16 * (c0 + c), v);
 #pragma GCC unroll 8
-    for (int c = 0; c < kWidth; ++c) {
+        for (int h = 0; h < kHeads; ++h) {
+          sum[h][c] = fmadd(p[h], v[0], sum[h][c]);
+          sum[h][c + 1] = fmadd(p[h], v[1], sum[h][c + 1]);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (; c < kWidth; ++c) {
       const Vec v = load_unscaled<S>(kv.data, t.v[j] + 16 * (c0 + c), kv.v_dim - 16 * (c0 + c));
 #pragma GCC unroll 8
       for (int h = 0; h < kHeads; ++h) sum[h][c] = fmadd(p[h], v, sum[h][c]);

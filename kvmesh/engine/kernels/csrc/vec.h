@@ -64,6 +64,15 @@ inline Vec load_fp8(const int8_t* p, int n) {
   w = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16((short)0xBFFF));
   return {_mm512_cvtph_ps(w)};
 }
+// 32 of them (lanes past n zero) as lanes 0-15 and 16-31: the same bit move, widened, shifted
+// and masked once for both halves.
+inline void load_fp8_pair(const int8_t* p, int n, Vec& lo, Vec& hi) {
+  __m256i b = _mm256_maskz_loadu_epi8(mask32(n), p);
+  __m512i w = _mm512_cvtepi8_epi16(b);
+  w = _mm512_and_si512(_mm512_slli_epi16(w, 7), _mm512_set1_epi16((short)0xBFFF));
+  lo = {_mm512_cvtph_ps(_mm512_castsi512_si256(w))};
+  hi = {_mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1))};
+}
 // 16 bytes as fp32 lanes: their low nibbles, and their high ones.
 inline void load_nibble_pair(const uint8_t* p, Vec& low, Vec& high) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -206,6 +215,10 @@ inline Vec load_fp8(const int8_t* p, int n) {
   __m256i w = _mm256_cvtepi8_epi16(b);
   w = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16((short)0xBFFF));
   return {_mm256_cvtph_ps(_mm256_castsi256_si128(w)), _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1))};
+}
+inline void load_fp8_pair(const int8_t* p, int n, Vec& lo, Vec& hi) {
+  lo = load_fp8(p, std::min(n, 16));
+  hi = load_fp8(p + 16, n - 16);
 }
 inline void load_nibble_pair(const uint8_t* p, Vec& low, Vec& high) {
   const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
