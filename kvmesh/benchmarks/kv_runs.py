@@ -95,11 +95,12 @@ def lockstep_runs(llms: dict, prompts: list[list[int]], max_tokens: int) -> dict
                 raise RuntimeError(f"request {out.request_id} failed: {out.error}")
             tokens[name] += len(out.new_token_ids)
 
+    params = _params(max_tokens)
     with contextlib.ExitStack() as stack:
         stats = {name: stack.enter_context(traced(llm.engine)) for name, llm in llms.items()}
         for name, llm in llms.items():
             llm.engine.block_manager.reset_prefix_cache()
             for i, prompt in enumerate(prompts):
-                llm.engine.add_request(f"kv-{name}-{next(_ids)}-{i}", prompt, _params(max_tokens))
+                llm.engine.add_request(f"kv-{name}-{next(_ids)}-{i}", prompt, params)
         spent = lockstep({name: llm.engine for name, llm in llms.items()}, collect)
     return {name: _run(stats[name], tokens[name], spent[name].seconds) for name in llms}

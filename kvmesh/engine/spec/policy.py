@@ -14,8 +14,8 @@ modest acceptance pays; at large batch the step is compute bound and speculation
 
 What it learns from: every verification; what drafting steps realised (spec/cost.py GainCheck:
 at a batch where they lost against plain steps, predictions are scaled by how far they fell
-short); a plain step at each batch now and then (so the
-baseline it compares with is measured, not inferred); and shadow drafts -- a sequence that
+short); a plain step at each batch now and then (so the baseline it compares with is measured,
+not inferred); and shadow drafts -- a sequence that
 does not draft this step gets one draft that is never verified, only compared with the token
 the target then emits (the same event as its acceptance, greedy or sampled), so a sequence
 or workload whose acceptance rises is noticed at no cost to the step.
