@@ -45,10 +45,10 @@ def traced(engine) -> Iterator[dict]:
         seen.update((seq.seq_id, seq) for seq in engine.scheduler.running)
         return out
 
-    def timed_mismatched(seqs):
+    def timed_mismatched(*args):
         start = time.perf_counter()
         try:
-            return mismatched(seqs)
+            return mismatched(*args)
         finally:
             stats["check"] += time.perf_counter() - start
             stats["calls"] += 1

@@ -50,11 +50,13 @@ def split_logits(prefill, decode, ids: list[int], context: int):
         try:
             first = ChunkPlan(head.seq_id, 0, context, True)
             prefill.runner.score(StepPlan.one_shot(head.seq_id, head.token_ids,
-                                                   head.block_table, first))  # fmt: skip
+                                                   head.block_table, head.page_tags, first))  # fmt: skip
             pages = len(head.block_table)
             _copy_pages(prefill, head.block_table, decode, whole.block_table[:pages])
             rest = ChunkPlan(whole.seq_id, context, len(ids) - context, True)
-            plan = StepPlan.one_shot(whole.seq_id, whole.token_ids, whole.block_table, rest)
+            plan = StepPlan.one_shot(
+                whole.seq_id, whole.token_ids, whole.block_table, whole.page_tags, rest
+            )
             return decode.runner.score(plan)[:-1]
         finally:
             decode.block_manager.free(whole)

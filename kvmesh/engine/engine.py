@@ -160,7 +160,7 @@ class Engine(HandOver):
         chunk = ChunkPlan(seq.seq_id, 0, len(token_ids), True)
         try:
             return self.runner.score(
-                StepPlan.one_shot(seq.seq_id, token_ids, seq.block_table, chunk)
+                StepPlan.one_shot(seq.seq_id, token_ids, seq.block_table, seq.page_tags, chunk)
             )
         finally:
             self.block_manager.free(seq)
@@ -192,13 +192,16 @@ class Engine(HandOver):
         failed: list[TokenOutput] = []
         if self.faults is not None:
             self.faults.before_check(self.block_manager, self.kv_cache, output)
+        self.runner.apply(output.step)  # its block tables are what the check reads
         if self.config.kv_integrity and not output.is_empty:
             output, failed = self._check_integrity(output)
         if output.is_empty:
             return failed
-        result = self.runner.run(output.step)
-        drafts = {c.seq.seq_id: c.draft for c in output.chunks if c.draft}
-        stats = self.speculator.stats if self.speculator is not None else None
+        result = self.runner.execute(output.step.chunks)
+        drafts, stats = {}, None
+        if self.speculator is not None:  # only a speculator's requests carry drafts
+            drafts = {c.seq.seq_id: c.draft for c in output.chunks if c.draft}
+            stats = self.speculator.stats
         by_id = {c.seq.seq_id: c.seq for c in output.chunks}
         seqs = [by_id[req_id] for req_id in result.req_ids]
         tokens, logprobs = (
@@ -234,11 +237,13 @@ class Engine(HandOver):
     ) -> tuple[SchedulerOutput, list[TokenOutput]]:
         """Abort (alone) every scheduled sequence holding a page whose tag it does not expect;
         those pages leave the prefix cache, so no later request reuses their bytes."""
-        mismatched = self.page_tags.mismatched([chunk.seq for chunk in output.chunks])
+        seqs = [chunk.seq for chunk in output.chunks]
+        mismatched = self.page_tags.mismatched(self.runner.tables, [s.seq_id for s in seqs])
         if not mismatched:
             return output, []
         failed: list[TokenOutput] = []
-        for seq, pages in mismatched:
+        for index, pages in mismatched:
+            seq = seqs[index]
             log.error("kv.integrity_failure", request_id=seq.seq_id, pages=pages)
             reported = seq.finalizing is not None  # its finish was already delivered
             self.block_manager.discard_cached(pages)
@@ -253,7 +258,7 @@ class Engine(HandOver):
                 )
                 failed.append(TokenOutput(seq.seq_id, [], [], True, FinishReason.ABORT,
                                           seq.num_prompt_tokens, seq.num_cached_tokens, error))  # fmt: skip
-        return output.without({seq.seq_id for seq, _ in mismatched}), failed
+        return output.without({seqs[index].seq_id for index, _ in mismatched}), failed
 
     @staticmethod
     def _output(seq: Sequence, tokens, logprobs, finished) -> TokenOutput:

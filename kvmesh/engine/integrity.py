@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from itertools import chain
 
 import numpy as np
 import torch
 
+from kvmesh.engine.block_tables import BlockTables
 from kvmesh.engine.host_tensors import int_tensor, uint32_bits
-from kvmesh.engine.sequence import Sequence
 
 PENDING = 0  # never a valid tag (tags cycle over 1..2**32 - 1)
 
@@ -49,29 +48,25 @@ class PageTags:
         pages = int_tensor(page for page, _ in stamps)
         self.tags[pages] = PENDING if pending else as_int32(tag for _, tag in stamps)
 
-    def mismatched(self, seqs: Seq[Sequence]) -> list[tuple[Sequence, list[int]]]:
-        """The sequences holding a page whose tag differs from the one they expect, with the
-        offending page ids. One gather + compare for the whole batch; Python only on failure."""
-        pages = list(chain.from_iterable(seq.block_table for seq in seqs))
-        if not pages:
+    def mismatched(self, tables: BlockTables, req_ids: Seq[str]) -> list[tuple[int, list[int]]]:
+        """The requests (index into req_ids) holding a page whose tag differs from the one
+        they expect, with the offending page ids: one gather + compare over the requests' rows
+        of the runner's tables for the whole batch; Python only on failure."""
+        rows = tables.rows(req_ids)
+        width = tables.width(rows)
+        if not width:
             return []
-        expected = uint32_bits(list(chain.from_iterable(seq.page_tags for seq in seqs)))
+        pages = tables.gather(rows, width)
+        expected = tables.expected_tags(rows, width)
         if self._host is not None:
-            bad = self._host[int_tensor(pages).numpy()] != expected.numpy().view(np.uint32)
+            bad = self._host[pages] != expected
         else:
             device = self.tags.device
-            bad = (self.tags[int_tensor(pages).to(device)] != expected.to(device)).cpu().numpy()
+            held = self.tags[torch.from_numpy(pages).to(device)].cpu().numpy().view(np.uint32)
+            bad = held != expected
+        bad &= pages != tables.null_page  # padding, not a page of the request
         if not bad.any():
             return []
-        failed, start = [], 0
-        flags = bad.tolist()
-        for seq in seqs:
-            end = start + len(seq.block_table)
-            wrong = [
-                page for page, flag in zip(pages[start:end], flags[start:end], strict=True) if flag
-            ]
-            if wrong:
-                failed.append((seq, wrong))
-            start = end
+        failed = [(int(i), pages[i][bad[i]].tolist()) for i in np.flatnonzero(bad.any(axis=1))]
         self.failures += len(failed)
         return failed

@@ -4,11 +4,13 @@ the step's new requests and diffs; it never sees the scheduler's `Sequence` obje
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvmesh.engine.attention import AttentionBackend, BatchLayout
+from kvmesh.engine.block_tables import BlockTables
 from kvmesh.engine.compiled import CompiledDecode
 from kvmesh.engine.fused_decode import FusedDecode
 from kvmesh.engine.host_tensors import int_tensor
@@ -29,19 +31,14 @@ class StepResult:
     rows: list[int]
 
 
-@dataclass
-class _Request:
-    token_ids: list[int]
-    block_table: list[int] = field(default_factory=list)
-
-
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: PagedKVCache, attention: AttentionBackend) -> None:
         self.model = model
         self.kv = kv
         self.attention = attention
         self.page_size = kv.spec.page_size
-        self.requests: dict[str, _Request] = {}
+        self.tokens: dict[str, list[int]] = {}  # req_id -> its token ids so far
+        self.tables = BlockTables(kv.null_page)  # req_id -> its pages and their expected tags
         self.capture: tuple[int, ...] = ()  # layers whose outputs the last step kept (EAGLE)
         self.features: torch.Tensor | None = None  # [T, len(capture) * H], rows in step order
         self.rows_of: dict[str, tuple[int, int]] = {}  # req_id -> its rows [begin, end) last step
@@ -50,19 +47,28 @@ class ModelRunner:
 
     def apply(self, plan: StepPlan) -> None:
         """Bring the per-request state up to date (finished first: an id may come back new)."""
+        tokens, tables = self.tokens, self.tables
         for req_id in plan.finished:
-            self.requests.pop(req_id, None)
+            self._forget(req_id)
         for new in plan.new:
-            self.requests[new.req_id] = _Request(list(new.token_ids), list(new.block_table))
+            tokens[new.req_id] = list(new.token_ids)
+            tables.add(new.req_id, new.block_table, new.page_tags)
         for diff in plan.diffs:
-            state = self.requests[diff.req_id]
-            state.token_ids.extend(diff.new_token_ids)
-            del state.block_table[diff.num_blocks_kept :]
-            state.block_table.extend(diff.new_block_ids)
+            tokens[diff.req_id] += diff.new_token_ids
+            tables.update(diff.req_id, diff.num_blocks_kept, diff.new_block_ids,
+                          diff.new_page_tags)  # fmt: skip
+
+    def _forget(self, req_id: str) -> None:
+        self.tokens.pop(req_id, None)
+        self.tables.remove(req_id)
 
     def run(self, plan: StepPlan) -> StepResult:
         self.apply(plan)
-        hidden, sample_rows, req_ids, counts = self._forward(plan.chunks)
+        return self.execute(plan.chunks)
+
+    def execute(self, chunks: tuple[ChunkPlan, ...]) -> StepResult:
+        """Run chunks of requests already brought up to date by `apply`."""
+        hidden, sample_rows, req_ids, counts = self._forward(chunks)
         if len(sample_rows) != hidden.shape[0]:  # else every row samples, in order
             hidden = hidden[int_tensor(sample_rows)]
         logits = self.model.logits(hidden)
@@ -82,7 +88,7 @@ class ModelRunner:
             return torch.cat(self.score_rows(plan))
         finally:
             for chunk in plan.chunks:
-                self.requests.pop(chunk.req_id, None)
+                self._forget(chunk.req_id)
 
     def _forward(self, chunks: tuple[ChunkPlan, ...]):
         """Hidden states of every row, the rows to sample, their request ids and row counts:
@@ -91,11 +97,10 @@ class ModelRunner:
             return self._forward_decode(chunks)
         ordered = [c for c in chunks if c.is_decode] + [c for c in chunks if not c.is_decode]
         num_decode = sum(c.is_decode for c in chunks)
-        states = [self.requests[c.req_id] for c in ordered]
-        ids = [t for c, s in zip(ordered, states, strict=True) for t in _chunk_tokens(c, s)]
+        ids = [t for c in ordered for t in _chunk_tokens(c, self.tokens[c.req_id])]
         starts = [c.start for c in ordered]
         widths = [c.width for c in ordered]
-        tables = [tuple(s.block_table) for s in states]
+        tables = [self.tables.table(c.req_id) for c in ordered]
         sample_rows, req_ids, counts, row = [], [], [], 0
         self.rows_of = {}
         for chunk in ordered:
@@ -113,25 +118,39 @@ class ModelRunner:
 
     def _forward_decode(self, chunks: tuple[ChunkPlan, ...]):
         """`_forward` of a step of decode rows only (most steps), in fewer passes over them."""
-        states = [self.requests[c.req_id] for c in chunks]
-        starts = [c.start for c in chunks]
-        ids = [s.token_ids[start] for s, start in zip(states, starts, strict=True)]
-        tables = [tuple(s.block_table) for s in states]
+        tokens = self.tokens
         req_ids = [c.req_id for c in chunks]
+        starts = [c.start for c in chunks]
+        ids = [tokens[r][start] for r, start in zip(req_ids, starts, strict=True)]
         rows = len(chunks)
         self.rows_of = {req_id: (i, i + 1) for i, req_id in enumerate(req_ids)}
+        bucket = self.compiled.bucket(rows) if self.compiled is not None else None
+        tables = self._decode_tables(req_ids, starts, bucket)
         sampling = [i for i, c in enumerate(chunks) if c.sample]
         if len(sampling) < rows:  # a finalizing request computes its last KV without sampling
             req_ids = [req_ids[i] for i in sampling]
-        bucket = self.compiled.bucket(rows) if self.compiled is not None else None
         if bucket is not None:  # padding rows up to the bucket, their KV into the scratch page
             extra = bucket - rows
             ids += [0] * extra
             starts += [0] * extra
-            tables += [(self.kv.scratch_page,)] * extra
         total = bucket or rows
         hidden = self._run_model(ids, starts, [1] * total, tables, total, bucket)
         return hidden, sampling, req_ids, [1] * len(sampling)
+
+    def _decode_tables(self, req_ids: list[str], starts: list[int], bucket: int | None):
+        """The decode rows' block tables as one null-padded [rows, W] array, gathered from the
+        persistent tables; W covers each row's pages and the compiled step's width; padding
+        rows of a bucket hold the scratch page."""
+        size = self.page_size
+        width = -(-(max(starts) + 1) // size)
+        if bucket is not None:
+            width = max(width, self.compiled.max_pages)
+        tables = self.tables.gather(self.tables.rows(req_ids), width)
+        if bucket is not None and bucket > len(req_ids):
+            pad = np.full((bucket - len(req_ids), width), self.kv.null_page, dtype=np.int32)
+            pad[:, 0] = self.kv.scratch_page
+            tables = np.concatenate([tables, pad])
+        return tables
 
     def _run_model(self, ids, starts, widths, tables, num_decode, bucket):
         """The model over these rows; through the compiled graph of `bucket` if not None."""
@@ -142,7 +161,9 @@ class ModelRunner:
                 p for s, w in zip(starts, widths, strict=True) for p in range(s, s + w)
             )
         width = self.compiled.max_pages if bucket is not None else 0
-        layout = BatchLayout(num_decode, tuple(tables), tuple(starts), tuple(widths),
+        if not isinstance(tables, np.ndarray):
+            tables = tuple(tables)
+        layout = BatchLayout(num_decode, tables, tuple(starts), tuple(widths),
                              self.page_size, self.kv.null_page, width)  # fmt: skip
         meta = self.attention.build_metadata(layout)
         args = (int_tensor(ids), positions, meta, self.kv.layers, self.attention, self.capture)
@@ -180,5 +201,5 @@ def _verify_rows_as_decode_rows(ordered, starts, tables):
     return [r[0] for r in rows], [1] * len(rows), [r[1] for r in rows]
 
 
-def _chunk_tokens(chunk: ChunkPlan, state: _Request) -> list[int]:
-    return state.token_ids[chunk.start : chunk.start + chunk.num_tokens] + list(chunk.draft)
+def _chunk_tokens(chunk: ChunkPlan, tokens: list[int]) -> list[int]:
+    return tokens[chunk.start : chunk.start + chunk.num_tokens] + list(chunk.draft)

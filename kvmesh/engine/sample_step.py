@@ -15,7 +15,7 @@ import torch
 
 from kvmesh.engine.constraints import Constraints, apply_bias, apply_masks
 from kvmesh.engine.runner import StepResult
-from kvmesh.engine.sampler import Sampler, TokenLogprob, greedy_tokens
+from kvmesh.engine.sampler import Sampler, TokenLogprob, greedy_token_ids, greedy_tokens
 from kvmesh.engine.sequence import Sequence
 from kvmesh.engine.spec.stats import SpecStats
 from kvmesh.engine.spec.verify import verify_greedy, verify_sampled
@@ -28,6 +28,11 @@ def sample_step(
 ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob | None]]]:  # fmt: skip
     """Tokens (and logprobs) each sampling sequence emits this step (`seqs`: the sequences of
     `result.req_ids`), after the logits processors (grammar masks, logit bias)."""
+    if result.logits.shape[0] == len(seqs) and all(s.params.argmax_only for s in seqs):
+        # most steps: one row per sequence, each its argmax (no processor, draft or logprob)
+        chosen = greedy_token_ids(result.logits)
+        ids = [s.seq_id for s in seqs]
+        return {i: [t] for i, t in zip(ids, chosen, strict=True)}, {i: [None] for i in ids}
     starts = [0, *itertools.accumulate(result.rows)][:-1]  # first row of each sequence
     checked = (
         process_logits(result, seqs, starts, drafts, constraints) if constraints is not None else []

@@ -124,7 +124,7 @@ class Scheduler:
         if not preempted:  # as vLLM v1: no admissions in a step that had to preempt
             budget = self._schedule_waiting(budget, chunks)
         step = self.differ.plan(
-            ((c.seq.seq_id, c.seq.token_ids, c.seq.block_table) for c in chunks),
+            ((c.seq.seq_id, c.seq.token_ids, c.seq.block_table, c.seq.page_tags) for c in chunks),
             tuple(c.plan for c in chunks),
         )
         used = self.config.max_num_batched_tokens - budget
@@ -209,8 +209,13 @@ class Scheduler:
                     self.running.remove(seq)
                     self._retire(seq, seq.finalizing)  # reported finished a step ago
                 continue
-            reason, emitted = self._append(seq, chunk, sampled[seq.seq_id])
-            sampled[seq.seq_id][emitted:] = []  # what the caller reports: up to the stop
+            tokens = sampled[seq.seq_id]
+            if len(tokens) == 1:  # most rows: one token appended
+                seq.token_ids.append(tokens[0])
+                reason, emitted = self._stop_reason(seq, tokens[0]), 1
+            else:
+                reason, emitted = self._append(seq, tokens)
+                tokens[emitted:] = []  # what the caller reports: up to the stop
             seq.num_computed_tokens += chunk.num_tokens - 1 + emitted
             self.block_manager.cache_full_pages(seq, seq.num_computed_tokens)
             if chunk.draft:
@@ -223,9 +228,7 @@ class Scheduler:
                 self._retire(seq, reason)
         return finished
 
-    def _append(
-        self, seq: Sequence, chunk: ScheduledChunk, tokens: list[int]
-    ) -> tuple[FinishReason | None, int]:
+    def _append(self, seq: Sequence, tokens: list[int]) -> tuple[FinishReason | None, int]:
         """Append tokens until one stops the sequence: (reason, tokens appended)."""
         for count, token_id in enumerate(tokens, start=1):
             seq.append_token(token_id)
@@ -251,9 +254,10 @@ class Scheduler:
             token_id in self.eos_token_ids and not params.ignore_eos
         ):
             return FinishReason.STOP
+        num_tokens = len(seq.token_ids)
         if (
-            seq.num_output_tokens >= params.max_tokens
-            or seq.num_tokens >= self.config.max_model_len
+            num_tokens - len(seq.prompt_token_ids) >= params.max_tokens
+            or num_tokens >= self.config.max_model_len
         ):
             return FinishReason.LENGTH
         return None

@@ -19,6 +19,7 @@ class NewRequest:
     req_id: str
     token_ids: tuple[int, ...]
     block_table: tuple[int, ...]
+    page_tags: tuple[int, ...]  # the integrity tag expected of each page (integrity.py)
 
 
 @dataclass(slots=True)  # built per sequence per step: not frozen (~1 us more each); never mutated
@@ -27,6 +28,7 @@ class RequestDiff:
     new_token_ids: tuple[int, ...]  # appended since the last step that sent this request
     num_blocks_kept: int  # the block table keeps this many pages (speculation trims)...
     new_block_ids: tuple[int, ...]  # ...then these follow
+    new_page_tags: tuple[int, ...]  # with the tags expected of them
 
 
 @dataclass(slots=True)  # built per sequence per step: not frozen (~1 us more each); never mutated
@@ -59,44 +61,61 @@ class StepPlan:
 
     @classmethod
     def one_shot(cls, req_id: str, token_ids: Iterable[int], block_table: Iterable[int],
-                 chunk: ChunkPlan) -> StepPlan:  # fmt: skip
+                 page_tags: Iterable[int], chunk: ChunkPlan) -> StepPlan:  # fmt: skip
         """A request sent and run once (the runner's `score` forgets it afterwards)."""
-        new = NewRequest(req_id, tuple(token_ids), tuple(block_table))
+        new = NewRequest(req_id, tuple(token_ids), tuple(block_table), tuple(page_tags))
         return cls((new,), (), (chunk,), ())
 
 
 class StepDiffer:
     """Remembers what the runner was told about each request and turns the current state of
-    the scheduled requests into a `StepPlan` of diffs."""
+    the scheduled requests into a `StepPlan` of diffs.
+
+    A request's pages change only at the end of its table (allocations append, trims cut the
+    end; a preempted request comes back new) and a page allocated again gets a new tag, so a
+    table whose length and last (page, tag) are those sent is the table sent: most decode
+    steps, checked without touching the rest of the table."""
 
     def __init__(self) -> None:
         self._tokens: dict[str, int] = {}  # req_id -> tokens sent
-        self._blocks: dict[str, list[int]] = {}  # req_id -> block table sent
+        self._pages: dict[str, tuple[list[int], list[int]]] = {}  # req_id -> (pages, tags) sent
         self._finished: list[str] = []
 
     def forget(self, req_id: str) -> None:
         """The request leaves the runner (finished, aborted or preempted)."""
         if self._tokens.pop(req_id, None) is not None:
-            del self._blocks[req_id]
+            del self._pages[req_id]
             self._finished.append(req_id)
 
-    def plan(self, requests: Iterable[tuple[str, list[int], list[int]]],
+    def plan(self, requests: Iterable[tuple[str, list[int], list[int], list[int]]],
              chunks: tuple[ChunkPlan, ...]) -> StepPlan:  # fmt: skip
-        """requests: (req_id, token ids, block table) of every request a chunk names."""
+        """requests: (req_id, token ids, block table, page tags) of every request a chunk
+        names."""
         new, diffs = [], []
-        for req_id, tokens, table in requests:
-            if req_id not in self._tokens:
-                new.append(NewRequest(req_id, tuple(tokens), tuple(table)))
+        sent_tokens, sent_pages = self._tokens, self._pages
+        for req_id, tokens, table, tags in requests:
+            sent = sent_pages.get(req_id)
+            if sent is None:
+                new.append(NewRequest(req_id, tuple(tokens), tuple(table), tuple(tags)))
+                sent_pages[req_id] = (table[:], tags[:])
             else:
-                diffs.append(self._diff(req_id, tokens, table))
-            self._tokens[req_id] = len(tokens)
-            self._blocks[req_id] = list(table)
+                n = len(table)
+                fresh = tuple(tokens[sent_tokens[req_id] :])
+                if n == len(sent[0]) and (not n or (table[-1] == sent[0][-1]
+                                                    and tags[-1] == sent[1][-1])):  # fmt: skip
+                    diffs.append(RequestDiff(req_id, fresh, n, (), ()))
+                else:
+                    diffs.append(self._diff(req_id, fresh, table, tags, sent))
+            sent_tokens[req_id] = len(tokens)
         finished, self._finished = tuple(self._finished), []
         return StepPlan(tuple(new), tuple(diffs), chunks, finished)
 
-    def _diff(self, req_id: str, tokens: list[int], table: list[int]) -> RequestDiff:
-        sent = self._blocks[req_id]
-        kept = min(len(sent), len(table))
-        if table[:kept] != sent[:kept]:
-            kept = next(i for i, (a, b) in enumerate(zip(sent, table, strict=False)) if a != b)
-        return RequestDiff(req_id, tuple(tokens[self._tokens[req_id] :]), kept, tuple(table[kept:]))
+    def _diff(self, req_id: str, fresh: tuple[int, ...], table: list[int], tags: list[int],
+              sent: tuple[list[int], list[int]]) -> RequestDiff:  # fmt: skip
+        """A page whose id stays but whose tag changed (freed by a trim, allocated again at
+        the same place) counts as changed: the runner must expect its new tag."""
+        pages, page_tags = sent
+        kept = next((i for i, pair in enumerate(zip(pages, table, page_tags, tags, strict=False))
+                     if pair[0] != pair[1] or pair[2] != pair[3]), min(len(pages), len(table)))  # fmt: skip
+        self._pages[req_id] = (table[:], tags[:])
+        return RequestDiff(req_id, fresh, kept, tuple(table[kept:]), tuple(tags[kept:]))

@@ -40,7 +40,7 @@ class RunnerDriver:
         new = []
         for i, prompt in enumerate(prompts):
             self.tokens[f"r{i}"] = list(prompt)
-            new.append(NewRequest(f"r{i}", tuple(prompt), self._table(i)))
+            new.append(NewRequest(f"r{i}", tuple(prompt), self._table(i), (0,) * PAGES_PER_REQUEST))
         out = [[] for _ in prompts]
         start, first = 0, True
         while any(start < len(p) for p in prompts):
@@ -62,7 +62,7 @@ class RunnerDriver:
         diffs, chunks = [], []
         for req_id, token in next_tokens.items():
             self.tokens[req_id].append(token)
-            diffs.append(RequestDiff(req_id, (token,), PAGES_PER_REQUEST, ()))
+            diffs.append(RequestDiff(req_id, (token,), PAGES_PER_REQUEST, (), ()))
             chunks.append(ChunkPlan(req_id, len(self.tokens[req_id]) - 1, 1, True))
         result = self.runner.run(StepPlan((), tuple(diffs), tuple(chunks), ()))
         return dict(zip(result.req_ids, result.logits, strict=True))

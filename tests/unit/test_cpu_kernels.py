@@ -314,3 +314,16 @@ def test_argmax_kernel_is_torch_argmax(dtype, width):
     assert out[nan_rows].eq(-1).all()
     assert torch.equal(out[~nan_rows], logits[~nan_rows].argmax(-1))
     assert nan_rows.tolist() == [False] * 8 + [True, True, True, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_token_ids_are_torch_argmax_nan_rows_too(dtype):
+    """The sampler's list-returning argmax: the kernel's answer, or torch's where a row holds
+    a NaN (the kernel's -1 is never returned)."""
+    from kvmesh.engine.sampler import greedy_token_ids, greedy_tokens
+
+    logits = (torch.randn(6, 1000, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    assert greedy_token_ids(logits) == logits.argmax(-1).tolist() == greedy_tokens(logits).tolist()
+    logits[4, 17] = float("nan")
+    assert greedy_token_ids(logits) == logits.argmax(-1).tolist() == greedy_tokens(logits).tolist()
+    assert greedy_token_ids(logits)[4] == 17 and greedy_token_ids(logits[:0]) == []

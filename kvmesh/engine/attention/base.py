@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 
@@ -33,7 +34,9 @@ class BatchLayout:
     the request's block table, the tokens already cached before the chunk, the chunk's rows."""
 
     num_decode: int
-    block_tables: tuple[tuple[int, ...], ...]
+    # a tuple of page ids per row, or for a step of decode rows only, one [rows, W] int32
+    # array null-padded past each row's pages (the runner's persistent tables, block_tables.py)
+    block_tables: tuple[tuple[int, ...], ...] | np.ndarray
     starts: tuple[int, ...]
     widths: tuple[int, ...]
     page_size: int

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 
 from kvmesh.engine.attention.base import BatchLayout, PrefillSpan, Slots
@@ -34,6 +35,8 @@ class PagedMetadata:
 
 
 def build_paged_metadata(layout: BatchLayout) -> PagedMetadata:
+    if isinstance(layout.block_tables, np.ndarray):
+        return _decode_only_metadata(layout)
     decode = layout.num_decode
     tables = layout.block_tables[:decode]
     lengths = [start + 1 for start in layout.starts[:decode]]
@@ -52,6 +55,17 @@ def build_paged_metadata(layout: BatchLayout) -> PagedMetadata:
         int_tensor(lengths, torch.int32),
         spans,
     )
+
+
+def _decode_only_metadata(layout: BatchLayout) -> PagedMetadata:
+    """A step of decode rows whose tables come as one null-padded array: the new tokens'
+    slots by a gather from it, no Python per row."""
+    tables, size = layout.block_tables, layout.page_size
+    last = np.array(layout.starts, dtype=np.int64)  # each row's new token: its position
+    page = tables[np.arange(len(last)), last // size].astype(np.int64)
+    slots = Slots(torch.from_numpy(page), torch.from_numpy(last % size))
+    lengths = torch.from_numpy((last + 1).astype(np.int32))
+    return PagedMetadata(slots, layout.num_decode, torch.from_numpy(tables), lengths, ())
 
 
 def _padded_tables(tables, counts: list[int], width: int, null_page: int) -> torch.Tensor:
