@@ -17,6 +17,9 @@ import numpy as np
 
 
 class BlockTables:
+    """Rows of page ids (`pages`) and expected tags (`tags`), one per request; the arrays are
+    replaced when they grow, so read them through the methods, not kept references."""
+
     def __init__(self, null_page: int, rows: int = 64, width: int = 32) -> None:
         self.null_page = null_page
         self.pages = np.full((rows, width), null_page, dtype=np.int32)
@@ -43,6 +46,8 @@ class BlockTables:
         """The request's table keeps its first `kept` pages, then `pages` follow."""
         row = self._row[req_id]
         count, end = self.counts[row], kept + len(pages)
+        if kept > count:
+            raise ValueError(f"{req_id}: keeps {kept} of its {count} pages")
         if end == count == kept:  # most decode steps: nothing changed
             return
         if end > self.pages.shape[1]:

@@ -2,8 +2,9 @@
 
 The block manager decides tags (pure Python); this module mirrors them into the pool's int32
 tag array (`PagedKVCache.tags`) and compares, in one batched gather-and-compare before each
-forward pass, the tag every scheduled sequence expects of each page in its block table with the
-tag the page carries. Pages filled by another worker are stamped PENDING when reserved: only the
+forward pass, the tag every scheduled request expects of each page in its block table (the
+runner's copy, `BlockTables`, which the step's plain data keeps up to date) with the tag the
+page carries. Pages filled by another worker are stamped PENDING when reserved: only the
 writer's transfer of the tags (after the page bytes) makes them readable, so a dropped or
 partial transfer is caught too.
 """

@@ -1,5 +1,6 @@
 """Turns a plain-data step (step.py) into tensors, runs the model and returns the logits of the
-rows to sample. The runner keeps its own copy of each request's tokens and pages, updated from
+rows to sample. The runner keeps its own copy of each request's tokens, pages and expected page
+tags (the pages and tags in numpy rows that persist across steps: block_tables.py), updated from
 the step's new requests and diffs; it never sees the scheduler's `Sequence` objects."""
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ class ModelRunner:
         hidden = self._run_model(ids, starts, [1] * total, tables, total, bucket)
         return hidden, sampling, req_ids, [1] * len(sampling)
 
-    def _decode_tables(self, req_ids: list[str], starts: list[int], bucket: int | None):
+    def _decode_tables(self, req_ids: list[str], starts: list[int],
+                       bucket: int | None) -> np.ndarray:  # fmt: skip
         """The decode rows' block tables as one null-padded [rows, W] array, gathered from the
         persistent tables; W covers each row's pages and the compiled step's width; padding
         rows of a bucket hold the scratch page."""

@@ -29,7 +29,8 @@ def sample_step(
     """Tokens (and logprobs) each sampling sequence emits this step (`seqs`: the sequences of
     `result.req_ids`), after the logits processors (grammar masks, logit bias)."""
     if result.logits.shape[0] == len(seqs) and all(s.params.argmax_only for s in seqs):
-        # most steps: one row per sequence, each its argmax (no processor, draft or logprob)
+        # most steps: one row per sequence, each its argmax (no processor, draft or logprob):
+        # Sampler's hot path, without its per-row bookkeeping
         chosen = greedy_token_ids(result.logits)
         ids = [s.seq_id for s in seqs]
         return {i: [t] for i, t in zip(ids, chosen, strict=True)}, {i: [None] for i in ids}

@@ -211,7 +211,7 @@ class Scheduler:
                 continue
             tokens = sampled[seq.seq_id]
             if len(tokens) == 1:  # most rows: one token appended
-                seq.token_ids.append(tokens[0])
+                seq.append_token(tokens[0])
                 reason, emitted = self._stop_reason(seq, tokens[0]), 1
             else:
                 reason, emitted = self._append(seq, tokens)

@@ -1,11 +1,12 @@
 """The step boundary as plain data (pure Python): what the scheduler tells the model runner.
 
-A request is sent once (`NewRequest`: its tokens and pages so far), then each step only what
-changed (`RequestDiff`: tokens appended since, pages kept and added); `finished` names requests
-whose state the runner drops (finished, aborted or preempted: a preempted request comes back
-as new). `chunks` say which tokens of which requests run this step. The runner keeps its own
-per-request copy of tokens and pages, so this is everything a runner -- or a tensor-parallel
-rank that receives it by broadcast -- needs; no live `Sequence` crosses the boundary.
+A request is sent once (`NewRequest`: its tokens and pages so far, with the integrity tag it
+expects of each page), then each step only what changed (`RequestDiff`: tokens appended since,
+pages kept and added, with their tags); `finished` names requests whose state the runner drops
+(finished, aborted or preempted: a preempted request comes back as new). `chunks` say which
+tokens of which requests run this step. The runner keeps its own per-request copy of tokens,
+pages and tags, so this is everything a runner -- or a tensor-parallel rank that receives it by
+broadcast -- needs; no live `Sequence` crosses the boundary.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class NewRequest:
 class RequestDiff:
     req_id: str
     new_token_ids: tuple[int, ...]  # appended since the last step that sent this request
-    num_blocks_kept: int  # the block table keeps this many pages (speculation trims)...
+    num_blocks_kept: int  # the table keeps this many pages (a trim, or a page re-allocated)...
     new_block_ids: tuple[int, ...]  # ...then these follow
     new_page_tags: tuple[int, ...]  # with the tags expected of them
 
@@ -99,11 +100,9 @@ class StepDiffer:
                 new.append(NewRequest(req_id, tuple(tokens), tuple(table), tuple(tags)))
                 sent_pages[req_id] = (table[:], tags[:])
             else:
-                n = len(table)
                 fresh = tuple(tokens[sent_tokens[req_id] :])
-                if n == len(sent[0]) and (not n or (table[-1] == sent[0][-1]
-                                                    and tags[-1] == sent[1][-1])):  # fmt: skip
-                    diffs.append(RequestDiff(req_id, fresh, n, (), ()))
+                if _unchanged(table, tags, sent):
+                    diffs.append(RequestDiff(req_id, fresh, len(table), (), ()))
                 else:
                     diffs.append(self._diff(req_id, fresh, table, tags, sent))
             sent_tokens[req_id] = len(tokens)
@@ -114,8 +113,16 @@ class StepDiffer:
               sent: tuple[list[int], list[int]]) -> RequestDiff:  # fmt: skip
         """A page whose id stays but whose tag changed (freed by a trim, allocated again at
         the same place) counts as changed: the runner must expect its new tag."""
-        pages, page_tags = sent
-        kept = next((i for i, pair in enumerate(zip(pages, table, page_tags, tags, strict=False))
-                     if pair[0] != pair[1] or pair[2] != pair[3]), min(len(pages), len(table)))  # fmt: skip
+        was, now = zip(*sent, strict=True), zip(table, tags, strict=True)
+        same = (i for i, (a, b) in enumerate(zip(was, now, strict=False)) if a != b)
+        kept = next(same, min(len(sent[0]), len(table)))
         self._pages[req_id] = (table[:], tags[:])
         return RequestDiff(req_id, fresh, kept, tuple(table[kept:]), tuple(tags[kept:]))
+
+
+def _unchanged(table: list[int], tags: list[int], sent: tuple[list[int], list[int]]) -> bool:
+    """The table sent, judged by its length and last (page, tag): see StepDiffer."""
+    pages, page_tags = sent
+    if len(table) != len(pages):
+        return False
+    return not table or (table[-1] == pages[-1] and tags[-1] == page_tags[-1])

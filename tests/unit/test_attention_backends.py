@@ -82,3 +82,41 @@ def test_mla_absorbed_decode_equals_expanded_attention_and_ignores_padding(name)
     expected = torch.einsum("hl,lhv->hv", probs, kv[..., nope:])
     torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_decode_tables_as_one_array_give_the_metadata_and_output_of_tuples(name):
+    """The runner passes a decode-only step's tables as one null-padded array (its persistent
+    rows); each backend must read it as it reads tuples, and the paged one refuses a row whose
+    new token would land in the null page."""
+    import numpy as np
+
+    from kvmesh.engine.block_tables import BlockTables
+
+    cache = PagedKVCache(KVCacheSpec.gqa(1, 2, 8, PAGE, "fp32"), 8)
+    backend = get_backend(name, "gqa")
+    gen = torch.Generator().manual_seed(1)
+    cache.layers[0].layer.data[1:5] = torch.randn(4, 2, PAGE, 2, 8, generator=gen)
+    rows = BlockTables(cache.null_page, rows=1, width=1)  # both grow here
+    for req_id, table in (("a", (1, 2)), ("b", (4,)), ("c", (3, 2, 1))):
+        rows.add(req_id, table, (7,) * len(table))
+    lengths = [6, 3, 9]
+    array = rows.gather(rows.rows(["a", "b", "c"]), 3)
+    assert array.tolist() == [[1, 2, cache.null_page], [4, cache.null_page, cache.null_page],
+                              [3, 2, 1]]  # fmt: skip
+    as_array = BatchLayout(3, array, tuple(x - 1 for x in lengths), (1,) * 3, PAGE, cache.null_page)
+    as_tuples = _layout(lengths, [(1, 2), (4,), (3, 2, 1)], cache.null_page)
+    q = torch.randn(3, 4, 8, generator=gen)
+    k, v = (torch.randn(3, 2, 8, generator=gen) for _ in range(2))
+    meta = [backend.build_metadata(x) for x in (as_array, as_tuples)]
+    assert torch.equal(meta[0].slot_mapping.page, meta[1].slot_mapping.page)
+    assert torch.equal(meta[0].slot_mapping.offset, meta[1].slot_mapping.offset)
+    before = cache.layers[0].layer.data.clone()
+    out = [backend.forward(q, k, v, cache.layers[0], m, 0.3) for m in meta]
+    assert torch.equal(out[0], out[1])
+    assert not torch.equal(before, cache.layers[0].layer.data)  # the new KV was written
+    if name == "cpu":
+        short = BatchLayout(1, array[1:2], (PAGE,), (1,), PAGE, cache.null_page)  # past page 4
+        with pytest.raises(ValueError, match="past its block table"):
+            backend.build_metadata(short)
+    assert np.array_equal(rows.gather([rows.row("b")], 2), [[4, cache.null_page]])

@@ -63,6 +63,8 @@ def _decode_only_metadata(layout: BatchLayout) -> PagedMetadata:
     tables, size = layout.block_tables, layout.page_size
     last = np.array(layout.starts, dtype=np.int64)  # each row's new token: its position
     page = tables[np.arange(len(last)), last // size].astype(np.int64)
+    if (page == layout.null_page).any():  # the null page must stay all zeros
+        raise ValueError("a decode row's new token lies past its block table")
     slots = Slots(torch.from_numpy(page), torch.from_numpy(last % size))
     lengths = torch.from_numpy((last + 1).astype(np.int32))
     return PagedMetadata(slots, layout.num_decode, torch.from_numpy(tables), lengths, ())

@@ -6,9 +6,11 @@ Every page is in exactly one state: used (ref_count > 0), cached (ref 0, has a h
 
 Integrity tags: every page carries a 32-bit tag, bumped each time the page is handed to a new
 owner (not when a cached page is revived: its KV is still the same). A sequence records the tag
-of each page it holds (`Sequence.page_tags`); the engine mirrors each allocation into the pool's
-tag array (`take_stamps`) and, before every step, compares the two: a page that was handed to
-someone else while still in use no longer carries the tag its reader expects.
+of each page it holds (`Sequence.page_tags`, sent to the runner with the step); the engine
+mirrors each allocation into the pool's tag array (`take_stamps`) and, before every step,
+compares the two: a page that was handed to someone else while still in use no longer carries
+the tag its reader expects. A table changes only at its end (allocations append with a fresh
+tag, trims pop; prefix hits go into an empty table), which `StepDiffer` relies on.
 """
 
 from __future__ import annotations
