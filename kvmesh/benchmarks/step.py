@@ -3,8 +3,9 @@
 One engine (same options as `kvmesh generate`), C requests prefilled, then `--steps` decode
 steps timed one by one. Each step is split into the model's compute (`forward` + `logits`, which
 includes the per-layer Python of the eager model) and the host work around it: scheduling,
-integrity checks, building the attention plan (timed on its own too), sampling, updating the
-sequences, building outputs. The issue's bar is host work below 1 ms per step at 64 streams.
+integrity checks, building the attention plan (timed on its own too), sampling (its greedy
+argmax kernel timed on its own too), updating the sequences, building outputs; `python_ms` is
+the host work less that argmax. The issue's bar is host work below 1 ms per step at 64 streams.
 """
 
 from __future__ import annotations
@@ -45,12 +46,15 @@ class _Clock:
         self.spent["step"] = time.perf_counter() - started
 
 
-PARTS = ("step", "model", "plan", "schedule", "update", "integrity", "sample")
+PARTS = ("step", "model", "plan", "schedule", "update", "integrity", "sample", "argmax")
 
 
 def measure(engine, concurrency: int, steps: int, prompt_tokens: int) -> dict:
     from kvmesh.engine import engine as engine_module
+    from kvmesh.engine import sample_step as sample_module
+    from kvmesh.engine import sampler as sampler_module
     from kvmesh.engine.sample_step import sample_step
+    from kvmesh.engine.sampler import greedy_token_ids
     from kvmesh.engine.sampling_params import SamplingParams
 
     clock = _Clock()
@@ -64,6 +68,8 @@ def measure(engine, concurrency: int, steps: int, prompt_tokens: int) -> dict:
     clock.wrap(engine.scheduler, "update", "update")
     clock.wrap(engine, "_check_integrity", "integrity")
     clock.wrap(engine_module, "sample_step", "sample")
+    for module in (sample_module, sampler_module):  # the greedy argmax kernel, inside "sample"
+        clock.wrap(module, "greedy_token_ids", "argmax")
     # no request may finish before the level is timed (the first ones prefilled decode while the
     # others prefill, at most one token per prefill step): every timed step decodes all
     # `concurrency` rows; what is left is aborted
@@ -86,10 +92,17 @@ def measure(engine, concurrency: int, steps: int, prompt_tokens: int) -> dict:
         if owner is not None:
             vars(owner).pop(name, None)
     engine_module.sample_step = sample_step
+    sample_module.greedy_token_ids = sampler_module.greedy_token_ids = greedy_token_ids
     ms = {n: float(np.median([r[i] for r in rows])) * 1e3 for i, n in enumerate(PARTS)}
+    # per step, then the median: the model's time swings by more than the host work itself
+    host = [r[0] - r[1] for r in rows]
+    argmax = [r[PARTS.index("argmax")] for r in rows]
     return {
         "streams": concurrency,
-        "host_ms": round(ms["step"] - ms["model"], 3),
+        "host_ms": round(float(np.median(host)) * 1e3, 3),
+        # the host work less the argmax kernel's memory pass over the logits: Python and the
+        # small library calls it drives (issue 14's "per-step Python")
+        "python_ms": round(float(np.median(np.subtract(host, argmax))) * 1e3, 3),
         **{f"{n}_ms": round(v, 3) for n, v in ms.items()},
         "tok_s": round(concurrency / ms["step"] * 1e3, 1),
     }
