@@ -51,7 +51,6 @@ PARTS = ("step", "model", "plan", "schedule", "update", "integrity", "sample", "
 
 def measure(engine, concurrency: int, steps: int, prompt_tokens: int) -> dict:
     from kvmesh.engine import engine as engine_module
-    from kvmesh.engine import sample_step as sample_module
     from kvmesh.engine import sampler as sampler_module
     from kvmesh.engine.sample_step import sample_step
     from kvmesh.engine.sampler import greedy_token_ids
@@ -68,8 +67,7 @@ def measure(engine, concurrency: int, steps: int, prompt_tokens: int) -> dict:
     clock.wrap(engine.scheduler, "update", "update")
     clock.wrap(engine, "_check_integrity", "integrity")
     clock.wrap(engine_module, "sample_step", "sample")
-    for module in (sample_module, sampler_module):  # the greedy argmax kernel, inside "sample"
-        clock.wrap(module, "greedy_token_ids", "argmax")
+    clock.wrap(sampler_module, "greedy_token_ids", "argmax")  # the Sampler's, inside "sample"
     # no request may finish before the level is timed (the first ones prefilled decode while the
     # others prefill, at most one token per prefill step): every timed step decodes all
     # `concurrency` rows; what is left is aborted
@@ -92,7 +90,7 @@ def measure(engine, concurrency: int, steps: int, prompt_tokens: int) -> dict:
         if owner is not None:
             vars(owner).pop(name, None)
     engine_module.sample_step = sample_step
-    sample_module.greedy_token_ids = sampler_module.greedy_token_ids = greedy_token_ids
+    sampler_module.greedy_token_ids = greedy_token_ids
     ms = {n: float(np.median([r[i] for r in rows])) * 1e3 for i, n in enumerate(PARTS)}
     # per step, then the median: the model's time swings by more than the host work itself
     host = [r[0] - r[1] for r in rows]

@@ -28,12 +28,6 @@ class BlockTables:
         self._row: dict[str, int] = {}
         self._free = list(range(rows - 1, -1, -1))  # popped from the end: row 0 first
 
-    def __contains__(self, req_id: str) -> bool:
-        return req_id in self._row
-
-    def row(self, req_id: str) -> int:
-        return self._row[req_id]
-
     def add(self, req_id: str, pages: Sequence[int], tags: Sequence[int]) -> None:
         """A new request (an id already known is replaced)."""
         self.remove(req_id)

@@ -28,12 +28,12 @@ def sample_step(
 ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob | None]]]:  # fmt: skip
     """Tokens (and logprobs) each sampling sequence emits this step (`seqs`: the sequences of
     `result.req_ids`), after the logits processors (grammar masks, logit bias)."""
-    if result.logits.shape[0] == len(seqs) and all(s.params.argmax_only for s in seqs):
-        # most steps: one row per sequence, each its argmax (no processor, draft or logprob):
-        # Sampler's hot path, without its per-row bookkeeping
-        chosen = greedy_token_ids(result.logits)
+    if result.logits.shape[0] == len(seqs) and not any(s.params.has_processors for s in seqs):
+        # most steps: one row per sequence (no draft) and nothing to apply before the sampler
+        sampled = sampler(result.logits, seqs)
         ids = [s.seq_id for s in seqs]
-        return {i: [t] for i, t in zip(ids, chosen, strict=True)}, {i: [None] for i in ids}
+        tokens = {i: [t] for i, t in zip(ids, sampled.token_ids, strict=True)}
+        return tokens, {i: [lp] for i, lp in zip(ids, sampled.logprobs, strict=True)}
     starts = [0, *itertools.accumulate(result.rows)][:-1]  # first row of each sequence
     checked = (
         process_logits(result, seqs, starts, drafts, constraints) if constraints is not None else []
@@ -67,7 +67,7 @@ def sample_step(
         seq_id = seqs[i].seq_id
         rows = result.logits[starts[i] : starts[i] + result.rows[i]]
         # a plain row's argmax is the sampler's token already; a verifying chunk's, one pass
-        choices = tokens[seq_id] if len(rows) == 1 else greedy_tokens(rows).tolist()
+        choices = tokens[seq_id] if len(rows) == 1 else greedy_token_ids(rows)
         tokens[seq_id] = _grammar_checked(
             constraints, seq_id, rows, drafts.get(seq_id, ()), choices
         )

@@ -34,7 +34,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: abc.Sequence[Sequence]) -> SamplerOutput:
         """Pick one token per row of `logits` [B, V]; row i belongs to seqs[i]."""
-        if all(s.params.argmax_only for s in seqs):  # hot path (sample_step has it too)
+        if all(s.params.argmax_only for s in seqs):  # hot path: one pass over the logits
             return SamplerOutput(greedy_token_ids(logits), [None] * len(seqs))
         if all(s.params.greedy and not s.params.needs_penalties for s in seqs):
             token_ids = greedy_token_ids(logits)

@@ -119,4 +119,4 @@ def test_decode_tables_as_one_array_give_the_metadata_and_output_of_tuples(name)
         short = BatchLayout(1, array[1:2], (PAGE,), (1,), PAGE, cache.null_page)  # past page 4
         with pytest.raises(ValueError, match="past its block table"):
             backend.build_metadata(short)
-    assert np.array_equal(rows.gather([rows.row("b")], 2), [[4, cache.null_page]])
+    assert np.array_equal(rows.gather(rows.rows(["b"]), 2), [[4, cache.null_page]])

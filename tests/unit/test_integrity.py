@@ -45,7 +45,9 @@ def test_a_page_given_back_at_the_same_place_is_expected_with_its_new_tag():
     tags.stamp([(4, 10), (5, 12)])
     assert tags.mismatched(tables, ["r"]) == []
     tables.update("r", 1, (), ())
-    assert tables.table("r") == (4,) and tables.gather([tables.row("r")], 3).tolist() == [[4, 7, 7]]
+    assert tables.table("r") == (4,) and tables.gather(tables.rows(["r"]), 3).tolist() == [
+        [4, 7, 7]
+    ]
 
 
 def test_as_int32_keeps_the_bit_pattern():
