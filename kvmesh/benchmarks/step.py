@@ -153,8 +153,21 @@ def _linear_kernels(engine):
     return switch
 
 
+def _weight_left(engine):
+    """fp32: linears of 2-64 rows as weight @ x^T (layers/linear.py) vs torch's x @ W^T."""
+    from kvmesh.engine.layers import linear
+
+    served = linear.WEIGHT_LEFT_ROWS
+
+    def switch(on: bool | None) -> None:
+        linear.WEIGHT_LEFT_ROWS = (2, 1) if on is False else served
+
+    return switch
+
+
 # name -> (engine -> switch): switch(True / False) turns it on / off, switch(None) restores
-TOGGLES = {"amx": _amx, "fused": _fused, "linear-kernels": _linear_kernels}
+TOGGLES = {"amx": _amx, "fused": _fused, "linear-kernels": _linear_kernels,
+           "weight-left": _weight_left}  # fmt: skip
 
 
 def compare(engine, toggle: str, concurrency: int, rounds: int, block: int,
@@ -232,5 +245,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="time blocks of steps with amx (the AMX linear kernel), fused (the fused decode "
         "step) or linear-kernels (bf16 linears of 9-64 rows through the kernels instead of "
-        "torch) on vs off instead",
+        "torch) or weight-left (fp32 linears of 2-64 rows as weight @ x^T) on vs off instead",
     )

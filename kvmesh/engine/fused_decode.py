@@ -26,20 +26,23 @@ import torch
 from kvmesh.engine.attention.paged import PagedAttention, PagedMetadata
 from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.layers.gqa import GqaAttention
-from kvmesh.engine.layers.linear import TORCH, BiasedInt4Linear, DenseLinear, dense_kernel
+from kvmesh.engine.layers.linear import BiasedInt4Linear, DenseLinear, dense_kernel
 from kvmesh.engine.layers.mlp import GatedMLP
 from kvmesh.engine.quant.int4 import SMALL_BATCH, Int4Linear
 
 log = structlog.get_logger(__name__)
 _KEYS = itertools.count()
-INT4_SMALL, INT4_TORCH = 3, 4  # after dense_kernel's GEMV, AMX, TORCH (csrc/decoder.cpp Kernel)
+INT4_SMALL, INT4_TORCH = (
+    3,
+    4,
+)  # beside dense_kernel's GEMV, AMX, TORCH, WEIGHT_LEFT (decoder.cpp Kernel)
 
 
 def kernel_of(linear, rows: int) -> int:
     """The kernel `linear` runs at `rows` rows of its compute dtype on CPU."""
     if isinstance(linear, DenseLinear):
         w = linear.weight
-        return dense_kernel(rows, w) if w.dtype is torch.bfloat16 else TORCH
+        return dense_kernel(rows, w)
     return INT4_SMALL if _int4(linear).runs_small_batch(rows) else INT4_TORCH
 
 

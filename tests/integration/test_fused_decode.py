@@ -60,6 +60,18 @@ def _checking(llm: LLM, capture: tuple[int, ...]) -> list[tuple[int, bool]]:
                                     {"dtype": "fp32"}, {"weights": "int4"}],
                          ids=["bf16", "bf16-fp8kv", "fp32", "int4"])  # fmt: skip
 def test_fused_steps_are_the_eager_bits_and_tokens(llama, engine):
+    _fused_is_eager(llama, engine)
+
+
+def test_fp32_linears_as_weight_left_products_are_the_eager_bits(llama, monkeypatch):
+    from kvmesh.engine.layers import linear
+
+    monkeypatch.setattr(linear, "WEIGHT_LEFT_MIN", 0)  # the tiny model's linears take it too
+    assert linear.dense_kernel(5, torch.zeros(4, 4)) == linear.WEIGHT_LEFT
+    _fused_is_eager(llama, {"dtype": "fp32"})
+
+
+def _fused_is_eager(llama: str, engine: dict) -> None:
     options = dict(num_pages=64, max_num_seqs=5, **engine)
     eager = LLM(llama, decode_step="eager", **options)
     assert eager.engine.runner.fused is None

@@ -48,30 +48,49 @@ AMX_ROWS = 64  # ... then AMX tiles up to this many rows
 TILED_ROWS = {"avx512": 32, "avx2": 1 << 62}
 
 
-GEMV, AMX, TORCH = 0, 1, 2  # dense_kernel's answers (kernels/csrc/decoder.cpp reads them too)
+# fp32: torch's GEMM with the weight as left operand, (weight @ x^T)^T, for this many rows and
+# weights at least this large (see dense_kernel)
+WEIGHT_LEFT_ROWS = (2, 64)
+WEIGHT_LEFT_MIN = 1 << 22
+
+# dense_kernel's answers (kernels/csrc/decoder.cpp reads them too; 3 and 4 are fused_decode's)
+GEMV, AMX, TORCH, WEIGHT_LEFT = 0, 1, 2, 5
 
 
 def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x @ weight^T (+ bias), through the kernel `dense_kernel` picks for bf16 rows on CPU."""
-    if (x.dtype is torch.bfloat16 and x.dim() == 2 and weight.dtype is torch.bfloat16
-            and x.device.type == "cpu"):  # fmt: skip
+    """x @ weight^T (+ bias), through the kernel `dense_kernel` picks for rows on CPU."""
+    if x.dim() == 2 and x.dtype is weight.dtype and x.device.type == "cpu":
         kernel = dense_kernel(x.shape[0], weight)
         if kernel == GEMV:
             return cpu_ops().linear_bf16(x, weight, bias)
         if kernel == AMX:
             return cpu_ops().linear_bf16_amx(x, weight, bias)
+        if kernel == WEIGHT_LEFT:
+            out = torch.mm(weight, x.t()).t().contiguous()
+            return out if bias is None else out + bias  # the order decoder.cpp runs too
     return F.linear(x, weight, bias)
 
 
 def dense_kernel(rows: int, weight: torch.Tensor) -> int:
-    """Which kernel multiplies `rows` bf16 rows by a bf16 CPU `weight`. Small batches go through
+    """Which kernel multiplies `rows` rows by a CPU `weight` of their dtype.
+
+    fp32: torch's GEMM, but for 2-64 rows and a weight of >= 4 Mi elements as weight @ x^T.
+    MKL's x @ W^T at a few rows re-reads the weight: on the AVX-512 EPYC the 49,152 x 576 LM
+    head took 24-36 ms at 2, 3, 6, 7 rows and 18-19 ms at 4 and 8, against 4-9 ms as
+    weight @ x^T (which is never slower from 2 to 64 rows on weights of 2048^2 to 11008 x 4096
+    there; docs/benchmarks.md). One row stays x @ W^T (a GEMV either way).
+
+    bf16: small batches go through
     a kernel that reads the weight once at memory speed, each row's sum in a fixed order
     whatever the batch: where the CPU has AMX, the GEMV (kernels/csrc/gemv.cpp) up to GEMV_ROWS
     and AMX tiles (amx_linear.cpp) up to AMX_ROWS; on other AVX-512 CPUs the GEMV, in register
     tiles above 8 rows, up to TILED_ROWS (above, torch's GEMM is as fast); on AVX2 CPUs, which
     have no bf16 arithmetic, the GEMV at every batch (torch's bf16 GEMM is ~4x slower there).
     Otherwise torch's GEMM (docs/benchmarks.md)."""
-    if cpu_ops() is None:
+    if weight.dtype is torch.float32:
+        low, high = WEIGHT_LEFT_ROWS
+        return WEIGHT_LEFT if low <= rows <= high and weight.numel() >= WEIGHT_LEFT_MIN else TORCH
+    if weight.dtype is not torch.bfloat16 or cpu_ops() is None:
         return TORCH
     if has_amx() and weight.shape[1] % 32 == 0 and weight.shape[0] % 16 == 0:
         if rows <= GEMV_ROWS:

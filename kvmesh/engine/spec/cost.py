@@ -70,9 +70,9 @@ class CostCurve:
         samples.append(seconds)
         self._ratio[key] = statistics.median(samples) / self.prior(key)
 
-    def covers(self, rows: int) -> bool:
-        """Whether `rows` lies within the measured buckets (an estimate there interpolates)."""
-        return bool(self._centres) and self._centres[0] <= bucket(rows) <= self._centres[-1]
+    def measured(self, rows: int) -> bool:
+        """Whether the bucket of `rows` has samples of its own."""
+        return bucket(rows) in self._samples
 
     def estimate(self, rows: float) -> float | None:
         """Predicted seconds for `rows` (None before any measurement)."""

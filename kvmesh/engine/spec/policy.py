@@ -194,11 +194,14 @@ class AdaptivePolicy:
         return DraftPlan(limits, shadows, speedup)
 
     def _plain_due(self, batch: int) -> bool:
-        """A plain step to measure the baseline: at a batch outside those measured (it would be
-        extrapolated), or `plain_every` steps at this batch after its latest plain step."""
+        """A plain step to measure the baseline: at a batch bucket not measured yet, or
+        `plain_every` steps at this bucket after its latest plain step. Not interpolated:
+        a step's seconds need not be monotone in its rows (fp32 linears at 3 and 7 rows were
+        slower than at 4 and 8 on the AVX-512 EPYC), and the veto (GainCheck) compares drafting
+        steps with this baseline."""
         key = bucket(batch)
         since = self._since_plain.get(key)
-        if since is None and not self.costs.plain_curve.covers(batch):
+        if since is None and not self.costs.plain_curve.measured(batch):
             return True
         self._since_plain[key] = (since or 0) + 1
         return since is not None and since >= self.config.plain_every

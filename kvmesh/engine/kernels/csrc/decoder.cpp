@@ -19,7 +19,7 @@ namespace {
 constexpr int kPerLayer = 2 + 4 * 3;
 enum Role { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
 // fused_decode.py's kernels: layers/linear.py dense_kernel()'s, then quant/int4.py's two
-enum Kernel { kGemv = 0, kAmx = 1, kTorch = 2, kInt4Small = 3, kInt4Torch = 4 };
+enum Kernel { kGemv = 0, kAmx = 1, kTorch = 2, kInt4Small = 3, kInt4Torch = 4, kWeightLeft = 5 };
 
 struct Decoder {
   torch::Tensor embed;
@@ -76,6 +76,10 @@ torch::Tensor linear(const Decoder& d, size_t layer, Role role, const torch::Ten
     case kGemv: return kvmesh::ops::linear_bf16(x, w[0], bias_of(w[1]));
     case kAmx: return kvmesh::ops::linear_bf16_amx(x, w[0], bias_of(w[1]));
     case kTorch: return at::linear(x, w[0], bias_of(w[1]));
+    case kWeightLeft: {
+      auto y = at::mm(w[0], x.t()).t().contiguous();
+      return w[1].numel() ? y + w[1] : y;
+    }
     default: {
       auto y = kernel == kInt4Small ? kvmesh::ops::int4_linear(x, w[0], group, w[2], block)
                                     : at::_weight_int4pack_mm_for_cpu(x, w[0], group, w[2]);
