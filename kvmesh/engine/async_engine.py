@@ -1,9 +1,10 @@
 """The engine in a worker process: one thread runs `Engine.step`; asyncio callers stream outputs.
 
-Every engine call happens under one lock (taken off the event loop with `asyncio.to_thread`),
-so the step loop and RPC handlers never touch the scheduler or the page pool at the same time.
-The engine itself is private: callers get its immutable parts (the KV pool's layout and
-addresses, limits) as properties and everything else through methods that take the lock.
+Every engine call runs on that thread, between steps and under one lock (`call`), so the step
+loop and RPC handlers never touch the scheduler or the page pool at the same time, and no
+other thread of the worker runs torch (engine_thread.py: why that matters on CPU, and how the
+engine is built). The engine itself is private: callers get its immutable parts (the KV pool's
+layout and addresses, limits) as properties and everything else through `call`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 import structlog
 
 from kvmesh.engine.engine import Engine, Reservation, TokenOutput
+from kvmesh.engine.engine_thread import Call
 from kvmesh.engine.kv.events import KvEvent, PagesStored
 from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.page_io import PageIO
@@ -47,6 +50,9 @@ class AsyncEngine:
         self.page_io = PageIO(engine)  # its methods run under the lock: pass them to `call`
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._calls: deque[Call] = deque()  # run on the engine thread between steps
+        self._calls_lock = threading.Lock()  # guards _calls against the thread's end
+        self._closed = True  # no step loop to run calls: they run on a pool thread
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
@@ -55,6 +61,7 @@ class AsyncEngine:
         engine.kv_event_sink = self._fan_out
 
     def start(self) -> None:
+        self._closed = False
         self._thread.start()
 
     def stop(self) -> None:
@@ -64,15 +71,38 @@ class AsyncEngine:
 
     # -- the step loop (engine thread) ------------------------------------------------------
     def _run(self) -> None:
-        while not self._stopped:
-            with self._lock:
-                busy = self._engine.has_unfinished()
-                outputs = self._step() if busy else []
+        try:
+            while not self._stopped:
+                self._run_calls()
+                with self._lock:
+                    busy = self._engine.has_unfinished()
+                    outputs = self._step() if busy else []
+                    self._load = self._measure_load()
+                if not busy and not self._calls:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                self._deliver_step(outputs)
+        finally:
+            with self._calls_lock:
+                self._closed = True
+            self._run_calls()  # what was asked before the loop ended still runs
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            call = self._calls.popleft()
+            answer = self._locked(call.fn, call.args)
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: no one waits
+                call.loop.call_soon_threadsafe(call.settle, *answer)
+
+    def _locked(self, fn: Callable[..., Any], args: tuple) -> tuple[Any, BaseException | None]:
+        """fn(*args) under the lock: (result, None) or (None, the exception it raised)."""
+        with self._lock:
+            try:
+                return fn(*args), None
+            except BaseException as exc:  # handed to the caller's coroutine
+                return None, exc
+            finally:
                 self._load = self._measure_load()
-            if not busy:
-                self._wake.wait(0.05)
-                self._wake.clear()
-            self._deliver_step(outputs)
 
     def _deliver_step(self, outputs: list[TokenOutput]) -> None:
         """A step's outputs, one wake-up per event loop (not one per request: each
@@ -105,17 +135,22 @@ class AsyncEngine:
 
     # -- calls from asyncio -----------------------------------------------------------------
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run an engine method under the lock, off the event loop."""
-
-        def locked() -> Any:
-            with self._lock:
-                try:
-                    return fn(*args)
-                finally:
-                    self._load = self._measure_load()
-
-        result = await asyncio.to_thread(locked)
+        """Run an engine method on the engine thread, before its next step, under the lock
+        (on a pool thread when no step loop runs: before `start`, after `stop`)."""
+        loop = asyncio.get_running_loop()
+        call = Call(fn, args, loop, loop.create_future())
+        with self._calls_lock:
+            closed = self._closed
+            if not closed:
+                self._calls.append(call)
+        if closed:
+            result, error = await asyncio.to_thread(self._locked, fn, args)
+        else:
+            self._wake.set()
+            result, error = await call.future
         self._wake.set()
+        if error is not None:
+            raise error
         return result
 
     async def generate(

@@ -13,6 +13,7 @@ import structlog
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine
+from kvmesh.engine.engine_thread import build_engine
 from kvmesh.engine.faults import KINDS as FAULT_KINDS
 from kvmesh.mesh import metrics
 from kvmesh.mesh.discovery import Registry, WorkerInfo
@@ -77,23 +78,26 @@ ServicerFactory = Callable[[WorkerParts], list[Callable]]
 async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) -> None:
     worker_id = options.worker_id or f"{options.role}-{uuid.uuid4().hex[:8]}"
     structlog.contextvars.bind_contextvars(service=options.role, worker_id=worker_id)
-    engine = Engine(
-        EngineConfig(
-            model=options.model,
-            dtype=options.dtype,
-            weights=options.weights,
-            int4_group_size=options.int4_group_size,
-            int4_embeddings=options.int4_embeddings,
-            kv_cache_bytes=options.kv_cache_bytes,
-            kv_dtype=options.kv_dtype,
-            kv_integrity=options.kv_integrity,
-            speculative=options.speculative,
-            num_speculative_tokens=options.num_speculative_tokens,
-            speculative_policy=options.speculative_policy,
-            decode_step=options.decode_step,
-            draft_model=options.draft_model or None,
-            draft_address=await _draft_address(options),
-            max_num_seqs=options.max_num_seqs,
+    draft_address = await _draft_address(options)
+    engine = build_engine(
+        lambda: Engine(  # on a thread of its own: see AsyncEngine
+            EngineConfig(
+                model=options.model,
+                dtype=options.dtype,
+                weights=options.weights,
+                int4_group_size=options.int4_group_size,
+                int4_embeddings=options.int4_embeddings,
+                kv_cache_bytes=options.kv_cache_bytes,
+                kv_dtype=options.kv_dtype,
+                kv_integrity=options.kv_integrity,
+                speculative=options.speculative,
+                num_speculative_tokens=options.num_speculative_tokens,
+                speculative_policy=options.speculative_policy,
+                decode_step=options.decode_step,
+                draft_model=options.draft_model or None,
+                draft_address=draft_address,
+                max_num_seqs=options.max_num_seqs,
+            )
         )
     )
     engine.on_integrity_failure = lambda _: metrics.KV_INTEGRITY_FAILURES.labels(options.role).inc()

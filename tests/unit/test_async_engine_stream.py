@@ -4,6 +4,7 @@ comes out as one output (fewer gRPC messages), errors and the finish never merge
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -61,38 +62,101 @@ def test_nothing_follows_a_finished_output(first_finished):
     assert [o.new_token_ids for o in got] == ([[1]] if first_finished else [[1, 2]])
 
 
+class _StubEngine:
+    """What the step loop asks of an engine: one request pending until `busy` is cleared; each
+    step waits for `go` (a step as long as the test wants) and notes the thread it ran on."""
+
+    def __init__(self) -> None:
+        self.busy, self.go = threading.Event(), threading.Event()
+        self.go.set()
+        self.threads: dict[str, set[str]] = {"step": set(), "call": set()}  # thread names
+        self.aborted: list[str] = []
+        self.kv_event_sink = None
+
+    def has_unfinished(self) -> bool:
+        return self.busy.is_set()
+
+    def step(self) -> list[TokenOutput]:
+        self.threads["step"].add(threading.current_thread().name)
+        self.go.wait(5)
+        return []
+
+    def abort(self, request_id: str) -> bool:
+        self.threads["call"].add(threading.current_thread().name)
+        self.aborted.append(request_id)
+        return True
+
+
+class _Engine(AsyncEngine):
+    def _measure_load(self):  # the stub has no scheduler or pool
+        return None
+
+
+def test_calls_run_on_the_engine_thread_between_steps_and_on_a_pool_thread_once_it_stops():
+    """Every engine call runs on the step loop's thread (one thread of the worker runs torch:
+    see AsyncEngine), its exception raised in the caller; after `stop`, on a pool thread."""
+    stub = _StubEngine()
+    engine = _Engine(stub)
+
+    async def run() -> None:
+        engine.start()
+        stub.busy.set()
+        assert await engine.call(stub.abort, "a") is True
+        with pytest.raises(ZeroDivisionError):
+            await engine.call(lambda: 1 / 0)
+        stub.busy.clear()
+        assert await engine.call(stub.abort, "b") is True  # the loop idle: woken to run it
+        assert stub.threads == {"step": {"engine-step"}, "call": {"engine-step"}}
+        engine.stop()
+        assert not engine._thread.is_alive()
+        assert await engine.call(stub.abort, "c") is True
+        others = stub.threads["call"] - {"engine-step"}
+        assert len(others) == 1 and threading.current_thread().name not in others
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+    assert stub.aborted == ["a", "b", "c"]
+
+
 def test_an_abort_cancelled_while_a_long_step_holds_the_lock_still_ends_the_stream():
     """The prefill worker's Abort RPC can pass its deadline while a long prefill step holds the
     engine lock; the abort then runs when the step ends, and the request's stream must end too
     (it waited forever, and with it the decode worker's Prefill call: a request hung)."""
-    import threading
-
-    aborted: list[str] = []
-
-    class Stub:
-        def abort(self, request_id: str) -> bool:
-            aborted.append(request_id)
-            return True
-
-    engine = AsyncEngine.__new__(AsyncEngine)  # no engine thread: the test holds the lock
-    engine._engine, engine._lock, engine._wake = Stub(), threading.Lock(), threading.Event()
-    engine._queues, engine._measure_load = {}, lambda: None
+    stub = _StubEngine()
+    engine = _Engine(stub)
+    aborted = stub.aborted
 
     async def run() -> list[TokenOutput]:
         queue = engine._open("r")
-        engine._lock.acquire()  # a long step
+        stub.go.clear()
+        stub.busy.set()
+        engine.start()
+        while not stub.threads["step"]:  # a long step
+            await asyncio.sleep(0.01)
         task = asyncio.create_task(engine.abort("r"))
         await asyncio.sleep(0.2)
         task.cancel()  # the RPC's deadline
         with pytest.raises(asyncio.CancelledError):
             await task
-        engine._lock.release()  # the step ends; the abort runs
+        stub.busy.clear()
+        stub.go.set()  # the step ends; the abort runs
 
         async def drained() -> list[TokenOutput]:
             return [out async for out in engine._drain("r", queue)]
 
-        return await asyncio.wait_for(drained(), 5)  # before the fix: TimeoutError
+        try:
+            return await asyncio.wait_for(drained(), 5)  # before the fix: TimeoutError
+        finally:
+            engine.stop()
 
     got = asyncio.run(run())
     assert aborted == ["r"]
     assert [(o.finished, o.finish_reason) for o in got] == [(True, FinishReason.ABORT)]
+
+
+def test_build_engine_runs_on_a_thread_that_is_gone_when_it_returns_and_raises_its_error():
+    from kvmesh.engine.engine_thread import build_engine
+
+    assert build_engine(lambda: threading.current_thread().name) == "engine-build"
+    assert all(t.name != "engine-build" for t in threading.enumerate())
+    with pytest.raises(ValueError, match="no model"):
+        build_engine(lambda: (_ for _ in ()).throw(ValueError("no model")))

@@ -1,0 +1,55 @@
+"""What keeps a worker's torch work on one thread: the engine is built on a thread that exits
+(`build_engine`), then every call runs on the step loop's thread (`Call`, see AsyncEngine).
+
+Why (measured, docs/benchmarks.md): each thread that enters an OpenMP parallel region keeps a
+team of threads alive for as long as it lives. Once a process holds more such threads than
+CPUs, libgomp throttles its barrier spinning and its threads sleep at every barrier: SmolLM2's
+decode step at 16 rows took 33-38 ms from a second thread against 27 ms from the thread that
+built the engine, and 26.4 ms from any thread once the builder had exited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.engine.engine import Engine
+
+
+@dataclass
+class Call:
+    """An engine call waiting for the engine thread, and where its answer goes."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+    def settle(self, result: Any, error: BaseException | None) -> None:
+        """On the caller's loop: (result, error) to a caller still waiting."""
+        if not self.future.done():
+            self.future.set_result((result, error))
+
+
+def build_engine(build: Callable[[], Engine]) -> Engine:
+    """`build()` on a thread that exits when it returns (see the module doc: its OpenMP team
+    goes with it), the caller blocked until then; its exception re-raised here."""
+    box: dict[str, Any] = {}
+    context = contextvars.copy_context()  # the caller's log bindings (service, worker id)
+
+    def run() -> None:
+        try:
+            box["engine"] = context.run(build)
+        except BaseException as exc:  # re-raised in the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="engine-build")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["engine"]
