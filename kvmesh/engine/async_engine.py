@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -62,7 +63,11 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._closed = False
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self._closed = True
+            raise
 
     def stop(self) -> None:
         self._stopped = True
@@ -85,12 +90,18 @@ class AsyncEngine:
         finally:
             with self._calls_lock:
                 self._closed = True
-            self._run_calls()  # what was asked before the loop ended still runs
+            while self._calls:  # what was asked before the loop ended still runs
+                self._run_calls()
 
     def _run_calls(self) -> None:
-        while self._calls:
+        """The calls queued when it starts, each in its caller's context (log bindings); later
+        ones wait for the next turn, so a stream of calls cannot starve the steps."""
+        for _ in range(len(self._calls)):
             call = self._calls.popleft()
-            answer = self._locked(call.fn, call.args)
+            try:
+                answer = call.context.run(self._locked, call.fn, call.args)
+            except BaseException as exc:  # the load snapshot failed: the caller hears of it
+                answer = (None, exc)
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed: no one waits
                 call.loop.call_soon_threadsafe(call.settle, *answer)
 
@@ -138,7 +149,7 @@ class AsyncEngine:
         """Run an engine method on the engine thread, before its next step, under the lock
         (on a pool thread when no step loop runs: before `start`, after `stop`)."""
         loop = asyncio.get_running_loop()
-        call = Call(fn, args, loop, loop.create_future())
+        call = Call(fn, args, loop, loop.create_future(), contextvars.copy_context())
         with self._calls_lock:
             closed = self._closed
             if not closed:
@@ -208,23 +219,21 @@ class AsyncEngine:
     ) -> AsyncIterator[TokenOutput]:
         """Join the batch after a prefill worker filled the reserved pages; stream outputs."""
         queue = self._open(request_id)
-        try:
-            first = await self.call(
-                self._engine.commit_prefilled,
-                request_id,
-                first_token,
-                logprob,
-                cached_tokens,
-                draft_window,
+
+        def commit_and_deliver() -> None:
+            # the first output goes out from the engine thread, like every later one: the loop
+            # then gets it before the next step's (a put after the call returned could land
+            # behind them when the loop lags)
+            first = self._engine.commit_prefilled(
+                request_id, first_token, logprob, cached_tokens, draft_window
             )
+            self._deliver(request_id, first)
+
+        try:
+            await self.call(commit_and_deliver)
         except BaseException:
             self._queues.pop(request_id, None)
             raise
-        if first.finished:
-            self._queues.pop(request_id, None)
-            yield first
-            return
-        queue.put_nowait(first)
         async with contextlib.aclosing(self._drain(request_id, queue)) as drain:
             async for out in drain:
                 yield out

@@ -15,9 +15,9 @@ import contextvars
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from kvmesh.engine.engine import Engine
+T = TypeVar("T")
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Call:
     args: tuple
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    context: contextvars.Context  # the caller's (log bindings travel with the call)
 
     def settle(self, result: Any, error: BaseException | None) -> None:
         """On the caller's loop: (result, error) to a caller still waiting."""
@@ -35,9 +36,10 @@ class Call:
             self.future.set_result((result, error))
 
 
-def build_engine(build: Callable[[], Engine]) -> Engine:
+def build_engine(build: Callable[[], T]) -> T:
     """`build()` on a thread that exits when it returns (see the module doc: its OpenMP team
-    goes with it), the caller blocked until then; its exception re-raised here."""
+    goes with it), the caller blocked until then; its exception re-raised here. The engine,
+    or whatever else a process builds with torch before serving from another thread."""
     box: dict[str, Any] = {}
     context = contextvars.copy_context()  # the caller's log bindings (service, worker id)
 
@@ -47,7 +49,7 @@ def build_engine(build: Callable[[], Engine]) -> Engine:
         except BaseException as exc:  # re-raised in the caller
             box["error"] = exc
 
-    thread = threading.Thread(target=run, name="engine-build")
+    thread = threading.Thread(target=run, name="engine-build", daemon=True)
     thread.start()
     thread.join()
     if "error" in box:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from kvmesh.engine.engine_thread import build_engine
 from kvmesh.mesh import metrics
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
@@ -45,7 +46,9 @@ def build_proposer(model: str, draft_model: str):
 async def serve_draft(options: DraftOptions) -> None:
     worker_id = f"draft-{uuid.uuid4().hex[:8]}"
     structlog.contextvars.bind_contextvars(service="draft", worker_id=worker_id)
-    proposer, model_name = build_proposer(options.model, options.draft_model)
+    proposer, model_name = build_engine(  # on a thread that exits: engine_thread.py
+        lambda: build_proposer(options.model, options.draft_model)
+    )
     metrics_port = options.metrics_port or free_port()
     metrics.serve_metrics(metrics_port, options.host)
     server, port, _ = await start_server([add_to(DraftServicer(proposer))], options.host,

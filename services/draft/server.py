@@ -1,13 +1,15 @@
 """Draft gRPC service: a thin adapter from protos to an `EagleProposer` (one per process).
 
-Calls run in a worker thread under one lock: the head is small and a Propose call covers a
-whole decode batch, so one call at a time keeps each request's state consistent.
+Calls run on one worker thread (one thread runs torch here: kvmesh/engine/engine_thread.py) under
+one lock: the head is small and a Propose call covers a whole decode batch, so one call at a
+time keeps each request's state consistent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
@@ -23,13 +25,15 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     def __init__(self, proposer: EagleProposer) -> None:
         self.proposer = proposer
         self._lock = threading.Lock()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
 
     async def Propose(
         self, request: draft_pb2.ProposeRequest, context
     ) -> draft_pb2.ProposeResponse:
         metrics.observe_message("draft", request.ByteSize())
         try:
-            outputs = await asyncio.to_thread(self._propose, request)
+            loop = asyncio.get_running_loop()
+            outputs = await loop.run_in_executor(self._thread, self._propose, request)
         except (ValueError, RuntimeError, IndexError) as exc:
             log.warning("draft.bad_request", error=str(exc))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid_request_error: {exc}")
@@ -61,7 +65,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             with self._lock:
                 self.proposer.release(request.request_ids, force=True)
 
-        await asyncio.to_thread(release)
+        await asyncio.get_running_loop().run_in_executor(self._thread, release)
         return draft_pb2.ReleaseDraftResponse(released=len(request.request_ids))
 
     async def GetInfo(self, request, context) -> draft_pb2.GetDraftInfoResponse:

@@ -68,10 +68,11 @@ def test_fp32_linears_as_weight_left_products_are_the_eager_bits(llama, monkeypa
 
     monkeypatch.setattr(linear, "WEIGHT_LEFT_MIN", 0)  # the tiny model's linears take it too
     assert linear.dense_kernel(5, torch.zeros(4, 4)) == linear.WEIGHT_LEFT
-    _fused_is_eager(llama, {"dtype": "fp32"})
+    llm = _fused_is_eager(llama, {"dtype": "fp32"})
+    assert llm.engine.runner.fused.kernels(5) == [linear.WEIGHT_LEFT] * 4  # what the op was told
 
 
-def _fused_is_eager(llama: str, engine: dict) -> None:
+def _fused_is_eager(llama: str, engine: dict) -> LLM:
     options = dict(num_pages=64, max_num_seqs=5, **engine)
     eager = LLM(llama, decode_step="eager", **options)
     assert eager.engine.runner.fused is None
@@ -86,6 +87,7 @@ def _fused_is_eager(llama: str, engine: dict) -> None:
     assert seen and all(same for _, same in seen), "fused steps must be eager's bits"
     assert {rows for rows, _ in seen} >= {5, 1}, "batched and lone decode steps ran fused"
     assert len(seen) >= GREEDY.max_tokens - 2
+    return llm
 
 
 @pytest.mark.skipif(has_amx(), reason="with AMX, 5+ rows take another linear kernel than 1 row")

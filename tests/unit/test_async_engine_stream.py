@@ -79,7 +79,16 @@ class _StubEngine:
     def step(self) -> list[TokenOutput]:
         self.threads["step"].add(threading.current_thread().name)
         self.go.wait(5)
-        return []
+        outputs, self.next_outputs = self.next_outputs, []
+        return outputs
+
+    next_outputs: list[TokenOutput] = []  # what the next step emits
+
+    def commit_prefilled(self, request_id: str, first_token: int, *_) -> TokenOutput:
+        """The prefill worker's first token; the step right after emits the second."""
+        self.next_outputs = [_out(2, finished=True)]
+        self.busy.set()
+        return _out(first_token)
 
     def abort(self, request_id: str) -> bool:
         self.threads["call"].add(threading.current_thread().name)
@@ -115,6 +124,33 @@ def test_calls_run_on_the_engine_thread_between_steps_and_on_a_pool_thread_once_
 
     asyncio.run(asyncio.wait_for(run(), 10))
     assert stub.aborted == ["a", "b", "c"]
+
+
+def test_a_committed_requests_first_token_comes_before_the_next_steps_even_if_the_loop_lags():
+    """commit_prefilled runs on the engine thread and the step right after emits token 2; with
+    the event loop busy meanwhile, both reach it in one turn: the first token must come out
+    first (it was put after the call returned, behind token 2: tokens swapped on the wire)."""
+    import time
+
+    stub = _StubEngine()
+    engine = _Engine(stub)
+
+    async def run() -> list[int]:
+        engine.start()
+        got: list[int] = []
+
+        async def consume() -> None:
+            async for out in engine.commit("r", 1, None, 0):
+                got.extend(out.new_token_ids)  # the lagging consumer gets them as one output
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0)  # the task runs up to its call's future: the commit is queued
+        time.sleep(0.3)  # the loop lags: the call and the next step both end meanwhile
+        await asyncio.wait_for(task, 5)
+        engine.stop()
+        return got
+
+    assert asyncio.run(run()) == [1, 2]
 
 
 def test_an_abort_cancelled_while_a_long_step_holds_the_lock_still_ends_the_stream():

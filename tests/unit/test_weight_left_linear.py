@@ -31,6 +31,8 @@ def test_weight_left_product_is_torchs_product_with_and_without_bias():
         for b in (None, bias):
             got = linear.dense_matmul(x[:rows], w, b)
             assert got.shape == (rows, BIG[0]) and got.is_contiguous()
+            taken = torch.mm(w, x[:rows].t()).t().contiguous()
+            assert torch.equal(got, taken if b is None else taken + b)  # the path it takes
             want = (x[:rows].double() @ w.double().T + (0 if b is None else b.double())).float()
             torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-5)
             torch.testing.assert_close(got, F.linear(x[:rows], w, b), atol=2e-4, rtol=1e-5)

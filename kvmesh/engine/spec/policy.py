@@ -199,10 +199,10 @@ class AdaptivePolicy:
         a step's seconds need not be monotone in its rows (fp32 linears at 3 and 7 rows were
         slower than at 4 and 8 on the AVX-512 EPYC), and the veto (GainCheck) compares drafting
         steps with this baseline."""
+        if not self.costs.plain_curve.measured(batch):
+            return True
         key = bucket(batch)
         since = self._since_plain.get(key)
-        if since is None and not self.costs.plain_curve.measured(batch):
-            return True
         self._since_plain[key] = (since or 0) + 1
         return since is not None and since >= self.config.plain_every
 
