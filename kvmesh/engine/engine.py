@@ -223,7 +223,14 @@ class Engine(HandOver):
         events = self.block_manager.take_events()
         if events and self.kv_event_sink is not None:
             self.kv_event_sink(events)
-        return [self._output(s, tokens, logprobs, finished) for s in seqs] + failed
+        outputs = []
+        for seq in seqs:  # no call per row here: host work per step is one of issue 14's bars
+            seq_id, done = seq.seq_id, seq.seq_id in finished
+            emitted = tokens[seq_id]
+            outputs.append(TokenOutput(seq_id, emitted, logprobs[seq_id][: len(emitted)], done,
+                                       seq.finish_reason if done else None,
+                                       len(seq.prompt_token_ids), seq.num_cached_tokens))  # fmt: skip
+        return outputs + failed
 
     def _cut_drafts(self) -> None:
         """Drafts of a constrained request end before the first token its grammar rejects."""
@@ -259,17 +266,3 @@ class Engine(HandOver):
                 failed.append(TokenOutput(seq.seq_id, [], [], True, FinishReason.ABORT,
                                           seq.num_prompt_tokens, seq.num_cached_tokens, error))  # fmt: skip
         return output.without({seqs[index].seq_id for index, _ in mismatched}), failed
-
-    @staticmethod
-    def _output(seq: Sequence, tokens, logprobs, finished) -> TokenOutput:
-        done = seq.seq_id in finished
-        emitted = tokens[seq.seq_id]
-        return TokenOutput(
-            request_id=seq.seq_id,
-            new_token_ids=emitted,
-            new_logprobs=logprobs[seq.seq_id][: len(emitted)],
-            finished=done,
-            finish_reason=seq.finish_reason if done else None,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-        )

@@ -113,9 +113,10 @@ class SamplingParams:
         return (self.greedy and not self.needs_penalties and self.logprobs is None
                 and not self.has_processors)  # fmt: skip
 
-    @property
+    @cached_property
     def has_processors(self) -> bool:
-        """A grammar or a logit bias changes the logits before sampling."""
+        """A grammar or a logit bias changes the logits before sampling (asked of every row
+        every step)."""
         return self.grammar is not None or bool(self.logit_bias)
 
 

@@ -124,8 +124,8 @@ class Scheduler:
         if not preempted:  # as vLLM v1: no admissions in a step that had to preempt
             budget = self._schedule_waiting(budget, chunks)
         step = self.differ.plan(
-            ((c.seq.seq_id, c.seq.token_ids, c.seq.block_table, c.seq.page_tags) for c in chunks),
-            tuple(c.plan for c in chunks),
+            [(c.seq.seq_id, c.seq.token_ids, c.seq.block_table, c.seq.page_tags) for c in chunks],
+            tuple([c.plan for c in chunks]),
         )
         used = self.config.max_num_batched_tokens - budget
         return SchedulerOutput(tuple(chunks), tuple(preempted), used, step)
@@ -133,10 +133,19 @@ class Scheduler:
     def _schedule_running(
         self, budget: int, chunks: list[ScheduledChunk], preempted: list[str]
     ) -> int:
+        page_size = self.block_manager.config.page_size
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            start = seq.num_computed_tokens
+            left = len(seq.token_ids) - start
+            if left == 1 and not seq.draft_token_ids and start < len(seq.block_table) * page_size:
+                # most rows of most steps: one token to decode, its page already held
+                chunks.append(ScheduledChunk(seq, start, 1, seq.finalizing is None))
+                budget -= 1
+                index += 1
+                continue
+            num_tokens = min(left, budget)
             if num_tokens <= 0:  # nothing left to compute (update() not applied yet)
                 index += 1
                 continue
@@ -198,9 +207,10 @@ class Scheduler:
         drafts only; pages past what the sequence now needs go back to the pool.
         """
         finished: list[Sequence] = []
+        page_size = self.block_manager.config.page_size
         for chunk in output.chunks:
             seq = chunk.seq
-            if seq.is_finished:
+            if seq.status is SeqStatus.FINISHED:
                 continue  # aborted or finished from outside since schedule()
             if not chunk.sample:
                 seq.num_computed_tokens += chunk.num_tokens
@@ -211,13 +221,17 @@ class Scheduler:
                 continue
             tokens = sampled[seq.seq_id]
             if len(tokens) == 1:  # most rows: one token appended
-                seq.append_token(tokens[0])
-                reason, emitted = self._stop_reason(seq, tokens[0]), 1
+                seq.token_ids.append(tokens[0])
+                reason = self._stop_reason(seq, tokens[0])
+                computed = seq.num_computed_tokens = seq.num_computed_tokens + chunk.num_tokens
+                # one more token computed fills a page only at a page boundary
+                if chunk.num_tokens != 1 or computed % page_size == 0:
+                    self.block_manager.cache_full_pages(seq, computed)
             else:
                 reason, emitted = self._append(seq, tokens)
                 tokens[emitted:] = []  # what the caller reports: up to the stop
-            seq.num_computed_tokens += chunk.num_tokens - 1 + emitted
-            self.block_manager.cache_full_pages(seq, seq.num_computed_tokens)
+                seq.num_computed_tokens += chunk.num_tokens - 1 + emitted
+                self.block_manager.cache_full_pages(seq, seq.num_computed_tokens)
             if chunk.draft:
                 self.block_manager.trim(seq, seq.num_tokens)
             if reason is not None:

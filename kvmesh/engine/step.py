@@ -101,8 +101,13 @@ class StepDiffer:
                 sent_pages[req_id] = (table[:], tags[:])
             else:
                 fresh = tuple(tokens[sent_tokens[req_id] :])
-                if _unchanged(table, tags, sent):
-                    diffs.append(RequestDiff(req_id, fresh, len(table), (), ()))
+                pages, page_tags = sent
+                count = len(table)
+                # the table sent, judged by its length and last (page, tag): see the class
+                if count == len(pages) and (
+                    not count or (table[-1] == pages[-1] and tags[-1] == page_tags[-1])
+                ):
+                    diffs.append(RequestDiff(req_id, fresh, count, (), ()))
                 else:
                     diffs.append(self._diff(req_id, fresh, table, tags, sent))
             sent_tokens[req_id] = len(tokens)
@@ -118,11 +123,3 @@ class StepDiffer:
         kept = next(same, min(len(sent[0]), len(table)))
         self._pages[req_id] = (table[:], tags[:])
         return RequestDiff(req_id, fresh, kept, tuple(table[kept:]), tuple(tags[kept:]))
-
-
-def _unchanged(table: list[int], tags: list[int], sent: tuple[list[int], list[int]]) -> bool:
-    """The table sent, judged by its length and last (page, tag): see StepDiffer."""
-    pages, page_tags = sent
-    if len(table) != len(pages):
-        return False
-    return not table or (table[-1] == pages[-1] and tags[-1] == page_tags[-1])
