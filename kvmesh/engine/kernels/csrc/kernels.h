@@ -34,9 +34,11 @@ struct DecodeRows {
 };
 
 // Query heads [h0, h1) of row b, all of KV head kv_head's group: online softmax over the
-// context in tiles of up to 16 tokens of one page, everything in fp32.
+// context in tiles of up to 16 tokens of one page, everything in fp32. While it runs, the
+// pages ahead are asked for: its own, then those of the item the caller runs next (next_b,
+// next_kv_head; next_b -1: none).
 void paged_decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_head, int h0,
-                       int h1);
+                       int h1, int next_b, int next_kv_head);
 
 // y[b, n] = bf16(sum_k x[b, k] w[n, k] + bias[n]) for rows n in [n0, n1); x, w, bias, y bf16;
 // any batch (above 8 in register tiles). The sum over k runs in a fixed order whatever the

@@ -72,7 +72,11 @@ torch::Tensor kvmesh::paged_decode(torch::Tensor q, torch::Tensor data, c10::opt
       const int64_t b = item / (kv_heads * slices), rest = item % (kv_heads * slices);
       const int64_t kvh = rest / slices, h0 = kvh * group + (rest % slices) * per;
       const int64_t h1 = std::min(h0 + per, (kvh + 1) * group);
-      if (h0 < h1) kvmesh::paged_decode_item(kv, rows, (int)b, (int)kvh, (int)h0, (int)h1);
+      // the next item this thread runs, whose first pages it asks for ahead (-1: none)
+      const int64_t next = item + 1 < end ? item + 1 : -1;
+      const int next_b = next < 0 ? -1 : (int)(next / (kv_heads * slices));
+      const int next_kvh = next < 0 ? 0 : (int)(next % (kv_heads * slices) / slices);
+      if (h0 < h1) kvmesh::paged_decode_item(kv, rows, (int)b, (int)kvh, (int)h0, (int)h1, next_b, next_kvh);
     }
   });
   return out;

@@ -20,9 +20,13 @@ inline int element_bytes(int storage) { return storage == kF32 ? 4 : storage == 
 
 // Ask for one head's block of a page ahead of use: pages of a context lie anywhere in the pool,
 // so the hardware prefetcher cannot guess the next one.
+inline const char* block_at(const PagedKV& kv, int64_t page, int head) {
+  return static_cast<const char*>(kv.data) + (page * kv.page_stride + head * kv.head_stride) * element_bytes(kv.storage);
+}
+
 void prefetch_block(const PagedKV& kv, int64_t page, int head) {
   const int size = element_bytes(kv.storage);
-  const char* p = static_cast<const char*>(kv.data) + (page * kv.page_stride + head * kv.head_stride) * size;
+  const char* p = block_at(kv, page, head);
   const int64_t bytes = kv.page_size * kv.slot_stride * size;
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
@@ -35,7 +39,18 @@ inline int chunks(int dim) { return (dim + 15) / 16; }
 struct TileRows {
   int64_t k[kTile], v[kTile];
   float k_scale[kTile], v_scale[kTile];
+  const char* ahead;  // this tile's first row in the page kPagesAhead on, or null
+  int64_t row_bytes;  // bytes from one token's rows to the next's
 };
+
+// The rows of tokens j and j + 1 of the page ahead, asked for while this tile's pair is
+// computed: a few lines per pair keep the misses in flight steady, where a whole page asked
+// for at once (64 lines) overflows the core's miss buffers and most of it is dropped.
+inline void prefetch_pair(const TileRows& t, int j) {
+  if (t.ahead == nullptr) return;
+  const char* p = t.ahead + j * t.row_bytes;
+  for (int64_t i = 0; i < 2 * t.row_bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
 
 // 2**e exactly: the float's exponent bits where e is a normal exponent (every scale FP8 pages
 // hold), std::ldexp elsewhere (a library call: 32 per tile cost ~10 % of an FP8 layer).
@@ -93,6 +108,7 @@ template <int S, int kHeads>
 inline void tile_scores_heads(const PagedKV& kv, const TileRows& t, const float* q, int nk, Vec* out) {
   Vec acc[kHeads][kTile];
   for (int j = 0; j < kTile; j += 2) {
+    prefetch_pair(t, j);
     Vec a[kHeads][2];
 #pragma GCC unroll 3
     for (int h = 0; h < kHeads; ++h) a[h][0] = a[h][1] = zero();
@@ -222,7 +238,8 @@ void store_out(const DecodeRows& rows, int b, int h, int dim, const float* acc, 
 }
 
 template <int S>
-void decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_head, int h0, int h1) {
+void decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_head, int h0, int h1,
+                 int next_b, int next_kv_head) {
   constexpr int kMaxHeads = 3;  // heads whose values one pass accumulates
   const int nk = chunks(kv.k_dim), nv = chunks(kv.v_dim), heads = h1 - h0;
   thread_local std::vector<float> buf;  // q, acc, then per head its m, l, alpha, probabilities
@@ -243,15 +260,22 @@ void decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_head, 
   const int length = rows.lengths[b];
   const int32_t* table = rows.block_tables + b * rows.table_row;
   const int pages = (length + kv.page_size - 1) / kv.page_size;
+  // past this item's last pages, the next item's first ones are asked for
+  const int32_t* next_table = next_b < 0 ? nullptr : rows.block_tables + next_b * rows.table_row;
+  const int next_pages = next_b < 0 ? 0 : (rows.lengths[next_b] + kv.page_size - 1) / kv.page_size;
   for (int p = 0; p < std::min(kPagesAhead, pages); ++p) prefetch_block(kv, table[p], kv_head);
   TileRows t;
+  t.row_bytes = kv.slot_stride * element_bytes(kv.storage);
   for (int pos = 0; pos < length;) {
     const int64_t page = table[pos / kv.page_size];
     const int offset = pos % kv.page_size;
     const int n = std::min({kTile, kv.page_size - offset, length - pos});
     const int ahead = pos / kv.page_size + kPagesAhead;
-    if (offset == 0 && ahead < pages) prefetch_block(kv, table[ahead], kv_head);
     tile_rows<S>(kv, page, kv_head, offset, n, t);
+    const char* block = ahead < pages              ? block_at(kv, table[ahead], kv_head)
+                        : ahead - pages < next_pages ? block_at(kv, next_table[ahead - pages], next_kv_head)
+                                                     : nullptr;
+    t.ahead = block == nullptr ? nullptr : block + offset * t.row_bytes;
     tile_scores_all<S>(kv, t, q, nk, heads, scores.data());
     for (int i = 0; i < heads; ++i) {
       const Vec s = mul(scores[i], set1(rows.scale));
@@ -280,11 +304,11 @@ void decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_head, 
 }  // namespace
 
 void paged_decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_head, int h0,
-                       int h1) {
+                       int h1, int next_b, int next_kv_head) {
   switch (kv.storage) {
-    case kF32: return decode_item<kF32>(kv, rows, b, kv_head, h0, h1);
-    case kBF16: return decode_item<kBF16>(kv, rows, b, kv_head, h0, h1);
-    default: return decode_item<kFP8>(kv, rows, b, kv_head, h0, h1);
+    case kF32: return decode_item<kF32>(kv, rows, b, kv_head, h0, h1, next_b, next_kv_head);
+    case kBF16: return decode_item<kBF16>(kv, rows, b, kv_head, h0, h1, next_b, next_kv_head);
+    default: return decode_item<kFP8>(kv, rows, b, kv_head, h0, h1, next_b, next_kv_head);
   }
 }
 
