@@ -98,6 +98,11 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"\nsingle stream / weight-bandwidth bound: {b['of_bound']} (memory-read "
                      f"ceiling {' then '.join(map(str, b['ceiling_gbs']))} GB/s, mean over "
                      f"{b['weight_bytes']} weight bytes = {b['bound_tok_s']} tok/s)")  # fmt: skip
+    if report.get("compute"):
+        c = report["compute"]
+        lines.append(f"\naggregate / compute bound ({c['bound_tok_s']} tok/s: bf16 GEMM "
+                     f"{c['gemm_gflops']} GFLOP/s, 2 FLOPs per weight element): "
+                     + ", ".join(f"{k} streams {v}" for k, v in c["of_bound"].items()))  # fmt: skip
     for r in report["levels"]:
         if r.get("cpu_ms_per_token"):
             split = ", ".join(f"{k} {v}" for k, v in r["cpu_ms_per_token"].items())
@@ -201,33 +206,14 @@ def _measure(args: argparse.Namespace, model: str, levels: list[int], compared: 
             engine, paired = measure_paired(target, args.dtype, compared, args.requests_per_level,
                                             args.max_tokens, args.weights)  # fmt: skip
         from kvmesh.benchmarks.kernels import ceiling
+        from kvmesh.benchmarks.serve_bounds import measure_bounds
 
         before = ceiling(5)  # the mesh idle, as after the suite: the bound from both
         suite = measure_suite(target, args, levels, "mesh", CpuMeter(mesh.pids()))
-        suite["bandwidth"] = bandwidth_bound(suite["single_stream"], model, args.dtype,
-                                             args.weights, before)  # fmt: skip
+        suite.update(measure_bounds(suite, model, args.dtype, args.weights, before))
         return suite, engine, paired
     finally:
         mesh.stop()
-
-
-def bandwidth_bound(single: dict[str, Any] | None, model: str, dtype: str, weights: str,
-                    before: float) -> dict[str, Any] | None:  # fmt: skip
-    """Single-stream decode through the mesh against the weight-bandwidth ceiling: a token reads
-    every weight once, so the bound is memory-read GB/s / weight bytes (the LM head's whole
-    table; bench kernels' ceiling, an fp32 GEMV over 256 MiB), the GB/s the mean of `before`
-    and a measure now, both with the mesh idle (this VM's swings +-20 % within an hour)."""
-    if not single:
-        return None
-    from kvmesh import LLM
-    from kvmesh.benchmarks.kernels import ceiling
-
-    after = ceiling(5)
-    llm = LLM(model=model, dtype=dtype, weights=weights, num_pages=4)
-    nbytes = llm.engine.runner.model.weight_bytes
-    bound = (before + after) / 2 * 1e9 / nbytes
-    return {"ceiling_gbs": [round(before, 2), round(after, 2)], "weight_bytes": nbytes,
-            "bound_tok_s": round(bound, 1), "of_bound": round(single["decode_tok_s"] / bound, 3)}  # fmt: skip
 
 
 def _target(args: argparse.Namespace, url: str, model: str) -> Target:
