@@ -274,10 +274,18 @@ void decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_head, 
     const int n = std::min({kTile, kv.page_size - offset, length - pos});
     const int ahead = pos / kv.page_size + kPagesAhead;
     tile_rows<S>(kv, page, kv_head, offset, n, t);
-    const char* block = ahead < pages              ? block_at(kv, table[ahead], kv_head)
-                        : ahead - pages < next_pages ? block_at(kv, next_table[ahead - pages], next_kv_head)
-                                                     : nullptr;
-    t.ahead = block == nullptr ? nullptr : block + offset * t.row_bytes;
+    int64_t ahead_page = -1;  // the page kPagesAhead on: this item's, else the next item's
+    int ahead_head = kv_head;
+    if (ahead < pages) {
+      ahead_page = table[ahead];
+    } else if (ahead - pages < next_pages) {
+      ahead_page = next_table[ahead - pages], ahead_head = next_kv_head;
+    }
+    t.ahead = ahead_page < 0 ? nullptr : block_at(kv, ahead_page, ahead_head) + offset * t.row_bytes;
+    if (S == kFP8 && ahead_page >= 0) {  // its scales: one line per page and head, an array apart
+      const int64_t e = ahead_page * kv.exp_page + ahead_head * kv.exp_head + offset * kv.exp_slot;
+      _mm_prefetch(reinterpret_cast<const char*>(kv.exps + e), _MM_HINT_T1);
+    }
     tile_scores_all<S>(kv, t, q, nk, heads, scores.data());
     for (int i = 0; i < heads; ++i) {
       const Vec s = mul(scores[i], set1(rows.scale));
