@@ -250,11 +250,14 @@ void decode_item(const PagedKV& kv, const DecodeRows& rows, int b, int kv_head, 
   float* q = buf.data();
   float* acc = q + 16 * heads * nk;
   std::fill(acc, acc + 16 * heads * nv, 0.0f);
-  std::vector<float> m(heads, -std::numeric_limits<float>::infinity()), l(heads, 0.0f);
-  std::vector<float> alpha(heads);
-  std::vector<float*> acc_of(heads);
-  std::vector<std::array<float, kTile>> prob(heads);
-  std::vector<Vec> scores(heads);
+  // per head: running max, sum, rescale factor, accumulator, a tile's probabilities and scores
+  // (kept by the thread: no allocation per item once they have grown)
+  thread_local std::vector<float> m, l, alpha;
+  thread_local std::vector<float*> acc_of;
+  thread_local std::vector<std::array<float, kTile>> prob;
+  thread_local std::vector<Vec> scores;
+  m.assign(heads, -std::numeric_limits<float>::infinity()), l.assign(heads, 0.0f);
+  alpha.resize(heads), acc_of.resize(heads), prob.resize(heads), scores.resize(heads);
   for (int i = 0; i < heads; ++i) {
     load_query(rows, b, h0 + i, kv.k_dim, q + 16 * nk * i);
     acc_of[i] = acc + 16 * nv * i;
