@@ -2,7 +2,7 @@
 the same run with the mesh idle (this VM's speed swings +-20 % within an hour):
 
 - the weight-bandwidth bound of single-stream decode: a token reads every weight once, so the
-  bound is memory-read GB/s (bench kernels' ceiling, an fp32 GEMV over 256 MiB) / weight bytes;
+  bound is memory-read GB/s (bench kernels' ceiling: the fastest GEMV over 256 MiB) / weight bytes;
 - the compute bound of aggregate decode: torch's bf16 GEMM GFLOP/s on SmolLM2's linear shapes at
   512 rows (bench kernels' `gemm_ceiling`) / the FLOPs of a token, 2 per weight element of the
   linears and the LM head (an untied input table is a gather: not counted). Dense models with
