@@ -1,8 +1,9 @@
 """`kvmesh bench kernels`: the CPU kernels against torch and against the machine's ceiling.
 
 All in one process and one run, each pair timed back to back (best of `--repeats`):
-- the memory-read ceiling: an fp32 matrix x vector product over a buffer of SmolLM2's decoder
-  weight size (torch's fp32 GEMV streams at memory speed here), in GB/s;
+- the memory-read ceiling: the faster of torch's fp32 GEMV and the bf16 GEMV kernel at one row
+  over 256 MiB of weights (torch's reached ~20 GB/s on the AVX-512 EPYC, the kernel 34-43),
+  in GB/s;
 - one token's worth of SmolLM2-135M linears (30 layers of q|k|v, o, gate|up, down + the LM head,
   distinct tensors so they come from DRAM) at 1-64 rows: bf16 through the GEMV kernel, the AMX
   kernel (where it runs) and torch's F.linear, INT4 through the kernel vs
