@@ -18,12 +18,13 @@ constexpr int kPagesAhead = 2;  // pages past the current one asked for ahead
 
 inline int element_bytes(int storage) { return storage == kF32 ? 4 : storage == kBF16 ? 2 : 1; }
 
-// Ask for one head's block of a page ahead of use: pages of a context lie anywhere in the pool,
-// so the hardware prefetcher cannot guess the next one.
+// One head's block of a page: its rows, token after token.
 inline const char* block_at(const PagedKV& kv, int64_t page, int head) {
   return static_cast<const char*>(kv.data) + (page * kv.page_stride + head * kv.head_stride) * element_bytes(kv.storage);
 }
 
+// Ask for one head's block of a page ahead of use: pages of a context lie anywhere in the pool,
+// so the hardware prefetcher cannot guess the next one.
 void prefetch_block(const PagedKV& kv, int64_t page, int head) {
   const int size = element_bytes(kv.storage);
   const char* p = block_at(kv, page, head);
