@@ -4,6 +4,8 @@
 // j + block / 2 in its high one; (scale, zero) per group and row in scales_zeros [K / group, N,
 // 2], w = (q - 8) scale + zero. So the large-batch path (torch's kernel) and this one share one
 // resident copy.
+#include <vector>
+
 #include "kernels.h"
 #include "simd.h"
 
@@ -89,11 +91,125 @@ void blocks_of(const Int4Gemv& g, int64_t block0, int64_t block1) {
   }
 }
 
+#if defined(__AVX512F__)
+// bf16 x on AVX512-BF16 + VBMI: the 64 bytes of inputs kk and kk + 1 of a 64-row block are one
+// load, and one byte permute per 16 rows makes each row's (q[kk], q[kk + 1]) a bf16 pair for a
+// dot product: the byte q under a high byte 0x43 is the bf16 128 + q, exactly. So the group's
+// sum is sum (128 + q) x = sum q x + 128 sum x, and the group adds scale (that - 136 sum x) +
+// zero sum x. Three vector instructions per 32 weights where widening nibbles to fp32 took eight,
+// and x is read as it is (no fp32 copy, no group sums by torch per call).
+#define KVMESH_INT4_DOT_TARGET __attribute__((target("avx512bf16,avx512vbmi")))
+
+// Byte permute indices: dword j of the rows 16 half + j is (row byte of kk, 0x43, row byte of
+// kk + 1, 0x43), the row bytes from the nibbles (a), the 0x43s from a constant (b, bit 6 set).
+KVMESH_INT4_DOT_TARGET inline __m512i pair_index(int half) {
+  alignas(64) uint8_t at[64];
+  for (int j = 0; j < 16; ++j) {
+    at[4 * j] = (uint8_t)(16 * half + j);
+    at[4 * j + 1] = 64;
+    at[4 * j + 2] = (uint8_t)(32 + 16 * half + j);
+    at[4 * j + 3] = 64;
+  }
+  return _mm512_load_si512(at);
+}
+
+template <int kBatch>
+KVMESH_INT4_DOT_TARGET void block_rows_dot(const Int4Gemv& g, const float* sums, int64_t block) {
+  const int64_t k = g.k, groups = k / g.group, row0 = block * 64;
+  const uint8_t* w = g.packed + block * k * 32;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(0x43);
+  const __m512i at0 = pair_index(0), at1 = pair_index(1);
+  Vec acc[kBatch][4];
+  for (int b = 0; b < kBatch; ++b)
+    for (int j = 0; j < 4; ++j) acc[b][j] = zero();
+  const int64_t pair_bytes = g.bf16 ? 4 : 8;
+  const char* pairs = static_cast<const char*>(g.scales_zeros) + row0 * pair_bytes;
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    if (gi + 2 < groups)
+      for (int64_t at = 0; at < 64 * pair_bytes; at += 64)
+        _mm_prefetch(pairs + (gi + 2) * g.n * pair_bytes + at, _MM_HINT_T0);
+    Vec part[kBatch][4];
+    for (int b = 0; b < kBatch; ++b)
+      for (int j = 0; j < 4; ++j) part[b][j] = zero();
+    for (int64_t kk = gi * g.group; kk < (gi + 1) * g.group; kk += 2) {
+      const uint8_t* bytes = w + kk * 32;
+      _mm_prefetch(reinterpret_cast<const char*>(bytes + k * 32), _MM_HINT_T0);  // next block
+      const __m512i v = _mm512_loadu_si512(bytes);
+      const __m512i lo = _mm512_and_si512(v, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      const __m512bh q[4] = {(__m512bh)_mm512_permutex2var_epi8(lo, at0, high),
+                             (__m512bh)_mm512_permutex2var_epi8(lo, at1, high),
+                             (__m512bh)_mm512_permutex2var_epi8(hi, at0, high),
+                             (__m512bh)_mm512_permutex2var_epi8(hi, at1, high)};
+      for (int b = 0; b < kBatch; ++b) {
+        uint32_t xs;
+        __builtin_memcpy(&xs, g.x_bf16 + b * k + kk, 4);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xs);
+        for (int j = 0; j < 4; ++j) part[b][j] = {_mm512_dpbf16_ps(part[b][j].v, q[j], xb)};
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      const int64_t row = row0 + 16 * j;
+      const Vec scale = load_pair_value(g.scales_zeros, g.bf16, gi * g.n + row, 0);
+      const Vec zero_point = load_pair_value(g.scales_zeros, g.bf16, gi * g.n + row, 1);
+      for (int b = 0; b < kBatch; ++b) {
+        const Vec sum = set1(sums[b * groups + gi]);
+        const Vec centred = fnmadd(set1(136.0f), sum, part[b][j]);
+        acc[b][j] = fmadd(scale, centred, fmadd(zero_point, sum, acc[b][j]));
+      }
+    }
+  }
+  for (int b = 0; b < kBatch; ++b)
+    for (int j = 0; j < 4; ++j) {
+      alignas(64) float tmp[16];
+      storeu(tmp, acc[b][j]);
+      uint16_t* y = static_cast<uint16_t*>(g.y) + b * g.n + row0 + 16 * j;
+      for (int r = 0; r < 16; ++r) y[r] = to_bf16(tmp[r]);
+    }
+}
+
+void blocks_dot(const Int4Gemv& g, int64_t block0, int64_t block1) {
+  // each x row's sum per group, in k order (this call's own: a few hundred adds)
+  const int64_t groups = g.k / g.group;
+  std::vector<float> sums(g.batch * groups);
+  for (int b = 0; b < g.batch; ++b)
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      float s = 0.0f;
+      for (int64_t kk = gi * g.group; kk < (gi + 1) * g.group; ++kk) {
+        const uint32_t u = (uint32_t)g.x_bf16[b * g.k + kk] << 16;
+        float f;
+        __builtin_memcpy(&f, &u, 4);
+        s += f;
+      }
+      sums[b * groups + gi] = s;
+    }
+  for (int64_t block = block0; block < block1; ++block) {
+    switch (g.batch) {
+      case 1: block_rows_dot<1>(g, sums.data(), block); break;
+      case 2: block_rows_dot<2>(g, sums.data(), block); break;
+      case 3: block_rows_dot<3>(g, sums.data(), block); break;
+      default: block_rows_dot<4>(g, sums.data(), block); break;
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 void int4_gemv_blocks(const Int4Gemv& g, int64_t block0, int64_t block1) {
+#if defined(__AVX512F__)
+  if (g.x_bf16) return blocks_dot(g, block0, block1);
+#endif
   if (g.block == 64) return blocks_of<64>(g, block0, block1);
   blocks_of<32>(g, block0, block1);
 }
+
+#if defined(__AVX512F__)
+bool cpu_has_int4_dot() {
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
+}
+#else
+bool cpu_has_int4_dot() { return false; }
+#endif
 
 }  // namespace kvmesh

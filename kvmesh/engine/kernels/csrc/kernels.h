@@ -53,6 +53,7 @@ void gemv_bf16(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int
 struct Int4Gemv {
   const float* x;
   const float* group_sums;
+  const uint16_t* x_bf16;  // set instead of x and group_sums: bf16 x by pairs of inputs (below)
   int batch;
   const uint8_t* packed;
   int block;
@@ -64,6 +65,8 @@ struct Int4Gemv {
 
 // Output rows of the row blocks [block0, block1).
 void int4_gemv_blocks(const Int4Gemv& g, int64_t block0, int64_t block1);
+// Whether bf16 x may go as x_bf16 (64-row blocks; AVX512-BF16 and VBMI on this CPU).
+bool cpu_has_int4_dot();
 
 // RMSNorm of rows [row0, row1) of x [rows, dim] (fp32 or bf16, weight alike); with residual,
 // of x + residual, whose sum also goes to sum_out.

@@ -152,13 +152,21 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t group,
   TORCH_CHECK(k % group == 0 && group % 16 == 0 && n % block == 0, "shape not in row blocks");
   TORCH_CHECK(packed.numel() == n * k / 2 && packed.is_contiguous(), "packed weight size");
   TORCH_CHECK(scales_zeros.is_contiguous() && scales_zeros.size(0) == k / group, "scales shape");
-  auto xf = x.to(torch::kFloat).contiguous();
-  auto sums = xf.view({batch, k / group, group}).sum(-1).contiguous();
   auto y = torch::empty({batch, n}, x.options());
   if (batch == 0) return y;
-  kvmesh::Int4Gemv g{xf.data_ptr<float>(), sums.data_ptr<float>(), (int)batch,
-                     packed.data_ptr<uint8_t>(), (int)block, scales_zeros.data_ptr(),
-                     x.scalar_type() == torch::kBFloat16, n, k, group, y.data_ptr()};
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  static const bool dot = kvmesh::cpu_has_int4_dot();
+  kvmesh::Int4Gemv g{nullptr, nullptr, nullptr, (int)batch, packed.data_ptr<uint8_t>(),
+                     (int)block, scales_zeros.data_ptr(), bf16, n, k, group, y.data_ptr()};
+  torch::Tensor xs, sums;  // held until the kernel is done
+  if (bf16 && dot && block == 64) {  // x as it is (int4_gemv.cpp)
+    xs = x.contiguous();
+    g.x_bf16 = reinterpret_cast<const uint16_t*>(xs.data_ptr());
+  } else {
+    xs = x.to(torch::kFloat).contiguous();
+    sums = xs.view({batch, k / group, group}).sum(-1).contiguous();
+    g.x = xs.data_ptr<float>(), g.group_sums = sums.data_ptr<float>();
+  }
   at::parallel_for(0, n / block, 256 / block, [&](int64_t begin, int64_t end) {
     kvmesh::int4_gemv_blocks(g, begin, end);
   });
