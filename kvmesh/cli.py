@@ -117,14 +117,13 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import asyncio
-
+    from kvmesh import event_loop
     from kvmesh.log import configure_logging
 
     configure_logging(args.service, "INFO")
     serve, options = _service(args)
     _log_imports_done()
-    asyncio.run(serve(options))
+    event_loop.run(serve(options))
     return 0
 
 

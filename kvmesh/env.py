@@ -90,3 +90,12 @@ def amx_kernels() -> bool:
         return False
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
     return not cap or "AMX" in cap or cap in ("ALL", "DEFAULT")
+
+
+def event_loop() -> str:
+    """The asyncio loop of every service and benchmark client (`KVMESH_EVENT_LOOP`): `uvloop`
+    (default, where installed) or `asyncio` (the standard library's)."""
+    value = os.environ.get("KVMESH_EVENT_LOOP", "uvloop").strip().lower() or "uvloop"
+    if value not in ("uvloop", "asyncio"):
+        raise ValueError(f"KVMESH_EVENT_LOOP must be uvloop or asyncio, got {value!r}")
+    return value

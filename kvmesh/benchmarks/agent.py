@@ -28,7 +28,9 @@ from typing import Any
 
 import httpx
 
+from kvmesh import event_loop
 from kvmesh.benchmarks.serve import Messages, ServeBenchError, _ms, level_prompts, stream_one
+from kvmesh.benchmarks.serve_client import session
 
 MODES = ("cache-aware", "least-load")
 HIT_RATIO_TARGET = 0.80
@@ -167,7 +169,7 @@ async def _sessions(url: str, w: Workload) -> list[TurnRecord]:
 
 def run_workload(url: str, workload: Workload) -> list[TurnRecord]:
     """Every session of `workload`, concurrently, against a running gateway (http://host:port)."""
-    return asyncio.run(_sessions(url, workload))
+    return event_loop.run(_sessions(url, workload))
 
 
 # ---- summary and report -----------------------------------------------------------------------
@@ -292,7 +294,7 @@ def _measure_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     try:
         mesh.start()
         url = f"http://127.0.0.1:{mesh.http_port}"
-        asyncio.run(_warm_up(url, args.model, 2 * max(args.prefill, args.decode)))
+        event_loop.run(_warm_up(url, args.model, 2 * max(args.prefill, args.decode)))
         start = time.perf_counter()
         workload = Workload(
             args.model, args.sessions, args.turns, args.max_tokens, args.system_tokens
@@ -305,7 +307,7 @@ def _measure_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
 async def _warm_up(url: str, model: str, n: int) -> None:
     """Prompts unrelated to the workload, so nothing of it is cached before it runs."""
-    async with httpx.AsyncClient(timeout=300.0) as client:
+    async with session(n, timeout_s=300.0) as client:
         await asyncio.gather(*(stream_one(client, url, model, p, 4) for p in level_prompts(0, n)))
 
 

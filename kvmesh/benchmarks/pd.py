@@ -15,11 +15,11 @@ prompts, and disaggregated / colocated for each; the issue's target is p90 TPOT 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvmesh import event_loop
 from kvmesh.benchmarks.pd_workload import PdWorkload, drive, ratios, summarize_run
 from kvmesh.benchmarks.report import BenchRun, write_report
 from kvmesh.benchmarks.serve_client import Target
@@ -85,8 +85,8 @@ def run_mode(placement: Placement, args: argparse.Namespace, w: PdWorkload) -> d
     try:
         mesh.start()
         target = Target(f"http://127.0.0.1:{mesh.http_port}", args.model)
-        asyncio.run(_warm_up(target, w))
-        run = asyncio.run(drive(target, w))
+        event_loop.run(_warm_up(target, w))
+        run = event_loop.run(drive(target, w))
     finally:
         mesh.stop()
     return {**asdict(placement), **summarize_run(run)}

@@ -21,11 +21,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import numpy as np
 
 from kvmesh.benchmarks.offline import TOPICS
-from kvmesh.benchmarks.serve_client import Streamed, Target, stream_request
+from kvmesh.benchmarks.serve_client import Streamed, Target, session, stream_request
 from kvmesh.benchmarks.serve_suite import long_prompt, notes_for
 
 
@@ -75,8 +74,7 @@ async def drive(target: Target, w: PdWorkload) -> PdRun:
     steady: list[Streamed] = []
     long: list[Streamed] = []
     stop = asyncio.Event()
-    limits = httpx.Limits(max_connections=w.streams + w.long_prompts)
-    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+    async with session(w.streams + w.long_prompts) as client:
         notes = await notes_for(client, target, w.long_prompt_tokens)
         run_id = uuid.uuid4().hex[:8]
         t0 = time.perf_counter()

@@ -15,7 +15,6 @@ and each mesh process's CPU milliseconds per output token at every level (proces
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -25,6 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kvmesh import event_loop
 from kvmesh.benchmarks.process_cpu import CpuMeter
 from kvmesh.benchmarks.serve_client import Messages, Target, first_model, stream_one
 from kvmesh.benchmarks.serve_paired import measure_paired
@@ -202,7 +202,7 @@ def _measure(args: argparse.Namespace, model: str, levels: list[int], compared: 
         target = _target(args, f"http://127.0.0.1:{mesh.http_port}", model)
         engine, paired = {}, {}
         if compared:
-            asyncio.run(client_loops(target, list(level_prompts(0, 2)), 2, 8))  # warm the mesh
+            event_loop.run(client_loops(target, list(level_prompts(0, 2)), 2, 8))  # warm the mesh
             engine, paired = measure_paired(target, args.dtype, compared, args.requests_per_level,
                                             args.max_tokens, args.weights)  # fmt: skip
         from kvmesh.benchmarks.kernels import ceiling
@@ -229,7 +229,7 @@ def measure_suite(
 ) -> dict[str, Any]:
     """Warm-up, then single stream, long prompt and every level, one after the other; with a
     meter, each level's CPU milliseconds per output token of every process."""
-    asyncio.run(client_loops(target, list(level_prompts(0, 2)), 2, 8))
+    event_loop.run(client_loops(target, list(level_prompts(0, 2)), 2, 8))
     n, tokens = args.requests_per_level, args.max_tokens
     single = long = None
     if args.single_stream_requests:

@@ -7,11 +7,11 @@ by 20-30 % within minutes): mesh p50 / engine p50 over the same rounds."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import time
 from typing import Any
 
+from kvmesh import event_loop
 from kvmesh.benchmarks.serve_client import Messages, RequestTiming, Target
 from kvmesh.benchmarks.serve_suite import TOPICS, client_loops, requests_for, summarize
 
@@ -48,7 +48,7 @@ def measure_paired(target: Target, dtype: str, levels: list[int], requests_per_l
                 outs = llm.chat(chunk, params)
                 wall["engine"] += time.perf_counter() - started
                 timings["engine"] += [engine_timing(o, max_tokens) for o in outs]
-                got, spent = asyncio.run(client_loops(target, list(chunk), c, max_tokens))
+                got, spent = event_loop.run(client_loops(target, list(chunk), c, max_tokens))
                 timings["mesh"] += got
                 wall["mesh"] += spent
             engine[c] = summarize("engine", c, timings["engine"], wall["engine"])

@@ -19,9 +19,10 @@ from collections import deque
 from dataclasses import asdict
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 
+from kvmesh import event_loop
 from kvmesh.benchmarks.offline import TOPICS
 from kvmesh.benchmarks.serve_client import (
     Messages,
@@ -29,6 +30,7 @@ from kvmesh.benchmarks.serve_client import (
     RequestTiming,
     Target,
     prompt_tokens,
+    session,
     stream_request,
 )
 
@@ -73,8 +75,7 @@ async def client_loops(
     """C loops, each taking the next prompt until none is left; returns timings and wall time."""
     todo = deque(enumerate(prompts))
     timings: list[RequestTiming | None] = [None] * len(prompts)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+    async with session(concurrency) as client:
 
         async def loop() -> None:
             while todo:
@@ -92,7 +93,7 @@ def measure_level(
 ) -> dict[str, Any]:
     """One concurrency level against a running server."""
     prompts: list[Prompt] = list(level_prompts(concurrency, n_requests))
-    timings, wall = asyncio.run(client_loops(target, prompts, concurrency, max_tokens))
+    timings, wall = event_loop.run(client_loops(target, prompts, concurrency, max_tokens))
     return summarize(path, concurrency, timings, wall)
 
 
@@ -101,7 +102,7 @@ def measure_single_stream(target: Target, n_requests: int, max_tokens: int) -> d
         f"Single stream, request {i}: write a long story about {TOPICS[i % len(TOPICS)]}."
         for i in range(n_requests)
     ]
-    timings, wall = asyncio.run(client_loops(target, prompts, 1, max_tokens))
+    timings, wall = event_loop.run(client_loops(target, prompts, 1, max_tokens))
     row = summarize("single_stream", 1, timings, wall)
     rates = [1.0 / t.tpot_s for t in timings if t.tpot_s]
     return {"decode_tok_s": round(float(np.median(rates)), 2) if rates else None, **row}
@@ -111,19 +112,19 @@ def measure_long_prompt(
     target: Target, n_requests: int, tokens: int, max_tokens: int
 ) -> dict[str, Any]:
     async def run() -> tuple[list[RequestTiming], float]:
-        async with httpx.AsyncClient(timeout=600.0) as client:
+        async with session(1) as client:
             notes = await notes_for(client, target, tokens)
         run_id = uuid.uuid4().hex[:8]
         prompts: list[Prompt] = [long_prompt(f"{run_id}-{i}", notes) for i in range(n_requests)]
         return await client_loops(target, prompts, 1, max_tokens)
 
-    timings, wall = asyncio.run(run())
+    timings, wall = event_loop.run(run())
     row = summarize("long_prompt", 1, timings, wall)
     sizes = [t.prompt_tokens for t in timings if t.prompt_tokens is not None]
     return {"target_prompt_tokens": tokens, "prompt_tokens": sizes or None, **row}
 
 
-async def notes_for(client: httpx.AsyncClient, target: Target, tokens: int) -> int:
+async def notes_for(client: aiohttp.ClientSession, target: Target, tokens: int) -> int:
     """How many notes make a prompt of about `tokens` tokens on this server."""
     probe = uuid.uuid4().hex[:8]
     base = await prompt_tokens(client, target, long_prompt(probe, 0))

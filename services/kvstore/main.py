@@ -211,13 +211,14 @@ def options_from_args(args: argparse.Namespace) -> KVStoreOptions:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m services.kvstore.main --page-bytes N [...]`."""
+    from kvmesh import event_loop
     from kvmesh.log import configure_logging
 
     parser = argparse.ArgumentParser(prog="kvmesh-kvstore")
     add_arguments(parser)
     options = options_from_args(parser.parse_args(argv))
     configure_logging("kvstore", "INFO")
-    asyncio.run(serve_kvstore(options))
+    event_loop.run(serve_kvstore(options))
     return 0
 
 
