@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvmesh.cli_args import build_parser
+from kvmesh.cli_args import UP_LOCAL_PREFILL_TOKENS, build_parser
 from kvmesh.errors import KvmeshError
 
 
@@ -67,6 +67,12 @@ _ON_OFF = ("kv_integrity", "int4_embeddings")  # on|off flags, booleans in Worke
 
 
 def _worker_passthrough(args: argparse.Namespace) -> list[str]:
+    """`kvmesh up`'s flags for every worker, its role-dependent defaults settled."""
+    per_role = bool(args.prefill_weights or args.decode_weights)
+    if per_role and args.kv_dtype == "auto":
+        args.kv_dtype = "bf16"  # per-role precisions: one KV format both roles can exchange
+    if args.local_prefill_tokens is None:  # per-role precisions: every prompt on the prefill's
+        args.local_prefill_tokens = 0 if per_role else UP_LOCAL_PREFILL_TOKENS
     flags: list[str] = []
     for name in _WORKER_FLAGS:
         flag = "--kv-cache-memory" if name == "kv_cache_bytes" else f"--{name.replace('_', '-')}"
@@ -81,8 +87,6 @@ def _up(args: argparse.Namespace) -> int:
         return run_demo(args.model, args.dtype)
     from kvmesh.mesh.launcher import UpOptions, run_up
 
-    if (args.prefill_weights or args.decode_weights) and args.kv_dtype == "auto":
-        args.kv_dtype = "bf16"  # per-role precisions: one KV format both roles can exchange
     passthrough = _worker_passthrough(args)
     return run_up(
         UpOptions(

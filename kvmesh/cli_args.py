@@ -105,7 +105,14 @@ def _mesh_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
 
 
-def _worker_args(p: argparse.ArgumentParser) -> None:
+# `kvmesh up`: prompts up to this many tokens are prefilled by the decode worker itself (Dynamo's
+# conditional disaggregation): such a prompt costs about what two to four decode steps at 16
+# streams cost on these 2-core machines, less than handing it to a prefill worker and its pages
+# back (docs/benchmarks.md). Longer prompts go to a prefill worker.
+UP_LOCAL_PREFILL_TOKENS = 128
+
+
+def _worker_args(p: argparse.ArgumentParser, local_prefill: int | None = 0) -> None:
     _dtype_arg(p)
     _weights_arg(p)
     _kv_args(p)
@@ -113,11 +120,13 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--protocol", default="tcp", choices=["tcp", "rdma"], help="transfer engine protocol"
     )
+    auto = f"; default {UP_LOCAL_PREFILL_TOKENS}, 0 with --prefill-weights / --decode-weights"
     p.add_argument(
         "--local-prefill-tokens",
         type=int,
-        default=0,
-        help="decode prefills prompts up to this many tokens itself",
+        default=local_prefill,
+        help="decode prefills prompts up to this many tokens itself"
+        + (auto if local_prefill is None else ""),
     )
 
 
@@ -201,7 +210,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     up.add_argument("--kvstore-ram-mib", type=int, default=256)
     up.add_argument("--kvstore-disk-mib", type=int, default=1024)
     up.add_argument("--session-ttl", type=int, default=600)
-    _worker_args(up)
+    _worker_args(up, local_prefill=None)
     _spec_args(up, worker=True)
     for role in ("prefill", "decode"):
         up.add_argument(

@@ -37,6 +37,7 @@ from kvmesh.benchmarks.serve_suite import (
 )
 from kvmesh.benchmarks.serve_suite import measure_level as measure_target_level
 from kvmesh.benchmarks.serve_suite import ms as _ms
+from kvmesh.cli_args import UP_LOCAL_PREFILL_TOKENS
 from kvmesh.errors import ServeBenchError
 
 __all__ = ["Messages", "ServeBenchError", "_ms", "level_prompts", "measure_level", "stream_one"]
@@ -152,6 +153,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="no --url")
     parser.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int4"],
                         help="no --url: the workers' and the engine's weights")  # fmt: skip
+    parser.add_argument("--local-prefill-tokens", type=int, default=UP_LOCAL_PREFILL_TOKENS,
+                        help="no --url: decode prefills prompts up to this many tokens itself "
+                        "(default: kvmesh up's)")  # fmt: skip
     parser.add_argument("--output", default=None, help="also write the JSON report here")
 
 
@@ -195,7 +199,8 @@ def _measure(args: argparse.Namespace, model: str, levels: list[int], compared: 
     from kvmesh.mesh.launcher import Mesh, UpOptions
 
     options = UpOptions(model=model, prefill=args.prefill, decode=args.decode,
-                        worker_args=("--dtype", args.dtype, "--weights", args.weights))  # fmt: skip
+                        worker_args=("--dtype", args.dtype, "--weights", args.weights,
+                                     "--local-prefill-tokens", str(args.local_prefill_tokens)))  # fmt: skip
     mesh = Mesh(options)
     try:
         mesh.start()

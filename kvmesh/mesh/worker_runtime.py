@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from kvmesh import event_loop
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine
@@ -146,6 +147,7 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
         async with Registry(options.etcd, options.cluster) as registry:
             registration = await registry.register(info, ttl=options.ttl)
             log.info("worker.ready", grpc=info.grpc_address, metrics=info.metrics_address)
+            event_loop.freeze_heap()
             await wait_for_signal()
             await registration.close()
     finally:

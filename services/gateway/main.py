@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import structlog
 import uvicorn
 
+from kvmesh import event_loop
 from kvmesh.engine.loader import read_config, resolve_model
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.mesh import metrics
@@ -91,6 +92,7 @@ async def serve_gateway(options: GatewayOptions) -> None:
             http=f"{options.host}:{options.http_port}",
             grpc=f"{options.host}:{grpc_port}",
         )
+        event_loop.freeze_heap()
         try:
             await _wait_for_signal_or(serving)
         finally:

@@ -32,3 +32,16 @@ def test_unknown_loop_is_refused(monkeypatch):
     monkeypatch.setenv("KVMESH_EVENT_LOOP", "trio")
     with pytest.raises(ValueError, match="uvloop or asyncio"):
         event_loop.loop_factory()
+
+
+def test_freeze_heap_takes_the_live_heap_out_of_collections():
+    import gc
+
+    survivor = {"held": [object()]}  # alive across the freeze: never visited again
+    try:
+        event_loop.freeze_heap()
+        assert gc.get_freeze_count() > 0
+        assert not any(o is survivor for o in gc.get_objects())  # not in any generation
+    finally:
+        gc.unfreeze()
+    assert any(o is survivor for o in gc.get_objects())

@@ -194,3 +194,21 @@ def test_a_group_that_does_not_divide_the_inputs_is_a_model_format_error():
     table = Int4Weight.quantize(_weight(n=128, k=64, seed=9), 32)  # INT4 source: regrouped
     with pytest.raises(ModelFormatError, match="multiple of the group size 128"):
         _tiny_model(table, embeddings=True, group=128)
+
+
+def test_kvmesh_up_prefills_short_prompts_on_decode_unless_the_roles_differ_in_precision():
+    from kvmesh.cli import _worker_passthrough
+    from kvmesh.cli_args import UP_LOCAL_PREFILL_TOKENS, build_parser
+
+    parser = build_parser()
+
+    def worker_value(*up_flags: str) -> int:
+        flags = _worker_passthrough(parser.parse_args(["up", *up_flags]))
+        worker = parser.parse_args(["serve", "decode", "--etcd", "127.0.0.1:1", *flags])
+        return worker.local_prefill_tokens
+
+    assert worker_value() == UP_LOCAL_PREFILL_TOKENS > 0
+    assert worker_value("--decode-weights", "int4") == 0  # prompts get the prefill's precision
+    assert worker_value("--local-prefill-tokens", "7") == 7
+    alone = parser.parse_args(["serve", "decode", "--etcd", "127.0.0.1:1"])
+    assert alone.local_prefill_tokens == 0  # a worker started on its own: always P/D
