@@ -15,6 +15,7 @@ from kvmesh.mesh.error_mapping import grpc_details, grpc_status
 from kvmesh.mesh.kv_events import stream_kv_events
 from kvmesh.mesh.loads import load_to_pb
 from kvmesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.decode.delivery import Deliveries
 from services.decode.worker import DecodeJob, DecodeWorker
 
 log = structlog.get_logger(__name__)
@@ -27,6 +28,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.worker = worker
         self.engine: AsyncEngine = worker.engine
         self.worker_id = worker_id
+        self.deliveries = Deliveries()
 
     async def Generate(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
@@ -43,20 +45,31 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             ))  # fmt: skip
             async with contextlib.aclosing(stream):  # an abort reaches the engine before we return
                 async for out in stream:
+                    response = _response(out, generated)
                     generated += len(out.new_token_ids)
                     _TOKENS.inc(len(out.new_token_ids))
                     _PAGES_USED.set(self.engine.num_used_pages)
-                    response = _response(out, generated)
-                    metrics.observe_message("decode", response.ByteSize())
-                    yield response
+                    # every chunk but the last on the caller's delivery stream, if it has one
+                    if out.finished or not self.deliveries.send(request.delivery_id, response):
+                        metrics.observe_message("decode", response.ByteSize())
+                        yield response
         except KvmeshError as exc:
             log.warning("decode.request_failed", code=exc.code, error=str(exc))
             yield decode_pb2.DecodeResponse(
                 request_id=request.request_id,
                 error=common_pb2.Error(code=exc.code, message=str(exc)),
+                first_index=generated,
             )
         finally:
             _PAGES_USED.set(self.engine.num_used_pages)
+
+    async def Deliver(self, request: decode_pb2.DeliverRequest, context):
+        try:
+            async for message in self.deliveries.stream(request.delivery_id):
+                metrics.observe_message("decode", message.ByteSize())
+                yield message
+        except KvmeshError as exc:
+            await context.abort(grpc_status(exc), grpc_details(exc))
 
     async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:
         return decode_pb2.AbortResponse(aborted=await self.worker.abort(request.request_id))
@@ -71,12 +84,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         )
 
 
-def _response(out: TokenOutput, generated: int) -> decode_pb2.DecodeResponse:
+def _response(out: TokenOutput, before: int) -> decode_pb2.DecodeResponse:
+    """The chunk of `out`, whose request sent `before` tokens so far."""
     msg = decode_pb2.DecodeResponse(
         request_id=out.request_id,
         token_ids=out.new_token_ids,
         logprobs=[convert.logprob_to_pb(lp) for lp in out.new_logprobs if lp is not None],
+        first_index=before,
     )
+    generated = before + len(out.new_token_ids)
     if out.finished:
         msg.finish_reason = convert.finish_to_pb(out.finish_reason)
         msg.usage.CopyFrom(

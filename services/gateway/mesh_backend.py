@@ -1,5 +1,6 @@
 """GenerateBackend over the mesh: route, call Decode.Generate (which pulls in a prefill worker),
-retry on another worker when one is gone before the first token, abort down the chain."""
+its chunks but the last coming on the worker's delivery stream (delivery.py), retry on another
+worker when one is gone before the first token, abort down the chain."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvmesh.mesh.error_mapping import error_from_code, error_from_grpc
 from kvmesh.mesh.grpc_server import channel
 from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc
 from services.gateway.backend import GenerateChunk, GenerateInput
+from services.gateway.delivery import Delivery
 from services.gateway.prefix_routing import PromptKey
 from services.gateway.router import Router, WorkerUnavailable
 from services.gateway.sessions import Pin, SessionStore
@@ -38,6 +40,7 @@ class MeshBackend:
         self.max_model_len = max_model_len
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._where: dict[str, str] = {}  # request id -> decode address
+        self._deliveries: dict[str, Delivery] = {}  # decode address -> its delivery stream
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
         pin = await self._lookup(request.session_id)
@@ -99,16 +102,22 @@ class MeshBackend:
         )
         self._where[request.request_id] = decode.grpc_address
         held = self._decode_cost(request)
+        delivery = self._delivery(decode.grpc_address, stub)
+        if delivery is not None:
+            message.delivery_id = delivery.id
         try:
             with (
                 self.router.holding(decode.worker_id, held),
                 self._holding_prefill(prefill, request),
             ):
                 call = stub.Generate(message)
+                responses = call if delivery is None else delivery.chunks(request.request_id, call)
                 try:
-                    async for response in call:
+                    async for response in responses:
                         yield _chunk(response)
                 finally:
+                    if delivery is not None:
+                        await responses.aclose()
                     call.cancel()  # no-op when finished; cancels decode when the client left
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
@@ -133,6 +142,16 @@ class MeshBackend:
             await stub.Abort(decode_pb2.AbortRequest(request_id=request_id), timeout=5)
         except grpc.aio.AioRpcError as exc:
             log.warning("gateway.abort_failed", request_id=request_id, code=exc.code().name)
+
+    def _delivery(self, address: str, stub: decode_pb2_grpc.DecodeStub) -> Delivery | None:
+        """The open delivery stream to `address` (opened now if there is none, the last one
+        broke); None where the worker has no Deliver."""
+        delivery = self._deliveries.get(address)
+        if delivery is not None and delivery.unsupported:
+            return None
+        if delivery is None or delivery.broken:
+            delivery = self._deliveries[address] = Delivery(stub, address)
+        return delivery
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:

@@ -4,10 +4,13 @@ driven with the official openai client. Fault tests run last (they kill workers)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -544,6 +547,59 @@ def test_decode_abort_while_its_prefill_runs_ends_the_request(mesh):
     assert [t for r in responses for t in r.token_ids] == []
     assert responses[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
     wait_for(lambda: _pages_in_use(mesh) == 0, 30, "pages held after the abort")
+
+
+def test_a_delivery_stream_carries_several_requests_chunks_per_message(mesh):
+    """Decode.Deliver: requests naming an open delivery stream get every chunk but the last on
+    it, several requests' chunks in one message; put in order by first_index, their tokens are
+    those of the same requests without one. No id, or an id already open, is refused."""
+    decode = next(w for w in _workers(mesh) if w.role == "decode")
+    sampling = common_pb2.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = {f"delivered-{i}": list(range(2000 + 7 * i, 2030 + 7 * i)) for i in range(3)}
+    with grpc.insecure_channel(decode.grpc_address) as ch:
+        stub = decode_pb2_grpc.DecodeStub(ch)
+
+        def generate(request_id: str, delivery_id: str = "") -> list:
+            return list(stub.Generate(decode_pb2.DecodeRequest(
+                request_id=request_id, prompt_token_ids=prompts[request_id.removesuffix("-alone")],
+                sampling=sampling, delivery_id=delivery_id,
+            ), timeout=120))  # fmt: skip
+
+        alone = {rid: [t for r in generate(f"{rid}-alone") for t in r.token_ids] for rid in prompts}
+        with pytest.raises(grpc.RpcError) as unnamed:
+            next(stub.Deliver(decode_pb2.DeliverRequest(), timeout=10))
+        assert unnamed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        deliver = stub.Deliver(decode_pb2.DeliverRequest(delivery_id="t-1"), timeout=120)
+        messages: list = []
+
+        def read() -> None:
+            with contextlib.suppress(grpc.RpcError):  # cancelled at the end
+                messages.extend(deliver)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        with ThreadPoolExecutor(3) as pool:
+            own = dict(zip(prompts, pool.map(lambda rid: generate(rid, "t-1"), prompts),
+                           strict=True))  # fmt: skip
+
+        def tokens() -> int:
+            chunks = [r for m in messages for r in m.responses] + sum(own.values(), [])
+            return sum(len(r.token_ids) for r in chunks)
+
+        wait_for(lambda: tokens() == 3 * 24, 30, "delivered tokens missing")
+        with pytest.raises(grpc.RpcError) as twice:
+            next(stub.Deliver(decode_pb2.DeliverRequest(delivery_id="t-1"), timeout=10))
+        assert twice.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        deliver.cancel()
+        reader.join(10)
+    delivered = [r for m in messages for r in m.responses]
+    assert any(len({r.request_id for r in m.responses}) > 1 for m in messages)
+    for rid, responses in own.items():
+        assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH  # last: on Generate
+        chunks = sorted(responses + [r for r in delivered if r.request_id == rid],
+                        key=lambda r: r.first_index)  # fmt: skip
+        assert [t for r in chunks for t in r.token_ids] == alone[rid]
+        assert len([r for r in delivered if r.request_id == rid]) > 0
 
 
 def test_kill_prefill_then_requests_still_succeed(client, mesh):

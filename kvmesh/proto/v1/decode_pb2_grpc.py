@@ -41,6 +41,11 @@ class DecodeStub:
                 request_serializer=kvmesh_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Deliver = channel.unary_stream(
+                '/kvmesh.v1.Decode/Deliver',
+                request_serializer=kvmesh_dot_v1_dot_decode__pb2.DeliverRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_decode__pb2.DecodeResponses.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvmesh.v1.Decode/Abort',
                 request_serializer=kvmesh_dot_v1_dot_decode__pb2.AbortRequest.SerializeToString,
@@ -64,7 +69,16 @@ class DecodeServicer:
     """
 
     def Generate(self, request, context):
-        """Generate tokens for one request; the stream ends after the chunk with a finish_reason.
+        """Generate tokens for one request; the stream ends after the chunk with a finish_reason. With
+        a delivery_id whose Deliver stream is open, only the last chunk comes on this stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Deliver(self, request, context):
+        """One client's delivery stream: the chunks of every request that names it, each step's in one
+        message (a gateway streaming 16 requests gets one message per step, not 16).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,6 +112,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvmesh_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Deliver': grpc.unary_stream_rpc_method_handler(
+                    servicer.Deliver,
+                    request_deserializer=kvmesh_dot_v1_dot_decode__pb2.DeliverRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_decode__pb2.DecodeResponses.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -144,6 +163,33 @@ class Decode:
             '/kvmesh.v1.Decode/Generate',
             kvmesh_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
             kvmesh_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deliver(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvmesh.v1.Decode/Deliver',
+            kvmesh_dot_v1_dot_decode__pb2.DeliverRequest.SerializeToString,
+            kvmesh_dot_v1_dot_decode__pb2.DecodeResponses.FromString,
             options,
             channel_credentials,
             insecure,

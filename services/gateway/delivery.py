@@ -1,0 +1,99 @@
+"""The gateway's end of decode delivery streams (`Decode.Deliver`): one open stream per decode
+worker carries the chunks of every request this gateway runs there, one message per engine step;
+each request's Generate call brings only its last chunk. `Delivery.chunks` puts a request's
+chunks back in order from both streams (`first_index`: its tokens sent before a chunk)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc
+from services.gateway.router import WorkerUnavailable
+
+log = structlog.get_logger(__name__)
+_END = object()  # the Generate stream ended
+
+
+class Delivery:
+    """One open Deliver stream to one decode worker, and the requests it serves."""
+
+    def __init__(self, stub: decode_pb2_grpc.DecodeStub, address: str) -> None:
+        self.id = uuid.uuid4().hex
+        self.address = address
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._call = stub.Deliver(decode_pb2.DeliverRequest(delivery_id=self.id))
+        self.broken = False
+        self.unsupported = False  # the worker has no Deliver: use none with it
+        self._reader = asyncio.create_task(self._read())
+
+    async def chunks(
+        self, request_id: str, call: grpc.aio.UnaryStreamCall
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        """The request's chunks in order, from this stream and its Generate `call`, up to the
+        one that ends it; the call's errors are raised as they come."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        pump = asyncio.create_task(_pump(call, queue))
+        try:
+            sent, held, last, broken = 0, {}, None, self.broken
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    broken = True
+                elif item is _END:
+                    if last is None:
+                        raise WorkerUnavailable(
+                            f"decode worker {self.address} ended a stream before its last chunk"
+                        )
+                elif item.HasField("error"):
+                    yield item  # the request is over: raised by the caller
+                    return
+                else:
+                    held[item.first_index] = item
+                    last = item if item.finish_reason else last
+                while sent in held:
+                    response = held.pop(sent)
+                    yield response
+                    if response.finish_reason:
+                        return
+                    sent += len(response.token_ids)
+                if broken and last is not None:  # what is still missing was lost with the stream
+                    raise WorkerUnavailable(f"decode worker {self.address}: chunks lost")
+        finally:
+            pump.cancel()
+            self._queues.pop(request_id, None)
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    async def _read(self) -> None:
+        try:
+            async for message in self._call:
+                for response in message.responses:
+                    queue = self._queues.get(response.request_id)
+                    if queue is not None:  # else: the request is over (cancelled)
+                        queue.put_nowait(response)
+        except grpc.aio.AioRpcError as exc:
+            self.unsupported = exc.code() == grpc.StatusCode.UNIMPLEMENTED
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                log.warning("gateway.delivery_broken", address=self.address, code=exc.code().name)
+        finally:
+            self.broken = True
+            for queue in self._queues.values():
+                queue.put_nowait(None)  # whatever was in flight on it may be lost
+
+
+async def _pump(call: grpc.aio.UnaryStreamCall, queue: asyncio.Queue) -> None:
+    try:
+        async for response in call:
+            queue.put_nowait(response)
+        queue.put_nowait(_END)
+    except Exception as exc:  # AioRpcError, mapped by the caller as before
+        queue.put_nowait(exc)
