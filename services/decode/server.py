@@ -50,7 +50,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     _TOKENS.inc(len(out.new_token_ids))
                     _PAGES_USED.set(self.engine.num_used_pages)
                     # every chunk but the last on the caller's delivery stream, if it has one
-                    if out.finished or not self.deliveries.send(request.delivery_id, response):
+                    if (out.finished or not out.new_token_ids
+                            or not self.deliveries.send(request.delivery_id, response)):  # fmt: skip
                         metrics.observe_message("decode", response.ByteSize())
                         yield response
         except KvmeshError as exc:

@@ -6,8 +6,9 @@ chunks back in order from both streams (`first_index`: its tokens sent before a 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import structlog
@@ -20,22 +21,34 @@ _END = object()  # the Generate stream ended
 
 
 class Delivery:
-    """One open Deliver stream to one decode worker, and the requests it serves."""
+    """One open Deliver stream to one decode worker, and the requests it serves. `on_end` is
+    called once when the stream ends (broken, cancelled or refused)."""
 
-    def __init__(self, stub: decode_pb2_grpc.DecodeStub, address: str) -> None:
+    def __init__(self, stub: decode_pb2_grpc.DecodeStub, address: str,
+                 on_end: Callable[[Delivery], None] = lambda _: None) -> None:  # fmt: skip
         self.id = uuid.uuid4().hex
         self.address = address
         self._queues: dict[str, asyncio.Queue] = {}
         self._call = stub.Deliver(decode_pb2.DeliverRequest(delivery_id=self.id))
+        self._on_end = on_end
         self.broken = False
         self.unsupported = False  # the worker has no Deliver: use none with it
-        self._reader = asyncio.create_task(self._read())
+        # its own context: its log lines are nobody's request's
+        self._reader = asyncio.create_task(self._read(), context=contextvars.Context())
+
+    def serves(self, request_id: str) -> bool:
+        """Whether a request of this id runs on it now (a second one must not: chunks are
+        routed by request id; it streams on its own call instead)."""
+        return request_id in self._queues
 
     async def chunks(
         self, request_id: str, call: grpc.aio.UnaryStreamCall
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         """The request's chunks in order, from this stream and its Generate `call`, up to the
-        one that ends it; the call's errors are raised as they come."""
+        one that ends it; the call's errors, and an in-band error chunk, come as they arrive
+        (tokens still in flight before them are dropped, as the request is over)."""
+        if request_id in self._queues:  # the caller asks `serves` first
+            raise ValueError(f"request {request_id!r} already runs on this delivery stream")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         pump = asyncio.create_task(_pump(call, queue))
@@ -55,8 +68,9 @@ class Delivery:
                 elif item.HasField("error"):
                     yield item  # the request is over: raised by the caller
                     return
-                else:
-                    held[item.first_index] = item
+                elif item.token_ids or item.finish_reason:  # a chunk of nothing adds nothing
+                    if item.first_index >= sent:
+                        held.setdefault(item.first_index, item)
                     last = item if item.finish_reason else last
                 while sent in held:
                     response = held.pop(sent)
@@ -64,11 +78,12 @@ class Delivery:
                     if response.finish_reason:
                         return
                     sent += len(response.token_ids)
-                if broken and last is not None:  # what is still missing was lost with the stream
+                # once the stream is gone only Generate's chunks come, in order: a gap stays
+                if broken and held and min(held) > sent:
                     raise WorkerUnavailable(f"decode worker {self.address}: chunks lost")
         finally:
             pump.cancel()
-            self._queues.pop(request_id, None)
+            del self._queues[request_id]
 
     def close(self) -> None:
         self._call.cancel()
@@ -84,10 +99,13 @@ class Delivery:
             self.unsupported = exc.code() == grpc.StatusCode.UNIMPLEMENTED
             if exc.code() != grpc.StatusCode.CANCELLED:
                 log.warning("gateway.delivery_broken", address=self.address, code=exc.code().name)
+        except Exception as exc:  # e.g. its channel closed under it
+            log.warning("gateway.delivery_broken", address=self.address, error=repr(exc))
         finally:
             self.broken = True
             for queue in self._queues.values():
                 queue.put_nowait(None)  # whatever was in flight on it may be lost
+            self._on_end(self)
 
 
 async def _pump(call: grpc.aio.UnaryStreamCall, queue: asyncio.Queue) -> None:

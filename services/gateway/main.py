@@ -102,6 +102,7 @@ async def serve_gateway(options: GatewayOptions) -> None:
             poller.cancel()
             follower.cancel()
             await asyncio.gather(serving, return_exceptions=True)
+            backend.close()
             await grpc_server.stop(grace=2)
             await watcher.stop()
 

@@ -103,6 +103,8 @@ class MeshBackend:
         self._where[request.request_id] = decode.grpc_address
         held = self._decode_cost(request)
         delivery = self._delivery(decode.grpc_address, stub)
+        if delivery is not None and delivery.serves(request.request_id):
+            delivery = None  # a request of this id runs there already: this one on its call
         if delivery is not None:
             message.delivery_id = delivery.id
         try:
@@ -150,8 +152,19 @@ class MeshBackend:
         if delivery is not None and delivery.unsupported:
             return None
         if delivery is None or delivery.broken:
-            delivery = self._deliveries[address] = Delivery(stub, address)
+            delivery = self._deliveries[address] = Delivery(stub, address, self._delivery_ended)
         return delivery
+
+    def _delivery_ended(self, delivery: Delivery) -> None:
+        """Forget a stream that ended (the next request opens another), unless the worker
+        refused it as unknown: then its requests stream on their own calls."""
+        if not delivery.unsupported and self._deliveries.get(delivery.address) is delivery:
+            del self._deliveries[delivery.address]
+
+    def close(self) -> None:
+        """End every delivery stream (the gateway is stopping)."""
+        for delivery in list(self._deliveries.values()):
+            delivery.close()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:

@@ -554,7 +554,7 @@ def test_a_delivery_stream_carries_several_requests_chunks_per_message(mesh):
     it, several requests' chunks in one message; put in order by first_index, their tokens are
     those of the same requests without one. No id, or an id already open, is refused."""
     decode = next(w for w in _workers(mesh) if w.role == "decode")
-    sampling = common_pb2.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    sampling = common_pb2.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     prompts = {f"delivered-{i}": list(range(2000 + 7 * i, 2030 + 7 * i)) for i in range(3)}
     with grpc.insecure_channel(decode.grpc_address) as ch:
         stub = decode_pb2_grpc.DecodeStub(ch)
@@ -586,7 +586,7 @@ def test_a_delivery_stream_carries_several_requests_chunks_per_message(mesh):
             chunks = [r for m in messages for r in m.responses] + sum(own.values(), [])
             return sum(len(r.token_ids) for r in chunks)
 
-        wait_for(lambda: tokens() == 3 * 24, 30, "delivered tokens missing")
+        wait_for(lambda: tokens() == 3 * 48, 30, "delivered tokens missing")
         with pytest.raises(grpc.RpcError) as twice:
             next(stub.Deliver(decode_pb2.DeliverRequest(delivery_id="t-1"), timeout=10))
         assert twice.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -124,3 +124,52 @@ def test_a_generate_stream_ending_without_its_last_chunk_is_an_error():
 
     with pytest.raises(WorkerUnavailable, match="before its last chunk"):
         asyncio.run(run())
+
+
+def test_an_error_chunk_ends_the_request_at_once_and_empty_chunks_add_nothing():
+    async def run() -> list:
+        stub, call = _Stub(), _Stream()
+        delivery = Delivery(stub, "decode:1")
+        got: list = []
+
+        async def collect() -> None:
+            got.extend([c async for c in delivery.chunks("r", call)])
+
+        task = asyncio.create_task(collect())
+        await asyncio.sleep(0)
+        call.put(_chunk(0, [10]))
+        call.put(_chunk(1, []))  # nothing new: skipped, not held in the way of index 1
+        stub.deliver.put(decode_pb2.DecodeResponses(responses=[_chunk(1, [11])]))
+        await asyncio.sleep(0.01)
+        failed = decode_pb2.DecodeResponse(request_id="r", first_index=5)
+        failed.error.message = "engine failed"
+        call.put(failed)  # chunks 2-4 still in flight: dropped, the request is over
+        await asyncio.wait_for(task, 5)
+        return got
+
+    chunks = asyncio.run(run())
+    assert [list(c.token_ids) for c in chunks] == [[10], [11], []]
+    assert chunks[-1].error.message == "engine failed"
+
+
+def test_a_second_request_of_the_same_id_is_refused_without_disturbing_the_first():
+    async def run() -> tuple[list[int], bool]:
+        stub, first_call = _Stub(), _Stream()
+        ended: list[Delivery] = []
+        delivery = Delivery(stub, "decode:1", ended.append)
+        first = asyncio.create_task(_collect(delivery, first_call))
+        await asyncio.sleep(0)
+        assert delivery.serves("r")  # the backend then streams a second "r" on its own call
+        with pytest.raises(ValueError, match="already runs"):
+            await anext(delivery.chunks("r", _Stream()))
+        stub.deliver.put(decode_pb2.DecodeResponses(responses=[_chunk(0, [10])]))
+        first_call.put(_chunk(1, [11], last=True))
+        first_call.end()
+        tokens = await asyncio.wait_for(first, 5)
+        stub.deliver.end()
+        await asyncio.sleep(0.01)
+        return tokens, ended == [delivery] and not delivery.serves("r")
+
+    tokens, ended = asyncio.run(run())
+    assert tokens == [10, 11]
+    assert ended
