@@ -146,14 +146,12 @@ class MeshBackend:
             log.warning("gateway.abort_failed", request_id=request_id, code=exc.code().name)
 
     def _delivery(self, address: str, stub: decode_pb2_grpc.DecodeStub) -> Delivery | None:
-        """The open delivery stream to `address` (opened now if there is none, the last one
-        broke); None where the worker has no Deliver."""
+        """The open delivery stream to `address` (opened now if there is none: an ended one is
+        forgotten as it ends); None where the worker has no Deliver."""
         delivery = self._deliveries.get(address)
-        if delivery is not None and delivery.unsupported:
-            return None
-        if delivery is None or delivery.broken:
+        if delivery is None:
             delivery = self._deliveries[address] = Delivery(stub, address, self._delivery_ended)
-        return delivery
+        return None if delivery.unsupported else delivery
 
     def _delivery_ended(self, delivery: Delivery) -> None:
         """Forget a stream that ended (the next request opens another), unless the worker

@@ -18,6 +18,50 @@ inline Vec load_pair_value(const void* base, bool bf16, int64_t index, int part)
   return load_f32_pairs(static_cast<const float*>(base) + 2 * index, part);
 }
 
+// The (scale, zero) pairs of `rows` rows from row0, two groups after gi: a strided read no
+// hardware prefetcher sees.
+inline void prefetch_scales(const Int4Gemv& g, int64_t row0, int rows, int64_t gi) {
+  const int64_t pair_bytes = g.bf16 ? 4 : 8;
+  if (gi + 2 >= g.k / g.group) return;
+  const char* at = static_cast<const char*>(g.scales_zeros) + ((gi + 2) * g.n + row0) * pair_bytes;
+  for (int64_t off = 0; off < rows * pair_bytes; off += 64) _mm_prefetch(at + off, _MM_HINT_T0);
+}
+
+// acc += group gi's share: (q - 8) scale + zero summed against x is scale (sum q x - 8 sum x) +
+// zero sum x, where part holds sum (q + bias) x and sums the group sums of x.
+template <int kBatch, int kVecs>
+inline void add_group(const Int4Gemv& g, const float* sums, float bias, int64_t gi, int64_t row0,
+                      Vec (&part)[kBatch][kVecs], Vec (&acc)[kBatch][kVecs]) {
+  const int64_t groups = g.k / g.group;
+  for (int j = 0; j < kVecs; ++j) {
+    const int64_t row = row0 + 16 * j;
+    const Vec scale = load_pair_value(g.scales_zeros, g.bf16, gi * g.n + row, 0);
+    const Vec zero_point = load_pair_value(g.scales_zeros, g.bf16, gi * g.n + row, 1);
+    for (int b = 0; b < kBatch; ++b) {
+      const Vec sum = set1(sums[b * groups + gi]);
+      const Vec centred = fnmadd(set1(8.0f + bias), sum, part[b][j]);
+      acc[b][j] = fmadd(scale, centred, fmadd(zero_point, sum, acc[b][j]));
+    }
+  }
+}
+
+// y rows row0.. of every batch row, in y's dtype.
+template <int kBatch, int kVecs>
+inline void store_rows(const Int4Gemv& g, int64_t row0, Vec (&acc)[kBatch][kVecs]) {
+  for (int b = 0; b < kBatch; ++b)
+    for (int j = 0; j < kVecs; ++j) {
+      const int64_t row = row0 + 16 * j;
+      if (g.bf16) {
+        alignas(64) float tmp[16];
+        storeu(tmp, acc[b][j]);
+        uint16_t* y = static_cast<uint16_t*>(g.y) + b * g.n + row;
+        for (int r = 0; r < 16; ++r) y[r] = to_bf16(tmp[r]);
+      } else {
+        storeu(static_cast<float*>(g.y) + b * g.n + row, acc[b][j]);
+      }
+    }
+}
+
 // The rows of one block; each row's sum runs in the same order whatever kBatch. (Two 32-row
 // blocks at once, for more independent sums, ran slower on the Zen 3 EPYC.)
 template <int kBlock, int kBatch>
@@ -31,13 +75,8 @@ void block_rows(const Int4Gemv& g, int64_t block) {
   Vec acc[kBatch][kVecs];
   for (int b = 0; b < kBatch; ++b)
     for (int j = 0; j < kVecs; ++j) acc[b][j] = zero();
-  const int64_t pair_bytes = g.bf16 ? 4 : 8;
-  const char* pairs = static_cast<const char*>(g.scales_zeros) + row0 * pair_bytes;
   for (int64_t gi = 0; gi < groups; ++gi) {
-    // the block's (scale, zero) pairs two groups on: a strided read no hardware prefetcher sees
-    if (gi + 2 < groups)
-      for (int64_t at = 0; at < kBlock * pair_bytes; at += 64)
-        _mm_prefetch(pairs + (gi + 2) * g.n * pair_bytes + at, _MM_HINT_T0);
+    prefetch_scales(g, row0, kBlock, gi);
     Vec part[kBatch][kVecs];
     for (int b = 0; b < kBatch; ++b)
       for (int j = 0; j < kVecs; ++j) part[b][j] = zero();
@@ -53,30 +92,9 @@ void block_rows(const Int4Gemv& g, int64_t block) {
         for (int j = 0; j < kVecs; ++j) part[b][j] = fmadd(q[j], xb, part[b][j]);
       }
     }
-    for (int j = 0; j < kVecs; ++j) {
-      const int64_t row = row0 + 16 * j;
-      const Vec scale = load_pair_value(g.scales_zeros, g.bf16, gi * g.n + row, 0);
-      const Vec zero_point = load_pair_value(g.scales_zeros, g.bf16, gi * g.n + row, 1);
-      for (int b = 0; b < kBatch; ++b) {
-        const Vec sum = set1(g.group_sums[b * groups + gi]);
-        // (q - 8) scale + zero, summed against x: scale (sum q x - 8 sum x) + zero sum x
-        const Vec centred = fnmadd(set1(8.0f), sum, part[b][j]);
-        acc[b][j] = fmadd(scale, centred, fmadd(zero_point, sum, acc[b][j]));
-      }
-    }
+    add_group(g, g.group_sums, 0.0f, gi, row0, part, acc);
   }
-  for (int b = 0; b < kBatch; ++b)
-    for (int j = 0; j < kVecs; ++j) {
-      const int64_t row = row0 + 16 * j;
-      if (g.bf16) {
-        alignas(64) float tmp[16];
-        storeu(tmp, acc[b][j]);
-        uint16_t* y = static_cast<uint16_t*>(g.y) + b * g.n + row;
-        for (int r = 0; r < 16; ++r) y[r] = to_bf16(tmp[r]);
-      } else {
-        storeu(static_cast<float*>(g.y) + b * g.n + row, acc[b][j]);
-      }
-    }
+  store_rows(g, row0, acc);
 }
 
 template <int kBlock>
@@ -122,12 +140,8 @@ KVMESH_INT4_DOT_TARGET void block_rows_dot(const Int4Gemv& g, const float* sums,
   Vec acc[kBatch][4];
   for (int b = 0; b < kBatch; ++b)
     for (int j = 0; j < 4; ++j) acc[b][j] = zero();
-  const int64_t pair_bytes = g.bf16 ? 4 : 8;
-  const char* pairs = static_cast<const char*>(g.scales_zeros) + row0 * pair_bytes;
   for (int64_t gi = 0; gi < groups; ++gi) {
-    if (gi + 2 < groups)
-      for (int64_t at = 0; at < 64 * pair_bytes; at += 64)
-        _mm_prefetch(pairs + (gi + 2) * g.n * pair_bytes + at, _MM_HINT_T0);
+    prefetch_scales(g, row0, 64, gi);
     Vec part[kBatch][4];
     for (int b = 0; b < kBatch; ++b)
       for (int j = 0; j < 4; ++j) part[b][j] = zero();
@@ -148,24 +162,9 @@ KVMESH_INT4_DOT_TARGET void block_rows_dot(const Int4Gemv& g, const float* sums,
         for (int j = 0; j < 4; ++j) part[b][j] = {_mm512_dpbf16_ps(part[b][j].v, q[j], xb)};
       }
     }
-    for (int j = 0; j < 4; ++j) {
-      const int64_t row = row0 + 16 * j;
-      const Vec scale = load_pair_value(g.scales_zeros, g.bf16, gi * g.n + row, 0);
-      const Vec zero_point = load_pair_value(g.scales_zeros, g.bf16, gi * g.n + row, 1);
-      for (int b = 0; b < kBatch; ++b) {
-        const Vec sum = set1(sums[b * groups + gi]);
-        const Vec centred = fnmadd(set1(136.0f), sum, part[b][j]);
-        acc[b][j] = fmadd(scale, centred, fmadd(zero_point, sum, acc[b][j]));
-      }
-    }
+    add_group(g, sums, 128.0f, gi, row0, part, acc);  // the bf16 weights are 128 + q
   }
-  for (int b = 0; b < kBatch; ++b)
-    for (int j = 0; j < 4; ++j) {
-      alignas(64) float tmp[16];
-      storeu(tmp, acc[b][j]);
-      uint16_t* y = static_cast<uint16_t*>(g.y) + b * g.n + row0 + 16 * j;
-      for (int r = 0; r < 16; ++r) y[r] = to_bf16(tmp[r]);
-    }
+  store_rows(g, row0, acc);
 }
 
 void blocks_dot(const Int4Gemv& g, int64_t block0, int64_t block1) {
