@@ -162,6 +162,7 @@ def _service(args: argparse.Namespace) -> tuple[Callable[[Any], Any], Any]:
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
+        delivery_port=getattr(args, "delivery_port", 0),
         model=args.model,
         **{name: getattr(args, name) for name in _WORKER_FLAGS if name not in _ON_OFF},
         **{name: getattr(args, name) == "on" for name in _ON_OFF},

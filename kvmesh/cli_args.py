@@ -230,6 +230,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         worker.add_argument("--worker-id", default="")
         worker.add_argument("--port", type=int, default=0)
         worker.add_argument("--metrics-port", type=int, default=0)
+        if role == "decode":
+            worker.add_argument("--delivery-port", type=int, default=0,
+                                help="the delivery socket's port (default: a free one)")  # fmt: skip
         _cpus_arg(worker, "--cpus", "KVMESH_CPUS", "pin this worker to these CPUs; torch "
                   "threads = their number unless KVMESH_NUM_THREADS says otherwise")  # fmt: skip
         _worker_args(worker)

@@ -31,6 +31,11 @@ from kvmesh.engine.sequence import FinishReason
 from kvmesh.errors import EngineFailure
 
 log = structlog.get_logger(__name__)
+# An idle engine thread sleeps until a call wakes it (every call sets the event after queueing
+# itself); the timeout is only a backstop. At 50 ms, idle prefill and decode workers woke 20
+# times a second each for ~3.5 ms of CPU per second, taken from the decode steps they share
+# cores with.
+_IDLE_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,7 @@ class AsyncEngine:
                     outputs = self._step() if busy else []
                     self._load = self._measure_load()
                 if not busy and not self._calls:
-                    self._wake.wait(0.05)
+                    self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
                 self._deliver_step(outputs)
         finally:

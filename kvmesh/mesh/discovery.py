@@ -49,6 +49,7 @@ class WorkerInfo:
     grpc_address: str
     metrics_address: str = ""
     te_session: str = ""  # Mooncake transfer-engine session id ("host:port")
+    delivery_address: str = ""  # decode: its delivery socket ("host:port"; services/decode)
     model: str = ""
     page_size: int = 16
     kv_dtype: str = ""

@@ -7,6 +7,7 @@ import asyncio
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 
@@ -36,6 +37,7 @@ class WorkerOptions:
     host: str = "127.0.0.1"
     port: int = 0
     metrics_port: int = 0
+    delivery_port: int = 0  # decode: its delivery socket (0: a free port)
     model: str = "smollm2-135m"
     dtype: str = "auto"
     weights: str = "auto"  # auto | fp32 | bf16 | int4 (advertised in the etcd registration)
@@ -76,7 +78,17 @@ class WorkerParts:
 ServicerFactory = Callable[[WorkerParts], list[Callable]]
 
 
-async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) -> None:
+class Listener(Protocol):
+    """A server beside gRPC (decode's delivery socket), advertised in the etcd registration."""
+
+    async def start(self, host: str, port: int = 0) -> str: ...  # the address it listens on
+
+    def close(self) -> None: ...
+
+
+async def serve_worker(
+    options: WorkerOptions, make_servicers: ServicerFactory, delivery: Listener | None = None
+) -> None:
     worker_id = options.worker_id or f"{options.role}-{uuid.uuid4().hex[:8]}"
     structlog.contextvars.bind_contextvars(service=options.role, worker_id=worker_id)
     draft_address = await _draft_address(options)
@@ -127,12 +139,16 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
     # gRPC is served only once the engine above is loaded, so SERVING from its first answer is
     # true. Serving earlier (a faster cold start) must pass serving=False and set it when loaded.
     server, port, health = await start_server(make_servicers(parts), options.host, options.port)
+    delivery_address = (
+        "" if delivery is None else await delivery.start(options.host, options.delivery_port)
+    )
     info = WorkerInfo(
         role=options.role,
         worker_id=worker_id,
         grpc_address=f"{options.host}:{port}",
         metrics_address=f"{options.host}:{metrics_port}",
         te_session=transfer.session,
+        delivery_address=delivery_address,
         model=engine.model_name,
         page_size=engine.config.page_size,
         kv_dtype=engine.kv_dtype,
@@ -155,6 +171,8 @@ async def serve_worker(options: WorkerOptions, make_servicers: ServicerFactory) 
         if store_task is not None:
             store_task.cancel()
         await server.stop(grace=2)
+        if delivery is not None:
+            delivery.close()
         async_engine.stop()
         transfer.close()
 

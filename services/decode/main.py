@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+
 from kvmesh.mesh.affinity import apply_worker_cpus
 from kvmesh.mesh.worker_runtime import WorkerOptions, WorkerParts, serve_worker
+from services.decode.delivery import Deliveries, DeliverySocket
 from services.decode.server import DecodeServicer, add_to
 from services.decode.worker import DecodeWorker
 
 
-def servicers(parts: WorkerParts) -> list:
+def servicers(parts: WorkerParts, deliveries: Deliveries) -> list:
     pool = parts.engine.kv_cache.pool
     worker = DecodeWorker(
         parts.engine,
@@ -19,9 +22,11 @@ def servicers(parts: WorkerParts) -> list:
     )
     if parts.store is not None:
         parts.store.enable_export()  # finished sequences' pages go to the KV store
-    return [add_to(DecodeServicer(worker, parts.worker_id))]
+    return [add_to(DecodeServicer(worker, parts.worker_id, deliveries))]
 
 
 async def serve_decode(options: WorkerOptions) -> None:
     apply_worker_cpus()  # KVMESH_CPUS / --cpus, before the engine sizes its torch pool
-    await serve_worker(options, servicers)
+    deliveries = Deliveries()  # served on the delivery socket and as Decode.Deliver
+    make = functools.partial(servicers, deliveries=deliveries)
+    await serve_worker(options, make, DeliverySocket(deliveries))

@@ -1,7 +1,9 @@
-"""The gateway's end of decode delivery streams (`Decode.Deliver`): one open stream per decode
-worker carries the chunks of every request this gateway runs there, one message per engine step;
-each request's Generate call brings only its last chunk. `Delivery.chunks` puts a request's
-chunks back in order from both streams (`first_index`: its tokens sent before a chunk)."""
+"""The gateway's end of decode delivery streams: one connection to each decode worker's delivery
+socket (services/decode/delivery.py) carries the chunks of every request this gateway runs there,
+one frame per engine step; each request's Generate call brings only its last chunk.
+`Delivery.chunks` puts a request's chunks back in order from both (`first_index`: its tokens sent
+before a chunk). The frames are read in the event loop itself (an asyncio.Protocol): no gRPC
+threads hand them on."""
 
 from __future__ import annotations
 
@@ -12,29 +14,30 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 
-from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc
+from kvmesh.mesh import frames
+from kvmesh.proto.v1 import decode_pb2
 from services.gateway.router import WorkerUnavailable
 
 log = structlog.get_logger(__name__)
 _END = object()  # the Generate stream ended
 
 
-class Delivery:
-    """One open Deliver stream to one decode worker, and the requests it serves. `on_end` is
-    called once when the stream ends (broken, cancelled or refused)."""
+class Delivery(asyncio.Protocol):
+    """One open delivery stream to the decode worker whose delivery socket is `address`, and the
+    requests it serves. `on_end` is called once when the stream ends (refused, broken, closed)."""
 
-    def __init__(self, stub: decode_pb2_grpc.DecodeStub, address: str,
-                 on_end: Callable[[Delivery], None] = lambda _: None) -> None:  # fmt: skip
+    def __init__(self, address: str, on_end: Callable[[Delivery], None] = lambda _: None) -> None:
         self.id = uuid.uuid4().hex
         self.address = address
         self._queues: dict[str, asyncio.Queue] = {}
-        self._call = stub.Deliver(decode_pb2.DeliverRequest(delivery_id=self.id))
         self._on_end = on_end
+        self._frames = frames.FrameBuffer()
+        self._transport: asyncio.BaseTransport | None = None
         self.broken = False
-        self.unsupported = False  # the worker has no Deliver: use none with it
         # its own context: its log lines are nobody's request's
-        self._reader = asyncio.create_task(self._read(), context=contextvars.Context())
+        self._opening = asyncio.create_task(self._open(), context=contextvars.Context())
 
     def serves(self, request_id: str) -> bool:
         """Whether a request of this id runs on it now (a second one must not: chunks are
@@ -86,26 +89,50 @@ class Delivery:
             del self._queues[request_id]
 
     def close(self) -> None:
-        self._call.cancel()
+        if self._transport is not None:
+            self._transport.close()  # connection_lost ends it
+        elif self._opening.cancel():
+            self._end()
 
-    async def _read(self) -> None:
+    async def _open(self) -> None:
+        host, _, port = self.address.rpartition(":")
         try:
-            async for message in self._call:
-                for response in message.responses:
-                    queue = self._queues.get(response.request_id)
-                    if queue is not None:  # else: the request is over (cancelled)
-                        queue.put_nowait(response)
-        except grpc.aio.AioRpcError as exc:
-            self.unsupported = exc.code() == grpc.StatusCode.UNIMPLEMENTED
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                log.warning("gateway.delivery_broken", address=self.address, code=exc.code().name)
-        except Exception as exc:  # e.g. its channel closed under it
+            loop = asyncio.get_running_loop()
+            await loop.create_connection(lambda: self, host, int(port))
+        except (OSError, ValueError) as exc:
+            log.warning("gateway.delivery_refused", address=self.address, error=repr(exc))
+            self._end()
+
+    def connection_made(self, transport) -> None:  # uvloop's is no asyncio.Transport subclass
+        self._transport = transport
+        frames.no_delay(transport)
+        transport.write(frames.frame(decode_pb2.DeliverRequest(delivery_id=self.id)))
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            messages = [decode_pb2.DecodeResponses.FromString(f) for f in self._frames.feed(data)]
+        except (frames.FrameError, DecodeError) as exc:
             log.warning("gateway.delivery_broken", address=self.address, error=repr(exc))
-        finally:
-            self.broken = True
-            for queue in self._queues.values():
-                queue.put_nowait(None)  # whatever was in flight on it may be lost
-            self._on_end(self)
+            self._transport.abort()  # type: ignore[union-attr]  (connection_lost ends it)
+            return
+        for message in messages:
+            for response in message.responses:
+                queue = self._queues.get(response.request_id)
+                if queue is not None:  # else: the request is over (cancelled)
+                    queue.put_nowait(response)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if exc is not None:
+            log.warning("gateway.delivery_broken", address=self.address, error=repr(exc))
+        self._end()
+
+    def _end(self) -> None:
+        if self.broken:
+            return
+        self.broken = True
+        for queue in self._queues.values():
+            queue.put_nowait(None)  # whatever was in flight on it may be lost
+        self._on_end(self)
 
 
 async def _pump(call: grpc.aio.UnaryStreamCall, queue: asyncio.Queue) -> None:

@@ -40,7 +40,7 @@ class MeshBackend:
         self.max_model_len = max_model_len
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._where: dict[str, str] = {}  # request id -> decode address
-        self._deliveries: dict[str, Delivery] = {}  # decode address -> its delivery stream
+        self._deliveries: dict[str, Delivery] = {}  # delivery socket -> its open stream
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
         pin = await self._lookup(request.session_id)
@@ -102,7 +102,7 @@ class MeshBackend:
         )
         self._where[request.request_id] = decode.grpc_address
         held = self._decode_cost(request)
-        delivery = self._delivery(decode.grpc_address, stub)
+        delivery = self._delivery(decode.delivery_address)
         if delivery is not None and delivery.serves(request.request_id):
             delivery = None  # a request of this id runs there already: this one on its call
         if delivery is not None:
@@ -145,18 +145,19 @@ class MeshBackend:
         except grpc.aio.AioRpcError as exc:
             log.warning("gateway.abort_failed", request_id=request_id, code=exc.code().name)
 
-    def _delivery(self, address: str, stub: decode_pb2_grpc.DecodeStub) -> Delivery | None:
-        """The open delivery stream to `address` (opened now if there is none: an ended one is
-        forgotten as it ends); None where the worker has no Deliver."""
+    def _delivery(self, address: str) -> Delivery | None:
+        """The open delivery stream to the delivery socket `address` (opened now if there is
+        none: an ended one is forgotten as it ends); None where the worker advertises none."""
+        if not address:
+            return None
         delivery = self._deliveries.get(address)
         if delivery is None:
-            delivery = self._deliveries[address] = Delivery(stub, address, self._delivery_ended)
-        return None if delivery.unsupported else delivery
+            delivery = self._deliveries[address] = Delivery(address, self._delivery_ended)
+        return delivery
 
     def _delivery_ended(self, delivery: Delivery) -> None:
-        """Forget a stream that ended (the next request opens another), unless the worker
-        refused it as unknown: then its requests stream on their own calls."""
-        if not delivery.unsupported and self._deliveries.get(delivery.address) is delivery:
+        """Forget a stream that ended: the next request opens another."""
+        if self._deliveries.get(delivery.address) is delivery:
             del self._deliveries[delivery.address]
 
     def close(self) -> None:

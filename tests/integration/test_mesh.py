@@ -124,6 +124,30 @@ def test_completion_greedy_equals_engine_streamed_and_not(client, reference):
     assert "".join(c.choices[0].text for c in stream if c.choices) == want.text
 
 
+def test_streamed_tokens_come_on_each_decode_workers_delivery_socket(client, mesh, reference):
+    """Concurrent streams spread over both decode workers; the gateway holds one connection to
+    each worker's advertised delivery socket, and the streamed text is the engine's."""
+    import psutil
+
+    prompt = "A short list of fruits:"
+    want = reference.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0))[0].text
+
+    def streamed(_) -> str:
+        stream = client.completions.create(
+            model="smollm2-135m", prompt=prompt, max_tokens=24, temperature=0, stream=True
+        )
+        return "".join(c.choices[0].text for c in stream if c.choices)
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(streamed, range(4))) == [want] * 4
+    sockets = {w.delivery_address for w in _workers(mesh) if w.role == "decode"}
+    assert len(sockets) == 2 and "" not in sockets
+    gateway = psutil.Process(mesh.procs["gateway"].pid)
+    connected = {f"{c.raddr.ip}:{c.raddr.port}" for c in gateway.net_connections("tcp")
+                 if c.raddr and c.status == psutil.CONN_ESTABLISHED}  # fmt: skip
+    assert sockets <= connected
+
+
 TRIP = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 24},

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 
+from kvmesh import event_loop
+from kvmesh.mesh import frames
 from kvmesh.proto.v1 import common_pb2, decode_pb2
+from services.decode.delivery import Deliveries, DeliverySocket
 from services.gateway.delivery import Delivery
 from services.gateway.router import WorkerUnavailable
 
@@ -42,13 +44,36 @@ class _Stream:
         return item
 
 
-class _Stub:
-    def __init__(self) -> None:
-        self.deliver = _Stream()
+class _Socket:
+    """A decode worker's delivery socket, played by the test: it takes the hello, then writes
+    the frames it is given; `fail()` resets the connection, `end()` closes it."""
 
-    def Deliver(self, request):  # noqa: N802 (the gRPC method's name)
-        self.delivery_id = request.delivery_id
-        return self.deliver
+    async def start(self) -> str:
+        self.connected = asyncio.Event()
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.hello = decode_pb2.DeliverRequest.FromString(await frames.read_frame(reader))
+        self.writer = writer
+        self.connected.set()
+
+    def put(self, *responses: decode_pb2.DecodeResponse) -> None:
+        self.writer.write(frames.frame(decode_pb2.DecodeResponses(responses=responses)))
+
+    def fail(self) -> None:
+        self.writer.transport.abort()
+
+    def end(self) -> None:
+        self.writer.close()
+
+
+async def _open(on_end=lambda _: None) -> tuple[_Socket, Delivery]:
+    socket = _Socket()
+    delivery = Delivery(await socket.start(), on_end)
+    await asyncio.wait_for(socket.connected.wait(), 5)
+    assert socket.hello.delivery_id == delivery.id
+    return socket, delivery
 
 
 def _chunk(first: int, tokens: list[int], last: bool = False) -> decode_pb2.DecodeResponse:
@@ -67,8 +92,7 @@ async def _collect(delivery: Delivery, call: _Stream) -> list[int]:
 
 def test_chunks_from_both_streams_come_out_in_order():
     async def run() -> list[int]:
-        stub, call = _Stub(), _Stream()
-        delivery = Delivery(stub, "decode:1")
+        (socket, delivery), call = await _open(), _Stream()
         task = asyncio.create_task(_collect(delivery, call))
         await asyncio.sleep(0)
         call.put(_chunk(0, [10]))  # before the delivery stream was open on the worker
@@ -76,60 +100,58 @@ def test_chunks_from_both_streams_come_out_in_order():
         call.end()
         await asyncio.sleep(0)
         other = decode_pb2.DecodeResponse(request_id="gone", token_ids=[99], first_index=0)
-        stub.deliver.put(decode_pb2.DecodeResponses(responses=[_chunk(2, [12, 13]), other]))
-        stub.deliver.put(decode_pb2.DecodeResponses(responses=[_chunk(1, [11])]))
+        socket.put(_chunk(2, [12, 13]), other)
+        socket.put(_chunk(1, [11]))
         return await asyncio.wait_for(task, 5)
 
-    assert asyncio.run(run()) == [10, 11, 12, 13, 14]
+    assert event_loop.run(run()) == [10, 11, 12, 13, 14]
 
 
 def test_a_broken_delivery_stream_fails_the_request_instead_of_waiting():
     async def run() -> None:
-        stub, call = _Stub(), _Stream()
-        delivery = Delivery(stub, "decode:1")
+        (socket, delivery), call = await _open(), _Stream()
         task = asyncio.create_task(_collect(delivery, call))
         await asyncio.sleep(0)
-        stub.deliver.put(decode_pb2.DecodeResponses(responses=[_chunk(0, [10])]))
-        reset = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details="stream reset")
-        stub.deliver.put(reset)  # chunk 1 lost with it
+        socket.put(_chunk(0, [10]))
+        await asyncio.sleep(0.01)
+        socket.fail()  # chunk 1 lost with it
+        await asyncio.sleep(0.01)
         call.put(_chunk(2, [12], last=True))
         call.end()
         await asyncio.wait_for(task, 5)
 
     with pytest.raises(WorkerUnavailable, match="lost"):
-        asyncio.run(run())
+        event_loop.run(run())
 
 
 def test_all_chunks_on_generate_still_work_when_the_delivery_stream_is_gone():
     async def run() -> list[int]:
-        stub, call = _Stub(), _Stream()
-        delivery = Delivery(stub, "decode:1")
-        stub.deliver.end()  # the worker closed it: it sends everything on Generate
-        await asyncio.sleep(0)
+        (socket, delivery), call = await _open(), _Stream()
+        socket.end()  # the worker closed it: it sends everything on Generate
+        await asyncio.sleep(0.01)
+        assert delivery.broken
         for chunk in (_chunk(0, [10]), _chunk(1, [11]), _chunk(2, [12], last=True)):
             call.put(chunk)
         call.end()
         return await asyncio.wait_for(_collect(delivery, call), 5)
 
-    assert asyncio.run(run()) == [10, 11, 12]
+    assert event_loop.run(run()) == [10, 11, 12]
 
 
 def test_a_generate_stream_ending_without_its_last_chunk_is_an_error():
     async def run() -> None:
-        stub, call = _Stub(), _Stream()
-        delivery = Delivery(stub, "decode:1")
+        (_, delivery), call = await _open(), _Stream()
         call.put(_chunk(0, [10]))
         call.end()
         await asyncio.wait_for(_collect(delivery, call), 5)
 
     with pytest.raises(WorkerUnavailable, match="before its last chunk"):
-        asyncio.run(run())
+        event_loop.run(run())
 
 
 def test_an_error_chunk_ends_the_request_at_once_and_empty_chunks_add_nothing():
     async def run() -> list:
-        stub, call = _Stub(), _Stream()
-        delivery = Delivery(stub, "decode:1")
+        (socket, delivery), call = await _open(), _Stream()
         got: list = []
 
         async def collect() -> None:
@@ -139,7 +161,7 @@ def test_an_error_chunk_ends_the_request_at_once_and_empty_chunks_add_nothing():
         await asyncio.sleep(0)
         call.put(_chunk(0, [10]))
         call.put(_chunk(1, []))  # nothing new: skipped, not held in the way of index 1
-        stub.deliver.put(decode_pb2.DecodeResponses(responses=[_chunk(1, [11])]))
+        socket.put(_chunk(1, [11]))
         await asyncio.sleep(0.01)
         failed = decode_pb2.DecodeResponse(request_id="r", first_index=5)
         failed.error.message = "engine failed"
@@ -147,29 +169,103 @@ def test_an_error_chunk_ends_the_request_at_once_and_empty_chunks_add_nothing():
         await asyncio.wait_for(task, 5)
         return got
 
-    chunks = asyncio.run(run())
+    chunks = event_loop.run(run())
     assert [list(c.token_ids) for c in chunks] == [[10], [11], []]
     assert chunks[-1].error.message == "engine failed"
 
 
 def test_a_second_request_of_the_same_id_is_refused_without_disturbing_the_first():
     async def run() -> tuple[list[int], bool]:
-        stub, first_call = _Stub(), _Stream()
         ended: list[Delivery] = []
-        delivery = Delivery(stub, "decode:1", ended.append)
+        (socket, delivery), first_call = await _open(ended.append), _Stream()
         first = asyncio.create_task(_collect(delivery, first_call))
         await asyncio.sleep(0)
         assert delivery.serves("r")  # the backend then streams a second "r" on its own call
         with pytest.raises(ValueError, match="already runs"):
             await anext(delivery.chunks("r", _Stream()))
-        stub.deliver.put(decode_pb2.DecodeResponses(responses=[_chunk(0, [10])]))
+        socket.put(_chunk(0, [10]))
+        await asyncio.sleep(0.01)
         first_call.put(_chunk(1, [11], last=True))
         first_call.end()
         tokens = await asyncio.wait_for(first, 5)
-        stub.deliver.end()
+        socket.end()
         await asyncio.sleep(0.01)
         return tokens, ended == [delivery] and not delivery.serves("r")
 
-    tokens, ended = asyncio.run(run())
+    tokens, ended = event_loop.run(run())
     assert tokens == [10, 11]
     assert ended
+
+
+def test_a_refused_connection_or_a_bad_frame_ends_the_stream_and_generate_carries_all():
+    async def run() -> tuple[list[int], list[Delivery], bool]:
+        ended: list[Delivery] = []
+        probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = probe.sockets[0].getsockname()[1]
+        probe.close()
+        await probe.wait_closed()
+        refused = Delivery(f"127.0.0.1:{port}", ended.append)  # nobody listens there now
+        call = _Stream()
+        for chunk in (_chunk(0, [10]), _chunk(1, [11], last=True)):
+            call.put(chunk)
+        call.end()
+        tokens = await asyncio.wait_for(_collect(refused, call), 5)
+        await asyncio.sleep(0.05)
+        socket, garbled = await _open(ended.append)
+        socket.writer.write(frames.HEADER.pack(frames.MAX_FRAME_BYTES + 1))  # not this protocol
+        await asyncio.sleep(0.05)
+        return tokens, ended, garbled.broken
+
+    tokens, ended, garbled_broken = event_loop.run(run())
+    assert tokens == [10, 11]
+    assert len(ended) == 2 and garbled_broken
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_the_workers_delivery_socket_streams_a_steps_chunks_and_forgets_a_client_that_left(
+    loop, monkeypatch
+):
+    """services/decode DeliverySocket + Deliveries against the gateway's Delivery, on real
+    sockets: one frame per loop turn's chunks, a duplicate id refused, a stranger turned away,
+    and the stream unregistered when its client closes (later chunks go on Generate), on the
+    services' loop (uvloop) and asyncio's."""
+    monkeypatch.setenv("KVMESH_EVENT_LOOP", loop)
+
+    async def run() -> tuple[list[int], bool, bool, bool]:
+        deliveries = Deliveries()
+        server = DeliverySocket(deliveries)
+        address = await server.start("127.0.0.1")
+        host, port = address.rsplit(":", 1)
+        stranger_reader, stranger = await asyncio.open_connection(host, int(port))
+        stranger.write(frames.HEADER.pack(1 << 20))  # a hello far over its limit
+        stranger_turned_away = await asyncio.wait_for(stranger_reader.read(), 5) == b""
+        delivery = Delivery(address)
+        for _ in range(500):
+            if deliveries.is_open(delivery.id):
+                break
+            await asyncio.sleep(0.01)
+        twin = Delivery(address)
+        twin.id = delivery.id  # before its hello goes out: the worker must refuse it
+        call = _Stream()
+        task = asyncio.create_task(_collect(delivery, call))
+        await asyncio.sleep(0)
+        assert deliveries.send(delivery.id, _chunk(0, [10]))
+        assert deliveries.send(delivery.id, _chunk(1, [11, 12]))
+        await asyncio.sleep(0.05)
+        call.put(_chunk(3, [13], last=True))
+        call.end()
+        tokens = await asyncio.wait_for(task, 5)
+        await asyncio.sleep(0.05)
+        twin_refused = twin.broken and deliveries.is_open(delivery.id)
+        delivery.close()
+        for _ in range(500):
+            if not deliveries.is_open(delivery.id):
+                break
+            await asyncio.sleep(0.01)
+        forgotten = not deliveries.send(delivery.id, _chunk(4, [14]))
+        server.close()
+        return tokens, stranger_turned_away, twin_refused, forgotten
+
+    tokens, stranger_turned_away, twin_refused, forgotten = event_loop.run(run())
+    assert tokens == [10, 11, 12, 13]
+    assert stranger_turned_away and twin_refused and forgotten

@@ -78,7 +78,10 @@ class DecodeServicer:
 
     def Deliver(self, request, context):
         """One client's delivery stream: the chunks of every request that names it, each step's in one
-        message (a gateway streaming 16 requests gets one message per step, not 16).
+        message (a gateway streaming 16 requests gets one message per step, not 16). The same stream
+        is served on the worker's delivery socket (WorkerInfo.delivery_address: a DeliverRequest
+        frame in, DecodeResponses frames out, each a 4-byte little-endian length then the message),
+        which the gateway uses: no gRPC threads between the engine's event loop and the socket.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
