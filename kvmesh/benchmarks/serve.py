@@ -20,6 +20,7 @@ import os
 import platform
 import shlex
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -96,9 +97,11 @@ def markdown(report: dict[str, Any]) -> str:
         )
     if report.get("bandwidth"):
         b = report["bandwidth"]
-        lines.append(f"\nsingle stream / weight-bandwidth bound: {b['of_bound']} (memory-read "
-                     f"ceiling {' then '.join(map(str, b['ceiling_gbs']))} GB/s, mean over "
-                     f"{b['weight_bytes']} weight bytes = {b['bound_tok_s']} tok/s)")  # fmt: skip
+        lines.append(f"\nsingle stream / weight-bandwidth bound: {b['of_bound']} (median of "
+                     f"{b['of_bound_per_request']}: each request against the mean memory-read "
+                     f"ceiling before and after it, {' / '.join(map(str, b['ceiling_gbs']))} "
+                     f"GB/s, over {b['weight_bytes']} weight bytes; median bound "
+                     f"{b['bound_tok_s']} tok/s)")  # fmt: skip
     if report.get("compute"):
         c = report["compute"]
         lines.append(f"\naggregate / compute bound ({c['bound_tok_s']} tok/s: bf16 GEMM "
@@ -210,12 +213,13 @@ def _measure(args: argparse.Namespace, model: str, levels: list[int], compared: 
             event_loop.run(client_loops(target, list(level_prompts(0, 2)), 2, 8))  # warm the mesh
             engine, paired = measure_paired(target, args.dtype, compared, args.requests_per_level,
                                             args.max_tokens, args.weights)  # fmt: skip
-        from kvmesh.benchmarks.kernels import ceiling
+        from kvmesh.benchmarks.kernels import Ceiling
         from kvmesh.benchmarks.serve_bounds import measure_bounds
 
-        before = ceiling(5)  # the mesh idle, as after the suite: the bound from both
-        suite = measure_suite(target, args, levels, "mesh", CpuMeter(mesh.pids()))
-        suite.update(measure_bounds(suite, model, args.dtype, args.weights, before))
+        probe = Ceiling()  # with the mesh idle, beside each single-stream request
+        suite = measure_suite(target, args, levels, "mesh", CpuMeter(mesh.pids()), probe)
+        del probe
+        suite.update(measure_bounds(suite, model, args.dtype, args.weights))
         return suite, engine, paired
     finally:
         mesh.stop()
@@ -231,14 +235,16 @@ def measure_suite(
     levels: list[int],
     path: str,
     meter: CpuMeter | None = None,
+    probe: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
     """Warm-up, then single stream, long prompt and every level, one after the other; with a
-    meter, each level's CPU milliseconds per output token of every process."""
+    meter, each level's CPU milliseconds per output token of every process; with a probe, the
+    memory-read ceiling beside each single-stream request."""
     event_loop.run(client_loops(target, list(level_prompts(0, 2)), 2, 8))
     n, tokens = args.requests_per_level, args.max_tokens
     single = long = None
     if args.single_stream_requests:
-        single = measure_single_stream(target, args.single_stream_requests, tokens)
+        single = measure_single_stream(target, args.single_stream_requests, tokens, probe)
     if args.long_prompt_requests:
         long = measure_long_prompt(target, args.long_prompt_requests, args.long_prompt_tokens,
                                    LONG_PROMPT_OUTPUT)  # fmt: skip

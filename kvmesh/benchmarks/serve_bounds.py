@@ -2,7 +2,9 @@
 the same run with the mesh idle (this VM's speed swings +-20 % within an hour):
 
 - the weight-bandwidth bound of single-stream decode: a token reads every weight once, so the
-  bound is memory-read GB/s (bench kernels' ceiling: the fastest GEMV over 256 MiB) / weight bytes;
+  bound is memory-read GB/s (bench kernels' ceiling: the fastest GEMV over 256 MiB) / weight bytes,
+  the ceiling measured before and after each single-stream request (it moves by a third within
+  a minute here): each request against the mean of the two beside it, the median over requests;
 - the compute bound of aggregate decode: torch's bf16 GEMM GFLOP/s on SmolLM2's linear shapes at
   512 rows (bench kernels' `gemm_ceiling`) / the FLOPs of a token, 2 per weight element of the
   linears and the LM head (an untied input table is a gather: not counted). Dense models with
@@ -13,27 +15,30 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmesh.benchmarks.kernels import ceiling, gemm_ceiling
+import numpy as np
+
+from kvmesh.benchmarks.kernels import gemm_ceiling
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 
 
-def measure_bounds(suite: dict[str, Any], model: str, dtype: str, weights: str,
-                   before: float) -> dict[str, Any]:  # fmt: skip
+def measure_bounds(suite: dict[str, Any], model: str, dtype: str, weights: str) -> dict[str, Any]:
     """`bandwidth` (single stream / its bound) and `compute` (each level's aggregate / the
-    compute bound) of a suite; `before`: the memory-read GB/s measured before the suite."""
+    compute bound) of a suite whose single stream was measured with a ceiling probe."""
     from kvmesh import LLM
 
-    after = ceiling(5)
     llm = LLM(model=model, dtype=dtype, weights=weights, num_pages=4)
     nbytes = llm.engine.runner.model.weight_bytes
     out: dict[str, Any] = {"bandwidth": None, "compute": None}
     single = suite["single_stream"]
-    if single:
-        bound = (before + after) / 2 * 1e9 / nbytes
-        out["bandwidth"] = {"ceiling_gbs": [round(before, 2), round(after, 2)],
-                            "weight_bytes": nbytes, "bound_tok_s": round(bound, 1),
-                            "of_bound": round(single["decode_tok_s"] / bound, 3)}  # fmt: skip
+    if single and single.get("ceilings_gbs"):
+        gbs, rates = single["ceilings_gbs"], single["request_tok_s"]
+        bounds = [(gbs[i] + gbs[i + 1]) / 2 * 1e9 / nbytes for i in range(len(rates))]
+        ratios = [rate / bound for rate, bound in zip(rates, bounds, strict=True) if rate]
+        out["bandwidth"] = {"ceiling_gbs": gbs, "weight_bytes": nbytes,
+                            "bound_tok_s": round(float(np.median(bounds)), 1),
+                            "of_bound_per_request": [round(r, 3) for r in ratios],
+                            "of_bound": round(float(np.median(ratios)), 3) if ratios else None}  # fmt: skip
     size = ELEMENT_BYTES.get(weights if weights != "auto" else dtype)
     net = llm.engine.runner.model
     if (

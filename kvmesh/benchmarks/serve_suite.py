@@ -16,6 +16,7 @@ import asyncio
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -97,15 +98,28 @@ def measure_level(
     return summarize(path, concurrency, timings, wall)
 
 
-def measure_single_stream(target: Target, n_requests: int, max_tokens: int) -> dict[str, Any]:
+def measure_single_stream(
+    target: Target, n_requests: int, max_tokens: int, probe: Callable[[], float] | None = None
+) -> dict[str, Any]:
+    """Requests one at a time; with `probe` (the memory-read ceiling, GB/s), also measured before
+    the first and after each request (`ceilings_gbs`, one more than `request_tok_s`): this VM's
+    ceiling moves by a third within a minute, so each request is put against the two beside it."""
     prompts: list[Prompt] = [
         f"Single stream, request {i}: write a long story about {TOPICS[i % len(TOPICS)]}."
         for i in range(n_requests)
     ]
-    timings, wall = event_loop.run(client_loops(target, prompts, 1, max_tokens))
+    ceilings = [probe()] if probe else []
+    timings, wall = [], 0.0
+    for prompt in prompts:
+        got, seconds = event_loop.run(client_loops(target, [prompt], 1, max_tokens))
+        timings, wall = timings + got, wall + seconds
+        if probe:
+            ceilings.append(probe())
     row = summarize("single_stream", 1, timings, wall)
-    rates = [1.0 / t.tpot_s for t in timings if t.tpot_s]
-    return {"decode_tok_s": round(float(np.median(rates)), 2) if rates else None, **row}
+    rates = [1.0 / t.tpot_s if t.tpot_s else 0.0 for t in timings]
+    extra = {"ceilings_gbs": [round(c, 2) for c in ceilings]} if probe else {}
+    return {"decode_tok_s": round(float(np.median([r for r in rates if r])), 2) if any(rates)
+            else None, "request_tok_s": [round(r, 2) for r in rates], **extra, **row}  # fmt: skip
 
 
 def measure_long_prompt(

@@ -10,6 +10,7 @@ import pytest
 from kvmesh.benchmarks.serve import measure_level
 from kvmesh.benchmarks.serve_client import Target
 from kvmesh.benchmarks.serve_paired import MIN_ROUNDS, measure_paired
+from kvmesh.benchmarks.serve_suite import measure_single_stream
 from kvmesh.mesh.launcher import Mesh, UpOptions
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -23,6 +24,9 @@ def test_client_measures_ttft_tpot_and_tokens():
         url = f"http://127.0.0.1:{mesh.http_port}"
         result = measure_level(url, "smollm2-135m", concurrency=1, n_requests=2, max_tokens=8)
         engine, paired = measure_paired(Target(url, "smollm2-135m"), "fp32", [1, 2], 2, 6)
+        probed: list[float] = []
+        single = measure_single_stream(Target(url, "smollm2-135m"), 2, 6,
+                                       probe=lambda: probed.append(10.0 + len(probed)) or probed[-1])  # fmt: skip
     finally:
         mesh.stop()
     assert all(proc.poll() is not None for proc in mesh.procs.values())
@@ -31,6 +35,9 @@ def test_client_measures_ttft_tpot_and_tokens():
     assert all(r["ttft_s"] > 0 and r["tpot_s"] > 0 for r in result["requests"])
     assert result["ttft_p50_ms"] > 0 and result["tpot_p50_ms"] > 0
     assert result["output_tok_s"] > 0
+    # the ceiling probe before the first single-stream request and after each one
+    assert single["ceilings_gbs"] == [10.0, 11.0, 12.0]
+    assert len(single["request_tok_s"]) == 2 and all(r > 0 for r in single["request_tok_s"])
     # engine and mesh, request by request: the same rounds of the same prompts on both
     assert sorted(engine) == sorted(paired) == [1, 2]
     for c, want in ((1, MIN_ROUNDS), (2, 2 * MIN_ROUNDS)):

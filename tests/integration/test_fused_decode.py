@@ -67,6 +67,7 @@ def test_fp32_linears_as_weight_left_products_are_the_eager_bits(llama, monkeypa
     from kvmesh.engine.layers import linear
 
     monkeypatch.setattr(linear, "WEIGHT_LEFT_MIN", 0)  # the tiny model's linears take it too
+    monkeypatch.setattr(linear, "F32_GEMV_ROWS", {})  # not the fp32 GEMV ("fp32" above: it)
     assert linear.dense_kernel(5, torch.zeros(4, 4)) == linear.WEIGHT_LEFT
     llm = _fused_is_eager(llama, {"dtype": "fp32"})
     assert llm.engine.runner.fused.kernels(5) == [linear.WEIGHT_LEFT] * 4  # what the op was told

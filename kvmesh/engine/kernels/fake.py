@@ -16,6 +16,11 @@ def _linear_bf16(x, w, bias):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
+@torch.library.register_fake("kvmesh::linear_f32")
+def _linear_f32(x, w, bias):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
 @torch.library.register_fake("kvmesh::linear_bf16_amx")
 def _linear_bf16_amx(x, w, bias):
     return x.new_empty(x.shape[0], w.shape[0])

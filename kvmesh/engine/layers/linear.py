@@ -48,7 +48,9 @@ AMX_ROWS = 64  # ... then AMX tiles up to this many rows
 TILED_ROWS = {"avx512": 32, "avx2": 1 << 62}
 
 
-# fp32: torch's GEMM with the weight as left operand, (weight @ x^T)^T, for this many rows and
+# fp32: the GEMV kernel (kernels/csrc/gemv_f32.cpp) up to this many rows, by the kernels' ISA
+F32_GEMV_ROWS = {"avx512": 8, "avx2": 4}
+# fp32 above those: torch's GEMM with the weight as left operand, (weight @ x^T)^T, for this many rows and
 # weights at least this large (see dense_kernel)
 WEIGHT_LEFT_ROWS = (2, 64)
 WEIGHT_LEFT_MIN = 1 << 22
@@ -62,7 +64,9 @@ def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if x.dim() == 2 and x.dtype is weight.dtype and x.device.type == "cpu":
         kernel = dense_kernel(x.shape[0], weight)
         if kernel == GEMV:
-            return cpu_ops().linear_bf16(x, weight, bias)
+            ops = cpu_ops()
+            gemv = ops.linear_f32 if weight.dtype is torch.float32 else ops.linear_bf16
+            return gemv(x, weight, bias)
         if kernel == AMX:
             return cpu_ops().linear_bf16_amx(x, weight, bias)
         if kernel == WEIGHT_LEFT:
@@ -74,7 +78,9 @@ def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def dense_kernel(rows: int, weight: torch.Tensor) -> int:
     """Which kernel multiplies `rows` rows by a CPU `weight` of their dtype.
 
-    fp32: torch's GEMM, but for 2-64 rows and a weight of >= 4 Mi elements as weight @ x^T.
+    fp32: up to F32_GEMV_ROWS rows the GEMV kernel, which reads the weight once at memory speed
+    (torch's x @ W^T read it at ~8 GB/s at 4 rows, ~20 at one, on the AVX-512 EPYC); above,
+    torch's GEMM, but up to 64 rows and for a weight of >= 4 Mi elements as weight @ x^T.
     MKL's x @ W^T at a few rows re-reads the weight: on the AVX-512 EPYC the 49,152 x 576 LM
     head took 24-36 ms at 2, 3, 6, 7 rows and 18-19 ms at 4 and 8, against 4-9 ms as
     weight @ x^T (which is never slower from 2 to 64 rows on weights of 2048^2 to 11008 x 4096
@@ -88,6 +94,8 @@ def dense_kernel(rows: int, weight: torch.Tensor) -> int:
     have no bf16 arithmetic, the GEMV at every batch (torch's bf16 GEMM is ~4x slower there).
     Otherwise torch's GEMM (docs/benchmarks.md)."""
     if weight.dtype is torch.float32:
+        if cpu_ops() is not None and rows <= F32_GEMV_ROWS.get(kernel_isa() or "", 0):
+            return GEMV
         low, high = WEIGHT_LEFT_ROWS
         return WEIGHT_LEFT if low <= rows <= high and weight.numel() >= WEIGHT_LEFT_MIN else TORCH
     if weight.dtype is not torch.bfloat16 or cpu_ops() is None:

@@ -73,7 +73,9 @@ torch::Tensor linear(const Decoder& d, size_t layer, Role role, const torch::Ten
   const torch::Tensor* w = d.tensors.data() + layer * kPerLayer + 2 + 3 * role;
   const int64_t group = d.int4[(layer * 4 + role) * 2], block = d.int4[(layer * 4 + role) * 2 + 1];
   switch (kernel) {
-    case kGemv: return kvmesh::ops::linear_bf16(x, w[0], bias_of(w[1]));
+    case kGemv:
+      return x.scalar_type() == torch::kFloat ? kvmesh::ops::linear_f32(x, w[0], bias_of(w[1]))
+                                              : kvmesh::ops::linear_bf16(x, w[0], bias_of(w[1]));
     case kAmx: return kvmesh::ops::linear_bf16_amx(x, w[0], bias_of(w[1]));
     case kTorch: return at::linear(x, w[0], bias_of(w[1]));
     case kWeightLeft: {

@@ -47,6 +47,13 @@ void gemv_bf16(const uint16_t* x, int64_t ldx, int batch, const uint16_t* w, int
                int64_t k, const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1,
                bool dot_bf16);
 
+// y[b, n] = sum_k x[b, k] w[n, k] + bias[n] for rows n in [n0, n1); all fp32; batch <=
+// gemv_f32_max_batch() (8 with AVX-512, 4 with AVX2). The sum over k runs in a fixed order
+// whatever the batch or the row range.
+int gemv_f32_max_batch();
+void gemv_f32(const float* x, int64_t ldx, int batch, const float* w, int64_t ldw, int64_t k,
+              const float* bias, float* y, int64_t ldy, int64_t n0, int64_t n1);
+
 // INT4 weights in torch's CPU int4pack layout of `block` (32 or 64) row blocks (see
 // int4_gemv.cpp); x fp32 [batch, k] with its per-group sums group_sums [batch, k / group];
 // y [batch, n] fp32 or bf16; batch <= 4.

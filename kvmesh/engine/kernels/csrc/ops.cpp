@@ -111,6 +111,33 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   return y;
 }
 
+// x [B, K] fp32, w [N, K] fp32 -> [B, N] fp32 (+ bias [N] fp32), B <= gemv_f32_max_batch():
+// the weights read from memory once (gemv_f32.cpp).
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat,
+              "fp32 inputs only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [B, K] and w [N, K]");
+  TORCH_CHECK(x.size(0) <= kvmesh::gemv_f32_max_batch(), "at most ",
+              kvmesh::gemv_f32_max_batch(), " rows");
+  x = x.contiguous();
+  TORCH_CHECK(w.stride(1) == 1, "weight rows must be contiguous");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous(), "fp32 bias");
+    b = bias->data_ptr<float>();
+  }
+  const int64_t batch = x.size(0), n = w.size(0), k = w.size(1);
+  auto y = torch::empty({batch, n}, x.options());
+  if (batch == 0 || n == 0) return y;
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (n + 15) / 16, 8, [&](int64_t begin, int64_t end) {
+    kvmesh::gemv_f32(xp, k, (int)batch, wp, w.stride(0), k, b, yp, n, begin * 16,
+                     std::min(end * 16, n));
+  });
+  return y;
+}
+
 // The same product on AMX tiles (amx_linear.cpp): B <= 64, K % 32 == 0, N % 16 == 0.
 torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(kvmesh::cpu_has_amx(), "this CPU (or kernel) offers no AMX");
@@ -265,6 +292,7 @@ TORCH_LIBRARY(kvmesh, m) {
         "int k_part, int v_part, int v_dim, float scale) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_bf16_amx(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("linear_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, int group, Tensor scales_zeros, int block) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
@@ -279,6 +307,7 @@ TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
   m.impl("paged_decode", &kvmesh::paged_decode);
   m.impl("linear_bf16", &kvmesh::ops::linear_bf16);
   m.impl("linear_bf16_amx", &kvmesh::ops::linear_bf16_amx);
+  m.impl("linear_f32", &kvmesh::ops::linear_f32);
   m.impl("int4_linear", &kvmesh::ops::int4_linear);
   m.impl("rms_norm", &kvmesh::ops::rms_norm_only);
   m.impl("add_rms_norm", &kvmesh::ops::add_rms_norm);

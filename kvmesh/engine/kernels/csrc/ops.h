@@ -16,6 +16,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor data, c10::optional<to
 namespace kvmesh::ops {
 
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t group,
                           torch::Tensor scales_zeros, int64_t block);
