@@ -165,9 +165,21 @@ def _weight_left(engine):
     return switch
 
 
+def _f32_gemv(engine):
+    """fp32: linears of 1-8 rows (1-4 on AVX2) through the GEMV kernel vs torch (weight-left)."""
+    from kvmesh.engine.layers import linear
+
+    served = linear.F32_GEMV_ROWS
+
+    def switch(on: bool | None) -> None:
+        linear.F32_GEMV_ROWS = {} if on is False else served
+
+    return switch
+
+
 # name -> (engine -> switch): switch(True / False) turns it on / off, switch(None) restores
 TOGGLES = {"amx": _amx, "fused": _fused, "linear-kernels": _linear_kernels,
-           "weight-left": _weight_left}  # fmt: skip
+           "weight-left": _weight_left, "f32-gemv": _f32_gemv}  # fmt: skip
 
 
 def compare(engine, toggle: str, concurrency: int, rounds: int, block: int,
@@ -245,5 +257,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="time blocks of steps with amx (the AMX linear kernel), fused (the fused decode "
         "step) or linear-kernels (bf16 linears of 9-64 rows through the kernels instead of "
-        "torch) or weight-left (fp32 linears of 2-64 rows as weight @ x^T) on vs off instead",
+        "torch) or weight-left (fp32 linears of 2-64 rows as weight @ x^T) or f32-gemv (fp32 "
+        "linears of 1-8 rows through the GEMV kernel) on vs off instead",
     )
