@@ -210,7 +210,7 @@ def test_kernels_reject_bad_inputs_with_a_message():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k,group", [(576, 576, 32), (192, 1536, 64), (64, 256, 128)])
 def test_int4_small_batch_kernel_matches_torch_int4_kernel(dtype, n, k, group):
-    from kvmesh.engine.quant.int4 import Int4Linear, Int4Weight
+    from kvmesh.engine.quant.int4 import SMALL_BATCH, Int4Linear, Int4Weight
 
     gen = torch.Generator().manual_seed(k)
     layer = Int4Linear(Int4Weight.quantize(torch.randn(n, k, generator=gen), group), dtype)
@@ -219,7 +219,7 @@ def test_int4_small_batch_kernel_matches_torch_int4_kernel(dtype, n, k, group):
     sz = layer.scales_zeros.double()
     weight = (layer_q(layer, n, k) - 8) * sz[..., 0].T.repeat_interleave(group, 1)
     weight += sz[..., 1].T.repeat_interleave(group, 1)
-    x = torch.randn(4, k, generator=gen).to(dtype)
+    x = torch.randn(SMALL_BATCH, k, generator=gen).to(dtype)
     exact = x.double() @ weight.T
     ops = cpu_ops()
     full = ops.int4_linear(x, layer.packed, group, layer.scales_zeros, layer.block)
@@ -229,7 +229,7 @@ def test_int4_small_batch_kernel_matches_torch_int4_kernel(dtype, n, k, group):
     assert (full.double() - exact).abs().max() / scale <= (
         torch_kernel.double() - exact
     ).abs().max() / scale * 1.5 + 1e-6
-    for rows in (1, 2, 3):
+    for rows in range(1, SMALL_BATCH):  # above 4 rows a block 4 at a time: the same sums
         assert torch.equal(ops.int4_linear(x[:rows], layer.packed, group, layer.scales_zeros,
                                            layer.block), full[:rows])  # fmt: skip
 

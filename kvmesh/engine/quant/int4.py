@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-SMALL_BATCH = 4  # rows up to which the CPU GEMV kernel runs (docs/benchmarks.md)
+# rows up to which the CPU GEMV kernel runs (above 4, a row block 4 batch rows at a time, its
+# bytes from cache after the first 4: 1.5-2x torch's int4 kernel at 5-16 rows; docs/benchmarks.md)
+SMALL_BATCH = 16
 
 
 @dataclass(frozen=True)

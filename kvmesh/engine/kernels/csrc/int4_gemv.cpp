@@ -4,6 +4,7 @@
 // j + block / 2 in its high one; (scale, zero) per group and row in scales_zeros [K / group, N,
 // 2], w = (q - 8) scale + zero. So the large-batch path (torch's kernel) and this one share one
 // resident copy.
+#include <algorithm>
 #include <vector>
 
 #include "kernels.h"
@@ -97,16 +98,30 @@ void block_rows(const Int4Gemv& g, int64_t block) {
   store_rows(g, row0, acc);
 }
 
+// Batch rows b0.. (at most 4) of g: more than 4 rows go through a block 4 at a time, its bytes
+// read from memory by the first 4 and from cache by the rest (each row's sum as alone).
+inline Int4Gemv batch_slice(const Int4Gemv& g, int b0) {
+  Int4Gemv part = g;
+  part.batch = std::min(4, g.batch - b0);
+  if (g.x) part.x = g.x + b0 * g.k;
+  if (g.group_sums) part.group_sums = g.group_sums + b0 * (g.k / g.group);
+  if (g.x_bf16) part.x_bf16 = g.x_bf16 + b0 * g.k;
+  part.y = static_cast<char*>(g.y) + (g.bf16 ? 2 : 4) * b0 * g.n;
+  return part;
+}
+
 template <int kBlock>
 void blocks_of(const Int4Gemv& g, int64_t block0, int64_t block1) {
-  for (int64_t block = block0; block < block1; ++block) {
-    switch (g.batch) {
-      case 1: block_rows<kBlock, 1>(g, block); break;
-      case 2: block_rows<kBlock, 2>(g, block); break;
-      case 3: block_rows<kBlock, 3>(g, block); break;
-      default: block_rows<kBlock, 4>(g, block); break;
+  for (int64_t block = block0; block < block1; ++block)
+    for (int b0 = 0; b0 < g.batch; b0 += 4) {
+      const Int4Gemv part = batch_slice(g, b0);
+      switch (part.batch) {
+        case 1: block_rows<kBlock, 1>(part, block); break;
+        case 2: block_rows<kBlock, 2>(part, block); break;
+        case 3: block_rows<kBlock, 3>(part, block); break;
+        default: block_rows<kBlock, 4>(part, block); break;
+      }
     }
-  }
 }
 
 #if defined(__AVX512F__)
@@ -182,14 +197,17 @@ void blocks_dot(const Int4Gemv& g, int64_t block0, int64_t block1) {
       }
       sums[b * groups + gi] = s;
     }
-  for (int64_t block = block0; block < block1; ++block) {
-    switch (g.batch) {
-      case 1: block_rows_dot<1>(g, sums.data(), block); break;
-      case 2: block_rows_dot<2>(g, sums.data(), block); break;
-      case 3: block_rows_dot<3>(g, sums.data(), block); break;
-      default: block_rows_dot<4>(g, sums.data(), block); break;
+  for (int64_t block = block0; block < block1; ++block)
+    for (int b0 = 0; b0 < g.batch; b0 += 4) {
+      const Int4Gemv part = batch_slice(g, b0);
+      const float* part_sums = sums.data() + b0 * groups;
+      switch (part.batch) {
+        case 1: block_rows_dot<1>(part, part_sums, block); break;
+        case 2: block_rows_dot<2>(part, part_sums, block); break;
+        case 3: block_rows_dot<3>(part, part_sums, block); break;
+        default: block_rows_dot<4>(part, part_sums, block); break;
+      }
     }
-  }
 }
 #endif
 

@@ -56,7 +56,7 @@ void gemv_f32(const float* x, int64_t ldx, int batch, const float* w, int64_t ld
 
 // INT4 weights in torch's CPU int4pack layout of `block` (32 or 64) row blocks (see
 // int4_gemv.cpp); x fp32 [batch, k] with its per-group sums group_sums [batch, k / group];
-// y [batch, n] fp32 or bf16; batch <= 4.
+// y [batch, n] fp32 or bf16; batch <= 16 (a row block 4 batch rows at a time).
 struct Int4Gemv {
   const float* x;
   const float* group_sums;

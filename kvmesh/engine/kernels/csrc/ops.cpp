@@ -170,7 +170,7 @@ torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, c10::optional<to
 // blocks 32 or 64), scales_zeros [K / group, N, 2] in x's dtype -> [B, N] in x's dtype.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, int64_t group,
                           torch::Tensor scales_zeros, int64_t block) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) <= 4, "x [B, K] with B <= 4");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) <= 16, "x [B, K] with B <= 16");
   TORCH_CHECK(x.scalar_type() == scales_zeros.scalar_type(), "x and scales must share a dtype");
   TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16,
               "x must be fp32 or bf16");
