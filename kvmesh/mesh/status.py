@@ -23,8 +23,9 @@ def run_status(etcd: str | None, cluster: str | None, as_json: bool) -> int:
         return 0
     for w in workers:
         load = w.get("load") or {}
+        delivery = f"delivery={w['delivery']} " if w.get("delivery") else ""
         print(
-            f"{w['role']:8} {w['id']:14} grpc={w['grpc']} metrics={w['metrics']} "
+            f"{w['role']:8} {w['id']:14} grpc={w['grpc']} metrics={w['metrics']} {delivery}"
             f"arch={w['precision'].get('architecture', '?')} "
             f"weights={w['precision'].get('weights', '?')} kv={w['kv_dtype']} capacity={w['capacity_tokens']} "
             f"kv_spec={w['precision'].get('kv_spec', '?')} "
@@ -71,6 +72,7 @@ async def _describe(worker: WorkerInfo) -> dict:
         "grpc": worker.grpc_address,
         "metrics": worker.metrics_address,
         "te_session": worker.te_session,
+        "delivery": worker.delivery_address,
         "precision": dict(worker.extra),
         "kv_dtype": worker.kv_dtype,
         "capacity_tokens": worker.capacity_tokens,

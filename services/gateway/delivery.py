@@ -36,6 +36,7 @@ class Delivery(asyncio.Protocol):
         self._frames = frames.FrameBuffer()
         self._transport: asyncio.BaseTransport | None = None
         self.broken = False
+        self.connected = False  # False when it ends: the worker's socket refused it
         # its own context: its log lines are nobody's request's
         self._opening = asyncio.create_task(self._open(), context=contextvars.Context())
 
@@ -105,6 +106,7 @@ class Delivery(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:  # uvloop's is no asyncio.Transport subclass
         self._transport = transport
+        self.connected = True
         frames.no_delay(transport)
         transport.write(frames.frame(decode_pb2.DeliverRequest(delivery_id=self.id)))
 

@@ -5,6 +5,7 @@ worker when one is gone before the first token, abort down the chain."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -24,6 +25,8 @@ from services.gateway.sessions import Pin, SessionStore
 
 log = structlog.get_logger(__name__)
 MAX_ATTEMPTS = 3
+REFUSED_RETRY_S = 5.0  # a delivery socket that refused a connection is tried again after this
+_now = time.monotonic
 
 
 class MeshBackend:
@@ -41,6 +44,7 @@ class MeshBackend:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._where: dict[str, str] = {}  # request id -> decode address
         self._deliveries: dict[str, Delivery] = {}  # delivery socket -> its open stream
+        self._refused: dict[str, float] = {}  # delivery socket -> when to try it again
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
         pin = await self._lookup(request.session_id)
@@ -147,8 +151,9 @@ class MeshBackend:
 
     def _delivery(self, address: str) -> Delivery | None:
         """The open delivery stream to the delivery socket `address` (opened now if there is
-        none: an ended one is forgotten as it ends); None where the worker advertises none."""
-        if not address:
+        none: an ended one is forgotten as it ends); None where the worker advertises none or
+        its socket refused the last try (then the chunks come on Generate)."""
+        if not address or self._refused.get(address, 0.0) > _now():
             return None
         delivery = self._deliveries.get(address)
         if delivery is None:
@@ -156,9 +161,12 @@ class MeshBackend:
         return delivery
 
     def _delivery_ended(self, delivery: Delivery) -> None:
-        """Forget a stream that ended: the next request opens another."""
+        """Forget a stream that ended: the next request opens another (a refused one's after
+        REFUSED_RETRY_S, not one connection attempt and warning per request)."""
         if self._deliveries.get(delivery.address) is delivery:
             del self._deliveries[delivery.address]
+        if not delivery.connected:
+            self._refused[delivery.address] = _now() + REFUSED_RETRY_S
 
     def close(self) -> None:
         """End every delivery stream (the gateway is stopping)."""

@@ -146,6 +146,10 @@ def test_streamed_tokens_come_on_each_decode_workers_delivery_socket(client, mes
     connected = {f"{c.raddr.ip}:{c.raddr.port}" for c in gateway.net_connections("tcp")
                  if c.raddr and c.status == psutil.CONN_ESTABLISHED}  # fmt: skip
     assert sockets <= connected
+    from kvmesh.mesh.status import _collect
+
+    described = asyncio.run(_collect(mesh.etcd.endpoint, "default"))
+    assert {w["delivery"] for w in described if w["role"] == "decode"} == sockets
 
 
 TRIP = {

@@ -4,6 +4,7 @@ from both streams, and a broken stream or a Generate call ending early raised, n
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -219,6 +220,29 @@ def test_a_refused_connection_or_a_bad_frame_ends_the_stream_and_generate_carrie
     tokens, ended, garbled_broken = event_loop.run(run())
     assert tokens == [10, 11]
     assert len(ended) == 2 and garbled_broken
+    assert [d.connected for d in ended] == [False, True]
+
+
+def test_the_backend_tries_a_refused_delivery_socket_again_only_after_a_while(monkeypatch):
+    from services.gateway import mesh_backend
+
+    async def run() -> tuple[bool, bool, bool]:
+        probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        address = f"127.0.0.1:{probe.sockets[0].getsockname()[1]}"
+        probe.close()
+        await probe.wait_closed()
+        backend = mesh_backend.MeshBackend(router=None, model_name="m", max_model_len=64)
+        first = backend._delivery(address)
+        await asyncio.sleep(0.1)  # refused: ended
+        held_back = first.broken and backend._delivery(address) is None
+        now = time.monotonic()
+        monkeypatch.setattr(mesh_backend, "_now", lambda: now + mesh_backend.REFUSED_RETRY_S + 1)
+        again = backend._delivery(address)
+        tried_again = again is not None and again is not first
+        backend.close()
+        return held_back, tried_again, backend._delivery("") is None
+
+    assert event_loop.run(run()) == (True, True, True)
 
 
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
