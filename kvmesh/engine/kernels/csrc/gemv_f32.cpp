@@ -17,22 +17,29 @@ template <int kRows, int kBatch>
 void block(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, const float* bias,
            float* y, int64_t ldy, int64_t n) {
   Vec acc[kRows][kBatch];
+#pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 8
     for (int b = 0; b < kBatch; ++b) acc[r][b] = zero();
-  const auto step = [&](int64_t i, int valid) {
+  // one loop, the tail's lanes masked (they load zeros and add nothing)
+  for (int64_t i = 0; i < k; i += 16) {
+    const int valid = (int)std::min<int64_t>(16, k - i);
     Vec xs[kBatch];
+#pragma GCC unroll 8
     for (int b = 0; b < kBatch; ++b) xs[b] = load_f32(x + b * ldx + i, valid);
+#pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
       _mm_prefetch(reinterpret_cast<const char*>(w + (n + r + kAhead) * ldw + i), _MM_HINT_T1);
       const Vec ws = load_f32(w + (n + r) * ldw + i, valid);
+#pragma GCC unroll 8
       for (int b = 0; b < kBatch; ++b) acc[r][b] = fmadd(ws, xs[b], acc[r][b]);
     }
-  };
-  const int64_t whole = k / 16 * 16;
-  for (int64_t i = 0; i < whole; i += 16) step(i, 16);
-  if (whole < k) step(whole, (int)(k - whole));  // masked lanes load zeros: they add nothing
+  }
+  // unrolled too: an index the compiler cannot resolve keeps acc in memory in the loop above
+#pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r) {
     const float add = bias ? bias[n + r] : 0.0f;
+#pragma GCC unroll 8
     for (int b = 0; b < kBatch; ++b) y[b * ldy + n + r] = hsum(acc[r][b]) + add;
   }
 }
