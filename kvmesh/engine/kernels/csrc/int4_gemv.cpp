@@ -3,7 +3,8 @@
 // AVX2) stored [K, block / 2] bytes, byte j of input k holding row j in its low nibble and row
 // j + block / 2 in its high one; (scale, zero) per group and row in scales_zeros [K / group, N,
 // 2], w = (q - 8) scale + zero. So the large-batch path (torch's kernel) and this one share one
-// resident copy.
+// resident copy. Every loop over accumulators is unrolled (`#pragma GCC unroll`): an index the
+// compiler cannot resolve keeps them in memory, stored on every step (as gemv.cpp).
 #include <algorithm>
 #include <vector>
 
@@ -34,10 +35,12 @@ template <int kBatch, int kVecs>
 inline void add_group(const Int4Gemv& g, const float* sums, float bias, int64_t gi, int64_t row0,
                       Vec (&part)[kBatch][kVecs], Vec (&acc)[kBatch][kVecs]) {
   const int64_t groups = g.k / g.group;
+#pragma GCC unroll 16
   for (int j = 0; j < kVecs; ++j) {
     const int64_t row = row0 + 16 * j;
     const Vec scale = load_pair_value(g.scales_zeros, g.bf16, gi * g.n + row, 0);
     const Vec zero_point = load_pair_value(g.scales_zeros, g.bf16, gi * g.n + row, 1);
+#pragma GCC unroll 16
     for (int b = 0; b < kBatch; ++b) {
       const Vec sum = set1(sums[b * groups + gi]);
       const Vec centred = fnmadd(set1(8.0f + bias), sum, part[b][j]);
@@ -49,7 +52,9 @@ inline void add_group(const Int4Gemv& g, const float* sums, float bias, int64_t 
 // y rows row0.. of every batch row, in y's dtype.
 template <int kBatch, int kVecs>
 inline void store_rows(const Int4Gemv& g, int64_t row0, Vec (&acc)[kBatch][kVecs]) {
+#pragma GCC unroll 16
   for (int b = 0; b < kBatch; ++b)
+#pragma GCC unroll 16
     for (int j = 0; j < kVecs; ++j) {
       const int64_t row = row0 + 16 * j;
       if (g.bf16) {
@@ -74,12 +79,16 @@ void block_rows(const Int4Gemv& g, int64_t block) {
   const int64_t k = g.k, groups = k / g.group, row0 = block * kBlock;
   const uint8_t* w = g.packed + block * k * kHalf;
   Vec acc[kBatch][kVecs];
+#pragma GCC unroll 16
   for (int b = 0; b < kBatch; ++b)
+#pragma GCC unroll 16
     for (int j = 0; j < kVecs; ++j) acc[b][j] = zero();
   for (int64_t gi = 0; gi < groups; ++gi) {
     prefetch_scales(g, row0, kBlock, gi);
     Vec part[kBatch][kVecs];
+#pragma GCC unroll 16
     for (int b = 0; b < kBatch; ++b)
+#pragma GCC unroll 16
       for (int j = 0; j < kVecs; ++j) part[b][j] = zero();
     for (int64_t kk = gi * g.group; kk < (gi + 1) * g.group; ++kk) {
       const uint8_t* bytes = w + kk * kHalf;
@@ -87,9 +96,12 @@ void block_rows(const Int4Gemv& g, int64_t block) {
       if (kk % kInputsPerLine == 0)
         _mm_prefetch(reinterpret_cast<const char*>(bytes + k * kHalf), _MM_HINT_T0);
       Vec q[kVecs];
+#pragma GCC unroll 16
       for (int i = 0; i < kPairs; ++i) load_nibble_pair(bytes + 16 * i, q[i], q[kPairs + i]);
+#pragma GCC unroll 16
       for (int b = 0; b < kBatch; ++b) {
         const Vec xb = set1(g.x[b * k + kk]);
+#pragma GCC unroll 16
         for (int j = 0; j < kVecs; ++j) part[b][j] = fmadd(q[j], xb, part[b][j]);
       }
     }
@@ -137,6 +149,7 @@ void blocks_of(const Int4Gemv& g, int64_t block0, int64_t block1) {
 // kk + 1, 0x43), the row bytes from the nibbles (a), the 0x43s from a constant (b, bit 6 set).
 KVMESH_INT4_DOT_TARGET inline __m512i pair_index(int half) {
   alignas(64) uint8_t at[64];
+#pragma GCC unroll 16
   for (int j = 0; j < 16; ++j) {
     at[4 * j] = (uint8_t)(16 * half + j);
     at[4 * j + 1] = 64;
@@ -153,12 +166,16 @@ KVMESH_INT4_DOT_TARGET void block_rows_dot(const Int4Gemv& g, const float* sums,
   const __m512i nibble = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(0x43);
   const __m512i at0 = pair_index(0), at1 = pair_index(1);
   Vec acc[kBatch][4];
+#pragma GCC unroll 16
   for (int b = 0; b < kBatch; ++b)
+#pragma GCC unroll 16
     for (int j = 0; j < 4; ++j) acc[b][j] = zero();
   for (int64_t gi = 0; gi < groups; ++gi) {
     prefetch_scales(g, row0, 64, gi);
     Vec part[kBatch][4];
+#pragma GCC unroll 16
     for (int b = 0; b < kBatch; ++b)
+#pragma GCC unroll 16
       for (int j = 0; j < 4; ++j) part[b][j] = zero();
     for (int64_t kk = gi * g.group; kk < (gi + 1) * g.group; kk += 2) {
       const uint8_t* bytes = w + kk * 32;
@@ -170,10 +187,12 @@ KVMESH_INT4_DOT_TARGET void block_rows_dot(const Int4Gemv& g, const float* sums,
                              (__m512bh)_mm512_permutex2var_epi8(lo, at1, high),
                              (__m512bh)_mm512_permutex2var_epi8(hi, at0, high),
                              (__m512bh)_mm512_permutex2var_epi8(hi, at1, high)};
+#pragma GCC unroll 16
       for (int b = 0; b < kBatch; ++b) {
         uint32_t xs;
         __builtin_memcpy(&xs, g.x_bf16 + b * k + kk, 4);
         const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xs);
+#pragma GCC unroll 16
         for (int j = 0; j < 4; ++j) part[b][j] = {_mm512_dpbf16_ps(part[b][j].v, q[j], xb)};
       }
     }
