@@ -109,17 +109,18 @@ def measure_single_stream(
         for i in range(n_requests)
     ]
     ceilings = [probe()] if probe else []
-    timings, wall = [], 0.0
+    timings, wall, rates = [], 0.0, []  # rates: one per request (0: it failed), as ceilings
     for prompt in prompts:
         got, seconds = event_loop.run(client_loops(target, [prompt], 1, max_tokens))
         timings, wall = timings + got, wall + seconds
+        rates.append(1.0 / got[0].tpot_s if got and got[0].tpot_s else 0.0)
         if probe:
             ceilings.append(probe())
     row = summarize("single_stream", 1, timings, wall)
-    rates = [1.0 / t.tpot_s if t.tpot_s else 0.0 for t in timings]
+    measured = [r for r in rates if r]
     extra = {"ceilings_gbs": [round(c, 2) for c in ceilings]} if probe else {}
-    return {"decode_tok_s": round(float(np.median([r for r in rates if r])), 2) if any(rates)
-            else None, "request_tok_s": [round(r, 2) for r in rates], **extra, **row}  # fmt: skip
+    return {"decode_tok_s": round(float(np.median(measured)), 2) if measured else None,
+            "request_tok_s": [round(r, 2) for r in rates], **extra, **row}  # fmt: skip
 
 
 def measure_long_prompt(

@@ -24,13 +24,11 @@ _PAGES_USED = metrics.KV_PAGES_USED.labels("decode")
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(
-        self, worker: DecodeWorker, worker_id: str, deliveries: Deliveries | None = None
-    ) -> None:
+    def __init__(self, worker: DecodeWorker, worker_id: str, deliveries: Deliveries) -> None:
         self.worker = worker
         self.engine: AsyncEngine = worker.engine
         self.worker_id = worker_id
-        self.deliveries = deliveries or Deliveries()
+        self.deliveries = deliveries  # shared with the worker's delivery socket
 
     async def Generate(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
