@@ -63,6 +63,19 @@ def test_fused_steps_are_the_eager_bits_and_tokens(llama, engine):
     _fused_is_eager(llama, engine)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fused_steps_in_one_parallel_region_are_the_eager_bits_at_any_thread_count(llama, threads):
+    """bf16 steps run in one parallel region (kernels/csrc/decoder_rows.cpp), its threads
+    splitting each linear, the KV writes, the attention and the SiLU: the same bits whatever
+    their number."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _fused_is_eager(llama, {"dtype": "bf16"})
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_fp32_linears_as_weight_left_products_are_the_eager_bits(llama, monkeypatch):
     from kvmesh.engine.layers import linear
 

@@ -2,7 +2,9 @@
 // bias, full-width RoPE, paged attention, gated SiLU MLP; dense or INT4 weights) as one op. It
 // calls the same op bodies in the same order as models/base.py's eager forward, so its bits are
 // the eager step's; what it saves is a Python call and a dispatcher round per op (~20 per layer).
-// The weights are registered once (register_decoder); a step passes only its own tensors.
+// The weights are registered once (register_decoder); a step passes only its own tensors. Steps of
+// bf16 rows whose linears are all GEMV or small-batch INT4 kernels run in one parallel region
+// instead (decoder_rows.cpp), the same kernels in the same order.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -10,25 +12,12 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "decoder.h"
 #include "ops.h"
 
 namespace {
 
-// Per layer: input norm, post norm, then per role (qkv, o, gate|up, down) the weight (dense, or
-// INT4 packed), its bias and, for INT4, its scales and zeros. An absent tensor is empty.
-constexpr int kPerLayer = 2 + 4 * 3;
-enum Role { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
-// fused_decode.py's kernels: layers/linear.py dense_kernel()'s, then quant/int4.py's two
-enum Kernel { kGemv = 0, kAmx = 1, kTorch = 2, kInt4Small = 3, kInt4Torch = 4, kWeightLeft = 5 };
-
-struct Decoder {
-  torch::Tensor embed;
-  std::vector<torch::Tensor> tensors;  // kPerLayer per layer
-  std::vector<int64_t> int4;           // per layer and role: INT4 group size and row block, or 0 0
-  std::vector<int64_t> kv_keys;        // the KV layer (kv_write.cpp) of each layer
-  int64_t heads, kv_heads, head_dim;
-  double eps, scale;
-};
+using namespace kvmesh::decoder;
 
 std::mutex registry_mutex;
 std::unordered_map<int64_t, std::shared_ptr<const Decoder>>& registry() {
@@ -70,8 +59,8 @@ c10::optional<torch::Tensor> bias_of(const torch::Tensor& b) {
 // layers/linear.py's dense_matmul, Int4Linear and BiasedInt4Linear (product, then + bias) run.
 torch::Tensor linear(const Decoder& d, size_t layer, Role role, const torch::Tensor& x,
                      int64_t kernel) {
-  const torch::Tensor* w = d.tensors.data() + layer * kPerLayer + 2 + 3 * role;
-  const int64_t group = d.int4[(layer * 4 + role) * 2], block = d.int4[(layer * 4 + role) * 2 + 1];
+  const torch::Tensor* w = d.role(layer, role);
+  const int64_t group = d.group(layer, role), block = d.block(layer, role);
   switch (kernel) {
     case kGemv:
       return x.scalar_type() == torch::kFloat ? kvmesh::ops::linear_f32(x, w[0], bias_of(w[1]))
@@ -90,10 +79,7 @@ torch::Tensor linear(const Decoder& d, size_t layer, Role role, const torch::Ten
   }
 }
 
-// ids [T] int64 (T decode rows); cos / sin [T, 1, head_dim] (models/rope.py tables); page,
-// offset [T] int64: where each row's new K/V goes; block_tables [T, W], lengths [T] int32;
-// kernels [4]: the linear kernel of each role (Role) at T rows; capture: layers whose outputs
-// are returned too. -> [hidden [T, H] before the final norm, captured layers' outputs...].
+// The step (decoder.h Step) -> [hidden [T, H] before the final norm, captured layers' outputs...].
 std::vector<torch::Tensor> decoder_forward(int64_t key, torch::Tensor ids, torch::Tensor cos,
                                            torch::Tensor sin, torch::Tensor page,
                                            torch::Tensor offset, torch::Tensor block_tables,
@@ -101,6 +87,8 @@ std::vector<torch::Tensor> decoder_forward(int64_t key, torch::Tensor ids, torch
                                            std::vector<int64_t> capture) {
   const auto d = decoder_of(key);
   TORCH_CHECK(kernels.size() == 4, "one linear kernel per role");
+  const Step step{ids, cos, sin, page, offset, block_tables, lengths, kernels, capture};
+  if (rows_fit(*d, step)) return rows_forward(*d, step);
   const int64_t q_size = d->heads * d->head_dim, kv_size = d->kv_heads * d->head_dim;
   auto h = at::embedding(d->embed, ids);
   std::vector<torch::Tensor> out{h};

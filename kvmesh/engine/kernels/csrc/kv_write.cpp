@@ -9,14 +9,12 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "kv_pages.h"
 #include "ops.h"
 
 namespace {
 
-struct Pages {
-  torch::Tensor data;                  // [P, heads, page_size, parts, dim]
-  c10::optional<torch::Tensor> exps;  // [P, heads, page_size, parts] int8 for FP8
-};
+using kvmesh::kv::Pages;
 
 std::mutex registry_mutex;
 std::unordered_map<int64_t, Pages>& registry() {
@@ -33,13 +31,6 @@ void register_layer(int64_t key, torch::Tensor data, c10::optional<torch::Tensor
 void forget_layer(int64_t key) {
   std::lock_guard<std::mutex> hold(registry_mutex);
   registry().erase(key);
-}
-
-Pages pages_of(int64_t key) {
-  std::lock_guard<std::mutex> hold(registry_mutex);
-  auto found = registry().find(key);
-  TORCH_CHECK(found != registry().end(), "no KV layer registered under key ", key);
-  return found->second;
 }
 
 constexpr float kFp8Max = 448.0f;
@@ -101,13 +92,25 @@ void store_rows(const torch::Tensor& fresh, const int64_t* page, const int64_t* 
 
 }  // namespace
 
+kvmesh::kv::Pages kvmesh::kv::pages_of(int64_t key) {
+  std::lock_guard<std::mutex> hold(registry_mutex);
+  auto found = registry().find(key);
+  TORCH_CHECK(found != registry().end(), "no KV layer registered under key ", key);
+  return found->second;
+}
+
+void kvmesh::kv::store_bf16_row(const c10::BFloat16* x, int64_t dim, const Pages& p, int64_t page,
+                                int64_t head, int64_t slot, int64_t part) {
+  store_row(x, dim, p, page, head, slot, part);
+}
+
 // fresh [T, heads, parts, dim] (fp32 or bf16) written at slots (page[t], offset[t]) of the layer
 // registered under `key`; then q [B, H, k_dim] (the first B rows) attended -> [B, H, v_dim].
 torch::Tensor kvmesh::ops::paged_write_decode(torch::Tensor q, torch::Tensor fresh, int64_t key,
                                               torch::Tensor page, torch::Tensor offset,
                                               torch::Tensor block_tables, torch::Tensor lengths,
                                               int64_t v_part, int64_t v_dim, double scale) {
-  const Pages p = pages_of(key);
+  const Pages p = kvmesh::kv::pages_of(key);
   TORCH_CHECK(fresh.dim() == 4 && fresh.size(1) == p.data.size(1) &&
                   fresh.size(2) == p.data.size(3) && fresh.size(3) == p.data.size(4),
               "new rows [T, heads, parts, dim] like the pages");

@@ -8,22 +8,9 @@
 #include "ops.h"
 #include "simd.h"
 
-namespace {
-
-int storage_of(const torch::Tensor& data) {
-  switch (data.scalar_type()) {
-    case torch::kFloat: return kvmesh::kF32;
-    case torch::kBFloat16: return kvmesh::kBF16;
-    case torch::kChar: return kvmesh::kFP8;
-    default: TORCH_CHECK(false, "KV pages must be fp32, bf16 or fp8 (int8) bytes, got ", data.scalar_type());
-  }
-}
-
 // q [B, H, k_dim]; data [pages, kv_heads, page_size, parts, dim] (a view into the pool);
 // exps [pages, kv_heads, page_size, parts] int8 for FP8; block_tables [B, W] int32;
 // lengths [B] int32 -> [B, H, v_dim] in q's dtype.
-}  // namespace
-
 torch::Tensor kvmesh::paged_decode(torch::Tensor q, torch::Tensor data, c10::optional<torch::Tensor> exps,
                            torch::Tensor block_tables, torch::Tensor lengths, int64_t k_part,
                            int64_t v_part, int64_t v_dim, double scale) {
@@ -38,20 +25,7 @@ torch::Tensor kvmesh::paged_decode(torch::Tensor q, torch::Tensor data, c10::opt
   TORCH_CHECK(q.size(2) <= data.size(4) && v_dim <= data.size(4), "dims exceed the page rows");
   block_tables = block_tables.contiguous();
   lengths = lengths.contiguous();
-  kvmesh::PagedKV kv{};
-  kv.data = data.data_ptr();
-  kv.storage = storage_of(data);
-  kv.page_stride = data.stride(0), kv.head_stride = data.stride(1);
-  kv.slot_stride = data.stride(2), kv.part_stride = data.stride(3);
-  if (kv.storage == kvmesh::kFP8) {
-    TORCH_CHECK(exps.has_value() && exps->scalar_type() == torch::kChar, "FP8 pages need exps");
-    kv.exps = exps->data_ptr<int8_t>();
-    kv.exp_page = exps->stride(0), kv.exp_head = exps->stride(1);
-    kv.exp_slot = exps->stride(2), kv.exp_part = exps->stride(3);
-  }
-  kv.page_size = (int)data.size(2);
-  kv.k_part = (int)k_part, kv.v_part = (int)v_part;
-  kv.k_dim = (int)q.size(2), kv.v_dim = (int)v_dim;
+  const kvmesh::PagedKV kv = kvmesh::paged_kv(data, exps, k_part, v_part, q.size(2), v_dim);
   auto out = torch::empty({batch, heads, v_dim}, q.options());
   if (batch == 0) return out;
   TORCH_CHECK(block_tables.size(0) == batch && lengths.size(0) == batch, "one table and length per row");
@@ -62,22 +36,9 @@ torch::Tensor kvmesh::paged_decode(torch::Tensor q, torch::Tensor data, c10::opt
   rows.block_tables = block_tables.data_ptr<int32_t>(), rows.table_row = block_tables.stride(0);
   rows.lengths = lengths.data_ptr<int32_t>();
   rows.num_heads = (int)heads, rows.num_kv_heads = (int)kv_heads, rows.scale = (float)scale;
-  // Work items: (row, KV head, slice of its query heads). Slicing only splits the work; every
-  // head's result is the same whatever the split.
-  const int64_t group = heads / kv_heads, threads = at::get_num_threads();
-  const int64_t slices = std::clamp<int64_t>((2 * threads + batch * kv_heads - 1) / (batch * kv_heads), 1, group);
-  const int64_t per = (group + slices - 1) / slices;
-  at::parallel_for(0, batch * kv_heads * slices, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (kv_heads * slices), rest = item % (kv_heads * slices);
-      const int64_t kvh = rest / slices, h0 = kvh * group + (rest % slices) * per;
-      const int64_t h1 = std::min(h0 + per, (kvh + 1) * group);
-      // the next item this thread runs, whose first pages it asks for ahead (-1: none)
-      const int64_t next = item + 1 < end ? item + 1 : -1;
-      const int next_b = next < 0 ? -1 : (int)(next / (kv_heads * slices));
-      const int next_kvh = next < 0 ? 0 : (int)(next % (kv_heads * slices) / slices);
-      if (h0 < h1) kvmesh::paged_decode_item(kv, rows, (int)b, (int)kvh, (int)h0, (int)h1, next_b, next_kvh);
-    }
+  const kvmesh::DecodeItems items(batch, heads, kv_heads, at::get_num_threads());
+  at::parallel_for(0, items.count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) items.run(kv, rows, item, end);
   });
   return out;
 }

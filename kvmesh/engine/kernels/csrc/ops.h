@@ -2,7 +2,21 @@
 #pragma once
 #include <torch/extension.h>
 
+#include "kernels.h"
+
 namespace kvmesh {
+
+// The kernels' view of one layer's pages data [P, Hkv, S, parts, D] (exps for FP8).
+PagedKV paged_kv(const torch::Tensor& data, const c10::optional<torch::Tensor>& exps,
+                 int64_t k_part, int64_t v_part, int64_t k_dim, int64_t v_dim);
+
+// paged_decode's work items over `threads` threads: (row, KV head, slice of its query heads).
+struct DecodeItems {
+  DecodeItems(int64_t batch, int64_t heads, int64_t kv_heads, int64_t threads);
+  // item's heads of its row; `end`: where this thread's items end (it asks for the next's pages)
+  void run(const PagedKV& kv, const DecodeRows& rows, int64_t item, int64_t end) const;
+  int64_t kv_heads, group, slices = 1, per = 1, count = 0;
+};
 
 // q [B, H, k_dim] over pages data [P, Hkv, S, parts, D] (exps for FP8) -> [B, H, v_dim].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor data, c10::optional<torch::Tensor> exps,
