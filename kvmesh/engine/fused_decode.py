@@ -23,6 +23,7 @@ import weakref
 import structlog
 import torch
 
+from kvmesh.engine import weight_arena
 from kvmesh.engine.attention.paged import PagedAttention, PagedMetadata
 from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.layers.gqa import GqaAttention
@@ -69,6 +70,8 @@ class FusedDecode:
         self.model = model
         self.key = next(_KEYS)
         self.roles = _roles(model.layers[0])  # every layer's kernels are alike (unfit_reason)
+        # the weights in the order the step streams them, in one allocation (weight_arena.py)
+        self.arena = weight_arena.pack([x for layer in model.layers for x in _roles(layer)])
         tensors, int4 = [], []
         for layer in model.layers:
             tensors += [layer.input_norm, layer.post_norm]
