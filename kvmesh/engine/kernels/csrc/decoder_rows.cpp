@@ -15,6 +15,7 @@
 #include <cmath>
 #include <exception>
 
+#include "claims.h"
 #include "decoder.h"
 #include "kernels.h"
 #include "kv_pages.h"
@@ -74,17 +75,21 @@ struct Product {
     }
   }
 
-  // y [batch, n] rows of thread t's share from x [batch, k]
-  void run(const Bf16* x, int batch, Bf16* y, int t, int nt) const {
+  // 64 output rows per chunk: 4 of the GEMV's 16-row units, or one INT4 block
+  int64_t chunks() const { return int4 ? units : (units + 3) / 4; }
+
+  // y [batch, n] rows of the chunks thread t claims (claims.h) from x [batch, k]
+  void run(const Bf16* x, int batch, Bf16* y, Share* shares, int nt, int t) const {
     static const bool dot = cpu_has_bf16_dot();
-    const auto [u0, u1] = share(units, t, nt);
-    if (!int4) return gemv_bf16(x, k, batch, w, k, k, bias, y, n, u0 * 16, std::min(u1 * 16, n), dot);
     Int4Gemv mine = g;
     mine.x_bf16 = x, mine.batch = batch, mine.y = y;
-    int4_gemv_blocks(mine, u0, u1);
-    if (bias)
-      for (int b = 0; b < batch; ++b)
-        for (int64_t r = u0 * 64; r < u1 * 64; ++r) y[b * n + r] = add_bf16(y[b * n + r], bias[r]);
+    run_claimed(shares, nt, t, [&](int64_t c) {
+      if (!int4) return gemv_bf16(x, k, batch, w, k, k, bias, y, n, c * 64, std::min(c * 64 + 64, n), dot);
+      int4_gemv_blocks(mine, c, c + 1);
+      if (bias)
+        for (int b = 0; b < batch; ++b)
+          for (int64_t r = c * 64; r < c * 64 + 64; ++r) y[b * n + r] = add_bf16(y[b * n + r], bias[r]);
+    });
   }
 };
 
@@ -170,6 +175,12 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
     silu[t] = {gate_up.narrow(1, lo, hi - lo), gate_up.narrow(1, inter + lo, hi - lo),
                act.narrow(1, lo, hi - lo)};
   }
+  // each linear's chunks split over the threads (claims.h): a share per thread, four per layer
+  std::vector<Share> shares(layers.size() * 4 * nt);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const Product* roles[4] = {&layers[i].qkv, &layers[i].o, &layers[i].gate_up, &layers[i].down};
+    for (int r = 0; r < 4; ++r) split(&shares[(i * 4 + r) * nt], roles[r]->chunks(), nt);
+  }
   DecodeRows rows{};
   rows.q = q.data_ptr(), rows.bf16 = true, rows.q_row = q_size, rows.q_head = hd;
   rows.out = attended.data_ptr(), rows.out_row = q_size, rows.out_head = hd;
@@ -193,7 +204,7 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
       const Layer& L = layers[i];
       const torch::Tensor* norms = d.tensors.data() + i * kPerLayer;
       rms_norm_rows(NormRows{h, nullptr, norms[0].data_ptr(), x, nullptr, true, H, (float)d.eps}, 0, T);
-      L.qkv.run(x, (int)T, bf16_of(qkv), t, n_t);
+      L.qkv.run(x, (int)T, bf16_of(qkv), &shares[i * 4 * nt], nt, t);
 #pragma omp barrier
       const auto [w0, w1] = share(T * kvh, t, n_t);  // (row, KV head): its q heads' RoPE, K, V
       for (int64_t item = w0; item < w1; ++item) {
@@ -213,10 +224,10 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
       const auto [a0, a1] = share(items.count, t, n_t);
       for (int64_t item = a0; item < a1; ++item) items.run(L.kv, rows, item, a1);
 #pragma omp barrier
-      L.o.run(bf16_of(attended), (int)T, bf16_of(o), t, n_t);
+      L.o.run(bf16_of(attended), (int)T, bf16_of(o), &shares[(i * 4 + 1) * nt], nt, t);
 #pragma omp barrier
       rms_norm_rows(NormRows{h, bf16_of(o), norms[1].data_ptr(), normed, total, true, H, (float)d.eps}, 0, T);
-      L.gate_up.run(normed, (int)T, bf16_of(gate_up), t, n_t);
+      L.gate_up.run(normed, (int)T, bf16_of(gate_up), &shares[(i * 4 + 2) * nt], nt, t);
 #pragma omp barrier
       try {  // silu(gate) * up: torch's own ops (ops::silu_mul), a share of the columns each
         for (int u = t; u < nt; u += n_t) {
@@ -229,7 +240,7 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
         if (!failed) failed = std::current_exception();
       }
 #pragma omp barrier
-      L.down.run(bf16_of(act), (int)T, bf16_of(down), t, n_t);
+      L.down.run(bf16_of(act), (int)T, bf16_of(down), &shares[(i * 4 + 3) * nt], nt, t);
 #pragma omp barrier
       const Bf16* dn = bf16_of(down);
       for (int64_t e = 0; e < T * H; ++e) h[e] = add_bf16(total[e], dn[e]);
