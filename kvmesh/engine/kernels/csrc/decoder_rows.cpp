@@ -1,11 +1,12 @@
 // The fused decode step of bf16 rows in one OpenMP parallel region, where decoder.cpp's op-by-op
-// path would open one (and allocate, and dispatch) per op: per layer the threads split each
-// linear's output rows, the new rows' RoPE and KV writes, the attention's items and the SiLU's
-// columns between barriers, and each thread computes the norms and the residual add itself
-// into its own buffers (the same bits in every thread: no barrier for them). The kernels and
-// their order are the op-by-op path's, so the bits are the eager step's
-// (tests/integration/test_fused_decode.py); at one row it removes most of the step's time that
-// is neither a linear nor the attention (docs/benchmarks.md).
+// path would open one (and allocate, and dispatch) per op. Per layer, seven phases (phases.h):
+// the threads claim the q|k|v linear's 64-row chunks, then the new rows' RoPE and KV writes, the
+// attention's items, the o linear's chunks, gate|up's, the SiLU's column ranges and down's;
+// between them each thread computes the norms and the residual add itself, into its own
+// buffers (the same bits in every thread). Phase outputs are kept per layer, so a thread
+// descheduled mid-chunk that finishes it late writes where no one reads any more, while the
+// others, after waiting a little, redo its chunk and go on. The kernels and their order are the
+// op-by-op path's, so the bits are the eager step's (tests/integration/test_fused_decode.py).
 #include <ATen/Parallel.h>
 #include <omp.h>
 #include <torch/extension.h>
@@ -14,12 +15,13 @@
 #include <array>
 #include <cmath>
 #include <exception>
+#include <memory>
 
-#include "claims.h"
 #include "decoder.h"
 #include "kernels.h"
 #include "kv_pages.h"
 #include "ops.h"
+#include "phases.h"
 #include "simd.h"
 
 namespace kvmesh::decoder {
@@ -78,18 +80,17 @@ struct Product {
   // 64 output rows per chunk: 4 of the GEMV's 16-row units, or one INT4 block
   int64_t chunks() const { return int4 ? units : (units + 3) / 4; }
 
-  // y [batch, n] rows of the chunks thread t claims (claims.h) from x [batch, k]
-  void run(const Bf16* x, int batch, Bf16* y, Share* shares, int nt, int t) const {
+  // chunk c of y [batch, n] from x [batch, k], final values only (an INT4 product goes through
+  // `scratch` [batch, n] when a bias follows)
+  void chunk(const Bf16* x, int batch, Bf16* y, int64_t c, Bf16* scratch) const {
     static const bool dot = cpu_has_bf16_dot();
+    if (!int4) return gemv_bf16(x, k, batch, w, k, k, bias, y, n, c * 64, std::min(c * 64 + 64, n), dot);
     Int4Gemv mine = g;
-    mine.x_bf16 = x, mine.batch = batch, mine.y = y;
-    run_claimed(shares, nt, t, [&](int64_t c) {
-      if (!int4) return gemv_bf16(x, k, batch, w, k, k, bias, y, n, c * 64, std::min(c * 64 + 64, n), dot);
-      int4_gemv_blocks(mine, c, c + 1);
-      if (bias)
-        for (int b = 0; b < batch; ++b)
-          for (int64_t r = c * 64; r < c * 64 + 64; ++r) y[b * n + r] = add_bf16(y[b * n + r], bias[r]);
-    });
+    mine.x_bf16 = x, mine.batch = batch, mine.y = bias ? scratch : y;
+    int4_gemv_blocks(mine, c, c + 1);
+    if (bias)
+      for (int b = 0; b < batch; ++b)
+        for (int64_t r = c * 64; r < c * 64 + 64; ++r) y[b * n + r] = add_bf16(scratch[b * n + r], bias[r]);
   }
 };
 
@@ -153,97 +154,114 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
                     L.gate_up.k == H && L.gate_up.n == 2 * inter && L.down.k == inter &&
                     L.down.n == H, "linears of the registered shapes");
   const int nt = std::max(1, at::get_num_threads());
-  // shared: each linear's output, RoPE'd q, attention output, SiLU product
-  auto qkv = torch::empty({T, width}, bf16), q = torch::empty({T, q_size}, bf16);
-  auto attended = torch::empty({T, q_size}, bf16), o = torch::empty({T, H}, bf16);
-  auto gate_up = torch::empty({T, 2 * inter}, bf16), act = torch::empty({T, inter}, bf16);
-  auto down = torch::empty({T, H}, bf16);
-  // per thread: the residual stream h (thread 0's is the output), normed x, sum, normed sum, K
-  auto out = torch::empty({T, H}, bf16);
-  auto own = torch::empty({nt, 4, T, H}, bf16), k_rot = torch::empty({nt, T, hd}, bf16);
+  const int64_t Lc = (int64_t)layers.size();
+  // per layer (phases.h): each linear's output, RoPE'd q, attention output, SiLU product
+  auto qkv = torch::empty({Lc, T, width}, bf16), q = torch::empty({Lc, T, q_size}, bf16);
+  auto attended = torch::empty({Lc, T, q_size}, bf16), o = torch::empty({Lc, T, H}, bf16);
+  auto gate_up = torch::empty({Lc, T, 2 * inter}, bf16), act = torch::empty({Lc, T, inter}, bf16);
+  auto down = torch::empty({Lc, T, H}, bf16);
+  // per thread: the residual stream h (thread 0's is the output), normed x, sum, normed sum; K
+  // after RoPE; an INT4 product before its bias; the SiLU before the product
+  auto out = torch::empty({T, H}, bf16), own = torch::empty({nt, 4, T, H}, bf16);
+  auto k_rot = torch::empty({nt, T, hd}, bf16), scratch = torch::empty({nt, T, 2 * inter}, bf16);
   std::vector<bool> keep(layers.size());  // layers whose outputs are returned, in layer order
   std::vector<torch::Tensor> outs{out};
   for (size_t i = 0; i < layers.size(); ++i) {
     keep[i] = std::find(s.capture.begin(), s.capture.end(), (int64_t)i) != s.capture.end();
     if (keep[i]) outs.push_back(torch::empty({T, H}, bf16));
   }
-  // the SiLU's columns per thread, in units of 64 (torch's vector loop splits rows alike)
-  std::vector<std::array<torch::Tensor, 3>> silu(nt);
-  for (int t = 0; t < nt; ++t) {
-    const auto [c0, c1] = share((inter + 63) / 64, t, nt);
-    const int64_t lo = std::min(c0 * 64, inter), hi = std::min(c1 * 64, inter);
-    silu[t] = {gate_up.narrow(1, lo, hi - lo), gate_up.narrow(1, inter + lo, hi - lo),
-               act.narrow(1, lo, hi - lo)};
+  // the SiLU's column ranges, one per thread in units of 64 (torch's vector loop splits rows
+  // alike), as layer 0's views per thread and range: each thread moves its own to layer i
+  std::vector<std::array<int64_t, 2>> ranges(nt);
+  std::vector<std::array<torch::Tensor, 4>> silu(nt * nt);  // gate, up, act, silu(gate)
+  for (int u = 0; u < nt; ++u) {
+    const auto [c0, c1] = share((inter + 63) / 64, u, nt);
+    ranges[u] = {std::min(c0 * 64, inter), std::min(c1 * 64, inter)};
+    const int64_t lo = ranges[u][0], w = ranges[u][1] - lo;
+    for (int t = 0; t < nt; ++t)
+      silu[t * nt + u] = {gate_up[0].narrow(1, lo, w), gate_up[0].narrow(1, inter + lo, w),
+                          act[0].narrow(1, lo, w), scratch[t].narrow(1, 0, w)};
   }
-  // each linear's chunks split over the threads (claims.h): a share per thread, four per layer
-  std::vector<Share> shares(layers.size() * 4 * nt);
-  for (size_t i = 0; i < layers.size(); ++i) {
-    const Product* roles[4] = {&layers[i].qkv, &layers[i].o, &layers[i].gate_up, &layers[i].down};
-    for (int r = 0; r < 4; ++r) split(&shares[(i * 4 + r) * nt], roles[r]->chunks(), nt);
-  }
-  DecodeRows rows{};
-  rows.q = q.data_ptr(), rows.bf16 = true, rows.q_row = q_size, rows.q_head = hd;
-  rows.out = attended.data_ptr(), rows.out_row = q_size, rows.out_head = hd;
-  rows.block_tables = tables.data_ptr<int32_t>(), rows.table_row = tables.stride(0);
-  rows.lengths = lengths.data_ptr<int32_t>();
-  rows.num_heads = (int)d.heads, rows.num_kv_heads = (int)kvh, rows.scale = (float)d.scale;
+  // seven phases per layer: q|k|v, RoPE + KV writes, attention, o, gate|up, SiLU, down
+  constexpr int kPhases = 7;
   const DecodeItems items(T, d.heads, kvh, nt);
+  std::vector<int64_t> counts;
+  for (const Layer& L : layers)
+    for (int64_t c : {L.qkv.chunks(), T * kvh, items.count, L.o.chunks(), L.gate_up.chunks(),
+                      (int64_t)nt, L.down.chunks()})
+      counts.push_back(c);
+  std::vector<Share> shares(counts.size() * nt);
+  std::vector<Done> done(counts.size());
+  int64_t total_chunks = 0;
+  for (int64_t c : counts) total_chunks += c;
+  std::unique_ptr<std::atomic<uint8_t>[]> flags(new std::atomic<uint8_t>[total_chunks]());
+  std::vector<Phase> phases;
+  for (size_t p = 0, at = 0; p < counts.size(); at += counts[p], ++p) {
+    split(&shares[p * nt], counts[p], nt);
+    phases.push_back(Phase{&shares[p * nt], flags.get() + at, &done[p], counts[p]});
+  }
+  DecodeRows rows0{};
+  rows0.bf16 = true, rows0.q_row = q_size, rows0.q_head = hd, rows0.out_row = q_size, rows0.out_head = hd;
+  rows0.block_tables = tables.data_ptr<int32_t>(), rows0.table_row = tables.stride(0);
+  rows0.lengths = lengths.data_ptr<int32_t>();
+  rows0.num_heads = (int)d.heads, rows0.num_kv_heads = (int)kvh, rows0.scale = (float)d.scale;
   const Bf16* embed = bf16_of(d.embed);
   std::exception_ptr failed;
 
 #pragma omp parallel num_threads(nt)
   {
-    const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
+    const int t = omp_get_thread_num();
     c10::InferenceMode inference;  // thread-local: the SiLU's ops write the step's own tensors
     Bf16* h = t == 0 ? bf16_of(out) : bf16_of(own) + (t * 4) * T * H;
     Bf16 *x = bf16_of(own) + (t * 4 + 1) * T * H, *total = x + T * H, *normed = total + T * H;
-    Bf16* kr = bf16_of(k_rot) + t * T * hd;
+    Bf16 *kr = bf16_of(k_rot) + t * T * hd, *mine = bf16_of(scratch) + t * T * 2 * inter;
     for (int64_t r = 0; r < T; ++r) std::copy_n(embed + id[r] * H, H, h + r * H);
     size_t captured = 1;
     for (size_t i = 0; i < layers.size(); ++i) {
       const Layer& L = layers[i];
+      const Phase* ph = phases.data() + i * kPhases;
       const torch::Tensor* norms = d.tensors.data() + i * kPerLayer;
+      Bf16 *qkv_i = bf16_of(qkv) + i * T * width, *q_i = bf16_of(q) + i * T * q_size;
+      Bf16 *att_i = bf16_of(attended) + i * T * q_size, *o_i = bf16_of(o) + i * T * H;
+      Bf16 *gu_i = bf16_of(gate_up) + i * T * 2 * inter, *act_i = bf16_of(act) + i * T * inter;
+      Bf16* down_i = bf16_of(down) + i * T * H;
       rms_norm_rows(NormRows{h, nullptr, norms[0].data_ptr(), x, nullptr, true, H, (float)d.eps}, 0, T);
-      L.qkv.run(x, (int)T, bf16_of(qkv), &shares[i * 4 * nt], nt, t);
-#pragma omp barrier
-      const auto [w0, w1] = share(T * kvh, t, n_t);  // (row, KV head): its q heads' RoPE, K, V
-      for (int64_t item = w0; item < w1; ++item) {
-        const int64_t r = item / kvh, head = item % kvh;
-        const Bf16* fused = bf16_of(qkv);  // rows of q | k | v
-        RopeRows rq{fused + head * group * hd, cos.data_ptr(), sin.data_ptr(),
-                    bf16_of(q) + head * group * hd, true, (int)group, hd, width, hd, q_size};
+      run_phase(ph[0], nt, t, [&](int64_t c) { L.qkv.chunk(x, (int)T, qkv_i, c, mine); });
+      run_phase(ph[1], nt, t, [&](int64_t c) {  // (row, KV head): its q heads' RoPE, its K and V
+        const int64_t r = c / kvh, head = c % kvh;
+        RopeRows rq{qkv_i + head * group * hd, cos.data_ptr(), sin.data_ptr(),
+                    q_i + head * group * hd, true, (int)group, hd, width, hd, q_size};
         rope_rows(rq, r, r + 1);
-        RopeRows rk{fused + q_size + head * hd, cos.data_ptr(), sin.data_ptr(), kr, true, 1, hd,
+        RopeRows rk{qkv_i + q_size + head * hd, cos.data_ptr(), sin.data_ptr(), kr, true, 1, hd,
                     width, hd, hd};
         rope_rows(rk, r, r + 1);
-        const Bf16* v = fused + r * width + q_size + kv_size + head * hd;
+        const Bf16* v = qkv_i + r * width + q_size + kv_size + head * hd;
         kv::store_bf16_row(as_c10(kr + r * hd), hd, L.pages, pg[r], head, off[r], 0);
         kv::store_bf16_row(as_c10(v), hd, L.pages, pg[r], head, off[r], 1);
-      }
-#pragma omp barrier
-      const auto [a0, a1] = share(items.count, t, n_t);
-      for (int64_t item = a0; item < a1; ++item) items.run(L.kv, rows, item, a1);
-#pragma omp barrier
-      L.o.run(bf16_of(attended), (int)T, bf16_of(o), &shares[(i * 4 + 1) * nt], nt, t);
-#pragma omp barrier
-      rms_norm_rows(NormRows{h, bf16_of(o), norms[1].data_ptr(), normed, total, true, H, (float)d.eps}, 0, T);
-      L.gate_up.run(normed, (int)T, bf16_of(gate_up), &shares[(i * 4 + 2) * nt], nt, t);
-#pragma omp barrier
-      try {  // silu(gate) * up: torch's own ops (ops::silu_mul), a share of the columns each
-        for (int u = t; u < nt; u += n_t) {
-          if (silu[u][2].numel() == 0) continue;
-          at::silu_out(silu[u][2], silu[u][0]);
-          at::mul_out(silu[u][2], silu[u][2], silu[u][1]);
-        }
-      } catch (...) {
+      });
+      DecodeRows rows = rows0;
+      rows.q = q_i, rows.out = att_i;
+      run_phase(ph[2], nt, t, [&](int64_t c) { items.run(L.kv, rows, c, items.count); });
+      run_phase(ph[3], nt, t, [&](int64_t c) { L.o.chunk(att_i, (int)T, o_i, c, mine); });
+      rms_norm_rows(NormRows{h, o_i, norms[1].data_ptr(), normed, total, true, H, (float)d.eps}, 0, T);
+      run_phase(ph[4], nt, t, [&](int64_t c) { L.gate_up.chunk(normed, (int)T, gu_i, c, mine); });
+      run_phase(ph[5], nt, t, [&](int64_t u) {  // silu(gate) * up: torch's ops (ops::silu_mul)
+        auto& v = silu[t * nt + u];
+        if (v[2].numel() == 0) return;
+        const int64_t lo = ranges[u][0];
+        v[0].unsafeGetTensorImpl()->set_storage_offset(i * T * 2 * inter + lo);
+        v[1].unsafeGetTensorImpl()->set_storage_offset(i * T * 2 * inter + inter + lo);
+        v[2].unsafeGetTensorImpl()->set_storage_offset(i * T * inter + lo);
+        try {
+          at::silu_out(v[3], v[0]);
+          at::mul_out(v[2], v[3], v[1]);
+        } catch (...) {
 #pragma omp critical
-        if (!failed) failed = std::current_exception();
-      }
-#pragma omp barrier
-      L.down.run(bf16_of(act), (int)T, bf16_of(down), &shares[(i * 4 + 3) * nt], nt, t);
-#pragma omp barrier
-      const Bf16* dn = bf16_of(down);
-      for (int64_t e = 0; e < T * H; ++e) h[e] = add_bf16(total[e], dn[e]);
+          if (!failed) failed = std::current_exception();
+        }
+      });
+      run_phase(ph[6], nt, t, [&](int64_t c) { L.down.chunk(act_i, (int)T, down_i, c, mine); });
+      for (int64_t e = 0; e < T * H; ++e) h[e] = add_bf16(total[e], down_i[e]);
       if (keep[i] && t == 0) std::copy_n(h, T * H, bf16_of(outs[captured]));
       captured += keep[i];
     }

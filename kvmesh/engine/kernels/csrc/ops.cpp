@@ -6,6 +6,7 @@
 
 #include "kernels.h"
 #include "ops.h"
+#include "phases.h"
 #include "simd.h"
 
 // q [B, H, k_dim]; data [pages, kv_heads, page_size, parts, dim] (a view into the pool);
@@ -65,6 +66,13 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   static const bool dot = kvmesh::cpu_has_bf16_dot();
+  if (batch <= 8) {  // 64-row chunks claimed (phases.h): a descheduled thread holds no one up
+    kvmesh::run_chunks((n + 63) / 64, at::get_num_threads(), [&](int64_t c) {
+      kvmesh::gemv_bf16(xp, k, (int)batch, wp, w.stride(0), k, b, yp, n, c * 64,
+                        std::min(c * 64 + 64, n), dot);
+    });
+    return y;
+  }
   at::parallel_for(0, (n + 15) / 16, 8, [&](int64_t begin, int64_t end) {
     kvmesh::gemv_bf16(xp, k, (int)batch, wp, w.stride(0), k, b, yp, n, begin * 16,
                       std::min(end * 16, n), dot);

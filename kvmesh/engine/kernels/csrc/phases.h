@@ -1,0 +1,100 @@
+// Work that a team of threads runs phase after phase, where one descheduled thread holds no one
+// up (on a machine whose cores also run a server and its clients, one is, every few steps):
+// - each thread claims chunks of its own share from the front and, when that is done, the
+//   others' from the back (one compare-and-swap per chunk, on a cache line of the share's own),
+//   so every thread streams its share in order and only a late share's tail changes hands;
+// - a thread that finds nothing left to claim waits for the chunks others hold, and after
+//   kRedoAfter redoes those not yet done itself.
+// A chunk's work must write its outputs' final values only (never an intermediate one), the same
+// bits whoever runs it: a late thread then finishing a chunk again changes nothing, and its
+// outputs must lie where no later phase writes (decoder_rows.cpp keeps them per layer).
+#pragma once
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace kvmesh {
+
+struct alignas(64) Share {
+  std::atomic<uint64_t> word{0};  // front << 32 | back: chunks [front, back) not yet claimed
+};
+
+struct alignas(64) Done {
+  std::atomic<int64_t> count{0};
+};
+
+// One phase: `chunks` chunks, a Share per thread, a done flag per chunk and their count.
+struct Phase {
+  Share* shares;
+  std::atomic<uint8_t>* flags;
+  Done* done;
+  int64_t chunks;
+};
+
+constexpr auto kRedoAfter = std::chrono::microseconds(50);
+
+// shares[t] = thread t's part of `chunks` chunks over `threads` threads
+inline void split(Share* shares, int64_t chunks, int threads) {
+  for (int t = 0; t < threads; ++t) {
+    const uint64_t front = chunks * t / threads, back = chunks * (t + 1) / threads;
+    shares[t].word.store(front << 32 | back, std::memory_order_relaxed);
+  }
+}
+
+// the next chunk from the front (owner) or from the back (others); -1: none left
+inline int64_t claim(Share& share, bool front) {
+  uint64_t word = share.word.load(std::memory_order_relaxed);
+  for (;;) {
+    const uint64_t f = word >> 32, b = word & 0xFFFFFFFFu;
+    if (f >= b) return -1;
+    const uint64_t next = front ? (f + 1) << 32 | b : f << 32 | (b - 1);
+    if (share.word.compare_exchange_weak(word, next, std::memory_order_acq_rel)) return front ? f : b - 1;
+  }
+}
+
+// f(chunk) for every chunk of phase p, run by thread t of `threads`; returns once all are done
+template <typename F>
+void run_phase(const Phase& p, int threads, int t, F&& f) {
+  const auto finish = [&](int64_t c) {
+    f(c);
+    if (p.flags[c].exchange(1, std::memory_order_acq_rel) == 0)
+      p.done->count.fetch_add(1, std::memory_order_acq_rel);
+  };
+  for (int64_t c; (c = claim(p.shares[t], true)) >= 0;) finish(c);
+  for (int o = 1; o < threads; ++o)
+    for (int64_t c; (c = claim(p.shares[(t + o) % threads], false)) >= 0;) finish(c);
+  if (p.done->count.load(std::memory_order_acquire) == p.chunks) return;
+  const auto since = std::chrono::steady_clock::now();
+  while (p.done->count.load(std::memory_order_acquire) < p.chunks) {
+    if (std::chrono::steady_clock::now() - since < kRedoAfter) {
+      _mm_pause();
+      continue;
+    }
+    for (int64_t c = 0; c < p.chunks; ++c)
+      if (p.flags[c].load(std::memory_order_acquire) == 0) finish(c);
+  }
+}
+
+}  // namespace kvmesh
+
+namespace kvmesh {
+
+// f(chunk) for chunks [0, chunks) as one phase of a parallel region of `threads` threads
+template <typename F>
+void run_chunks(int64_t chunks, int threads, F&& f) {
+  std::vector<Share> shares(threads);
+  Done done;
+  std::unique_ptr<std::atomic<uint8_t>[]> flags(new std::atomic<uint8_t>[chunks]());
+  split(shares.data(), chunks, threads);
+  const Phase p{shares.data(), flags.get(), &done, chunks};
+#pragma omp parallel num_threads(threads)
+  run_phase(p, threads, omp_get_thread_num(), f);
+}
+
+}  // namespace kvmesh
