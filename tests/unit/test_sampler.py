@@ -129,6 +129,32 @@ def test_temperature_sampling_frequencies_match_softmax() -> None:
     assert torch.all((freq - expected).abs() <= bound), (freq - expected).abs().max()
 
 
+@pytest.mark.parametrize("uniform", [0.0, 1.0 - 2**-24])
+def test_a_draw_at_either_end_of_the_uniform_picks_a_token_of_positive_probability(
+    monkeypatch, uniform: float
+) -> None:
+    """The inverse-CDF draw: tokens filtered to probability 0 at both ends of the vocabulary are
+    never picked, not even when the uniform is 0 or as close to 1 as float32 gets."""
+    row = torch.full((1, VOCAB), float("-inf"))
+    row[0, 10:20] = torch.linspace(0.0, 1.0, 10)
+    sampler = Sampler()
+    monkeypatch.setattr(
+        sampler, "_uniforms", lambda seqs, device: torch.full((len(seqs), 1), uniform)
+    )
+    token = sampler(row, [seq(temperature=1.0)]).token_ids[0]
+    assert token == (10 if uniform == 0.0 else 19)
+
+
+def test_one_uniform_per_row_is_drawn_whatever_the_vocabulary() -> None:
+    """A seeded row's generator advances by one number per draw (what replay_draw skips when
+    the first token was sampled on another worker)."""
+    sampler, target = Sampler(), seq(seed=99, temperature=1.0)
+    sampler(random_logits(1), [target])
+    replayed = Sampler()
+    replayed.replay_draw(seq_b := seq(seed=99, temperature=1.0), VOCAB)
+    assert torch.equal(sampler.generator(target).get_state(), replayed.generator(seq_b).get_state())
+
+
 def test_seeded_row_reproducible_whatever_the_batch() -> None:
     row = random_logits(1, seed=8, scale=0.5)
     alone, crowded = Sampler(), Sampler()
