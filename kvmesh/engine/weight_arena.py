@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 
 import structlog
 import torch
@@ -68,7 +69,10 @@ def _libc():
 
 
 def _advise_huge_pages(address: int, size: int) -> bool:
-    """Whether Linux took the advice (THP "madvise" or "always"; "never" refuses nothing)."""
+    """Whether Linux took the advice (THP "madvise" or "always"; "never" refuses nothing).
+    THP_MEM_ALLOC_ENABLE=0 (kvmesh/__init__.py: torch's allocator's switch) keeps 4 KiB pages."""
+    if os.environ.get("THP_MEM_ALLOC_ENABLE") == "0":
+        return False
     libc = _libc()
     if libc is None or not hasattr(libc, "madvise"):
         return False
