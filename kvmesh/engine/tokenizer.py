@@ -17,6 +17,7 @@ class Tokenizer:
         eos = {i for i in (hf.eos_token_id,) if i is not None} | set(extra_eos)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.all_special_ids: frozenset[int] = frozenset(hf.all_special_ids)
+        self._raw_decode = _raw_decode(hf)
 
     @classmethod
     def from_source(cls, source: ModelSource, extra_eos: Sequence[int] = ()) -> Tokenizer:
@@ -35,7 +36,10 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        ids = list(token_ids)
+        if self._raw_decode is not None:  # the detokenizers call this twice a token
+            return self._raw_decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(list(token_ids))
@@ -66,3 +70,24 @@ def _check_messages(messages: Sequence[dict[str, Any]]) -> None:
             raise InvalidRequestError(f"messages[{i}] must be an object with a string 'role'")
         if message["role"] not in ("system", "user", "assistant", "tool", "developer"):
             raise InvalidRequestError(f"messages[{i}].role {message['role']!r} is not supported")
+
+
+def _raw_decode(hf: Any):
+    """The Rust tokenizer's own decode where transformers' decode returns exactly its text (a
+    fast tokenizer whose `_decode` is the library's and cleans up no spaces), else None: the
+    Python around it cost as much as the decode itself, twice per streamed token."""
+    try:
+        from transformers import tokenization_utils_tokenizers as fast
+    except ImportError:
+        return None
+    base = getattr(fast, "TokenizersBackend", None) or getattr(
+        fast, "PreTrainedTokenizerFast", None
+    )
+    backend = getattr(hf, "_tokenizer", None)
+    if base is None or backend is None or type(hf)._decode is not base._decode:
+        return None
+    cleans_up = bool(getattr(hf, "clean_up_tokenization_spaces", False))
+    if cleans_up and type(backend.model).__name__ == "BPE":  # transformers skips it for BPE...
+        forced = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+        cleans_up = bool(getattr(hf, forced, False))  # ...unless told otherwise
+    return None if cleans_up else backend.decode

@@ -216,3 +216,33 @@ def test_eos_ids(tok: Tokenizer) -> None:
     assert tok.eos_token_ids == {2}
     assert tok.hf.convert_tokens_to_ids("<|im_end|>") == 2
     assert tok.vocab_size == 49152
+
+
+def test_decode_takes_the_rust_tokenizers_own_path_with_transformers_text(tok):
+    """SmolLM2's fast tokenizer cleans up no spaces, so decode skips transformers' Python wrapper
+    (the detokenizers call it twice a token); the text is transformers' for any ids."""
+    import random
+
+    assert tok._raw_decode is not None
+    rng = random.Random(0)
+    specials = sorted(tok.all_special_ids)
+    for _ in range(500):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 10))]
+        ids.insert(rng.randrange(len(ids) + 1), rng.choice(specials))
+        for skip in (True, False):
+            assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip)
+    for text in TEXTS:
+        assert tok.decode(ids_of(tok, text)) == text
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode(tok, monkeypatch):
+    from kvmesh.engine import tokenizer
+
+    monkeypatch.setattr(tok.hf, "clean_up_tokenization_spaces", True)
+    monkeypatch.setattr(
+        tok.hf,
+        "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+        True,
+        raising=False,
+    )
+    assert tokenizer._raw_decode(tok.hf) is None
