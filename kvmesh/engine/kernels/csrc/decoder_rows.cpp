@@ -80,13 +80,19 @@ struct Product {
   // 64 output rows per chunk: 4 of the GEMV's 16-row units, or one INT4 block
   int64_t chunks() const { return int4 ? units : (units + 3) / 4; }
 
-  // chunk c of y [batch, n] from x [batch, k], final values only (an INT4 product goes through
-  // `scratch` [batch, n] when a bias follows)
-  void chunk(const Bf16* x, int batch, Bf16* y, int64_t c, Bf16* scratch) const {
+  // INT4: x's group sums [batch, k / group] into `sums`, once per thread and phase (not per chunk)
+  int64_t groups() const { return int4 ? k / g.group : 0; }
+  void prepare(const Bf16* x, int batch, float* sums) const {
+    if (int4) int4_group_sums_bf16(x, batch, k, g.group, sums);
+  }
+
+  // chunk c of y [batch, n] from x [batch, k] (and, INT4, prepare's sums), final values only
+  // (an INT4 product goes through `scratch` [batch, n] when a bias follows)
+  void chunk(const Bf16* x, int batch, Bf16* y, int64_t c, Bf16* scratch, const float* sums) const {
     static const bool dot = cpu_has_bf16_dot();
     if (!int4) return gemv_bf16(x, k, batch, w, k, k, bias, y, n, c * 64, std::min(c * 64 + 64, n), dot);
     Int4Gemv mine = g;
-    mine.x_bf16 = x, mine.batch = batch, mine.y = bias ? scratch : y;
+    mine.x_bf16 = x, mine.group_sums = sums, mine.batch = batch, mine.y = bias ? scratch : y;
     int4_gemv_blocks(mine, c, c + 1);
     if (bias)
       for (int b = 0; b < batch; ++b)
@@ -164,6 +170,10 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
   // after RoPE; an INT4 product before its bias; the SiLU before the product
   auto out = torch::empty({T, H}, bf16), own = torch::empty({nt, 4, T, H}, bf16);
   auto k_rot = torch::empty({nt, T, hd}, bf16), scratch = torch::empty({nt, T, 2 * inter}, bf16);
+  int64_t groups = 0;  // INT4 x group sums per thread
+  for (const Layer& L : layers)
+    groups = std::max({groups, L.qkv.groups(), L.o.groups(), L.gate_up.groups(), L.down.groups()});
+  auto x_sums = torch::empty({nt, T * std::max<int64_t>(groups, 1)}, torch::kFloat);
   std::vector<bool> keep(layers.size());  // layers whose outputs are returned, in layer order
   std::vector<torch::Tensor> outs{out};
   for (size_t i = 0; i < layers.size(); ++i) {
@@ -215,6 +225,7 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
     Bf16* h = t == 0 ? bf16_of(out) : bf16_of(own) + (t * 4) * T * H;
     Bf16 *x = bf16_of(own) + (t * 4 + 1) * T * H, *total = x + T * H, *normed = total + T * H;
     Bf16 *kr = bf16_of(k_rot) + t * T * hd, *mine = bf16_of(scratch) + t * T * 2 * inter;
+    float* sums = x_sums.data_ptr<float>() + t * x_sums.size(1);
     for (int64_t r = 0; r < T; ++r) std::copy_n(embed + id[r] * H, H, h + r * H);
     size_t captured = 1;
     for (size_t i = 0; i < layers.size(); ++i) {
@@ -226,7 +237,8 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
       Bf16 *gu_i = bf16_of(gate_up) + i * T * 2 * inter, *act_i = bf16_of(act) + i * T * inter;
       Bf16* down_i = bf16_of(down) + i * T * H;
       rms_norm_rows(NormRows{h, nullptr, norms[0].data_ptr(), x, nullptr, true, H, (float)d.eps}, 0, T);
-      run_phase(ph[0], nt, t, [&](int64_t c) { L.qkv.chunk(x, (int)T, qkv_i, c, mine); });
+      L.qkv.prepare(x, (int)T, sums);
+      run_phase(ph[0], nt, t, [&](int64_t c) { L.qkv.chunk(x, (int)T, qkv_i, c, mine, sums); });
       run_phase(ph[1], nt, t, [&](int64_t c) {  // (row, KV head): its q heads' RoPE, its K and V
         const int64_t r = c / kvh, head = c % kvh;
         RopeRows rq{qkv_i + head * group * hd, cos.data_ptr(), sin.data_ptr(),
@@ -242,9 +254,11 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
       DecodeRows rows = rows0;
       rows.q = q_i, rows.out = att_i;
       run_phase(ph[2], nt, t, [&](int64_t c) { items.run(L.kv, rows, c, items.count); });
-      run_phase(ph[3], nt, t, [&](int64_t c) { L.o.chunk(att_i, (int)T, o_i, c, mine); });
+      L.o.prepare(att_i, (int)T, sums);
+      run_phase(ph[3], nt, t, [&](int64_t c) { L.o.chunk(att_i, (int)T, o_i, c, mine, sums); });
       rms_norm_rows(NormRows{h, o_i, norms[1].data_ptr(), normed, total, true, H, (float)d.eps}, 0, T);
-      run_phase(ph[4], nt, t, [&](int64_t c) { L.gate_up.chunk(normed, (int)T, gu_i, c, mine); });
+      L.gate_up.prepare(normed, (int)T, sums);
+      run_phase(ph[4], nt, t, [&](int64_t c) { L.gate_up.chunk(normed, (int)T, gu_i, c, mine, sums); });
       run_phase(ph[5], nt, t, [&](int64_t u) {  // silu(gate) * up: torch's ops (ops::silu_mul)
         auto& v = silu[t * nt + u];
         if (v[2].numel() == 0) return;
@@ -260,7 +274,8 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
           if (!failed) failed = std::current_exception();
         }
       });
-      run_phase(ph[6], nt, t, [&](int64_t c) { L.down.chunk(act_i, (int)T, down_i, c, mine); });
+      L.down.prepare(act_i, (int)T, sums);
+      run_phase(ph[6], nt, t, [&](int64_t c) { L.down.chunk(act_i, (int)T, down_i, c, mine, sums); });
       for (int64_t e = 0; e < T * H; ++e) h[e] = add_bf16(total[e], down_i[e]);
       if (keep[i] && t == 0) std::copy_n(h, T * H, bf16_of(outs[captured]));
       captured += keep[i];

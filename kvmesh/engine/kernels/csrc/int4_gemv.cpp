@@ -202,24 +202,18 @@ KVMESH_INT4_DOT_TARGET void block_rows_dot(const Int4Gemv& g, const float* sums,
 }
 
 void blocks_dot(const Int4Gemv& g, int64_t block0, int64_t block1) {
-  // each x row's sum per group, in k order (this call's own: a few hundred adds)
+  // each x row's sum per group: the caller's, or this call's own (a few hundred adds a row)
   const int64_t groups = g.k / g.group;
-  std::vector<float> sums(g.batch * groups);
-  for (int b = 0; b < g.batch; ++b)
-    for (int64_t gi = 0; gi < groups; ++gi) {
-      float s = 0.0f;
-      for (int64_t kk = gi * g.group; kk < (gi + 1) * g.group; ++kk) {
-        const uint32_t u = (uint32_t)g.x_bf16[b * g.k + kk] << 16;
-        float f;
-        __builtin_memcpy(&f, &u, 4);
-        s += f;
-      }
-      sums[b * groups + gi] = s;
-    }
+  std::vector<float> own;
+  if (!g.group_sums) {
+    own.resize(g.batch * groups);
+    int4_group_sums_bf16(g.x_bf16, g.batch, g.k, g.group, own.data());
+  }
+  const float* sums = g.group_sums ? g.group_sums : own.data();
   for (int64_t block = block0; block < block1; ++block)
     for (int b0 = 0; b0 < g.batch; b0 += 4) {
       const Int4Gemv part = batch_slice(g, b0);
-      const float* part_sums = sums.data() + b0 * groups;
+      const float* part_sums = sums + b0 * groups;
       switch (part.batch) {
         case 1: block_rows_dot<1>(part, part_sums, block); break;
         case 2: block_rows_dot<2>(part, part_sums, block); break;
@@ -231,6 +225,21 @@ void blocks_dot(const Int4Gemv& g, int64_t block0, int64_t block1) {
 #endif
 
 }  // namespace
+
+void int4_group_sums_bf16(const uint16_t* x, int batch, int64_t k, int64_t group, float* sums) {
+  const int64_t groups = k / group;
+  for (int b = 0; b < batch; ++b)
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      float s = 0.0f;  // in k order
+      for (int64_t kk = gi * group; kk < (gi + 1) * group; ++kk) {
+        const uint32_t u = (uint32_t)x[b * k + kk] << 16;
+        float f;
+        __builtin_memcpy(&f, &u, 4);
+        s += f;
+      }
+      sums[b * groups + gi] = s;
+    }
+}
 
 void int4_gemv_blocks(const Int4Gemv& g, int64_t block0, int64_t block1) {
 #if defined(__AVX512F__)

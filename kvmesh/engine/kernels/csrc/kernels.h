@@ -59,8 +59,8 @@ void gemv_f32(const float* x, int64_t ldx, int batch, const float* w, int64_t ld
 // y [batch, n] fp32 or bf16; batch <= 16 (a row block 4 batch rows at a time).
 struct Int4Gemv {
   const float* x;
-  const float* group_sums;
-  const uint16_t* x_bf16;  // set instead of x and group_sums: bf16 x by pairs of inputs (below)
+  const float* group_sums;  // with x_bf16 optional: int4_group_sums_bf16's, made once per x
+  const uint16_t* x_bf16;   // set instead of x: bf16 x by pairs of inputs (below)
   int batch;
   const uint8_t* packed;
   int block;
@@ -72,6 +72,9 @@ struct Int4Gemv {
 
 // Output rows of the row blocks [block0, block1).
 void int4_gemv_blocks(const Int4Gemv& g, int64_t block0, int64_t block1);
+// sums [batch, k / group]: each bf16 x row's sum per group, in k order (what a call with x_bf16
+// and no group_sums computes for itself)
+void int4_group_sums_bf16(const uint16_t* x, int batch, int64_t k, int64_t group, float* sums);
 // Whether bf16 x may go as x_bf16 (64-row blocks; AVX512-BF16 and VBMI on this CPU).
 bool cpu_has_int4_dot();
 
