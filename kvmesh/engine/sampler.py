@@ -90,7 +90,11 @@ class Sampler:
         total = cdf[:, -1:]
         below = torch.nextafter(total, torch.zeros_like(total))
         u = torch.minimum(self._uniforms(seqs, logits.device) * total, below)
-        return torch.searchsorted(cdf, u, right=True).squeeze(1)
+        ids = torch.searchsorted(cdf, u, right=True).squeeze(1)
+        broken = ~(total.squeeze(1) > 0)  # a NaN or infinite logit: no distribution to draw from
+        if bool(broken.any()):
+            ids[broken] = logits[broken].argmax(dim=-1)
+        return ids.clamp_(max=logits.shape[-1] - 1)
 
     def _uniforms(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
         """[B, 1] uniforms in [0, 1): a seeded request's from its own generator."""

@@ -26,6 +26,7 @@ log = structlog.get_logger(__name__)
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # each weight starts on a cache line
 MADV_HUGEPAGE = 14
+TRIM_EVERY = 64 << 20
 
 
 def _slots(linear) -> list[tuple[object, str]]:
@@ -42,22 +43,28 @@ def pack(linears: list) -> torch.Tensor | None:
     """Moves the CPU weights of `linears` (in stream order) into one allocation, each attribute
     then a view of it; returns the allocation (None: nothing to pack)."""
     slots = [(o, a) for linear in linears for o, a in _slots(linear)]
-    tensors = [getattr(o, a) for o, a in slots]
-    if not tensors or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+    kept = [getattr(o, a) for o, a in slots]
+    if not kept or any(t.device.type != "cpu" or not t.is_contiguous() for t in kept):
         return None
+    shapes = [(t.dtype, t.shape, t.nbytes) for t in kept]
+    del kept  # each old copy goes as soon as its view holds its values (peak: one weight more)
     offsets, size = [], 0
-    for t in tensors:
+    for _, _, nbytes in shapes:
         offsets.append(size)
-        size += -(-t.nbytes // ALIGN) * ALIGN
+        size += -(-nbytes // ALIGN) * ALIGN
     arena = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
     start = -arena.data_ptr() % HUGE_PAGE
     huge = _advise_huge_pages(arena.data_ptr() + start, size)
     arena = arena[start : start + size]
-    for (owner, attr), t, at in zip(slots, tensors, offsets, strict=True):
-        view = arena[at : at + t.nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t)
+    freed = 0
+    for (owner, attr), (dtype, shape, nbytes), at in zip(slots, shapes, offsets, strict=True):
+        view = arena[at : at + nbytes].view(dtype).view(shape)
+        view.copy_(getattr(owner, attr))
         setattr(owner, attr, view)
-    del tensors, t
+        freed += nbytes
+        if freed >= TRIM_EVERY:  # hand the freed copies' pages back as it goes
+            _trim_heap()
+            freed = 0
     _trim_heap()
     log.info("weights.packed", mib=round(size / 2**20, 1), tensors=len(slots), huge_pages=huge)
     return arena

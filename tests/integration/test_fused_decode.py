@@ -76,6 +76,21 @@ def test_fused_steps_in_one_parallel_region_are_the_eager_bits_at_any_thread_cou
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("engine", [{"dtype": "bf16"}, {"weights": "int4"}], ids=["bf16", "int4"])
+def test_a_thread_that_falls_behind_has_its_chunks_redone_with_the_same_bits(llama, engine):
+    """Thread 1 sleeps before its first chunk of every phase (a test hook): thread 0 redoes it
+    after waiting (kernels/csrc/phases.h), thread 1 then writes the same values late, and the
+    steps stay the eager bits."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    cpu_ops().set_phase_delay_us(300)
+    try:
+        _fused_is_eager(llama, engine)
+    finally:
+        cpu_ops().set_phase_delay_us(0)
+        torch.set_num_threads(before)
+
+
 def test_fp32_linears_as_weight_left_products_are_the_eager_bits(llama, monkeypatch):
     from kvmesh.engine.layers import linear
 

@@ -327,3 +327,21 @@ def test_greedy_token_ids_are_torch_argmax_nan_rows_too(dtype):
     logits[4, 17] = float("nan")
     assert greedy_token_ids(logits) == logits.argmax(-1).tolist() == greedy_tokens(logits).tolist()
     assert greedy_token_ids(logits)[4] == 17 and greedy_token_ids(logits[:0]) == []
+
+
+@pytest.mark.parametrize("rows, width", [(7, 8200), (1, 1536), (40, 1536)])
+def test_silu_mul_is_whole_rows_of_torchs_silu_at_any_thread_count(rows, width):
+    """ops.silu_mul splits by whole rows, so its bits are each row's torch silu * up alone, at
+    any thread count (torch's own split of a large tensor lands mid-row, and its vector loop then
+    leaves other lanes to the scalar exp); the fused step's 64-column ranges give those bits."""
+    torch.manual_seed(0)
+    gate_up = (torch.randn(rows, 2 * width) * 4).bfloat16()
+    gate, up = gate_up.chunk(2, -1)
+    want = torch.stack([torch.nn.functional.silu(gate[r]) * up[r] for r in range(rows)])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(cpu_ops().silu_mul(gate_up), want), threads
+    finally:
+        torch.set_num_threads(before)

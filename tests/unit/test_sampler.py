@@ -145,6 +145,15 @@ def test_a_draw_at_either_end_of_the_uniform_picks_a_token_of_positive_probabili
     assert token == (10 if uniform == 0.0 else 19)
 
 
+def test_a_row_holding_nan_or_inf_still_gets_a_token_of_the_vocabulary() -> None:
+    rows = random_logits(3)
+    rows[0, 5] = float("nan")
+    rows[1, 7] = float("inf")
+    out = Sampler()(rows, [seq(temperature=1.0) for _ in range(3)]).token_ids
+    assert all(0 <= t < VOCAB for t in out)
+    assert out[1] == 7
+
+
 def test_one_uniform_per_row_is_drawn_whatever_the_vocabulary() -> None:
     """A seeded row's generator advances by one number per draw (what replay_draw skips when
     the first token was sampled on another worker)."""

@@ -75,6 +75,8 @@ struct Product {
       TORCH_CHECK(t[0].scalar_type() == torch::kBFloat16 && t[0].is_contiguous(), "bf16 weights");
       w = bf16_of(t[0]), n = t[0].size(0), k = t[0].size(1), units = (n + 15) / 16;
     }
+    TORCH_CHECK(!bias || (t[1].scalar_type() == torch::kBFloat16 && t[1].is_contiguous() &&
+                          t[1].numel() == n), "bf16 biases [out]");
   }
 
   // 64 output rows per chunk: 4 of the GEMV's 16-row units, or one INT4 block
@@ -139,13 +141,19 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
   const int64_t* off = offset.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(id[t] >= 0 && id[t] < d.embed.size(0), "token id ", id[t], " outside the vocabulary");
+  TORCH_CHECK(d.embed.is_contiguous(), "a contiguous embedding");
   std::vector<Layer> layers;
   layers.reserve(d.kv_keys.size());
   for (size_t i = 0; i < d.kv_keys.size(); ++i) {
     kv::Pages pages = kv::pages_of(d.kv_keys[i]);
     const auto& data = pages.data;
-    TORCH_CHECK(data.dim() == 5 && data.size(1) == kvh && data.size(3) == 2 && data.size(4) == hd,
-                "pages [P, kv_heads, page_size, 2, head_dim]");
+    TORCH_CHECK(data.dim() == 5 && data.size(1) == kvh && data.size(3) == 2 && data.size(4) == hd &&
+                    data.stride(4) == 1, "pages [P, kv_heads, page_size, 2, head_dim]");
+    for (int n = 0; n < 2; ++n) {
+      const torch::Tensor& norm = d.tensors[i * kPerLayer + n];
+      TORCH_CHECK(norm.scalar_type() == torch::kBFloat16 && norm.is_contiguous() &&
+                      norm.numel() == H, "bf16 norm weights [hidden]");
+    }
     for (int64_t t = 0; t < T; ++t)
       TORCH_CHECK(pg[t] >= 0 && pg[t] < data.size(0) && off[t] >= 0 && off[t] < data.size(2),
                   "slot (", pg[t], ", ", off[t], ") outside the pages");
@@ -169,7 +177,10 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
   // per thread: the residual stream h (thread 0's is the output), normed x, sum, normed sum; K
   // after RoPE; an INT4 product before its bias; the SiLU before the product
   auto out = torch::empty({T, H}, bf16), own = torch::empty({nt, 4, T, H}, bf16);
-  auto k_rot = torch::empty({nt, T, hd}, bf16), scratch = torch::empty({nt, T, 2 * inter}, bf16);
+  int64_t widest = 2 * inter;  // the SiLU's, or an INT4 product's before its bias
+  for (const Layer& L : layers)
+    widest = std::max({widest, L.qkv.n, L.o.n, L.gate_up.n, L.down.n});
+  auto k_rot = torch::empty({nt, T, hd}, bf16), scratch = torch::empty({nt, T, widest}, bf16);
   int64_t groups = 0;  // INT4 x group sums per thread
   for (const Layer& L : layers)
     groups = std::max({groups, L.qkv.groups(), L.o.groups(), L.gate_up.groups(), L.down.groups()});
@@ -180,18 +191,15 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
     keep[i] = std::find(s.capture.begin(), s.capture.end(), (int64_t)i) != s.capture.end();
     if (keep[i]) outs.push_back(torch::empty({T, H}, bf16));
   }
-  // the SiLU's column ranges, one per thread in units of 64 (torch's vector loop splits rows
-  // alike), as layer 0's views per thread and range: each thread moves its own to layer i
+  // the SiLU's column ranges, one per thread in units of 64 (ops::silu_mul runs whole rows: the
+  // same vector and scalar lanes), as views a thread makes once per step and range (mostly its
+  // own) and moves to layer i
   std::vector<std::array<int64_t, 2>> ranges(nt);
-  std::vector<std::array<torch::Tensor, 4>> silu(nt * nt);  // gate, up, act, silu(gate)
   for (int u = 0; u < nt; ++u) {
     const auto [c0, c1] = share((inter + 63) / 64, u, nt);
     ranges[u] = {std::min(c0 * 64, inter), std::min(c1 * 64, inter)};
-    const int64_t lo = ranges[u][0], w = ranges[u][1] - lo;
-    for (int t = 0; t < nt; ++t)
-      silu[t * nt + u] = {gate_up[0].narrow(1, lo, w), gate_up[0].narrow(1, inter + lo, w),
-                          act[0].narrow(1, lo, w), scratch[t].narrow(1, 0, w)};
   }
+  std::vector<std::array<torch::Tensor, 4>> silu(nt * nt);  // gate, up, act, silu(gate)
   // seven phases per layer: q|k|v, RoPE + KV writes, attention, o, gate|up, SiLU, down
   constexpr int kPhases = 7;
   const DecodeItems items(T, d.heads, kvh, nt);
@@ -205,10 +213,11 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
   int64_t total_chunks = 0;
   for (int64_t c : counts) total_chunks += c;
   std::unique_ptr<std::atomic<uint8_t>[]> flags(new std::atomic<uint8_t>[total_chunks]());
+  Failure failure;  // the first exception a phase's work threw (phases.h)
   std::vector<Phase> phases;
   for (size_t p = 0, at = 0; p < counts.size(); at += counts[p], ++p) {
     split(&shares[p * nt], counts[p], nt);
-    phases.push_back(Phase{&shares[p * nt], flags.get() + at, &done[p], counts[p]});
+    phases.push_back(Phase{&shares[p * nt], flags.get() + at, &done[p], counts[p], &failure});
   }
   DecodeRows rows0{};
   rows0.bf16 = true, rows0.q_row = q_size, rows0.q_head = hd, rows0.out_row = q_size, rows0.out_head = hd;
@@ -216,7 +225,6 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
   rows0.lengths = lengths.data_ptr<int32_t>();
   rows0.num_heads = (int)d.heads, rows0.num_kv_heads = (int)kvh, rows0.scale = (float)d.scale;
   const Bf16* embed = bf16_of(d.embed);
-  std::exception_ptr failed;
 
 #pragma omp parallel num_threads(nt)
   {
@@ -224,7 +232,7 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
     c10::InferenceMode inference;  // thread-local: the SiLU's ops write the step's own tensors
     Bf16* h = t == 0 ? bf16_of(out) : bf16_of(own) + (t * 4) * T * H;
     Bf16 *x = bf16_of(own) + (t * 4 + 1) * T * H, *total = x + T * H, *normed = total + T * H;
-    Bf16 *kr = bf16_of(k_rot) + t * T * hd, *mine = bf16_of(scratch) + t * T * 2 * inter;
+    Bf16 *kr = bf16_of(k_rot) + t * T * hd, *mine = bf16_of(scratch) + t * T * widest;
     float* sums = x_sums.data_ptr<float>() + t * x_sums.size(1);
     for (int64_t r = 0; r < T; ++r) std::copy_n(embed + id[r] * H, H, h + r * H);
     size_t captured = 1;
@@ -260,19 +268,17 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
       L.gate_up.prepare(normed, (int)T, sums);
       run_phase(ph[4], nt, t, [&](int64_t c) { L.gate_up.chunk(normed, (int)T, gu_i, c, mine, sums); });
       run_phase(ph[5], nt, t, [&](int64_t u) {  // silu(gate) * up: torch's ops (ops::silu_mul)
+        const int64_t lo = ranges[u][0], w = ranges[u][1] - lo;
+        if (w == 0) return;
         auto& v = silu[t * nt + u];
-        if (v[2].numel() == 0) return;
-        const int64_t lo = ranges[u][0];
+        if (!v[0].defined())
+          v = {gate_up[0].narrow(1, lo, w), gate_up[0].narrow(1, inter + lo, w),
+               act[0].narrow(1, lo, w), scratch[t].narrow(1, 0, w)};
         v[0].unsafeGetTensorImpl()->set_storage_offset(i * T * 2 * inter + lo);
         v[1].unsafeGetTensorImpl()->set_storage_offset(i * T * 2 * inter + inter + lo);
         v[2].unsafeGetTensorImpl()->set_storage_offset(i * T * inter + lo);
-        try {
-          at::silu_out(v[3], v[0]);
-          at::mul_out(v[2], v[3], v[1]);
-        } catch (...) {
-#pragma omp critical
-          if (!failed) failed = std::current_exception();
-        }
+        at::silu_out(v[3], v[0]);
+        at::mul_out(v[2], v[3], v[1]);
       });
       L.down.prepare(act_i, (int)T, sums);
       run_phase(ph[6], nt, t, [&](int64_t c) { L.down.chunk(act_i, (int)T, down_i, c, mine, sums); });
@@ -281,7 +287,7 @@ std::vector<torch::Tensor> rows_forward(const Decoder& d, const Step& s) {
       captured += keep[i];
     }
   }
-  if (failed) std::rethrow_exception(failed);
+  failure.rethrow();
   return outs;
 }
 

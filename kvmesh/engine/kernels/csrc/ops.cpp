@@ -243,13 +243,30 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 }
 
 bool has_bf16_dot() { return kvmesh::cpu_has_bf16_dot(); }
+// Tests only: thread 1 of a phase sleeps this long before its first chunk (phases.h).
+void set_phase_delay_us(int64_t us) { kvmesh::test_delay_us.store(us); }
 bool has_amx() { return kvmesh::cpu_has_amx(); }
 
-// silu(gate) * up of a fused gate|up row: torch's own ops (the eager step's bits), one op in a
-// graph so that a compiler does not re-derive them with its own exp.
+// silu(gate) * up of fused gate|up rows: torch's own ops (its exp), one op in a graph so that a
+// compiler does not re-derive them. Blocks of whole rows per thread: torch's own split of a large
+// tensor lands mid-row, and its vector loop then leaves other lanes to the scalar exp, so the
+// bits would depend on the thread count (decoder_rows.cpp splits rows at 64 columns, the same
+// lanes as whole rows).
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   auto parts = gate_up.chunk(2, -1);
-  return at::silu(parts[0]) * parts[1];
+  const int64_t width = parts[0].size(-1), rows = width ? parts[0].numel() / width : 0;
+  auto out = at::empty(parts[0].sizes(), parts[0].options());
+  const auto gate = parts[0].reshape({rows, width}), up = parts[1].reshape({rows, width});
+  const auto flat = out.view({rows, width});
+  const bool inference = c10::InferenceMode::is_enabled();  // thread-local: each thread's own
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, width)),
+                   [&](int64_t begin, int64_t end) {
+                     c10::InferenceMode guard(inference);
+                     auto o = flat.slice(0, begin, end);
+                     at::silu_out(o, gate.slice(0, begin, end));
+                     at::mul_out(o, o, up.slice(0, begin, end));
+                   });
+  return out;
 }
 
 }  // namespace kvmesh::ops
@@ -270,6 +287,7 @@ TORCH_LIBRARY(kvmesh, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("has_bf16_dot() -> bool", &kvmesh::ops::has_bf16_dot);
   m.def("has_amx() -> bool", &kvmesh::ops::has_amx);
+  m.def("set_phase_delay_us(int us) -> ()", &kvmesh::ops::set_phase_delay_us);
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {

@@ -13,10 +13,14 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 namespace kvmesh {
@@ -29,15 +33,30 @@ struct alignas(64) Done {
   std::atomic<int64_t> count{0};
 };
 
+// The first exception a chunk threw (none may leave a parallel region), rethrown after it.
+struct Failure {
+  std::mutex mutex;
+  std::exception_ptr first;
+  void rethrow() const {
+    if (first) std::rethrow_exception(first);
+  }
+};
+
 // One phase: `chunks` chunks, a Share per thread, a done flag per chunk and their count.
 struct Phase {
   Share* shares;
   std::atomic<uint8_t>* flags;
   Done* done;
   int64_t chunks;
+  Failure* failure;
 };
 
+// A waiter redoes others' chunks after max(kRedoAfter, twice its own mean chunk this phase).
 constexpr auto kRedoAfter = std::chrono::microseconds(50);
+
+// Tests only (set_phase_delay_us op): thread 1 sleeps this long before its first chunk of each
+// phase, so the others redo it.
+inline std::atomic<int64_t> test_delay_us{0};
 
 // shares[t] = thread t's part of `chunks` chunks over `threads` threads
 inline void split(Share* shares, int64_t chunks, int threads) {
@@ -61,40 +80,55 @@ inline int64_t claim(Share& share, bool front) {
 // f(chunk) for every chunk of phase p, run by thread t of `threads`; returns once all are done
 template <typename F>
 void run_phase(const Phase& p, int threads, int t, F&& f) {
+  using Clock = std::chrono::steady_clock;
+  int64_t ran = 0;
   const auto finish = [&](int64_t c) {
-    f(c);
+    if (ran++ == 0 && t == 1 && test_delay_us.load(std::memory_order_relaxed) > 0)
+      std::this_thread::sleep_for(std::chrono::microseconds(test_delay_us.load()));
+    try {
+      f(c);
+    } catch (...) {
+      std::lock_guard<std::mutex> hold(p.failure->mutex);
+      if (!p.failure->first) p.failure->first = std::current_exception();
+    }
     if (p.flags[c].exchange(1, std::memory_order_acq_rel) == 0)
       p.done->count.fetch_add(1, std::memory_order_acq_rel);
   };
+  const auto started = Clock::now();
   for (int64_t c; (c = claim(p.shares[t], true)) >= 0;) finish(c);
   for (int o = 1; o < threads; ++o)
     for (int64_t c; (c = claim(p.shares[(t + o) % threads], false)) >= 0;) finish(c);
   if (p.done->count.load(std::memory_order_acquire) == p.chunks) return;
-  const auto since = std::chrono::steady_clock::now();
+  const auto since = Clock::now();  // patience: twice this thread's mean chunk, at least kRedoAfter
+  const auto patience = std::max<Clock::duration>(kRedoAfter, ran ? 2 * (since - started) / ran
+                                                                   : Clock::duration{0});
   while (p.done->count.load(std::memory_order_acquire) < p.chunks) {
-    if (std::chrono::steady_clock::now() - since < kRedoAfter) {
+    if (Clock::now() - since < patience) {
       _mm_pause();
       continue;
     }
+    bool all = true;  // every flag set: the chunks' outputs are visible, whatever the count says
     for (int64_t c = 0; c < p.chunks; ++c)
-      if (p.flags[c].load(std::memory_order_acquire) == 0) finish(c);
+      if (p.flags[c].load(std::memory_order_acquire) == 0) {
+        finish(c);
+        all = false;
+      }
+    if (all) return;
   }
 }
-
-}  // namespace kvmesh
-
-namespace kvmesh {
 
 // f(chunk) for chunks [0, chunks) as one phase of a parallel region of `threads` threads
 template <typename F>
 void run_chunks(int64_t chunks, int threads, F&& f) {
   std::vector<Share> shares(threads);
   Done done;
+  Failure failure;
   std::unique_ptr<std::atomic<uint8_t>[]> flags(new std::atomic<uint8_t>[chunks]());
   split(shares.data(), chunks, threads);
-  const Phase p{shares.data(), flags.get(), &done, chunks};
+  const Phase p{shares.data(), flags.get(), &done, chunks, &failure};
 #pragma omp parallel num_threads(threads)
   run_phase(p, threads, omp_get_thread_num(), f);
+  failure.rethrow();
 }
 
 }  // namespace kvmesh
