@@ -13,7 +13,7 @@ faster this way on the AVX-512 EPYC (docs/benchmarks.md).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import os
 
 import structlog
@@ -70,9 +70,13 @@ def pack(linears: list) -> torch.Tensor | None:
     return arena
 
 
+@functools.cache
 def _libc():
-    name = ctypes.util.find_library("c")
-    return ctypes.CDLL(name) if name else None
+    """This process's C library (its madvise and malloc_trim), or None."""
+    try:
+        return ctypes.CDLL(None)  # dlopen(NULL): the symbols already loaded, libc's among them
+    except OSError:
+        return None
 
 
 def _advise_huge_pages(address: int, size: int) -> bool:

@@ -35,8 +35,6 @@ const Bf16* bf16_of(const torch::Tensor& t) {
 Bf16* bf16_of(torch::Tensor& t) { return reinterpret_cast<Bf16*>(t.data_ptr()); }
 const c10::BFloat16* as_c10(const Bf16* p) { return reinterpret_cast<const c10::BFloat16*>(p); }
 
-// [begin, end) of thread `t` of `nt` over n units
-std::pair<int64_t, int64_t> share(int64_t n, int t, int nt) { return {n * t / nt, n * (t + 1) / nt}; }
 
 // torch's bf16 add: the float sum rounded to nearest even (NaN stays NaN)
 inline Bf16 add_bf16(Bf16 a, Bf16 b) {
@@ -111,7 +109,10 @@ struct Layer {
 }  // namespace
 
 bool rows_fit(const Decoder& d, const Step& s) {
-  if (d.embed.scalar_type() != torch::kBFloat16 || s.ids.numel() == 0) return false;
+  // more rows (AVX2 takes the GEMV at any batch) would keep MBs of per-layer outputs a step
+  constexpr int64_t kMaxRows = 64;
+  if (d.embed.scalar_type() != torch::kBFloat16 || s.ids.numel() == 0 || s.ids.numel() > kMaxRows)
+    return false;
   static const bool int4_dot = cpu_has_int4_dot();
   for (size_t i = 0; i < d.kv_keys.size(); ++i)
     for (int r = 0; r < 4; ++r) {

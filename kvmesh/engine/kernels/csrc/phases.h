@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace kvmesh {
@@ -58,11 +59,16 @@ constexpr auto kRedoAfter = std::chrono::microseconds(50);
 // phase, so the others redo it.
 inline std::atomic<int64_t> test_delay_us{0};
 
+// [begin, end) of thread t's part of n units over `threads` threads
+inline std::pair<int64_t, int64_t> share(int64_t n, int t, int threads) {
+  return {n * t / threads, n * (t + 1) / threads};
+}
+
 // shares[t] = thread t's part of `chunks` chunks over `threads` threads
 inline void split(Share* shares, int64_t chunks, int threads) {
   for (int t = 0; t < threads; ++t) {
-    const uint64_t front = chunks * t / threads, back = chunks * (t + 1) / threads;
-    shares[t].word.store(front << 32 | back, std::memory_order_relaxed);
+    const auto [front, back] = share(chunks, t, threads);
+    shares[t].word.store((uint64_t)front << 32 | (uint64_t)back, std::memory_order_relaxed);
   }
 }
 
