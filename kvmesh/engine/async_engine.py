@@ -24,6 +24,7 @@ from kvmesh.engine.engine import Engine, Reservation, TokenOutput
 from kvmesh.engine.engine_thread import Call
 from kvmesh.engine.kv.events import KvEvent, PagesStored
 from kvmesh.engine.kv_cache import PagedKVCache
+from kvmesh.engine.output_streams import OutputStream, Tap, flush_all, put_all
 from kvmesh.engine.page_io import PageIO
 from kvmesh.engine.sampler import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
@@ -59,7 +60,7 @@ class AsyncEngine:
         self._calls: deque[Call] = deque()  # run on the engine thread between steps
         self._calls_lock = threading.Lock()  # guards _calls against the thread's end
         self._closed = True  # no step loop to run calls: they run on a pool thread
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
@@ -121,15 +122,22 @@ class AsyncEngine:
                 self._load = self._measure_load()
 
     def _deliver_step(self, outputs: list[TokenOutput]) -> None:
-        """A step's outputs, one wake-up per event loop (not one per request: each
-        call_soon_threadsafe writes the loop's self-pipe)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenOutput]]] = {}
+        """A step's outputs: to their requests' taps here, the rest with one wake-up per event
+        loop (not one per request: each call_soon_threadsafe writes the loop's self-pipe)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, TokenOutput]]] = {}
+        taps = []
         for out in outputs:
-            entry = self._queues.get(out.request_id)
-            if entry is not None:
-                by_loop.setdefault(entry[0], []).append((entry[1], out))
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            tap = stream.offer(out)
+            if tap is not None:
+                taps.append(tap)
+            else:
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+        flush_all(taps)
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(put_all, items)
 
     def _step(self) -> list[TokenOutput]:
         try:
@@ -138,16 +146,21 @@ class AsyncEngine:
             Exception
         ) as exc:  # a bug or OOM in a step fails the requests in flight, not the worker
             log.exception("engine.step_failed")
-            for request_id in list(self._queues):
+            for request_id in list(self._streams):
                 self._engine.abort(request_id)
                 self._deliver(request_id, EngineFailure(f"engine step failed: {exc}"))
             return []
 
     def _deliver(self, request_id: str, item: Any) -> None:
-        entry = self._queues.get(request_id)
-        if entry is not None:
-            loop, queue = entry
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+        """Engine thread: one output (or an error) of a request outside a step's batch."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        tap = stream.offer(item)
+        if tap is not None:
+            flush_all([tap])
+        else:
+            stream.loop.call_soon_threadsafe(stream.put, item)
 
     # -- calls from asyncio -----------------------------------------------------------------
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -176,18 +189,20 @@ class AsyncEngine:
         params: SamplingParams,
         keep_pages: bool = False,
         cache_salt: str = "",
+        tap: Tap | None = None,
     ) -> AsyncIterator[TokenOutput]:
-        """Run a request here (prefill and decode) and stream its outputs."""
-        queue = self._open(request_id)
+        """Run a request here (prefill and decode) and stream its outputs (those `tap` does
+        not take: output_streams.py)."""
+        stream = self._open(request_id, tap)
         try:
             await self._prepare(params)
             await self.call(
                 self._engine.add_request, request_id, prompt, params, keep_pages, cache_salt
             )
         except BaseException:
-            self._queues.pop(request_id, None)
+            self._streams.pop(request_id, None)
             raise
-        async with contextlib.aclosing(self._drain(request_id, queue)) as drain:
+        async with contextlib.aclosing(self._drain(request_id, stream)) as drain:
             async for out in drain:
                 yield out
 
@@ -221,9 +236,11 @@ class AsyncEngine:
         logprob: TokenLogprob | None,
         cached_tokens: int,
         draft_window: tuple[Any, int] | None = None,
+        tap: Tap | None = None,
     ) -> AsyncIterator[TokenOutput]:
-        """Join the batch after a prefill worker filled the reserved pages; stream outputs."""
-        queue = self._open(request_id)
+        """Join the batch after a prefill worker filled the reserved pages; stream outputs
+        (those `tap` does not take)."""
+        stream = self._open(request_id, tap)
 
         def commit_and_deliver() -> None:
             # the first output goes out from the engine thread, like every later one: the loop
@@ -237,41 +254,24 @@ class AsyncEngine:
         try:
             await self.call(commit_and_deliver)
         except BaseException:
-            self._queues.pop(request_id, None)
+            self._streams.pop(request_id, None)
             raise
-        async with contextlib.aclosing(self._drain(request_id, queue)) as drain:
+        async with contextlib.aclosing(self._drain(request_id, stream)) as drain:
             async for out in drain:
                 yield out
 
-    async def _drain(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[TokenOutput]:
-        finished = False
-        held: Any = None  # an item taken while coalescing that could not join the one before
+    async def _drain(self, request_id: str, stream: OutputStream) -> AsyncIterator[TokenOutput]:
         try:
-            while not finished:
-                item, held = (held, None) if held is not None else (await queue.get(), None)
-                # a consumer that fell behind gets what piled up as one output (fewer messages)
-                while _joinable(item) and not queue.empty():
-                    following = queue.get_nowait()
-                    if not _joinable(following) and not _final(following):
-                        held = following
-                        break
-                    item = item.followed_by(following)
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                if item.error is not None:
-                    raise item.error
-                yield item
+            async for out in stream.drain():
+                yield out
         finally:
-            self._queues.pop(request_id, None)
-            if not finished:  # the consumer went away: abort so the pages are freed
+            self._streams.pop(request_id, None)
+            if not stream.ended:  # the consumer went away: abort so the pages are freed
                 await self.call(self._engine.abort, request_id)
 
-    def _open(self, request_id: str) -> asyncio.Queue:
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = (asyncio.get_running_loop(), queue)
-        return queue
+    def _open(self, request_id: str, tap: Tap | None) -> OutputStream:
+        stream = self._streams[request_id] = OutputStream(asyncio.get_running_loop(), tap)
+        return stream
 
     async def abort(self, request_id: str) -> bool:
         def abort_and_tell() -> bool:
@@ -373,18 +373,3 @@ class AsyncEngine:
             kv_capacity_tokens=self._engine.kv_cache.capacity_tokens,
             kv_pages_hashed=pool.num_hashed_pages,
         )
-
-
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
-
-
-def _joinable(item: Any) -> bool:
-    """An output more tokens may follow in one message: not an error, not the last."""
-    return isinstance(item, TokenOutput) and not item.finished and item.error is None
-
-
-def _final(item: Any) -> bool:
-    """A clean last output: it may close a coalesced run."""
-    return isinstance(item, TokenOutput) and item.finished and item.error is None

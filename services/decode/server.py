@@ -37,19 +37,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             params = convert.sampling_from_pb(request.sampling)
         except KvmeshError as exc:
             await context.abort(grpc_status(exc), grpc_details(exc))
-        generated = 0
+        tap = _DeliveryTap(self.deliveries, request.delivery_id, self.engine)
         try:
             stream = self.worker.generate(DecodeJob(
                 request.request_id, list(request.prompt_token_ids), params,
                 request.prefill_address, request.cache_salt,
-            ))  # fmt: skip
+            ), tap if request.delivery_id else None)  # fmt: skip
             async with contextlib.aclosing(stream):  # an abort reaches the engine before we return
                 async for out in stream:
-                    response = _response(out, generated)
-                    generated += len(out.new_token_ids)
-                    _TOKENS.inc(len(out.new_token_ids))
-                    _PAGES_USED.set(self.engine.num_used_pages)
-                    # every chunk but the last on the caller's delivery stream, if it has one
+                    response = _response(out, tap.generated)
+                    tap.generated += len(out.new_token_ids)
+                    _count(len(out.new_token_ids), self.engine)
+                    # the last chunk on this call (the ones before on the delivery stream)
                     if (out.finished or not out.new_token_ids
                             or not self.deliveries.send(request.delivery_id, response)):  # fmt: skip
                         metrics.observe_message("decode", response.ByteSize())
@@ -59,7 +58,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield decode_pb2.DecodeResponse(
                 request_id=request.request_id,
                 error=common_pb2.Error(code=exc.code, message=str(exc)),
-                first_index=generated,
+                first_index=tap.generated,
             )
         finally:
             _PAGES_USED.set(self.engine.num_used_pages)
@@ -83,6 +82,33 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.GetLoadsResponse(
             loads=[load_to_pb(self.engine.load(), self.worker_id, "decode")]
         )
+
+
+class _DeliveryTap:
+    """A request's chunks but the last, put on its caller's delivery stream by the engine thread
+    right after each step (output_streams.Tap); `generated`: its tokens sent so far, either way."""
+
+    def __init__(self, deliveries: Deliveries, delivery_id: str, engine: AsyncEngine) -> None:
+        self._deliveries = deliveries
+        self._delivery_id = delivery_id
+        self._engine = engine
+        self.generated = 0
+
+    def take(self, out: TokenOutput) -> bool:
+        if out.new_token_ids:  # a chunk of nothing is dropped (the gateway ignores them)
+            if not self._deliveries.add(self._delivery_id, _response(out, self.generated)):
+                return False  # the stream is gone: the chunks go on the Generate call
+            _count(len(out.new_token_ids), self._engine)
+        self.generated += len(out.new_token_ids)
+        return True
+
+    def flush(self) -> None:
+        self._deliveries.flush(self._delivery_id)
+
+
+def _count(tokens: int, engine: AsyncEngine) -> None:
+    _TOKENS.inc(tokens)
+    _PAGES_USED.set(engine.num_used_pages)
 
 
 def _response(out: TokenOutput, before: int) -> decode_pb2.DecodeResponse:

@@ -13,6 +13,7 @@ import structlog
 
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import Reservation, TokenOutput
+from kvmesh.engine.output_streams import Tap
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import FinishReason
 from kvmesh.errors import CapacityError, PrefillUnavailable
@@ -63,12 +64,15 @@ class DecodeWorker:
         self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
         self._aborts: dict[str, asyncio.Event] = {}  # requests the engine may not hold yet
 
-    async def generate(self, job: DecodeJob) -> AsyncIterator[TokenOutput]:
-        """Stream the job's outputs; `abort` ends it at any stage (reserving pages, waiting for
-        the prefill worker, decoding) with finish reason abort."""
+    async def generate(self, job: DecodeJob, tap: Tap | None = None) -> AsyncIterator[TokenOutput]:
+        """Stream the job's outputs (those `tap` does not take: output_streams.py); `abort`
+        ends it at any stage (reserving pages, waiting for the prefill worker, decoding) with
+        finish reason abort."""
         aborted = self._aborts[job.request_id] = asyncio.Event()
+        if tap is not None:  # an abort that came before the engine had the request: below
+            tap = _UnlessAborted(tap, aborted)
         try:
-            stream = await self._start(job, aborted)
+            stream = await self._start(job, aborted, tap)
             if stream is None:
                 yield TokenOutput(
                     job.request_id, [], [], True, FinishReason.ABORT, len(job.prompt), 0
@@ -91,12 +95,12 @@ class DecodeWorker:
         return await self.engine.abort(request_id) or event is not None
 
     async def _start(
-        self, job: DecodeJob, aborted: asyncio.Event
+        self, job: DecodeJob, aborted: asyncio.Event, tap: Tap | None
     ) -> AsyncIterator[TokenOutput] | None:
         """The engine's output stream for the job, or None when it was aborted before."""
         if not job.prefill_address or len(job.prompt) <= self.local_prefill_tokens:
             return self.engine.generate(
-                job.request_id, job.prompt, job.params, cache_salt=job.cache_salt
+                job.request_id, job.prompt, job.params, cache_salt=job.cache_salt, tap=tap
             )
         reservation = await self._reserve(job, aborted)
         if reservation is None:
@@ -112,7 +116,9 @@ class DecodeWorker:
         if response.HasField("draft_window") and response.draft_window.rows:
             rows = response.draft_window
             window = (convert.feature_rows_from_pb(rows), rows.start_position)
-        return self.engine.commit(job.request_id, response.first_token_id, first_lp, cached, window)
+        return self.engine.commit(
+            job.request_id, response.first_token_id, first_lp, cached, window, tap
+        )
 
     async def _reserve(self, job: DecodeJob, aborted: asyncio.Event) -> Reservation | None:
         deadline = time.monotonic() + RESERVE_TIMEOUT_S
@@ -198,3 +204,18 @@ class DecodeWorker:
         if address not in self._stubs:
             self._stubs[address] = prefill_pb2_grpc.PrefillStub(channel(address))
         return self._stubs[address]
+
+
+class _UnlessAborted:
+    """A tap that declines once the request was aborted, so its outputs reach `generate`'s loop
+    (which aborts it in the engine: the abort may have come before the engine had it)."""
+
+    def __init__(self, tap: Tap, aborted: asyncio.Event) -> None:
+        self._tap = tap
+        self._aborted = aborted
+
+    def take(self, out: TokenOutput) -> bool:
+        return not self._aborted.is_set() and self._tap.take(out)
+
+    def flush(self) -> None:
+        self._tap.flush()

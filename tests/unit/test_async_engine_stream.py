@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.output_streams import OutputStream, put_all
 from kvmesh.engine.outputs import TokenLogprob, TokenOutput
 from kvmesh.engine.sequence import FinishReason
 from kvmesh.errors import EngineFailure
@@ -20,23 +21,40 @@ def _out(token: int, finished: bool = False) -> TokenOutput:
     return TokenOutput("r", [token], [logprob], finished, reason, 7, 3)
 
 
-def _drained(items: list) -> tuple[list[TokenOutput], BaseException | None]:
-    engine = AsyncEngine.__new__(AsyncEngine)  # only the stream side: no engine thread
-    engine._queues = {}
+def _drained(items: list, tap=None) -> tuple[list[TokenOutput], BaseException | None]:
+    """What a stream's consumer gets of `items` the engine thread handed out while it was busy
+    (as AsyncEngine._deliver_step does: offered to the tap, the rest put on the loop)."""
 
     async def run():
-        queue: asyncio.Queue = asyncio.Queue()
-        for item in items:
-            queue.put_nowait(item)
+        stream = OutputStream(asyncio.get_running_loop(), tap)
+        untaken = [(stream, item) for item in items if stream.offer(item) is None]
+        put_all(untaken)
         got: list[TokenOutput] = []
         try:
-            async for out in engine._drain("r", queue):
+            async for out in stream.drain():
                 got.append(out)
         except Exception as exc:  # noqa: BLE001 - the test looks at what was raised
             return got, exc
         return got, None
 
     return asyncio.run(run())
+
+
+class _Tap:
+    def __init__(self, decline_at: int | None = None, raises: bool = False) -> None:
+        self.asked: list[int] = []
+        self.decline_at, self.raises = decline_at, raises
+
+    def take(self, out: TokenOutput) -> bool:
+        self.asked.append(out.new_token_ids[0])
+        if out.new_token_ids[0] == self.decline_at:
+            if self.raises:
+                raise RuntimeError("the delivery stream broke")
+            return False
+        return True
+
+    def flush(self) -> None:
+        pass
 
 
 def test_outputs_that_piled_up_come_out_as_one_with_the_last_ones_state():
@@ -60,6 +78,24 @@ def test_nothing_follows_a_finished_output(first_finished):
     got, error = _drained(items)
     assert error is None
     assert [o.new_token_ids for o in got] == ([[1]] if first_finished else [[1, 2]])
+
+
+def test_a_tap_takes_the_outputs_before_the_last_and_never_an_error():
+    tap = _Tap()
+    got, error = _drained([_out(1), _out(2), _out(3, finished=True)], tap)
+    assert tap.asked == [1, 2] and error is None
+    assert [o.new_token_ids for o in got] == [[3]] and got[0].finished
+    tap = _Tap()
+    got, error = _drained([_out(1), EngineFailure("step failed")], tap)
+    assert tap.asked == [1] and got == [] and isinstance(error, EngineFailure)
+
+
+@pytest.mark.parametrize("raises", [False, True])
+def test_once_a_tap_declines_that_output_and_every_later_one_come_in_order(raises):
+    tap = _Tap(decline_at=2, raises=raises)
+    got, error = _drained([_out(1), _out(2), _out(3), _out(4, finished=True)], tap)
+    assert error is None and tap.asked == [1, 2]  # never asked again after declining
+    assert [o.new_token_ids for o in got] == [[2, 3, 4]] and got[0].finished
 
 
 class _StubEngine:
@@ -162,7 +198,7 @@ def test_an_abort_cancelled_while_a_long_step_holds_the_lock_still_ends_the_stre
     aborted = stub.aborted
 
     async def run() -> list[TokenOutput]:
-        queue = engine._open("r")
+        stream = engine._open("r", None)
         stub.go.clear()
         stub.busy.set()
         engine.start()
@@ -177,7 +213,7 @@ def test_an_abort_cancelled_while_a_long_step_holds_the_lock_still_ends_the_stre
         stub.go.set()  # the step ends; the abort runs
 
         async def drained() -> list[TokenOutput]:
-            return [out async for out in engine._drain("r", queue)]
+            return [out async for out in engine._drain("r", stream)]
 
         try:
             return await asyncio.wait_for(drained(), 5)  # before the fix: TimeoutError
