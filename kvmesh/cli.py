@@ -110,6 +110,7 @@ def _up(args: argparse.Namespace) -> int:
                 *(("--tool-call-parser", args.tool_call_parser) if args.tool_call_parser else ()),
             ),
             kvstore=args.kvstore,
+            decode_lead_cpu=args.decode_lead_cpu,
             kvstore_args=(
                 "--ram-mib",
                 str(args.kvstore_ram_mib),

@@ -71,11 +71,22 @@ def role_cpus(role: str) -> str | None:
     return os.environ.get(f"KVMESH_{role.upper()}_CPUS", "").strip() or None
 
 
+def lead_cpu() -> int | None:
+    """The CPU a worker's engine thread keeps to itself (`KVMESH_LEAD_CPU`; `kvmesh up` sets it
+    for a lone decode worker: mesh/affinity.py); None: it shares the process's CPUs."""
+    text = os.environ.get("KVMESH_LEAD_CPU", "").strip()
+    if text and not text.isdigit():
+        raise ValueError(f"KVMESH_LEAD_CPU must be a CPU number, got {text!r}")
+    return int(text) if text else None
+
+
 def serve_threads() -> int:
     """Torch intra-op threads while serving: `KVMESH_NUM_THREADS`, else one per CPU this process
     may run on now (its affinity: torch fixes its own default when it loads, so a process pinned
-    after importing torch would keep a pool sized for the CPUs it had before)."""
-    return num_threads() or len(os.sched_getaffinity(0))
+    after importing torch would keep a pool sized for the CPUs it had before), counting the
+    engine thread's lead CPU."""
+    lead = lead_cpu()
+    return num_threads() or len(os.sched_getaffinity(0) | ({lead} if lead is not None else set()))
 
 
 def cpu_kernels() -> bool:

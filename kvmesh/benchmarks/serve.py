@@ -40,6 +40,7 @@ from kvmesh.benchmarks.serve_suite import measure_level as measure_target_level
 from kvmesh.benchmarks.serve_suite import ms as _ms
 from kvmesh.cli_args import UP_LOCAL_PREFILL_TOKENS
 from kvmesh.errors import ServeBenchError
+from kvmesh.mesh.affinity import thread_kept_to
 
 __all__ = ["Messages", "ServeBenchError", "_ms", "level_prompts", "measure_level", "stream_one"]
 OVERHEAD_LEVELS = (1, 8, 16)
@@ -209,15 +210,18 @@ def _measure(args: argparse.Namespace, model: str, levels: list[int], compared: 
         mesh.start()
         target = _target(args, f"http://127.0.0.1:{mesh.http_port}", model)
         engine, paired = {}, {}
+        client_cpus = mesh.cpus  # off the decode engine thread's lead CPU, as a remote client
         if compared:
-            event_loop.run(client_loops(target, list(level_prompts(0, 2)), 2, 8))  # warm the mesh
+            with thread_kept_to(client_cpus):
+                event_loop.run(client_loops(target, list(level_prompts(0, 2)), 2, 8))  # warm-up
             engine, paired = measure_paired(target, args.dtype, compared, args.requests_per_level,
-                                            args.max_tokens, args.weights)  # fmt: skip
+                                            args.max_tokens, args.weights, client_cpus)  # fmt: skip
         from kvmesh.benchmarks.kernels import Ceiling
         from kvmesh.benchmarks.serve_bounds import measure_bounds
 
         probe = Ceiling()  # with the mesh idle, beside each single-stream request
-        suite = measure_suite(target, args, levels, "mesh", CpuMeter(mesh.pids()), probe)
+        suite = measure_suite(target, args, levels, "mesh", CpuMeter(mesh.pids()), probe,
+                              client_cpus)  # fmt: skip
         del probe
         suite.update(measure_bounds(suite, model, args.dtype, args.weights))
         return suite, engine, paired
@@ -236,10 +240,25 @@ def measure_suite(
     path: str,
     meter: CpuMeter | None = None,
     probe: Callable[[], float] | None = None,
+    client_cpus: frozenset[int] | None = None,
 ) -> dict[str, Any]:
     """Warm-up, then single stream, long prompt and every level, one after the other; with a
     meter, each level's CPU milliseconds per output token of every process; with a probe, the
-    memory-read ceiling beside each single-stream request."""
+    memory-read ceiling beside each single-stream request (on every CPU); the client on
+    `client_cpus` (None: where it is)."""
+    if probe is not None and client_cpus is not None:
+        every_cpu, ceiling = frozenset(os.sched_getaffinity(0)), probe
+
+        def probe() -> float:
+            with thread_kept_to(every_cpu):
+                return ceiling()
+
+    with thread_kept_to(client_cpus):
+        return _suite(target, args, levels, path, meter, probe)
+
+
+def _suite(target: Target, args: argparse.Namespace, levels: list[int], path: str,
+           meter: CpuMeter | None, probe: Callable[[], float] | None) -> dict[str, Any]:  # fmt: skip
     event_loop.run(client_loops(target, list(level_prompts(0, 2)), 2, 8))
     n, tokens = args.requests_per_level, args.max_tokens
     single = long = None

@@ -14,6 +14,7 @@ from typing import Any
 from kvmesh import event_loop
 from kvmesh.benchmarks.serve_client import Messages, RequestTiming, Target
 from kvmesh.benchmarks.serve_suite import TOPICS, client_loops, requests_for, summarize
+from kvmesh.mesh.affinity import thread_kept_to
 
 WORKER_KV_CACHE_BYTES = 512 << 20  # `kvmesh serve decode|prefill` default --kv-cache-mib
 MIN_ROUNDS = 3
@@ -27,8 +28,10 @@ def paired_prompts(concurrency: int, n: int) -> list[Messages]:
 
 def measure_paired(target: Target, dtype: str, levels: list[int], requests_per_level: int | None,
                    max_tokens: int, weights: str = "auto",
+                   client_cpus: frozenset[int] | None = None,
                    ) -> tuple[dict[int, dict], dict[int, dict]]:  # fmt: skip
-    """(engine, mesh) summaries per level, from the same interleaved rounds."""
+    """(engine, mesh) summaries per level, from the same interleaved rounds; the mesh's client
+    on `client_cpus` (the engine on every CPU, as a worker's)."""
     from kvmesh import LLM, SamplingParams
 
     llm = LLM(model=target.model, dtype=dtype, weights=weights,
@@ -48,7 +51,8 @@ def measure_paired(target: Target, dtype: str, levels: list[int], requests_per_l
                 outs = llm.chat(chunk, params)
                 wall["engine"] += time.perf_counter() - started
                 timings["engine"] += [engine_timing(o, max_tokens) for o in outs]
-                got, spent = event_loop.run(client_loops(target, list(chunk), c, max_tokens))
+                with thread_kept_to(client_cpus):
+                    got, spent = event_loop.run(client_loops(target, list(chunk), c, max_tokens))
                 timings["mesh"] += got
                 wall["mesh"] += spent
             engine[c] = summarize("engine", c, timings["engine"], wall["engine"])

@@ -52,8 +52,9 @@ class EngineLoad:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, on_thread_start: Callable[[], None] | None = None) -> None:
         self._engine = engine
+        self._on_thread_start = on_thread_start  # runs first on the engine thread (its CPU)
         self.page_io = PageIO(engine)  # its methods run under the lock: pass them to `call`
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -83,6 +84,8 @@ class AsyncEngine:
     # -- the step loop (engine thread) ------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self._on_thread_start is not None:
+                self._on_thread_start()
             while not self._stopped:
                 self._run_calls()
                 with self._lock:

@@ -1,14 +1,23 @@
 """A worker's CPU set: every thread of the process pinned to it (os.sched_setaffinity) and torch's
 intra-op pool sized to it, so prefill, decode and gateway sharing a machine do not oversubscribe
 its cores. The set travels as `KVMESH_CPUS` (kvmesh.env): `kvmesh up` gives each worker its
-role's set, `kvmesh serve prefill|decode --cpus` its own."""
+role's set, `kvmesh serve prefill|decode --cpus` its own.
+
+A lead CPU (`KVMESH_LEAD_CPU`) is one the worker's engine thread keeps to itself: that thread runs
+the serial work between steps and leads each step's OpenMP team, so any other thread that
+preempts it delays the whole step, while the team's other threads hand their share of a step to
+whoever is free (kernels/csrc/phases.h). `kvmesh up` gives a lone decode worker the last CPU and
+starts everything else (etcd, gateway, prefill, KV store, the worker's own other threads, its
+team) on the rest: a token woke the gateway on the engine thread's CPU (a waker's CPU is where
+Linux puts the task it wakes through a socket) and stalled the step 0.2-0.6 ms a token
+(docs/benchmarks.md, "A CPU of its own for the decode engine thread")."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +69,38 @@ def worker_env(role: str, cpus: str | None = None) -> dict[str, str]:
     return {"KVMESH_CPUS": format_cpus(checked_cpus(cpus))} if cpus else {}
 
 
+def decode_lead_cpu(choice: str, decode_workers: int, roles_placed: bool) -> int | None:
+    """`kvmesh up --decode-lead-cpu`: the CPU the decode worker's engine thread keeps to itself,
+    or None. auto: the last CPU this process may use, for a lone decode worker on 2+ CPUs when
+    no role was given CPUs of its own (then the user placed them)."""
+    allowed = os.sched_getaffinity(0)
+    if choice == "off":
+        return None
+    if choice != "auto":
+        if not choice.isdigit() or int(choice) not in allowed:
+            raise LaunchError(f"--decode-lead-cpu: {choice!r} is not one of the CPUs here "
+                              f"({format_cpus(allowed)}), auto or off")  # fmt: skip
+        return int(choice)
+    if decode_workers != 1 or roles_placed or len(allowed) < 2:
+        return None
+    return max(allowed)
+
+
+@contextlib.contextmanager
+def thread_kept_to(cpus: frozenset[int] | None) -> Iterator[None]:
+    """The calling thread (and threads it starts) runs on `cpus` inside the block (None: as
+    it was); e.g. a benchmark's client kept off the decode engine thread's lead CPU."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def pin_process(cpus: frozenset[int]) -> None:
     """Restrict every thread of this process to `cpus`; threads started later inherit it."""
     for tid in _thread_ids():
@@ -86,8 +127,32 @@ def apply_worker_cpus() -> WorkerCpus:
     placed = WorkerCpus(frozenset(os.sched_getaffinity(0)), threads, wanted is not None)
     log = structlog.get_logger(__name__)
     log.info("worker.cpus", cpus=format_cpus(placed.cpus), torch_threads=threads,
-             pinned=placed.pinned)  # fmt: skip
+             pinned=placed.pinned, lead_cpu=env.lead_cpu())  # fmt: skip
     return placed
+
+
+def engine_thread_setup() -> Callable[[], None] | None:
+    """What the engine thread runs first where a lead CPU is set (else None): start its OpenMP
+    team while it still has the process's CPUs (the team's threads inherit them), then keep to
+    the lead CPU alone."""
+    lead = env.lead_cpu()
+    if lead is None:
+        return None
+
+    def take_lead_cpu() -> None:
+        import structlog
+        import torch
+
+        log = structlog.get_logger(__name__)
+        torch.ones(1 << 20).add_(1)  # an OpenMP region: this thread's team starts here
+        try:
+            os.sched_setaffinity(0, {lead})
+        except OSError as exc:  # not a CPU this machine lets us use: run as without one
+            log.warning("worker.lead_cpu_refused", cpu=lead, error=repr(exc))
+            return
+        log.info("worker.lead_cpu", cpu=lead)
+
+    return take_lead_cpu
 
 
 class ExportCpus(argparse.Action):

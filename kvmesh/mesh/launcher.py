@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvmesh.env import kvmesh_home, num_threads
+from kvmesh.env import kvmesh_home, num_threads, role_cpus
 from kvmesh.errors import LaunchError
-from kvmesh.mesh.affinity import worker_env
+from kvmesh.mesh.affinity import decode_lead_cpu, worker_env
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.etcd_server import EtcdServer
 from kvmesh.mesh.ports import free_port
@@ -52,6 +52,7 @@ class UpOptions:
     kvstore: str = "none"  # "builtin": the KV store service; "mooncake": backed by Mooncake Store
     kvstore_args: tuple[str, ...] = ()
     ready_timeout: float = 180.0
+    decode_lead_cpu: str = "auto"  # auto | off | a CPU number: see affinity.decode_lead_cpu
 
 
 def state_file() -> Path:
@@ -70,6 +71,8 @@ class Mesh:
     http_port: int = 0
     grpc_port: int = 0
     supervisor: Supervisor = field(init=False)
+    lead: int | None = field(default=None, init=False)  # the decode engine thread's own CPU
+    cpus: frozenset[int] | None = field(default=None, init=False)  # everything else runs here
     _stopped: bool = field(default=False, init=False)
     _master_reported: bool = field(default=False, init=False)
 
@@ -77,8 +80,12 @@ class Mesh:
         env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
         if self._crowded():  # parallel loads would thrash the cores
             env.setdefault("KVMESH_LOAD_THREADS", "1")  # measured: docs/benchmarks.md, cold start
+        o = self.options
+        placed = any(o.role_cpus.get(r) or role_cpus(r) for r in ("prefill", "decode"))
+        self.lead = decode_lead_cpu(o.decode_lead_cpu, o.decode, placed)
+        self.cpus = None if self.lead is None else frozenset(os.sched_getaffinity(0)) - {self.lead}
         self.supervisor = Supervisor(env, say, critical=CRITICAL, defer=self._deferred,
-                                     on_change=self._write_state)  # fmt: skip
+                                     on_change=self._write_state, cpus=self.cpus)  # fmt: skip
 
     @property
     def procs(self) -> dict[str, Any]:
@@ -87,7 +94,7 @@ class Mesh:
 
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.etcd = EtcdServer()
+        self.etcd = EtcdServer(cpus=self.cpus)
         self.etcd.start()
         self.http_port = self.options.http_port or free_port()
         self.grpc_port = self.options.grpc_port or free_port()
@@ -107,6 +114,8 @@ class Mesh:
         o = self.options
         for role, count in (("prefill", o.prefill), ("decode", o.decode)):
             pinned = worker_env(role, o.role_cpus.get(role))
+            if role == "decode" and self.lead is not None:
+                pinned = {"KVMESH_LEAD_CPU": str(self.lead)}
             for i in range(count):
                 name = f"{role}-{i}"
                 self._spawn(name, ["serve", role, "--worker-id", name, "--model", o.model,
@@ -142,7 +151,7 @@ class Mesh:
             return []
         from kvmesh.mesh.mooncake_master import MooncakeMaster
 
-        self.master = MooncakeMaster()
+        self.master = MooncakeMaster(cpus=self.cpus)
         self.master.start()
         self._write_state()
         return ["--backend", "mooncake", "--mooncake-master", self.master.address]

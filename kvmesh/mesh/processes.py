@@ -38,9 +38,10 @@ def die_with_parent() -> Callable[[], None] | None:
     return setup
 
 
-def spawn(cmd: list[str], log: IO[bytes], env: Mapping[str, str] | None = None) -> subprocess.Popen:
+def spawn(cmd: list[str], log: IO[bytes], env: Mapping[str, str] | None = None,
+          cpus: frozenset[int] | None = None) -> subprocess.Popen:  # fmt: skip
     """Start `cmd` in its own session (so its whole group can be stopped) that dies with us;
-    stdout and stderr go to `log`."""
+    stdout and stderr go to `log`; `cpus`: every thread it will have runs on these only."""
     return subprocess.Popen(
         cmd,
         stdin=subprocess.DEVNULL,
@@ -48,8 +49,22 @@ def spawn(cmd: list[str], log: IO[bytes], env: Mapping[str, str] | None = None) 
         stderr=subprocess.STDOUT,
         env=env,
         start_new_session=True,
-        preexec_fn=die_with_parent(),  # only prctl and getppid run there, no locks taken
+        preexec_fn=_child_setup(die_with_parent(), cpus),  # no locks taken there
     )
+
+
+def _child_setup(
+    die: Callable[[], None] | None, cpus: frozenset[int] | None
+) -> Callable[[], None] | None:
+    if cpus is None:
+        return die
+
+    def setup() -> None:  # between fork and exec: the child's threads all inherit the set
+        os.sched_setaffinity(0, cpus)
+        if die is not None:
+            die()
+
+    return setup
 
 
 def stop_groups(procs: Iterable[subprocess.Popen], grace: float) -> None:

@@ -60,8 +60,10 @@ class Supervisor:
         critical: frozenset[str] = frozenset(),
         defer: Callable[[], AbstractContextManager[None]] = _nothing_deferred,
         on_change: Callable[[], None] = lambda: None,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         self.env = dict(env)
+        self.cpus = cpus  # every child (and restart) runs on these: None, where it was started
         self.say = say
         self.policy = policy
         self.critical = critical
@@ -92,7 +94,7 @@ class Supervisor:
         self, cmd: list[str], log_path: Path, mode: str, env: Mapping[str, str] | None
     ) -> subprocess.Popen:
         with log_path.open(mode + "b") as log:  # the child keeps its own copy of the fd
-            return spawn(cmd, log, self.env if env is None else env)
+            return spawn(cmd, log, self.env if env is None else env, self.cpus)
 
     def first_exited(self) -> Child | None:
         return next((c for c in self.children.values() if c.proc.poll() is not None), None)

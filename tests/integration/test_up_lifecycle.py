@@ -122,6 +122,29 @@ def _store_address(run: UpRun) -> str | None:
     return stores[0] if len(stores) == 1 else None
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a lead CPU needs 2 CPUs")
+def test_the_lone_decode_workers_engine_thread_keeps_the_last_cpu_to_itself(mesh_1x1):
+    """Every thread of every process `kvmesh up` started runs off the last CPU, except the
+    decode worker's engine thread, which runs there alone (and did the decoding)."""
+    run, _ = mesh_1x1
+    lead = max(os.sched_getaffinity(0))
+    on_lead: dict[str, list[tuple[int, int]]] = {}  # process -> (thread, its CPU ticks)
+    for pid in descendants(run.proc.pid):
+        name = _cmdline(pid)
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                cpus = os.sched_getaffinity(int(task.name))
+                ticks = sum(map(int, (task / "stat").read_text().rsplit(")", 1)[1].split()[11:13]))
+            except (OSError, ValueError):
+                continue  # a thread that ended meanwhile
+            if lead in cpus:
+                assert cpus == {lead}, f"{name}: thread {task.name} runs on {cpus}"
+                on_lead.setdefault(name, []).append((int(task.name), ticks))
+    assert len(on_lead) == 1, on_lead
+    ((name, threads),) = on_lead.items()
+    assert "serve decode" in name and len(threads) == 1 and threads[0][1] > 0, on_lead
+
+
 def test_a_killed_kvstore_is_restarted_and_chat_keeps_working(mesh_1x1):
     run, _ = mesh_1x1
     old_pid, old_address = run.state()["pids"]["kvstore"], _store_address(run)

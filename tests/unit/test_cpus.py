@@ -15,7 +15,7 @@ import pytest
 from kvmesh import env
 from kvmesh.cli_args import build_parser
 from kvmesh.errors import LaunchError
-from kvmesh.mesh.affinity import checked_cpus, format_cpus, worker_env
+from kvmesh.mesh.affinity import checked_cpus, decode_lead_cpu, format_cpus, worker_env
 from kvmesh.mesh.supervisor import Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,9 +119,10 @@ def test_unpinned_prefill_workers_on_a_crowded_machine_serve_on_one_thread(monke
     KVMESH_NUM_THREADS or pinning leave both alone."""
     for name in ("KVMESH_NUM_THREADS", "KVMESH_PREFILL_CPUS", "KVMESH_DECODE_CPUS"):
         monkeypatch.delenv(name, raising=False)
-    crowded = _worker_envs(monkeypatch, tmp_path, 2)
+    crowded = _worker_envs(monkeypatch, tmp_path, 2, decode_lead_cpu="off")
     assert crowded == {"prefill-0": {"KVMESH_NUM_THREADS": "1"}, "decode-0": {}}
-    assert _worker_envs(monkeypatch, tmp_path, 8) == {"prefill-0": {}, "decode-0": {}}
+    roomy = _worker_envs(monkeypatch, tmp_path, 8, decode_lead_cpu="off")
+    assert roomy == {"prefill-0": {}, "decode-0": {}}
     two = _worker_envs(monkeypatch, tmp_path, 2, prefill=2, decode=2)
     assert {name: env["KVMESH_NUM_THREADS"] for name, env in two.items()} == {
         "prefill-0": "1", "prefill-1": "1", "decode-0": "1", "decode-1": "1"}  # fmt: skip
@@ -131,6 +132,36 @@ def test_unpinned_prefill_workers_on_a_crowded_machine_serve_on_one_thread(monke
     assert pinned["prefill-0"] == {"KVMESH_CPUS": "0"}
     monkeypatch.setenv("KVMESH_NUM_THREADS", "2")
     assert _worker_envs(monkeypatch, tmp_path, 2)["prefill-0"] == {}
+
+
+@TWO_CPUS
+def test_a_lone_decode_worker_gets_the_last_cpu_for_its_engine_thread(monkeypatch, tmp_path):
+    """auto: one decode worker, no role placed by the user, 2+ CPUs; its engine thread takes the
+    last CPU (KVMESH_LEAD_CPU) and every other child starts on the rest."""
+    for name in ("KVMESH_NUM_THREADS", "KVMESH_PREFILL_CPUS", "KVMESH_DECODE_CPUS"):
+        monkeypatch.delenv(name, raising=False)
+    last = max(os.sched_getaffinity(0))
+    assert decode_lead_cpu("auto", 1, False) == last
+    assert decode_lead_cpu("auto", 2, False) is None  # whose engine thread would it be?
+    assert decode_lead_cpu("auto", 1, True) is None  # the user placed the roles
+    assert decode_lead_cpu("off", 1, False) is None
+    assert decode_lead_cpu("0", 2, True) == 0
+    for bad in ("4096", "one"):
+        with pytest.raises(LaunchError, match="--decode-lead-cpu"):
+            decode_lead_cpu(bad, 1, False)
+    envs = _worker_envs(monkeypatch, tmp_path, 2)
+    assert envs["decode-0"] == {"KVMESH_LEAD_CPU": str(last)}
+    monkeypatch.setenv("KVMESH_LEAD_CPU", str(last))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1} - {last})
+    assert env.serve_threads() == 2  # its team: the engine thread and one on the rest
+
+
+@TWO_CPUS
+def test_children_run_on_the_cpus_they_are_given(tmp_path: Path) -> None:
+    supervisor = Supervisor(dict(os.environ), say=lambda _: None, cpus=frozenset({0}))
+    supervisor.spawn("a", ["grep", "Cpus_allowed_list", "/proc/self/status"], tmp_path / "a.log")
+    supervisor.children["a"].proc.wait(timeout=10)
+    assert (tmp_path / "a.log").read_text().split()[-1] == "0"
 
 
 def test_a_child_gets_its_own_environment_on_top_and_keeps_it(tmp_path: Path) -> None:
