@@ -160,6 +160,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-tokens", type=int, default=UP_LOCAL_PREFILL_TOKENS,
                         help="no --url: decode prefills prompts up to this many tokens itself "
                         "(default: kvmesh up's)")  # fmt: skip
+    parser.add_argument("--decode-lead-cpu", default="off", metavar="off|auto|CPU",
+                        help="no --url: kvmesh up's --decode-lead-cpu (the client then keeps "
+                        "off that CPU, as a remote one would)")  # fmt: skip
     parser.add_argument("--output", default=None, help="also write the JSON report here")
 
 
@@ -204,7 +207,8 @@ def _measure(args: argparse.Namespace, model: str, levels: list[int], compared: 
 
     options = UpOptions(model=model, prefill=args.prefill, decode=args.decode,
                         worker_args=("--dtype", args.dtype, "--weights", args.weights,
-                                     "--local-prefill-tokens", str(args.local_prefill_tokens)))  # fmt: skip
+                                     "--local-prefill-tokens", str(args.local_prefill_tokens)),
+                        decode_lead_cpu=args.decode_lead_cpu)  # fmt: skip
     mesh = Mesh(options)
     try:
         mesh.start()

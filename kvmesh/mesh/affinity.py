@@ -5,12 +5,15 @@ role's set, `kvmesh serve prefill|decode --cpus` its own.
 
 A lead CPU (`KVMESH_LEAD_CPU`) is one the worker's engine thread keeps to itself: that thread runs
 the serial work between steps and leads each step's OpenMP team, so any other thread that
-preempts it delays the whole step, while the team's other threads hand their share of a step to
-whoever is free (kernels/csrc/phases.h). `kvmesh up` gives a lone decode worker the last CPU and
-starts everything else (etcd, gateway, prefill, KV store, the worker's own other threads, its
-team) on the rest: a token woke the gateway on the engine thread's CPU (a waker's CPU is where
-Linux puts the task it wakes through a socket) and stalled the step 0.2-0.6 ms a token
-(docs/benchmarks.md, "A CPU of its own for the decode engine thread")."""
+preempts it delays the whole step, while the team's other threads hand their share of a decode
+step to whoever is free (kernels/csrc/phases.h). `kvmesh up --decode-lead-cpu auto` gives a lone
+decode worker the last CPU and starts the worker (its other threads, its team) and the gateway
+on the rest: a token's socket write woke the gateway on the engine thread's CPU (where Linux
+puts a task woken through a socket) and stalled the next step. Off by default: steadier decode
+steps (mesh / engine TPOT at one stream 1.03 instead of 1.05), but slower first tokens (a
+prompt's prefill runs torch's evenly split OpenMP regions, and its team's second thread then
+shares a CPU with the gateway: TTFT 1.6-1.7x the engine's instead of 1.0-1.2x), measured in
+docs/benchmarks.md, "A CPU of its own for the decode engine thread"."""
 
 from __future__ import annotations
 

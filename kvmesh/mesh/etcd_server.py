@@ -68,9 +68,7 @@ class EtcdServer:
         client_port: int | None = None,
         peer_port: int | None = None,
         name: str = "kvmesh-etcd",
-        cpus: frozenset[int] | None = None,  # its threads run on these only (None: anywhere)
     ) -> None:
-        self._cpus = cpus
         self._owns_dir = data_dir is None
         self._data_dir = Path(data_dir) if data_dir is not None else None
         self._auto_ports = client_port is None and peer_port is None
@@ -146,7 +144,7 @@ class EtcdServer:
     def _launch(self) -> None:
         assert self.log_path is not None
         self._log_file = self.log_path.open("ab")
-        self._proc = spawn(self._command(), self._log_file, cpus=self._cpus)
+        self._proc = spawn(self._command(), self._log_file)
 
     def _wait_healthy(self, timeout: float) -> bool:
         assert self._proc is not None

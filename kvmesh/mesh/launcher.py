@@ -52,7 +52,7 @@ class UpOptions:
     kvstore: str = "none"  # "builtin": the KV store service; "mooncake": backed by Mooncake Store
     kvstore_args: tuple[str, ...] = ()
     ready_timeout: float = 180.0
-    decode_lead_cpu: str = "auto"  # auto | off | a CPU number: see affinity.decode_lead_cpu
+    decode_lead_cpu: str = "off"  # off | auto | a CPU number: see affinity.decode_lead_cpu
 
 
 def state_file() -> Path:
@@ -72,7 +72,7 @@ class Mesh:
     grpc_port: int = 0
     supervisor: Supervisor = field(init=False)
     lead: int | None = field(default=None, init=False)  # the decode engine thread's own CPU
-    cpus: frozenset[int] | None = field(default=None, init=False)  # everything else runs here
+    cpus: frozenset[int] | None = field(default=None, init=False)  # all but the lead CPU
     _stopped: bool = field(default=False, init=False)
     _master_reported: bool = field(default=False, init=False)
 
@@ -85,7 +85,7 @@ class Mesh:
         self.lead = decode_lead_cpu(o.decode_lead_cpu, o.decode, placed)
         self.cpus = None if self.lead is None else frozenset(os.sched_getaffinity(0)) - {self.lead}
         self.supervisor = Supervisor(env, say, critical=CRITICAL, defer=self._deferred,
-                                     on_change=self._write_state, cpus=self.cpus)  # fmt: skip
+                                     on_change=self._write_state)  # fmt: skip
 
     @property
     def procs(self) -> dict[str, Any]:
@@ -94,7 +94,7 @@ class Mesh:
 
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.etcd = EtcdServer(cpus=self.cpus)
+        self.etcd = EtcdServer()
         self.etcd.start()
         self.http_port = self.options.http_port or free_port()
         self.grpc_port = self.options.grpc_port or free_port()
@@ -114,13 +114,14 @@ class Mesh:
         o = self.options
         for role, count in (("prefill", o.prefill), ("decode", o.decode)):
             pinned = worker_env(role, o.role_cpus.get(role))
-            if role == "decode" and self.lead is not None:
+            lead = role == "decode" and self.lead is not None
+            if lead:  # its threads on the rest, but for the engine thread (mesh/affinity.py)
                 pinned = {"KVMESH_LEAD_CPU": str(self.lead)}
             for i in range(count):
                 name = f"{role}-{i}"
                 self._spawn(name, ["serve", role, "--worker-id", name, "--model", o.model,
                                    *o.worker_args, *o.role_args.get(role, ())],
-                            pinned or self._threads(role))  # fmt: skip
+                            pinned or self._threads(role), self.cpus if lead else None)  # fmt: skip
 
     def _crowded(self) -> bool:
         """Fewer than two CPUs per engine process on this machine."""
@@ -143,7 +144,7 @@ class Mesh:
     def _spawn_gateway(self) -> None:
         ports = ["--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
         self._spawn("gateway", ["serve", "gateway", "--model", self.options.model, *ports,
-                                *self.options.gateway_args])  # fmt: skip
+                                *self.options.gateway_args], cpus=self.cpus)  # fmt: skip
 
     def _kvstore_backend(self) -> list[str]:
         """--kvstore mooncake: start mooncake_master; the store's second tier is Mooncake Store."""
@@ -151,7 +152,7 @@ class Mesh:
             return []
         from kvmesh.mesh.mooncake_master import MooncakeMaster
 
-        self.master = MooncakeMaster(cpus=self.cpus)
+        self.master = MooncakeMaster()
         self.master.start()
         self._write_state()
         return ["--backend", "mooncake", "--mooncake-master", self.master.address]
@@ -173,11 +174,12 @@ class Mesh:
         return ["--model", model, "--page-size", "16", "--kv-dtype", kv_dtype,
                 "--page-bytes", str(spec.page_bytes), "--kv-spec", spec.layout_key]  # fmt: skip
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
+               cpus: frozenset[int] | None = None) -> None:  # fmt: skip
         assert self.etcd is not None
         cmd = [sys.executable, "-m", "kvmesh.cli", *args,
                "--etcd", self.etcd.endpoint, "--cluster", self.options.cluster]  # fmt: skip
-        self.supervisor.spawn(name, cmd, self.run_dir / f"{name}.log", env)
+        self.supervisor.spawn(name, cmd, self.run_dir / f"{name}.log", env, cpus)
 
     def _deferred(self) -> AbstractContextManager[None]:
         return self.signals.deferred() if self.signals else contextlib.nullcontext()

@@ -56,9 +56,7 @@ class MooncakeMaster:
     """One `mooncake_master` process in its own process group, dying with this process
     (PR_SET_PDEATHSIG), logging to `log_path`."""
 
-    def __init__(self, rpc_port: int | None = None, metrics_port: int | None = None,
-                 cpus: frozenset[int] | None = None) -> None:  # fmt: skip
-        self._cpus = cpus  # its threads run on these only (None: anywhere)
+    def __init__(self, rpc_port: int | None = None, metrics_port: int | None = None) -> None:
         picked = free_ports(2)
         self.rpc_port = rpc_port or picked[0]
         self.metrics_port = metrics_port or picked[1]
@@ -97,7 +95,7 @@ class MooncakeMaster:
         os.close(fd)
         self.log_path = Path(name)
         self._log_file = self.log_path.open("ab")
-        self._proc = spawn(self._command(), self._log_file, cpus=self._cpus)
+        self._proc = spawn(self._command(), self._log_file)
         if not self._wait_ready(timeout):
             tail = _tail(self.log_path)
             self.stop()

@@ -34,6 +34,7 @@ class Child:
     proc: subprocess.Popen
     started_at: float
     env: Mapping[str, str] | None = None  # None: the supervisor's environment
+    cpus: frozenset[int] | None = None  # where its threads run (None: where ours may)
     restarts: int = 0
     restart_at: float | None = None  # monotonic time of a scheduled restart
     given_up: bool = False
@@ -60,10 +61,8 @@ class Supervisor:
         critical: frozenset[str] = frozenset(),
         defer: Callable[[], AbstractContextManager[None]] = _nothing_deferred,
         on_change: Callable[[], None] = lambda: None,
-        cpus: frozenset[int] | None = None,
     ) -> None:
         self.env = dict(env)
-        self.cpus = cpus  # every child (and restart) runs on these: None, where it was started
         self.say = say
         self.policy = policy
         self.critical = critical
@@ -80,21 +79,24 @@ class Supervisor:
         return {name: child.proc.pid for name, child in self.children.items()}
 
     def spawn(
-        self, name: str, cmd: list[str], log_path: Path, env: Mapping[str, str] | None = None
-    ) -> None:
+        self, name: str, cmd: list[str], log_path: Path, env: Mapping[str, str] | None = None,
+        cpus: frozenset[int] | None = None,
+    ) -> None:  # fmt: skip
         """Start child `name`; `env` (e.g. its KVMESH_CPUS) is added to the supervisor's
-        environment, for this child and its restarts."""
+        environment, for this child and its restarts; `cpus`: where its threads run."""
         child_env = {**self.env, **env} if env else None
         with self.defer():
-            proc = self._start(cmd, log_path, "w", child_env)
-            self.children[name] = Child(name, cmd, log_path, proc, time.monotonic(), child_env)
+            proc = self._start(cmd, log_path, "w", child_env, cpus)
+            self.children[name] = Child(name, cmd, log_path, proc, time.monotonic(), child_env,
+                                        cpus)  # fmt: skip
         self.on_change()
 
     def _start(
-        self, cmd: list[str], log_path: Path, mode: str, env: Mapping[str, str] | None
-    ) -> subprocess.Popen:
+        self, cmd: list[str], log_path: Path, mode: str, env: Mapping[str, str] | None,
+        cpus: frozenset[int] | None,
+    ) -> subprocess.Popen:  # fmt: skip
         with log_path.open(mode + "b") as log:  # the child keeps its own copy of the fd
-            return spawn(cmd, log, self.env if env is None else env, self.cpus)
+            return spawn(cmd, log, self.env if env is None else env, cpus)
 
     def first_exited(self) -> Child | None:
         return next((c for c in self.children.values() if c.proc.poll() is not None), None)
@@ -132,7 +134,7 @@ class Supervisor:
 
     def _restart(self, child: Child) -> None:
         with self.defer():
-            child.proc = self._start(child.cmd, child.log_path, "a", child.env)
+            child.proc = self._start(child.cmd, child.log_path, "a", child.env, child.cpus)
             child.started_at, child.restart_at = time.monotonic(), None
             child.restarts += 1
         self.on_change()  # the state file names the new pid before anyone reads "restarted"

@@ -106,9 +106,11 @@ def _worker_envs(monkeypatch, tmp_path: Path, cpus: int, **options) -> dict[str,
     monkeypatch.setattr(os, "cpu_count", lambda: cpus)
     mesh = Mesh(UpOptions(**options), run_dir=tmp_path)
     spawned: dict[str, dict] = {}
-    monkeypatch.setattr(
-        mesh, "_spawn", lambda name, args, extra=None: spawned.update({name: extra})
-    )
+
+    def spawn(name: str, args: list[str], extra=None, cpus=None) -> None:
+        spawned[name] = extra if cpus is None else {**extra, "cpus": format_cpus(cpus)}
+
+    monkeypatch.setattr(mesh, "_spawn", spawn)
     mesh._spawn_workers()
     return spawned
 
@@ -119,10 +121,9 @@ def test_unpinned_prefill_workers_on_a_crowded_machine_serve_on_one_thread(monke
     KVMESH_NUM_THREADS or pinning leave both alone."""
     for name in ("KVMESH_NUM_THREADS", "KVMESH_PREFILL_CPUS", "KVMESH_DECODE_CPUS"):
         monkeypatch.delenv(name, raising=False)
-    crowded = _worker_envs(monkeypatch, tmp_path, 2, decode_lead_cpu="off")
+    crowded = _worker_envs(monkeypatch, tmp_path, 2)
     assert crowded == {"prefill-0": {"KVMESH_NUM_THREADS": "1"}, "decode-0": {}}
-    roomy = _worker_envs(monkeypatch, tmp_path, 8, decode_lead_cpu="off")
-    assert roomy == {"prefill-0": {}, "decode-0": {}}
+    assert _worker_envs(monkeypatch, tmp_path, 8) == {"prefill-0": {}, "decode-0": {}}
     two = _worker_envs(monkeypatch, tmp_path, 2, prefill=2, decode=2)
     assert {name: env["KVMESH_NUM_THREADS"] for name, env in two.items()} == {
         "prefill-0": "1", "prefill-1": "1", "decode-0": "1", "decode-1": "1"}  # fmt: skip
@@ -137,7 +138,7 @@ def test_unpinned_prefill_workers_on_a_crowded_machine_serve_on_one_thread(monke
 @TWO_CPUS
 def test_a_lone_decode_worker_gets_the_last_cpu_for_its_engine_thread(monkeypatch, tmp_path):
     """auto: one decode worker, no role placed by the user, 2+ CPUs; its engine thread takes the
-    last CPU (KVMESH_LEAD_CPU) and every other child starts on the rest."""
+    last CPU (KVMESH_LEAD_CPU), the worker starts on the rest (its other threads stay there)."""
     for name in ("KVMESH_NUM_THREADS", "KVMESH_PREFILL_CPUS", "KVMESH_DECODE_CPUS"):
         monkeypatch.delenv(name, raising=False)
     last = max(os.sched_getaffinity(0))
@@ -149,8 +150,10 @@ def test_a_lone_decode_worker_gets_the_last_cpu_for_its_engine_thread(monkeypatc
     for bad in ("4096", "one"):
         with pytest.raises(LaunchError, match="--decode-lead-cpu"):
             decode_lead_cpu(bad, 1, False)
-    envs = _worker_envs(monkeypatch, tmp_path, 2)
-    assert envs["decode-0"] == {"KVMESH_LEAD_CPU": str(last)}
+    envs = _worker_envs(monkeypatch, tmp_path, 2, decode_lead_cpu="auto")
+    rest = format_cpus(os.sched_getaffinity(0) - {last})
+    assert envs["decode-0"] == {"KVMESH_LEAD_CPU": str(last), "cpus": rest}
+    assert envs["prefill-0"] == {"KVMESH_NUM_THREADS": "1"}  # anywhere, as without a lead
     monkeypatch.setenv("KVMESH_LEAD_CPU", str(last))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1} - {last})
     assert env.serve_threads() == 2  # its team: the engine thread and one on the rest
@@ -158,8 +161,9 @@ def test_a_lone_decode_worker_gets_the_last_cpu_for_its_engine_thread(monkeypatc
 
 @TWO_CPUS
 def test_children_run_on_the_cpus_they_are_given(tmp_path: Path) -> None:
-    supervisor = Supervisor(dict(os.environ), say=lambda _: None, cpus=frozenset({0}))
-    supervisor.spawn("a", ["grep", "Cpus_allowed_list", "/proc/self/status"], tmp_path / "a.log")
+    supervisor = Supervisor(dict(os.environ), say=lambda _: None)
+    show = ["grep", "Cpus_allowed_list", "/proc/self/status"]
+    supervisor.spawn("a", show, tmp_path / "a.log", cpus=frozenset({0}))
     supervisor.children["a"].proc.wait(timeout=10)
     assert (tmp_path / "a.log").read_text().split()[-1] == "0"
 
