@@ -221,11 +221,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         )
         _cpus_arg(up, f"--{role}-cpus", f"KVMESH_{role.upper()}_CPUS",
                   f"pin every {role} worker to these CPUs, a torch thread per CPU")  # fmt: skip
-    up.add_argument("--decode-lead-cpu", default="off", metavar="off|auto|CPU",
-                    help="a CPU the decode worker's engine thread keeps to itself, the worker's "
-                    "other threads and the gateway on the rest (auto: the last CPU, for one "
-                    "decode worker without --prefill-cpus/--decode-cpus on 2+ CPUs): steadier "
-                    "decode steps, slower first tokens (docs/benchmarks.md)")  # fmt: skip
+    up.add_argument("--decode-lead-cpu", default="auto", metavar="auto|off|CPU",
+                    help="a CPU the decode worker's engine thread keeps to itself, its OpenMP "
+                    "team and the gateway on the rest (auto: the last CPU, for one decode worker "
+                    "without --prefill-cpus/--decode-cpus on 2+ CPUs)")  # fmt: skip
     serve = sub.add_parser("serve", help="run one service of the mesh")
     serve_sub = serve.add_subparsers(dest="service", required=True)
     for role in ("prefill", "decode"):

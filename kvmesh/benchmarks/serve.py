@@ -160,7 +160,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-tokens", type=int, default=UP_LOCAL_PREFILL_TOKENS,
                         help="no --url: decode prefills prompts up to this many tokens itself "
                         "(default: kvmesh up's)")  # fmt: skip
-    parser.add_argument("--decode-lead-cpu", default="off", metavar="off|auto|CPU",
+    parser.add_argument("--decode-lead-cpu", default="auto", metavar="auto|off|CPU",
                         help="no --url: kvmesh up's --decode-lead-cpu (the client then keeps "
                         "off that CPU, as a remote one would)")  # fmt: skip
     parser.add_argument("--output", default=None, help="also write the JSON report here")

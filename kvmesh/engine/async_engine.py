@@ -16,7 +16,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -39,6 +39,16 @@ log = structlog.get_logger(__name__)
 _IDLE_WAIT_S = 1.0
 
 
+class ThreadPlacement(Protocol):
+    """Where the engine thread and its OpenMP team run (mesh/affinity.py LeadCpu): `start`
+    first on the engine thread, then `place` before every step (its prompts still to prefill
+    or not)."""
+
+    def start(self) -> None: ...
+
+    def place(self, prefill: bool) -> None: ...
+
+
 @dataclass(frozen=True)
 class EngineLoad:
     num_running: int
@@ -52,9 +62,9 @@ class EngineLoad:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_thread_start: Callable[[], None] | None = None) -> None:
+    def __init__(self, engine: Engine, placement: ThreadPlacement | None = None) -> None:
         self._engine = engine
-        self._on_thread_start = on_thread_start  # runs first on the engine thread (its CPU)
+        self._placement = placement  # where the engine thread and its team run, step by step
         self.page_io = PageIO(engine)  # its methods run under the lock: pass them to `call`
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -84,12 +94,14 @@ class AsyncEngine:
     # -- the step loop (engine thread) ------------------------------------------------------
     def _run(self) -> None:
         try:
-            if self._on_thread_start is not None:
-                self._on_thread_start()
+            if self._placement is not None:
+                self._placement.start()
             while not self._stopped:
                 self._run_calls()
                 with self._lock:
                     busy = self._engine.has_unfinished()
+                    if busy and self._placement is not None:
+                        self._placement.place(prefill=self._load.prefill_tokens_queued > 0)
                     outputs = self._step() if busy else []
                     self._load = self._measure_load()
                 if not busy and not self._calls:

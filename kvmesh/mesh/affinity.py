@@ -6,21 +6,20 @@ role's set, `kvmesh serve prefill|decode --cpus` its own.
 A lead CPU (`KVMESH_LEAD_CPU`) is one the worker's engine thread keeps to itself: that thread runs
 the serial work between steps and leads each step's OpenMP team, so any other thread that
 preempts it delays the whole step, while the team's other threads hand their share of a decode
-step to whoever is free (kernels/csrc/phases.h). `kvmesh up --decode-lead-cpu auto` gives a lone
-decode worker the last CPU and starts the worker (its other threads, its team) and the gateway
-on the rest: a token's socket write woke the gateway on the engine thread's CPU (where Linux
-puts a task woken through a socket) and stalled the next step. Off by default: steadier decode
-steps (mesh / engine TPOT at one stream 1.03 instead of 1.05), but slower first tokens (a
-prompt's prefill runs torch's evenly split OpenMP regions, and its team's second thread then
-shares a CPU with the gateway: TTFT 1.6-1.7x the engine's instead of 1.0-1.2x), measured in
-docs/benchmarks.md, "A CPU of its own for the decode engine thread"."""
+step to whoever is free (kernels/csrc/phases.h). `kvmesh up` (`--decode-lead-cpu auto`, the
+default) gives a lone decode worker the last CPU, moves the worker's OpenMP team to the rest and
+starts the gateway there: a token's socket write woke the gateway on the engine thread's CPU
+(where Linux puts a task woken through a socket) and stalled the next step. The worker's other
+threads (event loop, gRPC) stay free: kept on the rest with the gateway, they delayed first
+tokens by 10-15 ms. Measured in docs/benchmarks.md, "A CPU of its own for the decode engine
+thread"."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,28 +133,43 @@ def apply_worker_cpus() -> WorkerCpus:
     return placed
 
 
-def engine_thread_setup() -> Callable[[], None] | None:
-    """What the engine thread runs first where a lead CPU is set (else None): start its OpenMP
-    team while it still has the process's CPUs (the team's threads inherit them), then keep to
-    the lead CPU alone."""
+def lead_cpu_placement() -> LeadCpu | None:
+    """The engine thread's placement where a lead CPU is set (KVMESH_LEAD_CPU), else None."""
     lead = env.lead_cpu()
-    if lead is None:
-        return None
+    return LeadCpu(lead) if lead is not None else None
 
-    def take_lead_cpu() -> None:
+
+class LeadCpu:
+    """The engine thread on the lead CPU alone, its OpenMP team on the rest (a preempted team
+    thread hands its chunks on: csrc/phases.h); the worker's other threads (event loop, gRPC)
+    stay free: on the rest with the gateway they delayed first tokens by 10-15 ms. Runs on the
+    engine thread (AsyncEngine)."""
+
+    def __init__(self, lead: int) -> None:
+        self.lead = lead
+
+    def start(self) -> None:
+        """Start this thread's team (the threads that appear meanwhile), then place both."""
         import structlog
         import torch
 
-        log = structlog.get_logger(__name__)
+        before = set(_thread_ids())
         torch.ones(1 << 20).add_(1)  # an OpenMP region: this thread's team starts here
+        team = sorted(set(_thread_ids()) - before)
+        rest = frozenset(os.sched_getaffinity(0)) - {self.lead}
+        log = structlog.get_logger(__name__)
         try:
-            os.sched_setaffinity(0, {lead})
+            for tid in team:
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setaffinity(tid, rest)
+            os.sched_setaffinity(0, {self.lead})
         except OSError as exc:  # not a CPU this machine lets us use: run as without one
-            log.warning("worker.lead_cpu_refused", cpu=lead, error=repr(exc))
+            log.warning("worker.lead_cpu_refused", cpu=self.lead, error=repr(exc))
             return
-        log.info("worker.lead_cpu", cpu=lead)
+        log.info("worker.lead_cpu", cpu=self.lead, team=team, team_cpus=format_cpus(rest))
 
-    return take_lead_cpu
+    def place(self, prefill: bool) -> None:
+        """Nothing to change between steps."""
 
 
 class ExportCpus(argparse.Action):

@@ -52,7 +52,7 @@ class UpOptions:
     kvstore: str = "none"  # "builtin": the KV store service; "mooncake": backed by Mooncake Store
     kvstore_args: tuple[str, ...] = ()
     ready_timeout: float = 180.0
-    decode_lead_cpu: str = "off"  # off | auto | a CPU number: see affinity.decode_lead_cpu
+    decode_lead_cpu: str = "auto"  # auto | off | a CPU number: see affinity.decode_lead_cpu
 
 
 def state_file() -> Path:
@@ -72,7 +72,7 @@ class Mesh:
     grpc_port: int = 0
     supervisor: Supervisor = field(init=False)
     lead: int | None = field(default=None, init=False)  # the decode engine thread's own CPU
-    cpus: frozenset[int] | None = field(default=None, init=False)  # all but the lead CPU
+    cpus: frozenset[int] | None = field(default=None, init=False)  # the gateway's: all but lead
     _stopped: bool = field(default=False, init=False)
     _master_reported: bool = field(default=False, init=False)
 
@@ -115,13 +115,13 @@ class Mesh:
         for role, count in (("prefill", o.prefill), ("decode", o.decode)):
             pinned = worker_env(role, o.role_cpus.get(role))
             lead = role == "decode" and self.lead is not None
-            if lead:  # its threads on the rest, but for the engine thread (mesh/affinity.py)
+            if lead:  # the engine thread there, its team on the rest (mesh/affinity.py LeadCpu)
                 pinned = {"KVMESH_LEAD_CPU": str(self.lead)}
             for i in range(count):
                 name = f"{role}-{i}"
                 self._spawn(name, ["serve", role, "--worker-id", name, "--model", o.model,
                                    *o.worker_args, *o.role_args.get(role, ())],
-                            pinned or self._threads(role), self.cpus if lead else None)  # fmt: skip
+                            pinned or self._threads(role))  # fmt: skip
 
     def _crowded(self) -> bool:
         """Fewer than two CPUs per engine process on this machine."""

@@ -121,9 +121,10 @@ def test_unpinned_prefill_workers_on_a_crowded_machine_serve_on_one_thread(monke
     KVMESH_NUM_THREADS or pinning leave both alone."""
     for name in ("KVMESH_NUM_THREADS", "KVMESH_PREFILL_CPUS", "KVMESH_DECODE_CPUS"):
         monkeypatch.delenv(name, raising=False)
-    crowded = _worker_envs(monkeypatch, tmp_path, 2)
+    crowded = _worker_envs(monkeypatch, tmp_path, 2, decode_lead_cpu="off")
     assert crowded == {"prefill-0": {"KVMESH_NUM_THREADS": "1"}, "decode-0": {}}
-    assert _worker_envs(monkeypatch, tmp_path, 8) == {"prefill-0": {}, "decode-0": {}}
+    roomy = _worker_envs(monkeypatch, tmp_path, 8, decode_lead_cpu="off")
+    assert roomy == {"prefill-0": {}, "decode-0": {}}
     two = _worker_envs(monkeypatch, tmp_path, 2, prefill=2, decode=2)
     assert {name: env["KVMESH_NUM_THREADS"] for name, env in two.items()} == {
         "prefill-0": "1", "prefill-1": "1", "decode-0": "1", "decode-1": "1"}  # fmt: skip
@@ -137,8 +138,9 @@ def test_unpinned_prefill_workers_on_a_crowded_machine_serve_on_one_thread(monke
 
 @TWO_CPUS
 def test_a_lone_decode_worker_gets_the_last_cpu_for_its_engine_thread(monkeypatch, tmp_path):
-    """auto: one decode worker, no role placed by the user, 2+ CPUs; its engine thread takes the
-    last CPU (KVMESH_LEAD_CPU), the worker starts on the rest (its other threads stay there)."""
+    """auto (the default): one decode worker, no role placed by the user, 2+ CPUs; its engine
+    thread takes the last CPU (KVMESH_LEAD_CPU); the worker starts wherever (its engine thread
+    moves its team), the gateway on the rest."""
     for name in ("KVMESH_NUM_THREADS", "KVMESH_PREFILL_CPUS", "KVMESH_DECODE_CPUS"):
         monkeypatch.delenv(name, raising=False)
     last = max(os.sched_getaffinity(0))
@@ -150,9 +152,8 @@ def test_a_lone_decode_worker_gets_the_last_cpu_for_its_engine_thread(monkeypatc
     for bad in ("4096", "one"):
         with pytest.raises(LaunchError, match="--decode-lead-cpu"):
             decode_lead_cpu(bad, 1, False)
-    envs = _worker_envs(monkeypatch, tmp_path, 2, decode_lead_cpu="auto")
-    rest = format_cpus(os.sched_getaffinity(0) - {last})
-    assert envs["decode-0"] == {"KVMESH_LEAD_CPU": str(last), "cpus": rest}
+    envs = _worker_envs(monkeypatch, tmp_path, 2)
+    assert envs["decode-0"] == {"KVMESH_LEAD_CPU": str(last)}
     assert envs["prefill-0"] == {"KVMESH_NUM_THREADS": "1"}  # anywhere, as without a lead
     monkeypatch.setenv("KVMESH_LEAD_CPU", str(last))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1} - {last})
