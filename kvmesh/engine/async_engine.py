@@ -41,12 +41,9 @@ _IDLE_WAIT_S = 1.0
 
 class ThreadPlacement(Protocol):
     """Where the engine thread and its OpenMP team run (mesh/affinity.py LeadCpu): `start`
-    first on the engine thread, then `place` before every step (its prompts still to prefill
-    or not)."""
+    runs first on the engine thread."""
 
     def start(self) -> None: ...
-
-    def place(self, prefill: bool) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -64,7 +61,7 @@ class EngineLoad:
 class AsyncEngine:
     def __init__(self, engine: Engine, placement: ThreadPlacement | None = None) -> None:
         self._engine = engine
-        self._placement = placement  # where the engine thread and its team run, step by step
+        self._placement = placement  # where the engine thread and its team run
         self.page_io = PageIO(engine)  # its methods run under the lock: pass them to `call`
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -100,8 +97,6 @@ class AsyncEngine:
                 self._run_calls()
                 with self._lock:
                     busy = self._engine.has_unfinished()
-                    if busy and self._placement is not None:
-                        self._placement.place(prefill=self._load.prefill_tokens_queued > 0)
                     outputs = self._step() if busy else []
                     self._load = self._measure_load()
                 if not busy and not self._calls:

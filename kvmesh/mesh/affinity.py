@@ -168,9 +168,6 @@ class LeadCpu:
             return
         log.info("worker.lead_cpu", cpu=self.lead, team=team, team_cpus=format_cpus(rest))
 
-    def place(self, prefill: bool) -> None:
-        """Nothing to change between steps."""
-
 
 class ExportCpus(argparse.Action):
     """`--cpus LIST` (and `kvmesh up --prefill-cpus/--decode-cpus`): checked, kept as the
