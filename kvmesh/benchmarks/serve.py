@@ -15,6 +15,7 @@ and each mesh process's CPU milliseconds per output token at every level (proces
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -251,14 +252,14 @@ def measure_suite(
     memory-read ceiling beside each single-stream request (on every CPU); the client on
     `client_cpus` (None: where it is)."""
     if probe is not None and client_cpus is not None:
-        every_cpu, ceiling = frozenset(os.sched_getaffinity(0)), probe
-
-        def probe() -> float:
-            with thread_kept_to(every_cpu):
-                return ceiling()
-
+        probe = functools.partial(_on_cpus, frozenset(os.sched_getaffinity(0)), probe)
     with thread_kept_to(client_cpus):
         return _suite(target, args, levels, path, meter, probe)
+
+
+def _on_cpus(cpus: frozenset[int], probe: Callable[[], float]) -> float:
+    with thread_kept_to(cpus):
+        return probe()
 
 
 def _suite(target: Target, args: argparse.Namespace, levels: list[int], path: str,

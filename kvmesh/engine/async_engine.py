@@ -16,7 +16,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
@@ -39,13 +39,6 @@ log = structlog.get_logger(__name__)
 _IDLE_WAIT_S = 1.0
 
 
-class ThreadPlacement(Protocol):
-    """Where the engine thread and its OpenMP team run (mesh/affinity.py LeadCpu): `start`
-    runs first on the engine thread."""
-
-    def start(self) -> None: ...
-
-
 @dataclass(frozen=True)
 class EngineLoad:
     num_running: int
@@ -59,9 +52,9 @@ class EngineLoad:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, placement: ThreadPlacement | None = None) -> None:
+    def __init__(self, engine: Engine, on_thread_start: Callable[[], None] | None = None) -> None:
         self._engine = engine
-        self._placement = placement  # where the engine thread and its team run
+        self._on_thread_start = on_thread_start  # first on the engine thread (e.g. its CPU)
         self.page_io = PageIO(engine)  # its methods run under the lock: pass them to `call`
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -91,8 +84,8 @@ class AsyncEngine:
     # -- the step loop (engine thread) ------------------------------------------------------
     def _run(self) -> None:
         try:
-            if self._placement is not None:
-                self._placement.start()
+            if self._on_thread_start is not None:
+                self._on_thread_start()
             while not self._stopped:
                 self._run_calls()
                 with self._lock:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,40 +133,36 @@ def apply_worker_cpus() -> WorkerCpus:
     return placed
 
 
-def lead_cpu_placement() -> LeadCpu | None:
-    """The engine thread's placement where a lead CPU is set (KVMESH_LEAD_CPU), else None."""
+def lead_cpu_setup() -> Callable[[], None] | None:
+    """Where a lead CPU is set (KVMESH_LEAD_CPU), what the engine thread runs first: it starts
+    its OpenMP team (the threads that appear meanwhile), moves the team to the rest and keeps
+    the lead CPU alone (a preempted team thread hands its chunks on: csrc/phases.h). The
+    worker's other threads (event loop, gRPC) stay free: on the rest with the gateway they
+    delayed first tokens by 10-15 ms. None without a lead CPU."""
     lead = env.lead_cpu()
-    return LeadCpu(lead) if lead is not None else None
+    if lead is None:
+        return None
 
-
-class LeadCpu:
-    """The engine thread on the lead CPU alone, its OpenMP team on the rest (a preempted team
-    thread hands its chunks on: csrc/phases.h); the worker's other threads (event loop, gRPC)
-    stay free: on the rest with the gateway they delayed first tokens by 10-15 ms. Runs on the
-    engine thread (AsyncEngine)."""
-
-    def __init__(self, lead: int) -> None:
-        self.lead = lead
-
-    def start(self) -> None:
-        """Start this thread's team (the threads that appear meanwhile), then place both."""
+    def take_lead_cpu() -> None:
         import structlog
         import torch
 
         before = set(_thread_ids())
         torch.ones(1 << 20).add_(1)  # an OpenMP region: this thread's team starts here
         team = sorted(set(_thread_ids()) - before)
-        rest = frozenset(os.sched_getaffinity(0)) - {self.lead}
+        rest = frozenset(os.sched_getaffinity(0)) - {lead}
         log = structlog.get_logger(__name__)
         try:
             for tid in team:
                 with contextlib.suppress(ProcessLookupError):
                     os.sched_setaffinity(tid, rest)
-            os.sched_setaffinity(0, {self.lead})
+            os.sched_setaffinity(0, {lead})
         except OSError as exc:  # not a CPU this machine lets us use: run as without one
-            log.warning("worker.lead_cpu_refused", cpu=self.lead, error=repr(exc))
+            log.warning("worker.lead_cpu_refused", cpu=lead, error=repr(exc))
             return
-        log.info("worker.lead_cpu", cpu=self.lead, team=team, team_cpus=format_cpus(rest))
+        log.info("worker.lead_cpu", cpu=lead, team=team, team_cpus=format_cpus(rest))
+
+    return take_lead_cpu
 
 
 class ExportCpus(argparse.Action):

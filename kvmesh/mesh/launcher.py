@@ -115,7 +115,9 @@ class Mesh:
         for role, count in (("prefill", o.prefill), ("decode", o.decode)):
             pinned = worker_env(role, o.role_cpus.get(role))
             lead = role == "decode" and self.lead is not None
-            if lead:  # the engine thread there, its team on the rest (mesh/affinity.py LeadCpu)
+            if (
+                lead
+            ):  # the engine thread there, its team on the rest (mesh/affinity.py lead_cpu_setup)
                 pinned = {"KVMESH_LEAD_CPU": str(self.lead)}
             for i in range(count):
                 name = f"{role}-{i}"

@@ -18,7 +18,7 @@ from kvmesh.engine.engine import Engine
 from kvmesh.engine.engine_thread import build_engine
 from kvmesh.engine.faults import KINDS as FAULT_KINDS
 from kvmesh.mesh import metrics
-from kvmesh.mesh.affinity import lead_cpu_placement
+from kvmesh.mesh.affinity import lead_cpu_setup
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.ports import free_port
@@ -122,7 +122,7 @@ async def serve_worker(
         ).inc()
     if engine.speculator is not None:
         engine.speculator.stats.listener = _spec_metrics(options.role)
-    async_engine = AsyncEngine(engine, lead_cpu_placement())  # a lead CPU, where set
+    async_engine = AsyncEngine(engine, lead_cpu_setup())  # a lead CPU, where set
     async_engine.start()
     transfer = KvTransferEngine(TransferConfig(protocol=options.protocol))
     transfer.register(engine.kv_cache.pool.data_ptr(), engine.kv_cache.nbytes)

@@ -140,8 +140,11 @@ class DeliverySocket:
             hello = await asyncio.wait_for(frames.read_frame(reader, _HELLO_MAX_BYTES), 10)
             delivery_id = decode_pb2.DeliverRequest.FromString(hello).delivery_id
             sink = _SocketSink(writer)
-            with self.deliveries.opened(delivery_id, sink.write, sink.close):
-                await reader.read()  # b"" at EOF (it sends no more), or the connection broke
+            try:
+                with self.deliveries.opened(delivery_id, sink.write, sink.close):
+                    await reader.read()  # b"" at EOF (it sends no more), or the connection broke
+            finally:
+                sink.close()  # again, harmless; or refused (a duplicate id) before it was open
         except InvalidRequestError as exc:
             log.warning("decode.delivery_refused", error=str(exc))
         except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError, DecodeError) as exc:
