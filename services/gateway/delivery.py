@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import structlog
@@ -31,7 +33,7 @@ class Delivery(asyncio.Protocol):
     def __init__(self, address: str, on_end: Callable[[Delivery], None] = lambda _: None) -> None:
         self.id = uuid.uuid4().hex
         self.address = address
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, Inbox] = {}
         self._on_end = on_end
         self._frames = frames.FrameBuffer()
         self._transport: asyncio.BaseTransport | None = None
@@ -53,13 +55,15 @@ class Delivery(asyncio.Protocol):
         (tokens still in flight before them are dropped, as the request is over)."""
         if request_id in self._queues:  # the caller asks `serves` first
             raise ValueError(f"request {request_id!r} already runs on this delivery stream")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = Inbox()
         self._queues[request_id] = queue
         pump = asyncio.create_task(_pump(call, queue))
         try:
             sent, held, last, broken = 0, {}, None, self.broken
             while True:
-                item = await queue.get()
+                while (arrival := queue.arrived()) is not None:
+                    await arrival
+                item = queue.take()
                 if isinstance(item, BaseException):
                     raise item
                 if item is None:
@@ -137,7 +141,33 @@ class Delivery(asyncio.Protocol):
         self._on_end(self)
 
 
-async def _pump(call: grpc.aio.UnaryStreamCall, queue: asyncio.Queue) -> None:
+class Inbox:
+    """What arrives for one request, in order: an unbounded queue with one waiter (a token's
+    hand-over is one future, not asyncio.Queue's bookkeeping)."""
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def arrived(self) -> asyncio.Future | None:
+        """None when an item is here; else a future done when one arrives (awaited by the
+        reader itself: no coroutine of its own between the reader and the event loop)."""
+        if self._items:
+            return None
+        self._waiter = asyncio.get_running_loop().create_future()
+        return self._waiter
+
+    def take(self) -> Any:
+        self._waiter = None
+        return self._items.popleft()
+
+
+async def _pump(call: grpc.aio.UnaryStreamCall, queue: Inbox) -> None:
     try:
         async for response in call:
             queue.put_nowait(response)

@@ -185,7 +185,9 @@ def _chunk(response: decode_pb2.DecodeResponse) -> GenerateChunk:
     finish = convert.finish_from_pb(response.finish_reason)
     return GenerateChunk(
         token_ids=list(response.token_ids),
-        logprobs=[convert.logprob_from_pb(lp) for lp in response.logprobs],
+        logprobs=[convert.logprob_from_pb(lp) for lp in response.logprobs]
+        if response.logprobs
+        else [],
         finish_reason=finish.value if finish else None,
         prompt_tokens=response.usage.prompt_tokens,
         cached_tokens=response.usage.cached_tokens,

@@ -194,54 +194,59 @@ async def _stream(meta: ResponseMeta, choices: list[Choice]) -> StreamingRespons
 
 
 async def _sse_events(meta: ResponseMeta, choices: list[Choice], first: tuple[int, Delta],
-                      deltas: AsyncGenerator[tuple[int, Delta], None]) -> AsyncIterator[str]:  # fmt: skip
+                      deltas: AsyncGenerator[tuple[int, Delta], None]) -> AsyncIterator[bytes]:  # fmt: skip
     outcome = "cancelled"  # unless the loop below ends
+    texts = [resp.TextChunks(meta, choice.index) for choice in choices]
     try:
         if meta.kind == "chat":
             for choice in choices:
-                yield _sse(resp.chunk_body(meta, "", role=True, index=choice.index))
+                yield resp.sse_event(resp.chunk_body(meta, "", role=True, index=choice.index))
         item: tuple[int, Delta] | None = first
         while item is not None:
             index, delta = item
-            for body in _delta_chunks(meta, delta, choices[index]):
-                yield _sse(body)
+            for event in _delta_events(meta, delta, choices[index], texts[index]):
+                yield event
             item = await anext(deltas, None)
         if meta.include_usage:
-            yield _sse(resp.usage_chunk_body(meta, total_usage(choices)))
+            yield resp.sse_event(resp.usage_chunk_body(meta, total_usage(choices)))
         outcome = "ok"
     except Exception as exc:  # in-band: the HTTP status is already sent
         outcome = _outcome(http_status(exc))
         _log_error(exc)
-        yield _sse(openai_error_body(exc))
+        yield resp.sse_event(openai_error_body(exc))
     finally:
         with anyio.CancelScope(shield=True):
             await deltas.aclose()
         _count(outcome)
-    yield "data: [DONE]\n\n"
+    yield b"data: [DONE]\n\n"
 
 
-def _delta_chunks(meta: ResponseMeta, delta: Delta, choice: Choice) -> list[dict]:
-    logprobs = choice.formatter.format(delta.logprobs) if delta.logprobs else None
-    bodies = []
+def _delta_events(meta: ResponseMeta, delta: Delta, choice: Choice,
+                  texts: resp.TextChunks) -> list[bytes]:  # fmt: skip
     finish = delta.finish_reason
-    tools, index = choice.tools, choice.index
-    if tools is not None:
-        parts = tools.delta_bodies(delta.text, final=finish is not None)
-        if logprobs is not None and not parts:
-            parts = [{}]  # the tokens' logprobs even where they added no certain text yet
-        for i, part in enumerate(parts):
-            bodies.append(resp.chunk_body(meta, None, logprobs=None if i else logprobs,
-                                          delta=part, index=index))  # fmt: skip
-        finish = finish_reason_of(finish, tools.called)
-    elif delta.text or logprobs is not None:
-        bodies.append(resp.chunk_body(meta, delta.text, logprobs=logprobs, index=index))
+    if not delta.logprobs and choice.tools is None:  # plain text: the usual token
+        events = [texts.event(delta.text)] if delta.text else []
+    else:
+        events = [resp.sse_event(body) for body in _delta_bodies(meta, delta, choice)]
+        finish = finish_reason_of(finish, choice.tools.called) if choice.tools else finish
     if finish is not None:
-        bodies.append(resp.chunk_body(meta, None, finish, index=index))
-    return bodies
+        events.append(resp.sse_event(resp.chunk_body(meta, None, finish, index=choice.index)))
+    return events
 
 
-def _sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+def _delta_bodies(meta: ResponseMeta, delta: Delta, choice: Choice) -> list[dict]:
+    """The chunks of a delta with logprobs or read for tool calls (its finish aside)."""
+    logprobs = choice.formatter.format(delta.logprobs) if delta.logprobs else None
+    tools, index = choice.tools, choice.index
+    if tools is None:
+        if not delta.text and logprobs is None:
+            return []
+        return [resp.chunk_body(meta, delta.text, logprobs=logprobs, index=index)]
+    parts = tools.delta_bodies(delta.text, final=delta.finish_reason is not None)
+    if logprobs is not None and not parts:
+        parts = [{}]  # the tokens' logprobs even where they added no certain text yet
+    return [resp.chunk_body(meta, None, logprobs=None if i else logprobs, delta=part, index=index)
+            for i, part in enumerate(parts)]  # fmt: skip
 
 
 async def _read_json(request: Request, limit: int) -> Any:

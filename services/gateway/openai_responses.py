@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import orjson
+
 from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.tokenizer import Tokenizer
 
@@ -89,6 +91,25 @@ def chunk_body(
     choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
     body = {**meta.head(chunk=True), "choices": [choice]}
     return body | {"usage": None} if meta.include_usage else body
+
+
+def sse_event(body: dict[str, Any]) -> bytes:
+    """One server-sent event carrying `body`."""
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+class TextChunks:
+    """The events of choice `index`'s plain text chunks (no logprobs, no finish), cut once from
+    chunk_body's around a marker: a token's event is then one orjson call and a join."""
+
+    _MARK = "\x00kvmesh-text\x00"
+
+    def __init__(self, meta: ResponseMeta, index: int) -> None:
+        event = sse_event(chunk_body(meta, self._MARK, index=index))
+        self._head, self._tail = event.split(orjson.dumps(self._MARK))
+
+    def event(self, text: str) -> bytes:
+        return b"".join((self._head, orjson.dumps(text), self._tail))
 
 
 def usage_chunk_body(meta: ResponseMeta, usage: Usage) -> dict[str, Any]:
