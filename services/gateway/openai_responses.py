@@ -106,7 +106,7 @@ class TextChunks:
 
     def __init__(self, meta: ResponseMeta, index: int) -> None:
         event = sse_event(chunk_body(meta, self._MARK, index=index))
-        self._head, self._tail = event.split(orjson.dumps(self._MARK))
+        self._head, _, self._tail = event.rpartition(orjson.dumps(self._MARK))
 
     def event(self, text: str) -> bytes:
         return b"".join((self._head, orjson.dumps(text), self._tail))

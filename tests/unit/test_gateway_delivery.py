@@ -12,7 +12,7 @@ from kvmesh import event_loop
 from kvmesh.mesh import frames
 from kvmesh.proto.v1 import common_pb2, decode_pb2
 from services.decode.delivery import Deliveries, DeliverySocket
-from services.gateway.delivery import Delivery
+from services.gateway.delivery import Delivery, Inbox
 from services.gateway.router import WorkerUnavailable
 
 
@@ -293,3 +293,30 @@ def test_the_workers_delivery_socket_streams_a_steps_chunks_and_forgets_a_client
     tokens, stranger_turned_away, twin_refused, forgotten = event_loop.run(run())
     assert tokens == [10, 11, 12, 13]
     assert stranger_turned_away and twin_refused and forgotten
+
+
+def test_an_inbox_hands_over_in_order_and_a_reader_cancelled_while_waiting_loses_nothing():
+    async def run() -> list:
+        inbox = Inbox()
+        assert inbox.arrived() is not None  # empty: a future to wait on
+
+        async def read(n: int) -> list:
+            out = []
+            for _ in range(n):
+                while (arrival := inbox.arrived()) is not None:
+                    await arrival
+                out.append(inbox.take())
+            return out
+
+        waiting = asyncio.create_task(read(1))
+        await asyncio.sleep(0)
+        waiting.cancel()  # cancelled while it waits: what comes later stays for the next reader
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        reader = asyncio.create_task(read(3))
+        await asyncio.sleep(0)
+        for item in ("a", "b", "c"):
+            inbox.put_nowait(item)
+        return await asyncio.wait_for(reader, 5)
+
+    assert event_loop.run(run()) == ["a", "b", "c"]

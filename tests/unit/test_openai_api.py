@@ -30,6 +30,7 @@ from kvmesh.mesh.error_mapping import (
     http_status,
     openai_error_body,
 )
+from services.gateway import openai_responses as resp
 from services.gateway.openai_api import create_app
 from tests.unit.fake_backend import ANSWER, FakeBackend, cached_tokens_for, serve_app
 
@@ -484,3 +485,14 @@ def test_error_from_grpc_without_code_prefix() -> None:
     # A code prefix that disagrees with the status is not trusted.
     fake = error_from_grpc(grpc.StatusCode.INTERNAL, "invalid_request_error: x")
     assert type(fake) is KvmeshError
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_text_chunks_event_is_the_chunk_body_of_its_text(kind: str, include_usage: bool) -> None:
+    meta = resp.ResponseMeta(kind, "chatcmpl-1", "smollm2-135m", 123, include_usage)
+    chunks = resp.TextChunks(meta, index=2)
+    for text in ["Hello", ' "quoted" \\ \n\t', "\x00kvmesh-text\x00", "é漢字🙂", "\u2028", ""]:
+        event = chunks.event(text)
+        assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+        assert json.loads(event[6:]) == resp.chunk_body(meta, text, index=2)
