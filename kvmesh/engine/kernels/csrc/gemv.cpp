@@ -1,5 +1,8 @@
-// Small-batch bf16 linears that stream the weights at memory speed. Up to 8 batch rows: R weight
-// rows at a time against every batch row. More rows: register tiles of 4 weight rows x 6 batch
+// Small-batch bf16 linears that stream the weights at memory speed. Up to 4 batch rows: one weight
+// row at a time against every batch row, so each thread reads its rows as one sequential stream
+// that the hardware prefetchers follow (four rows side by side, each 8 rows ahead by software
+// prefetch, read SmolLM2's small matrices 15-20 % slower on the AVX-512 EPYC). 5-8 batch rows: 2
+// weight rows at a time, prefetched. More rows: register tiles of 4 weight rows x 6 batch
 // rows over blocks of weight rows that stay in L2 while every tile of batch rows passes over
 // them (on AVX2, with half the registers: one weight row x 6 batch rows, x widened once).
 // Every way, each output is one fp32 accumulator per 32 k, fed in k order, then hsum: a row's
@@ -14,9 +17,9 @@
 namespace kvmesh {
 namespace {
 
-// Rows of prefetch distance (~9 KB for K = 576; docs/benchmarks.md). The lines are asked for
-// into L2, not L1: an L1 prefetch holds one of L1's few miss buffers until its line arrives
-// (on the AVX-512 EPYC, into L2 the weights stream at 1.5x the speed at one row).
+// Rows of prefetch distance where several rows are read side by side (~9 KB for K = 576;
+// docs/benchmarks.md). The lines are asked for into L2, not L1: an L1 prefetch holds one of L1's
+// few miss buffers until its line arrives.
 constexpr int kAhead = 8;
 
 inline float bias_at(const uint16_t* bias, int64_t n) {
@@ -27,7 +30,7 @@ inline float bias_at(const uint16_t* bias, int64_t n) {
   return add;
 }
 
-template <int kRows, int kBatch, bool kDot>
+template <int kRows, int kBatch, bool kDot, bool kPrefetch>
 KVMESH_BF16_DOT_TARGET void block(const uint16_t* x, int64_t ldx,
                                                  const uint16_t* w, int64_t ldw, int64_t k,
                                                  const uint16_t* bias, uint16_t* y, int64_t ldy,
@@ -45,8 +48,8 @@ KVMESH_BF16_DOT_TARGET void block(const uint16_t* x, int64_t ldx,
     for (int b = 0; b < kBatch; ++b) xs[b] = load_bf32(x + b * ldx + i, k - i);
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
-      // the same line kAhead rows on: one core alone keeps too few misses in flight otherwise
-      _mm_prefetch(reinterpret_cast<const char*>(w + (n + r + kAhead) * ldw + i), _MM_HINT_T1);
+      // the same line kAhead rows on: rows side by side are streams the hardware follows badly
+      if (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(w + (n + r + kAhead) * ldw + i), _MM_HINT_T1);
       const Bf32 ws = load_bf32(w + (n + r) * ldw + i, k - i);
 #pragma GCC unroll 8
       for (int b = 0; b < kBatch; ++b) acc[r][b] = dot32<kDot>(acc[r][b], ws, xs[b]);
@@ -63,10 +66,12 @@ KVMESH_BF16_DOT_TARGET void block(const uint16_t* x, int64_t ldx,
 template <int kBatch, bool kDot>
 void rows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t k,
           const uint16_t* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n1) {
-  constexpr int kRows = kBatch <= 4 ? 4 : 2;
+  constexpr int kRows = kBatch <= 4 ? 1 : 2;
+  constexpr bool kPrefetch = kRows > 1;
   int64_t n = n0;
-  for (; n + kRows <= n1; n += kRows) block<kRows, kBatch, kDot>(x, ldx, w, ldw, k, bias, y, ldy, n);
-  for (; n < n1; ++n) block<1, kBatch, kDot>(x, ldx, w, ldw, k, bias, y, ldy, n);
+  for (; n + kRows <= n1; n += kRows)
+    block<kRows, kBatch, kDot, kPrefetch>(x, ldx, w, ldw, k, bias, y, ldy, n);
+  for (; n < n1; ++n) block<1, kBatch, kDot, kPrefetch>(x, ldx, w, ldw, k, bias, y, ldy, n);
 }
 
 template <bool kDot>
