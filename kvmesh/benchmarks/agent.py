@@ -30,7 +30,6 @@ import httpx
 
 from kvmesh import event_loop
 from kvmesh.benchmarks.serve import Messages, ServeBenchError, _ms, level_prompts, stream_one
-from kvmesh.benchmarks.serve_client import session
 
 MODES = ("cache-aware", "least-load")
 HIT_RATIO_TARGET = 0.80
@@ -307,8 +306,7 @@ def _measure_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
 async def _warm_up(url: str, model: str, n: int) -> None:
     """Prompts unrelated to the workload, so nothing of it is cached before it runs."""
-    async with session(n, timeout_s=300.0) as client:
-        await asyncio.gather(*(stream_one(client, url, model, p, 4) for p in level_prompts(0, n)))
+    await asyncio.gather(*(stream_one(url, model, p, 4) for p in level_prompts(0, n)))
 
 
 def main(argv: list[str] | None = None) -> int:

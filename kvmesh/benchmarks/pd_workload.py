@@ -83,14 +83,13 @@ async def drive(target: Target, w: PdWorkload) -> PdRun:
             await asyncio.sleep(s * w.stagger_s)
             i = 0
             while not stop.is_set():
-                steady.append(await stream_request(client, target, steady_prompt(s, i),
-                                                   w.stream_tokens))  # fmt: skip
+                steady.append(await stream_request(target, steady_prompt(s, i), w.stream_tokens))
                 i += 1
 
         async def long_one(i: int, at: float) -> None:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             prompt = long_prompt(f"{run_id}-{i}", notes)
-            long.append(await stream_request(client, target, prompt, w.long_output_tokens))
+            long.append(await stream_request(target, prompt, w.long_output_tokens))
 
         loops = [asyncio.create_task(stream_loop(s)) for s in range(w.streams)]
         await asyncio.gather(*(long_one(i, at) for i, at in enumerate(w.arrivals())))

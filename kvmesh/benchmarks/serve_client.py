@@ -17,8 +17,8 @@ from typing import Any
 
 import aiohttp
 import httpx
-import orjson
 
+from kvmesh.benchmarks.sse_client import post_events
 from kvmesh.errors import ServeBenchError
 
 Messages = list[dict[str, str]]
@@ -118,8 +118,7 @@ def endpoint(target: Target) -> str:
 
 
 def session(connections: int = 100, timeout_s: float = 600.0) -> aiohttp.ClientSession:
-    """The client every request of a benchmark run goes through (aiohttp: its streamed lines cost
-    about half of httpx's CPU, and the client shares the server's cores)."""
+    """The client of a benchmark run's plain (not streamed) requests."""
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=connections),
         timeout=aiohttp.ClientTimeout(total=timeout_s),
@@ -127,48 +126,28 @@ def session(connections: int = 100, timeout_s: float = 600.0) -> aiohttp.ClientS
 
 
 async def stream_request(
-    client: aiohttp.ClientSession, target: Target, prompt: Prompt, max_tokens: int
+    target: Target, prompt: Prompt, max_tokens: int, timeout_s: float = 600.0
 ) -> Streamed:
-    """Send one streaming request and collect its content deltas' arrival times and usage."""
+    """Send one streaming request and collect its content deltas' arrival times and usage (on a
+    connection of its own, read by benchmarks/sse_client.py)."""
     body = request_body(target, prompt, max_tokens)
-    start = time.perf_counter()
     arrivals: list[float] = []
     usage: dict[str, Any] = {}
-    finish = None
-    async with client.post(endpoint(target), json=body, headers=target.headers) as r:
-        if r.status != 200:
-            raise ServeBenchError(f"HTTP {r.status} from {endpoint(target)}: {await r.text()}")
-        async for chunk in _sse_chunks(r):
-            for choice in chunk.get("choices") or []:
-                if _content(choice):
-                    arrivals.append(time.perf_counter() - start)
-                finish = choice.get("finish_reason") or finish
-            usage = chunk.get("usage") or usage
+    finish: list[str | None] = [None]
+
+    def on_chunk(chunk: dict[str, Any]) -> None:
+        for choice in chunk.get("choices") or []:
+            if _content(choice):
+                arrivals.append(time.perf_counter() - start)
+            finish[0] = choice.get("finish_reason") or finish[0]
+        usage.update(chunk.get("usage") or {})
+
+    start = time.perf_counter()
+    await post_events(endpoint(target), body, target.headers, on_chunk, timeout_s)
     if not arrivals:
         raise ServeBenchError(f"the stream from {endpoint(target)} carried no content")
     return Streamed(tuple(arrivals), usage.get("completion_tokens"), usage.get("prompt_tokens"),
-                    max_tokens, finish, start)  # fmt: skip
-
-
-async def _sse_chunks(response: aiohttp.ClientResponse):
-    """The stream's JSON chunks up to `data: [DONE]`, read as the bytes come (not line by line:
-    the client shares the server's cores, and every CPU-microsecond it spends per token is
-    taken from the server's steps)."""
-    pending = b""
-    async for data in response.content.iter_any():
-        events = (pending + data).replace(b"\r\n", b"\n").split(b"\n\n")
-        pending = events.pop()  # an event not yet complete
-        for event in events:
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    return
-                chunk = orjson.loads(payload)
-                if "error" in chunk:
-                    raise ServeBenchError(f"in-band error: {chunk['error']}")
-                yield chunk
+                    max_tokens, finish[0], start)  # fmt: skip
 
 
 def _content(choice: dict[str, Any]) -> str:
@@ -177,11 +156,9 @@ def _content(choice: dict[str, Any]) -> str:
     return (delta.get("content") or "") if isinstance(delta, dict) else (choice.get("text") or "")
 
 
-async def stream_one(
-    client: aiohttp.ClientSession, url: str, model: str, messages: Messages, max_tokens: int
-) -> RequestTiming:
+async def stream_one(url: str, model: str, messages: Messages, max_tokens: int) -> RequestTiming:
     """One chat request to `url`, timed (the agent bench's and the warm-ups' call)."""
-    return (await stream_request(client, Target(url, model), messages, max_tokens)).timing()
+    return (await stream_request(Target(url, model), messages, max_tokens)).timing()
 
 
 async def prompt_tokens(

@@ -76,16 +76,15 @@ async def client_loops(
     """C loops, each taking the next prompt until none is left; returns timings and wall time."""
     todo = deque(enumerate(prompts))
     timings: list[RequestTiming | None] = [None] * len(prompts)
-    async with session(concurrency) as client:
 
-        async def loop() -> None:
-            while todo:
-                i, prompt = todo.popleft()
-                timings[i] = (await stream_request(client, target, prompt, max_tokens)).timing()
+    async def loop() -> None:
+        while todo:
+            i, prompt = todo.popleft()
+            timings[i] = (await stream_request(target, prompt, max_tokens)).timing()
 
-        start = time.perf_counter()
-        await asyncio.gather(*(loop() for _ in range(concurrency)))
-        wall = time.perf_counter() - start
+    start = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
     return [t for t in timings if t is not None], wall
 
 
