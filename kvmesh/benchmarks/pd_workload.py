@@ -74,7 +74,7 @@ async def drive(target: Target, w: PdWorkload) -> PdRun:
     steady: list[Streamed] = []
     long: list[Streamed] = []
     stop = asyncio.Event()
-    async with session(w.streams + w.long_prompts) as client:
+    async with session(1) as client:  # the prompt-length probe's (streams have their own)
         notes = await notes_for(client, target, w.long_prompt_tokens)
         run_id = uuid.uuid4().hex[:8]
         t0 = time.perf_counter()

@@ -129,17 +129,18 @@ async def stream_request(
     target: Target, prompt: Prompt, max_tokens: int, timeout_s: float = 600.0
 ) -> Streamed:
     """Send one streaming request and collect its content deltas' arrival times and usage (on a
-    connection of its own, read by benchmarks/sse_client.py)."""
+    connection of its own, read by benchmarks/sse_client.py: its TTFT includes the connect)."""
     body = request_body(target, prompt, max_tokens)
     arrivals: list[float] = []
     usage: dict[str, Any] = {}
-    finish: list[str | None] = [None]
+    finish: str | None = None
 
     def on_chunk(chunk: dict[str, Any]) -> None:
+        nonlocal finish
         for choice in chunk.get("choices") or []:
             if _content(choice):
                 arrivals.append(time.perf_counter() - start)
-            finish[0] = choice.get("finish_reason") or finish[0]
+            finish = choice.get("finish_reason") or finish
         usage.update(chunk.get("usage") or {})
 
     start = time.perf_counter()
@@ -147,7 +148,7 @@ async def stream_request(
     if not arrivals:
         raise ServeBenchError(f"the stream from {endpoint(target)} carried no content")
     return Streamed(tuple(arrivals), usage.get("completion_tokens"), usage.get("prompt_tokens"),
-                    max_tokens, finish[0], start)  # fmt: skip
+                    max_tokens, finish, start)  # fmt: skip
 
 
 def _content(choice: dict[str, Any]) -> str:

@@ -33,7 +33,8 @@ async def post_events(
     port = parts.port or (443 if parts.scheme == "https" else 80)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     data = orjson.dumps(body)
-    head = [f"POST {path} HTTP/1.1", f"Host: {parts.netloc}", "Content-Type: application/json",
+    host = parts.hostname + (f":{parts.port}" if parts.port else "")  # never the URL's credentials
+    head = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
             "Accept: text/event-stream", f"Content-Length: {len(data)}", "Connection: close"]  # fmt: skip
     head += [f"{name}: {value}" for name, value in headers.items()]
     loop = asyncio.get_running_loop()
@@ -50,11 +51,14 @@ async def post_events(
             transport.write("\r\n".join(head).encode() + b"\r\n\r\n" + data)
             await done
         finally:
+            if not done.done():
+                done.cancel()  # what closing reports then goes nowhere
             transport.close()
 
 
 class _EventStream(asyncio.Protocol):
-    """One response: its status, then its body's events (httptools undoes chunked encoding)."""
+    """One response: its status, then its body's events (httptools undoes chunked encoding; a
+    body with neither a length nor chunks ends with the connection)."""
 
     def __init__(self, url: str, done: asyncio.Future[None], on_event: OnEvent) -> None:
         self._url = url
@@ -62,6 +66,7 @@ class _EventStream(asyncio.Protocol):
         self._on_event = on_event
         self._parser = httptools.HttpResponseParser(self)
         self._status = 0
+        self._delimited = False  # by a length or chunks; else the connection's end ends the body
         self._pending = b""  # an event not yet complete
         self._error_body = bytearray()
 
@@ -70,15 +75,21 @@ class _EventStream(asyncio.Protocol):
             return
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:  # the callbacks' errors come wrapped in one too
+        except httptools.HttpParserError as exc:
             self._fail(f"a malformed response from {self._url}: {exc!r}")
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(f"the connection to {self._url} ended before the stream did")
+        if self._status and not self._delimited:
+            self.on_message_complete()
+        self._fail(f"the connection to {self._url} ended before the stream did ({exc!r})")
 
     # httptools' callbacks
-    def on_status(self, status: bytes) -> None:
-        self._status = self._parser.get_status_code()
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self._delimited = True
+
+    def on_headers_complete(self) -> None:
+        self._status = self._parser.get_status_code()  # (no on_status without a reason phrase)
 
     def on_body(self, body: bytes) -> None:
         if self._status != 200:
@@ -94,15 +105,21 @@ class _EventStream(asyncio.Protocol):
                 if payload == b"[DONE]":
                     self._done.set_result(None)
                     continue
-                try:
-                    chunk = orjson.loads(payload)
-                except orjson.JSONDecodeError as exc:
-                    self._fail(f"an event that is not JSON from {self._url}: {exc}")
-                    continue
-                if "error" in chunk:
-                    self._fail(f"in-band error: {chunk['error']}")
-                else:
-                    self._on_event(chunk)
+                self._event(payload)
+
+    def _event(self, payload: bytes) -> None:
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            return self._fail(f"an event that is not JSON from {self._url}: {exc}")
+        if not isinstance(chunk, dict):
+            return self._fail(f"an event that is not a JSON object from {self._url}: {chunk!r}")
+        if "error" in chunk:
+            return self._fail(f"in-band error: {chunk['error']}")
+        try:
+            self._on_event(chunk)
+        except Exception as exc:  # the caller's own error, as it is (httptools would wrap it)
+            self._done.set_exception(exc)
 
     def on_message_complete(self) -> None:
         if self._status != 200:

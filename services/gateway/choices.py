@@ -1,6 +1,7 @@
 """The `n` choices of one OpenAI request: one generation each (choice i under request id
 `<id>-i` for i > 0, and seed + i when seeded, so the choices differ and replay), run at once
-(the prompt's pages are shared through the prefix cache), whole or as one merged stream."""
+(the prompt's pages are shared through the prefix cache), whole or as one merged stream, and
+the stream events of each choice's deltas."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
 
+from services.gateway import openai_responses as resp
 from services.gateway.generation import Delta, Generation
 from services.gateway.openai_protocol import ParsedRequest
-from services.gateway.openai_responses import LogprobFormatter, Usage
+from services.gateway.openai_responses import LogprobFormatter, ResponseMeta, Usage
 from services.gateway.tool_output import ToolReply
+from services.gateway.tool_output import finish_reason as finish_reason_of
 
 
 @dataclass
@@ -76,3 +79,34 @@ async def merged(streams: list[AsyncGenerator[Delta, None]]) -> AsyncIterator[tu
         await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
+
+
+def delta_events(meta: ResponseMeta, delta: Delta, choice: Choice,
+                 texts: resp.TextChunks) -> list[bytes]:  # fmt: skip
+    """The stream events of a choice's delta: its text (or tool-call parts, with logprobs where
+    asked), then its finish."""
+    finish = delta.finish_reason
+    if not delta.logprobs and choice.tools is None:  # plain text: the usual token
+        events = [texts.event(delta.text)] if delta.text else []
+    else:
+        events = [resp.sse_event(body) for body in _delta_bodies(meta, delta, choice)]
+        if choice.tools is not None:
+            finish = finish_reason_of(finish, choice.tools.called)
+    if finish is not None:
+        events.append(resp.sse_event(resp.chunk_body(meta, None, finish, index=choice.index)))
+    return events
+
+
+def _delta_bodies(meta: ResponseMeta, delta: Delta, choice: Choice) -> list[dict]:
+    """The chunks of a delta with logprobs or read for tool calls (its finish aside)."""
+    logprobs = choice.formatter.format(delta.logprobs) if delta.logprobs else None
+    tools, index = choice.tools, choice.index
+    if tools is None:
+        if not delta.text and logprobs is None:
+            return []
+        return [resp.chunk_body(meta, delta.text, logprobs=logprobs, index=index)]
+    parts = tools.delta_bodies(delta.text, final=delta.finish_reason is not None)
+    if logprobs is not None and not parts:
+        parts = [{}]  # the tokens' logprobs even where they added no certain text yet
+    return [resp.chunk_body(meta, None, logprobs=None if i else logprobs, delta=part, index=index)
+            for i, part in enumerate(parts)]  # fmt: skip

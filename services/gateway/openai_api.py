@@ -39,7 +39,7 @@ from services.gateway import openai_protocol as proto
 from services.gateway import openai_responses as resp
 from services.gateway.anthropic_api import AnthropicApi
 from services.gateway.backend import GenerateBackend
-from services.gateway.choices import Choice, choice_requests, merged, total_usage
+from services.gateway.choices import Choice, choice_requests, delta_events, merged, total_usage
 from services.gateway.generation import SERVICE, Delta, Generation, Routing
 from services.gateway.openai_responses import LogprobFormatter, ResponseMeta
 from services.gateway.readiness import AlwaysReady, Readiness
@@ -196,15 +196,15 @@ async def _stream(meta: ResponseMeta, choices: list[Choice]) -> StreamingRespons
 async def _sse_events(meta: ResponseMeta, choices: list[Choice], first: tuple[int, Delta],
                       deltas: AsyncGenerator[tuple[int, Delta], None]) -> AsyncIterator[bytes]:  # fmt: skip
     outcome = "cancelled"  # unless the loop below ends
-    texts = [resp.TextChunks(meta, choice.index) for choice in choices]
     try:
+        texts = [resp.TextChunks(meta, choice.index) for choice in choices]
         if meta.kind == "chat":
             for choice in choices:
                 yield resp.sse_event(resp.chunk_body(meta, "", role=True, index=choice.index))
         item: tuple[int, Delta] | None = first
         while item is not None:
             index, delta = item
-            for event in _delta_events(meta, delta, choices[index], texts[index]):
+            for event in delta_events(meta, delta, choices[index], texts[index]):
                 yield event
             item = await anext(deltas, None)
         if meta.include_usage:
@@ -219,34 +219,6 @@ async def _sse_events(meta: ResponseMeta, choices: list[Choice], first: tuple[in
             await deltas.aclose()
         _count(outcome)
     yield b"data: [DONE]\n\n"
-
-
-def _delta_events(meta: ResponseMeta, delta: Delta, choice: Choice,
-                  texts: resp.TextChunks) -> list[bytes]:  # fmt: skip
-    finish = delta.finish_reason
-    if not delta.logprobs and choice.tools is None:  # plain text: the usual token
-        events = [texts.event(delta.text)] if delta.text else []
-    else:
-        events = [resp.sse_event(body) for body in _delta_bodies(meta, delta, choice)]
-        finish = finish_reason_of(finish, choice.tools.called) if choice.tools else finish
-    if finish is not None:
-        events.append(resp.sse_event(resp.chunk_body(meta, None, finish, index=choice.index)))
-    return events
-
-
-def _delta_bodies(meta: ResponseMeta, delta: Delta, choice: Choice) -> list[dict]:
-    """The chunks of a delta with logprobs or read for tool calls (its finish aside)."""
-    logprobs = choice.formatter.format(delta.logprobs) if delta.logprobs else None
-    tools, index = choice.tools, choice.index
-    if tools is None:
-        if not delta.text and logprobs is None:
-            return []
-        return [resp.chunk_body(meta, delta.text, logprobs=logprobs, index=index)]
-    parts = tools.delta_bodies(delta.text, final=delta.finish_reason is not None)
-    if logprobs is not None and not parts:
-        parts = [{}]  # the tokens' logprobs even where they added no certain text yet
-    return [resp.chunk_body(meta, None, logprobs=None if i else logprobs, delta=part, index=index)
-            for i, part in enumerate(parts)]  # fmt: skip
 
 
 async def _read_json(request: Request, limit: int) -> Any:

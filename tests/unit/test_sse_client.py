@@ -87,3 +87,49 @@ def test_a_connection_that_ends_mid_stream_raises():
 def test_an_event_that_is_not_json_raises():
     with pytest.raises(ServeBenchError, match="not JSON"):
         event_loop.run(_serve_and_post(_chunked([b"data: {oops\n\n"])))
+
+
+def test_a_status_line_without_a_reason_phrase_and_a_body_ended_by_closing():
+    head = b"HTTP/1.1 200\r\ncontent-type: text/event-stream\r\n\r\n"  # no length, no chunks
+    events, _ = event_loop.run(
+        _serve_and_post([head, b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n'])
+    )
+    assert events == [{"n": 1}, {"n": 2}]
+
+
+def test_an_error_body_ended_by_closing_keeps_its_status_and_text():
+    writes = [b"HTTP/1.1 503 Service Unavailable\r\n\r\n", b"no decode worker"]
+    with pytest.raises(ServeBenchError, match="HTTP 503 .*no decode worker"):
+        event_loop.run(_serve_and_post(writes))
+
+
+def test_the_callers_own_error_comes_out_as_it_is():
+    async def post() -> None:
+        server = await asyncio.start_server(
+            _reply(_chunked([b'data: {"n": 1}\n\n'])), "127.0.0.1", 0
+        )
+        port = server.sockets[0].getsockname()[1]
+
+        def on_event(chunk: dict) -> None:
+            raise KeyError("the caller's bug")
+
+        try:
+            await post_events(f"http://127.0.0.1:{port}/", {}, {}, on_event, timeout_s=10)
+        finally:
+            server.close()
+
+    with pytest.raises(KeyError, match="the caller's bug"):
+        event_loop.run(post())
+    with pytest.raises(ServeBenchError, match="not a JSON object"):
+        event_loop.run(_serve_and_post(_chunked([b"data: [1, 2]\n\n"])))
+
+
+def _reply(writes: list[bytes]):
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        for data in writes:
+            writer.write(data)
+        await writer.drain()
+        writer.close()
+
+    return handle

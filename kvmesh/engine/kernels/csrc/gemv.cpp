@@ -49,7 +49,8 @@ KVMESH_BF16_DOT_TARGET void block(const uint16_t* x, int64_t ldx,
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
       // the same line kAhead rows on: rows side by side are streams the hardware follows badly
-      if (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(w + (n + r + kAhead) * ldw + i), _MM_HINT_T1);
+      if constexpr (kPrefetch)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (n + r + kAhead) * ldw + i), _MM_HINT_T1);
       const Bf32 ws = load_bf32(w + (n + r) * ldw + i, k - i);
 #pragma GCC unroll 8
       for (int b = 0; b < kBatch; ++b) acc[r][b] = dot32<kDot>(acc[r][b], ws, xs[b]);
