@@ -114,11 +114,8 @@ class Mesh:
         o = self.options
         for role, count in (("prefill", o.prefill), ("decode", o.decode)):
             pinned = worker_env(role, o.role_cpus.get(role))
-            lead = role == "decode" and self.lead is not None
-            if (
-                lead
-            ):  # the engine thread there, its team on the rest (mesh/affinity.py lead_cpu_setup)
-                pinned = {"KVMESH_LEAD_CPU": str(self.lead)}
+            if role == "decode" and self.lead is not None:  # affinity.lead_cpu_setup
+                pinned = {**pinned, "KVMESH_LEAD_CPU": str(self.lead)}
             for i in range(count):
                 name = f"{role}-{i}"
                 self._spawn(name, ["serve", role, "--worker-id", name, "--model", o.model,
