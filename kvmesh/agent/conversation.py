@@ -40,6 +40,7 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()  # assistant only
     tool_call_id: str | None = None  # tool only: the call this result answers
     name: str | None = None  # tool only: the tool's name, where the API says it
+    source: str = field(default="", compare=False)  # the request field it came from, for errors
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -85,6 +86,7 @@ class Conversation:
     def __post_init__(self) -> None:
         if not self.messages:
             raise InvalidRequestError("'messages' must be a non-empty array")
+        check_turns(self.messages)
         names = [tool.name for tool in self.tools]
         if len(set(names)) != len(names):
             raise InvalidRequestError("tool names must be unique")
@@ -101,3 +103,36 @@ class Conversation:
     def offers_tools(self) -> bool:
         """Whether the prompt shows tools and the output is parsed for calls."""
         return bool(self.tools) and self.tool_choice.mode != "none"
+
+
+def check_turns(messages: tuple[Message, ...]) -> None:
+    """Tool results answer the calls of the assistant turn just before them, each call once,
+    and every call is answered before the conversation goes on (as OpenAI's and Anthropic's
+    APIs require): a history a harness garbled is a 400 naming the message, not a prompt the
+    model is left to make sense of."""
+    pending: dict[str, str] = {}  # unanswered call id -> where its assistant turn came from
+    for i, message in enumerate(messages):
+        where = message.source or f"messages[{i}]"
+        if message.role == "tool":
+            if message.tool_call_id not in pending:
+                raise InvalidRequestError(
+                    f"'{where}' is a tool result for call {message.tool_call_id!r}, which is not "
+                    "an unanswered call of the assistant turn before it"
+                )
+            del pending[message.tool_call_id]
+            continue
+        if pending:
+            raise InvalidRequestError(_unanswered(pending, f"before '{where}'"))
+        if message.tool_calls:
+            ids = [call.id for call in message.tool_calls]
+            if len(set(ids)) != len(ids):
+                raise InvalidRequestError(f"'{where}' has two tool calls with one id")
+            pending = dict.fromkeys(ids, where)
+    if pending:
+        raise InvalidRequestError(_unanswered(pending, "at the end of the conversation"))
+
+
+def _unanswered(pending: dict[str, str], at: str) -> str:
+    where = next(iter(pending.values()))
+    ids = ", ".join(repr(call_id) for call_id in pending)
+    return f"'{where}' made tool calls with no result {at}: {ids}"

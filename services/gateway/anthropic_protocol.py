@@ -101,7 +101,8 @@ def _turn(i: int, message: Any) -> list[Message]:
                 f"'{at}.type' {kind!r} is not supported here (text, tool_use in assistant turns, "
                 "tool_result in user turns, thinking)"
             )
-    turn = [Message(message["role"], "\n".join(texts), tuple(calls))] if texts or calls else []
+    turn = ([Message(message["role"], "\n".join(texts), tuple(calls), source=where)]
+            if texts or calls else [])  # fmt: skip
     return results + turn  # a user turn's tool results answer the calls before its text
 
 
@@ -135,7 +136,7 @@ def _tool_result(at: str, block: dict) -> Message:
         raise InvalidRequestError(f"'{at}.content' must be a string or an array of text blocks")
     if block.get("is_error"):
         content = f"Error: {content}"
-    return Message("tool", content, tool_call_id=call_id)
+    return Message("tool", content, tool_call_id=call_id, source=at)
 
 
 def _tool(i: int, tool: Any) -> Tool:

@@ -10,8 +10,11 @@ from typing import Any
 from kvmesh.agent.conversation import ROLES, Conversation, Message, Tool, ToolCall, ToolChoice
 from kvmesh.errors import InvalidRequestError
 
+_LEGACY_CALL = "call_legacy"  # the id of a legacy function_call and of its result
 
-def parse_conversation(body: dict[str, Any]) -> Conversation:
+
+def parse_conversation(body: dict[str, Any], sources: list[str] | None = None) -> Conversation:
+    """sources: where each message came from in the request, where it was not 'messages'."""
     messages = body.get("messages")
     if messages is not None and not isinstance(messages, list):
         raise InvalidRequestError(f"'messages' must be of type array, got {_json_type(messages)}")
@@ -29,33 +32,34 @@ def parse_conversation(body: dict[str, Any]) -> Conversation:
     if parallel is not None and not isinstance(parallel, bool):
         raise InvalidRequestError("'parallel_tool_calls' must be a boolean")
     return Conversation(
-        tuple(_message(i, m) for i, m in enumerate(messages)), tools,
+        tuple(_message(sources[i] if sources else f"messages[{i}]", m)
+              for i, m in enumerate(messages)), tools,
         ToolChoice("none") if choice is None and not tools else choice or ToolChoice("auto"),
         not legacy and parallel is not False,
     )  # fmt: skip
 
 
-def _message(i: int, message: Any) -> Message:
-    where = f"messages[{i}]"
+def _message(where: str, message: Any) -> Message:
     if not isinstance(message, dict):
         raise InvalidRequestError(f"'{where}' must be an object")
     role = message.get("role")
-    if role == "function":  # legacy function result
-        role, message = "tool", {**message, "tool_call_id": message.get("name")}
+    if role == "function":  # legacy function result: answers the turn's one function_call
+        role, message = "tool", {**message, "tool_call_id": _LEGACY_CALL}
     if role not in ROLES:
         raise InvalidRequestError(f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}")
     content = _content(where, message.get("content"))
     if role == "assistant":
         calls = message.get("tool_calls") or []
         if message.get("function_call"):
-            calls = [*calls, {"id": "call_legacy", "function": message["function_call"]}]
-        return Message("assistant", content, _calls(where, calls))
+            calls = [*calls, {"id": _LEGACY_CALL, "function": message["function_call"]}]
+        return Message("assistant", content, _calls(where, calls), source=where)
     if role == "tool":
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str) or not call_id:
             raise InvalidRequestError(f"'{where}.tool_call_id' is required for a tool message")
-        return Message("tool", content, tool_call_id=call_id, name=_opt_str(message, "name", where))
-    return Message(role, content)
+        name = _opt_str(message, "name", where)
+        return Message("tool", content, tool_call_id=call_id, name=name, source=where)
+    return Message(role, content, source=where)
 
 
 def _content(where: str, content: Any) -> str:

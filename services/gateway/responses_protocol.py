@@ -57,14 +57,18 @@ def parse_conversation(body: dict[str, Any]) -> Conversation:
     if not isinstance(items, list) or not items:
         raise InvalidRequestError("'input' must be a string or a non-empty array of items")
     messages: list[dict[str, Any]] = []
+    sources: list[str] = []  # where each message came from, for errors
     if body.get("instructions"):
         messages.append({"role": "system", "content": body["instructions"]})
+        sources.append("instructions")
     for i, item in enumerate(items):
-        messages.extend(_item(i, item, messages))
+        made = _item(i, item, messages)
+        messages.extend(made)
+        sources.extend([f"input[{i}]"] * len(made))
     chat = {"messages": messages, "tools": [_tool(i, t) for i, t in enumerate(body.get("tools") or [])],
             "tool_choice": _choice(body.get("tool_choice")),
             "parallel_tool_calls": body.get("parallel_tool_calls")}  # fmt: skip
-    return parse_chat({k: v for k, v in chat.items() if v not in (None, [])})
+    return parse_chat({k: v for k, v in chat.items() if v not in (None, [])}, sources)
 
 
 def _item(i: int, item: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

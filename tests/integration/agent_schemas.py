@@ -108,3 +108,27 @@ def check(case: dict[str, Any], answer: Answer) -> None:
         assert answer.calls and answer.finish == "tool_calls", (case["name"], answer)
     for name, arguments in answer.calls:
         jsonschema.validate(json.loads(arguments), tools[name])
+
+
+# Three earlier turns of the currency case, each a call, its result and an answer: after them
+# the model opens its reply with a call of its own under tool_choice auto (SmolLM2 answers the
+# bare prompt with prose), so the lazy trigger of a strict tool is crossed for real.
+_EARLIER = [("Convert 20 USD to GBP.", 20, "USD", "GBP", "16.0"),
+            ("Convert 75 JPY to EUR.", 75, "JPY", "EUR", "0.46"),
+            ("Convert 9 CHF to USD.", 9, "CHF", "USD", "10.2")]  # fmt: skip
+
+
+def called_history(case: dict[str, Any]) -> list[dict[str, Any]]:
+    """The currency case's messages after three turns that called its tool (OpenAI chat)."""
+    name = case["tools"][0]["function"]["name"]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": case["system"]}]
+    for i, (question, amount, source, target, result) in enumerate(_EARLIER):
+        arguments = json.dumps({"amount": amount, "from": source, "to": target})
+        messages += [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{i}",
+             "type": "function", "function": {"name": name, "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": result},
+            {"role": "assistant", "content": f"{amount} {source} is {result} {target}."},
+        ]  # fmt: skip
+    return [*messages, {"role": "user", "content": case["prompt"]}]

@@ -2,17 +2,21 @@
 prefill + 1 decode) with the official anthropic and openai clients: greedy text equal to the
 single-process engine, forced tool calls valid for their schema, whole and streamed alike,
 every stream event in its place, count_tokens and the prompt cache in usage, a tool result
-sent back and answered."""
+sent back and answered; a strict tool under tool_choice auto called through REST and gRPC alike
+(the history's calls and results as proto fields); required choices streamed, parallel off."""
 
 from __future__ import annotations
 
 import json
 
+import grpc
 import jsonschema
 import pytest
 
 from kvmesh import SamplingParams
 from kvmesh.mesh.launcher import UpOptions
+from kvmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.integration import agent_schemas
 from tests.integration.chat_client import client_for
 from tests.integration.mesh_probes import running_mesh
 
@@ -109,3 +113,71 @@ def test_responses_function_tool_round_trip_whole_and_streamed(mesh):
     final = client.responses.create(model=MODEL, input=follow_up, tools=[tool],
                                     max_output_tokens=32, temperature=0)  # fmt: skip
     assert final.output_text.strip()
+
+
+def _proto_message(message: dict) -> gateway_pb2.ChatMessage:
+    calls = [gateway_pb2.ToolCall(id=c["id"], name=c["function"]["name"],
+                                  arguments=c["function"]["arguments"])
+             for c in message.get("tool_calls") or []]  # fmt: skip
+    return gateway_pb2.ChatMessage(role=message["role"], content=message.get("content") or "",
+                                   tool_calls=calls, tool_call_id=message.get("tool_call_id", ""))  # fmt: skip
+
+
+def test_a_strict_tool_under_auto_is_called_through_rest_and_grpc(mesh, llm):
+    """After three turns that called the tool, the model opens its reply with a call: the lazy
+    trigger hands over to the strict tool's schema. The call equals the engine's, valid for the
+    schema, whole and streamed; the same history sent to the gRPC Gateway as proto fields (calls,
+    results with their ids) gives the same call; a result for no call is INVALID_ARGUMENT."""
+    (case,) = [c for c in agent_schemas.cases() if c["name"] == "tools-currency"]
+    body = {**agent_schemas.body(case), "messages": agent_schemas.called_history(case)}
+    (want,) = agent_schemas.engine_answers(llm, [body])
+    (got,) = agent_schemas.mesh_answers(client_for(mesh), [body])
+    assert got == want and got.finish == "tool_calls" and len(got.calls) == 1, got
+    agent_schemas.check(case, got)
+    ((name, arguments),) = got.calls
+    stream = client_for(mesh).chat.completions.create(**body, stream=True)
+    deltas = [
+        c.function for chunk in stream for d in chunk.choices for c in d.delta.tool_calls or []
+    ]
+    assert deltas[0].name == name and "".join(d.arguments or "" for d in deltas) == arguments
+    tool = case["tools"][0]["function"]
+    chat = gateway_pb2.ChatMessages(
+        messages=[_proto_message(m) for m in body["messages"]],
+        tools=[gateway_pb2.Tool(name=tool["name"], description=tool["description"],
+                                parameters_json=json.dumps(tool["parameters"]), strict=True)],
+        tool_choice=gateway_pb2.ToolChoice(mode="auto"), parallel_tool_calls=False,
+    )  # fmt: skip
+    sampling = common_pb2.SamplingParams(max_tokens=body["max_tokens"], temperature=0.0)
+    orphan = gateway_pb2.ChatMessages(messages=[*chat.messages[:2], gateway_pb2.ChatMessage(
+        role="tool", tool_call_id="call_9", content="1.0")])  # fmt: skip
+    with grpc.insecure_channel(f"127.0.0.1:{mesh.grpc_port}") as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        pieces = [c for r in stub.Generate(gateway_pb2.GenerateRequest(chat=chat, sampling=sampling),
+                                           timeout=300) for c in r.tool_calls]  # fmt: skip
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(gateway_pb2.GenerateRequest(chat=orphan), timeout=30))
+    assert pieces[0].name == name and "".join(p.arguments for p in pieces) == arguments
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'messages[2]' is a tool result for call 'call_9'" in info.value.details()
+
+
+def test_required_calls_streamed_and_whole_one_call_when_parallel_is_off(mesh):
+    """tool_choice required over two tools with parallel_tool_calls false: exactly one call, the
+    streamed deltas (index, id and name first, then argument text only) adding up to it."""
+    tools = [{"type": "function", "function": {"name": name, "description": text,
+              "parameters": CITY, "strict": True}}
+             for name, text in (("get_weather", "Current weather in a city"),
+                                ("get_time", "Local time in a city"))]  # fmt: skip
+    fields = dict(model=MODEL, messages=ASK, tools=tools, tool_choice="required",
+                  parallel_tool_calls=False, max_tokens=96, temperature=0)  # fmt: skip
+    client = client_for(mesh)
+    whole = client.chat.completions.create(**fields).choices[0]
+    (call,) = whole.message.tool_calls
+    assert whole.finish_reason == "tool_calls" and call.function.name in ("get_weather", "get_time")
+    jsonschema.validate(json.loads(call.function.arguments), CITY)
+    deltas = [d for chunk in client.chat.completions.create(**fields, stream=True)
+              for choice in chunk.choices for d in choice.delta.tool_calls or []]  # fmt: skip
+    assert {d.index for d in deltas} == {0}
+    assert deltas[0].id.startswith("call_") and deltas[0].function.name == call.function.name
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments

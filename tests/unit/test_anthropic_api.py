@@ -124,6 +124,13 @@ BAD = [
     ({"tools": [{"name": "t"}]}, "'tools[0].input_schema'"),
     ({"tool_choice": {"type": "sometimes"}}, "'tool_choice' must be"),
     ({"temperature": 1.5}, "'temperature' must be a number in [0.0, 1.0]"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_9", "content": "18 C"}]}]},
+     "'messages[0].content[0]' is a tool result for call 'toolu_9'"),
+    ({"messages": [*ASK, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": "And?"}]},
+     "'messages[1]' made tool calls with no result before 'messages[2]': 'toolu_1'"),
 ]  # fmt: skip
 
 

@@ -175,6 +175,10 @@ def test_text_reply_with_tools_is_plain_content(served) -> None:
     assert text == "It is sunny in Paris."
 
 
+CALLED = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}  # fmt: skip
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}
+
 BAD = [
     ({"tool_choice": "required"}, "tool_choice 'required' needs at least one tool"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
@@ -201,6 +205,15 @@ BAD = [
     ({"logit_bias": {"abc": 1}}, "'logit_bias' keys must be token ids"),
     ({"logit_bias": {"99999999": 1}}, "'logit_bias' keys must be token ids"),
     ({"logit_bias": {"5": 101}}, "'logit_bias[5]' must be a number in [-100, 100]"),
+    # the history's order: results answer the calls of the assistant turn just before them
+    ({"messages": [*ASK, {"role": "tool", "tool_call_id": "call_9", "content": "x"}]},
+     "'messages[1]' is a tool result for call 'call_9', which is not an unanswered call"),
+    ({"messages": [*ASK, CALLED, {"role": "user", "content": "And?"}]},
+     "'messages[1]' made tool calls with no result before 'messages[2]': 'call_1'"),
+    ({"messages": [*ASK, CALLED]}, "no result at the end of the conversation: 'call_1'"),
+    ({"messages": [*ASK, CALLED, RESULT, RESULT]}, "'messages[3]' is a tool result for call 'call_1'"),
+    ({"messages": [*ASK, CALLED, RESULT, {"role": "user", "content": "And?"}, RESULT]},
+     "'messages[4]' is a tool result for call 'call_1'"),
 ]  # fmt: skip
 
 

@@ -81,3 +81,6 @@ def test_forced_choice_format_limits_and_errors(served) -> None:
         client.responses.create(model=MODEL, input="x", previous_response_id="resp_1")
     with pytest.raises(openai.BadRequestError, match="'input"):
         client.responses.create(model=MODEL, input=[{"type": "image", "url": "x"}])
+    orphan = {"type": "function_call_output", "call_id": "call_9", "output": "18 C"}
+    with pytest.raises(openai.BadRequestError, match=r"'input\[1\]' is a tool result for call"):
+        client.responses.create(model=MODEL, input=[{"role": "user", "content": "x"}, orphan])
