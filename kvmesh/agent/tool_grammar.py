@@ -59,7 +59,7 @@ def reply_grammar(conversation: Conversation, parser_name: str, hf_tokenizer: An
             )
         many = mode == "required" and conversation.parallel_tool_calls
         start = "start: calls" if parser.bare_calls else f"start: {trigger} calls"
-        return _checked(f"{start}\n{parser.call_grammar(schema, many, literal)}")
+        return _checked(f"{start}\n{parser.call_grammar(schema, many, literal)}", conversation)
     strict = any(tool.strict for tool in conversation.tools)
     if output is None and not strict and conversation.parallel_tool_calls:
         return None
@@ -67,11 +67,12 @@ def reply_grammar(conversation: Conversation, parser_name: str, hf_tokenizer: An
     bare = " | calls" if parser.bare_calls else ""
     if output is not None:
         main = f"start: @output | {trigger} calls{bare}\n{rules}"
-        return _checked(_with_output(main, output), f"tools' with '{output_field}")
+        return _checked(_with_output(main, output), conversation, f"tools' with '{output_field}")
     lead = "lead[lazy]" if trigger.startswith('"') else "lead"  # a special token is never text
     text = NOT_JSON if parser.bare_calls else ANY_TEXT
     return _checked(
-        f"start: TEXT | lead calls{bare}\n{lead}: TEXT {trigger}\nTEXT: /{text}/\n{rules}"
+        f"start: TEXT | lead calls{bare}\n{lead}: TEXT {trigger}\nTEXT: /{text}/\n{rules}",
+        conversation,
     )
 
 
@@ -85,5 +86,14 @@ def _with_output(main: str, output: str) -> str:
     return json.dumps({"grammars": [{"name": "reply", "lark_grammar": main}, *others]})
 
 
-def _checked(grammar: str, field: str = "tools") -> str:
-    return grammars.checked(grammar, field)
+def _checked(grammar: str, conversation: Conversation, field: str = "tools") -> str:
+    """The grammar, if llguidance can use it; else a 400 naming the tool whose schema it cannot
+    enforce (checked one by one only then), or the field."""
+    try:
+        return grammars.checked(grammar, field)
+    except InvalidRequestError:
+        forced = conversation.tool_choice.mode in ("required", "named")
+        for i, tool in enumerate(conversation.tools):
+            if tool.strict or (forced and conversation.tool_choice.name in (None, tool.name)):
+                grammars.json_schema(tool.parameters, f"tools[{i}]")  # raises naming it
+        raise

@@ -54,25 +54,35 @@ def test_greedy_through_the_mesh_equals_the_engine_without_speculation(mesh, llm
         got = chat_text(client, bool(i % 2), model="smollm2-135m", messages=messages,
                         max_tokens=48, temperature=0.0)  # fmt: skip
         assert got == want, (name, prompt)
-    workers = asyncio.run(list_workers(running.etcd.endpoint, "default"))
-    decode = next(w for w in workers if w.role == "decode")
-    drafted = _metric(decode.metrics_address, "kvmesh_spec_draft_tokens_total")
-    accepted = _metric(decode.metrics_address, "kvmesh_spec_accepted_tokens_total")
+    drafted, accepted = _drafts(running)
     assert drafted > 0 and 0 < accepted <= drafted, (name, drafted, accepted)
     if name == "eagle-remote":
+        workers = asyncio.run(list_workers(running.etcd.endpoint, "default"))
         assert any(w.role == "draft" for w in workers)
+
+
+def _drafts(running) -> tuple[float, float]:
+    """The decode worker's (drafted, accepted) token counts so far."""
+    workers = asyncio.run(list_workers(running.etcd.endpoint, "default"))
+    decode = next(w for w in workers if w.role == "decode")
+    return tuple(_metric(decode.metrics_address, f"kvmesh_spec_{kind}_tokens_total")
+                 for kind in ("draft", "accepted"))  # fmt: skip
 
 
 def test_schema_suite_with_speculation_equals_the_engine(mesh, llm):
     """The structured-output suite with drafts (n-gram; EAGLE on the draft service): drafts cut
-    at the grammar's first rejection, answers equal to the engine's without speculation."""
+    at the grammar's first rejection, answers equal to the engine's without speculation; drafts
+    were made and accepted during the suite (under its grammars)."""
     from tests.integration import agent_schemas
 
     name, running = mesh
     cases = agent_schemas.cases()
     want = agent_schemas.suite_reference(llm)
+    before = _drafts(running)
     got = agent_schemas.mesh_answers(client_for(running),
                                      [agent_schemas.body(case) for case in cases])  # fmt: skip
     for case, answer, expected in zip(cases, got, want, strict=True):
         assert answer == expected, (name, case["name"])
         agent_schemas.check(case, answer)
+    (drafted, accepted), (drafted0, accepted0) = _drafts(running), before
+    assert drafted > drafted0 and accepted > accepted0, (name, before, drafted, accepted)

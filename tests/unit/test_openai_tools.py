@@ -197,6 +197,14 @@ BAD = [
     ({"response_format": {"type": "xml"}}, "'response_format.type' must be"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}},
      "'response_format.json_schema.schema' cannot be enforced"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "array", "uniqueItems": True}}}}, 'cannot be enforced: Unimplemented keys: ["uniqueItems"]'),
+    ({"tools": [WEATHER_TOOL, {"type": "function", "function": {"name": "pick", "strict": True,
+        "parameters": {"type": "object", "not": {"required": ["a"]}}}}]},
+     "'tools[1]' cannot be enforced: Unimplemented keys: [\"not\"]"),
+    ({"tools": [{"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(?=a)"}}}}}],
+      "tool_choice": "required"}, "'tools[0]' cannot be enforced: regex parse error"),
     ({"response_format": {"type": "grammar", "grammar": "start: nope"}},
      "'response_format.grammar' cannot be enforced"),
     ({"response_format": {"type": "choice", "choice": []}}, "'response_format.choice' must be"),
