@@ -138,3 +138,46 @@ def test_preemption_keeps_the_grammar_state(llm):
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(out.text), SCHEMA)
     assert len(engine.constraints) == 0  # every matcher released
+
+
+def test_grammars_compile_once_off_the_engine_thread(llm, monkeypatch):
+    """A request's grammar is compiled by the worker's event loop on a pool thread, never on the
+    engine thread that steps the batch; the engine then finds it cached (one compile per
+    grammar, by its hash), and the cache keeps at most CACHED grammars."""
+    import asyncio
+    import hashlib
+    import threading
+
+    from kvmesh.engine.async_engine import AsyncEngine
+
+    engine, constraints = llm.engine, llm.engine.constraints
+    prepare, seen = constraints.prepare, []
+
+    def spy(grammar):
+        cached = hashlib.sha256(grammar.encode()).digest() in constraints._compiled
+        seen.append((threading.current_thread().name, cached))
+        return prepare(grammar)
+
+    grammar = grammars.choice(["compiled", "once"], "c")  # a grammar no other test uses
+    monkeypatch.setattr(constraints, "prepare", spy)
+    monkeypatch.setattr(engine, "kv_event_sink", engine.kv_event_sink)  # AsyncEngine sets it
+    served = AsyncEngine(engine)
+    served.start()
+
+    async def run():
+        outs = served.generate("compile-once", llm.tokenizer.encode_chat(ASK), _params(grammar))
+        return [out async for out in outs]
+
+    try:
+        outputs = asyncio.run(run())
+    finally:
+        served.stop()
+    assert "".join(llm.tokenizer.decode(o.new_token_ids) for o in outputs) in ("compiled", "once")
+    (first, cached), *later = seen
+    assert first != "engine-step" and not cached and later, seen  # compiled off the engine thread
+    assert all(cached for _, cached in later), seen  # the engine's copy came from the cache
+    monkeypatch.undo()
+    assert constraints.prepare(grammar) is constraints.prepare(grammar)
+    for i in range(constraints.CACHED + 1):
+        constraints.prepare(grammars.choice([f"g{i}"], "c"))
+    assert len(constraints._compiled) == constraints.CACHED
