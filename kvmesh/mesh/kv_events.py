@@ -50,6 +50,10 @@ class PrefixIndex:
             hashes.update(event.stored)
             hashes.difference_update(event.removed)
 
+    def add(self, worker_id: str, block_hashes: Sequence[int]) -> None:
+        """Pages a worker is known to hold before its events say so (they correct it later)."""
+        self._hashes.setdefault(worker_id, set()).update(block_hashes)
+
     def size(self, worker_id: str) -> int:
         """Pages the index knows `worker_id` holds."""
         return len(self._hashes.get(worker_id, ()))

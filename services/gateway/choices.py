@@ -1,7 +1,9 @@
 """The `n` choices of one OpenAI request: one generation each (choice i under request id
-`<id>-i` for i > 0, and seed + i when seeded, so the choices differ and replay), run at once
-(the prompt's pages are shared through the prefix cache), whole or as one merged stream, and
-the stream events of each choice's deltas."""
+`<id>-i` for i > 0, and seed + i when seeded, so the choices differ and replay), whole or as
+one merged stream, and the stream events of each choice's deltas. Choices after the first
+start once the first has its first token: its prompt's pages are then in the prefix cache,
+where the others' prefills find them (computed once, as a fork after prefill would share
+them), instead of n prefills of the same prompt at once."""
 
 from __future__ import annotations
 
@@ -44,7 +46,8 @@ def total_usage(choices: list[Choice]) -> Usage:
 
 
 async def merged(streams: list[AsyncGenerator[Delta, None]]) -> AsyncIterator[tuple[int, Delta]]:
-    """(choice index, delta) from every stream as they come; the first error ends them all."""
+    """(choice index, delta) from every stream as they come, streams after the first begun once
+    it has given a delta (or ended); the first error ends them all."""
     if len(streams) == 1:  # no tasks for the usual case
         try:
             async for delta in streams[0]:
@@ -53,14 +56,20 @@ async def merged(streams: list[AsyncGenerator[Delta, None]]) -> AsyncIterator[tu
             await streams[0].aclose()
         return
     queue: asyncio.Queue = asyncio.Queue()
+    first_out = asyncio.Event()  # the first stream's prompt is prefilled (or it ended)
 
     async def pump(index: int, stream: AsyncGenerator[Delta, None]) -> None:
         try:
+            if index:
+                await first_out.wait()
             async for delta in stream:
                 await queue.put((index, delta, None))
+                first_out.set()
             await queue.put((index, None, None))
         except Exception as exc:
             await queue.put((index, None, exc))
+        finally:
+            first_out.set()
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:

@@ -57,7 +57,7 @@ class MeshBackend:
             prefill = self._pick_prefill(request, decode, bad_prefill, pin and pin.prefill, prompt)
             started = False
             try:
-                async for chunk in self._stream(request, decode, prefill):
+                async for chunk in self._stream(request, decode, prefill, prompt):
                     if not started and request.session_id and self.sessions:
                         pinned = Pin(prefill.worker_id if prefill else "", decode.worker_id)
                         await self.sessions.pin(request.session_id, pinned)
@@ -94,8 +94,9 @@ class MeshBackend:
         return len(request.prompt_token_ids) + request.params.max_tokens
 
     async def _stream(
-        self, request: GenerateInput, decode: WorkerInfo, prefill: WorkerInfo | None
-    ) -> AsyncIterator[GenerateChunk]:
+        self, request: GenerateInput, decode: WorkerInfo, prefill: WorkerInfo | None,
+        prompt: PromptKey,
+    ) -> AsyncIterator[GenerateChunk]:  # fmt: skip
         stub = decode_pb2_grpc.DecodeStub(self._channel(decode.grpc_address))
         message = decode_pb2.DecodeRequest(
             request_id=request.request_id,
@@ -112,14 +113,17 @@ class MeshBackend:
         if delivery is not None:
             message.delivery_id = delivery.id
         try:
-            with (
-                self.router.holding(decode.worker_id, held),
-                self._holding_prefill(prefill, request),
-            ):
+            with self.router.holding(decode.worker_id, held), contextlib.ExitStack() as prefilling:
+                prefilling.enter_context(self._holding_prefill(prefill, request))
                 call = stub.Generate(message)
                 responses = call if delivery is None else delivery.chunks(request.request_id, call)
+                first = True
                 try:
                     async for response in responses:
+                        if first:  # the prompt is in pages; its prefill worker is done with it
+                            first = False
+                            prefilling.close()
+                            self.router.prefilled(prompt, decode, prefill)
                         yield _chunk(response)
                 finally:
                     if delivery is not None:

@@ -47,6 +47,9 @@ class PrefixLookup:
         hashes = prompt.hashes(worker.page_size, worker.kv_dtype)
         return self.index.matched_pages(worker.worker_id, hashes) * worker.page_size
 
+    def add(self, worker: WorkerInfo, prompt: PromptKey) -> None:
+        self.index.add(worker.worker_id, prompt.hashes(worker.page_size, worker.kv_dtype))
+
 
 class KvEventFollower:
     """Keeps one SubscribeKvEvents stream per live worker feeding the index."""

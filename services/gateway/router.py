@@ -147,6 +147,14 @@ class Router:
             return 0
         return self.prefix.cached_tokens(worker, prompt)
 
+    def prefilled(self, prompt: PromptKey, *workers: WorkerInfo | None) -> None:
+        """The prompt's full pages are now cached on these workers: in the prefix index at once,
+        ahead of their KV events (a request with the same prefix right after goes there)."""
+        if self.prefix is not None:
+            for worker in workers:
+                if worker is not None:
+                    self.prefix.add(worker, prompt)
+
     @contextlib.contextmanager
     def holding(self, worker_id: str, tokens: int):
         """Count `tokens` against a worker while a request runs there."""

@@ -181,3 +181,19 @@ def test_grammars_compile_once_off_the_engine_thread(llm, monkeypatch):
     for i in range(constraints.CACHED + 1):
         constraints.prepare(grammars.choice([f"g{i}"], "c"))
     assert len(constraints._compiled) == constraints.CACHED
+
+
+def test_a_prefix_hit_keeps_each_requests_grammar(llm):
+    """The same prompt again is read from the prefix cache and gives the same constrained
+    output; under another grammar the cached prompt carries nothing of the first one's state."""
+    llm.engine.block_manager.reset_prefix_cache()
+    prompt = llm.tokenizer.encode_chat([{"role": "system", "content": "Answer as asked. " * 20},
+                                        *ASK])  # fmt: skip
+    schema = _params(grammars.json_schema(SCHEMA, "schema"), max_tokens=60)
+    (cold,) = llm.generate_ids([prompt], schema)
+    (hit,) = llm.generate_ids([prompt], schema)
+    assert cold.num_cached_tokens == 0 and hit.num_cached_tokens >= 16
+    assert hit.text == cold.text and hit.finish_reason == cold.finish_reason == "stop"
+    jsonschema.validate(json.loads(hit.text), SCHEMA)
+    (other,) = llm.generate_ids([prompt], _params(grammars.choice(["rain", "sun"], "c")))
+    assert other.num_cached_tokens >= 16 and other.text in ("rain", "sun")

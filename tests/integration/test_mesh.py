@@ -111,6 +111,19 @@ def test_seeded_sampling_through_the_mesh_equals_the_engine(client, reference):
     assert [c.message.content for c in two.choices] == [want.text, second.text]
 
 
+def test_n_choices_prefill_the_prompt_once(mesh, client):
+    """n = 2 on a prompt never sent before, two prefill workers: the second choice starts once
+    the first has its first token, is routed to the worker that holds the prompt's pages and
+    reads its full pages from the prefix cache."""
+    question = "Describe the old harbour of a fishing town at dawn, in detail. " * 8
+    before = _metric(f"127.0.0.1:{mesh.http_port}", "kvmesh_prompt_cached_tokens_total")
+    reply = client.chat.completions.create(model="smollm2-135m", n=2, max_tokens=8, temperature=0.8,
+                                           seed=7, messages=[{"role": "user", "content": question}])  # fmt: skip
+    cached = _metric(f"127.0.0.1:{mesh.http_port}", "kvmesh_prompt_cached_tokens_total") - before
+    assert len(reply.choices) == 2 and reply.usage.prompt_tokens > 100
+    assert cached >= 16 * (reply.usage.prompt_tokens // 16 - 1), (cached, reply.usage)
+
+
 def test_completion_greedy_equals_engine_streamed_and_not(client, reference):
     prompt = "The three primary colours are"
     want = reference.generate(prompt, SamplingParams(max_tokens=32, temperature=0.0))[0]

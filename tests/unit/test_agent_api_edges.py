@@ -125,3 +125,33 @@ def test_suffix_is_refused_by_name(tok) -> None:
     _, serving = _served(tok)
     with serving as url, pytest.raises(openai.BadRequestError, match="suffix"):
         _openai(url).completions.create(model=MODEL, prompt="def f(", suffix="return 1")
+
+
+class _LoggingBackend(FakeBackend):
+    """Logs when each request starts and yields, to see the order of a request's choices."""
+
+    def __init__(self, tok) -> None:
+        super().__init__(tok, tokens_per_chunk=1)
+        self.log: list[tuple[str, str]] = []
+
+    async def generate(self, request):
+        self.log.append(("start", request.request_id))
+        async for chunk in super().generate(request):
+            self.log.append(("chunk", request.request_id))
+            yield chunk
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_later_choices_start_once_the_first_has_a_token(tok, stream) -> None:
+    """n = 3: choices 1 and 2 are sent once choice 0 has its first token (its prompt's pages
+    then in the prefix cache for them), all three replies whole."""
+    backend = _LoggingBackend(tok)
+    with serve_app(create_app(backend, tok)) as url:
+        reply = _openai(url).chat.completions.create(model=MODEL, messages=ASK, n=3,
+                                                     stream=stream)  # fmt: skip
+        if stream:
+            list(reply)
+    first = backend.requests[0].request_id
+    starts = [i for i, (kind, _) in enumerate(backend.log) if kind == "start"]
+    assert len(starts) == 3 and backend.log[0] == ("start", first)
+    assert backend.log.index(("chunk", first)) < starts[1] < starts[2], backend.log[:6]

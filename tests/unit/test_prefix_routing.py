@@ -65,3 +65,19 @@ def test_router_prefers_the_worker_holding_the_prefix_unless_it_is_busier_than_t
         assert router.pick("decode", 40, prompt=prompt).worker.worker_id == "decode-0"
     with router.holding("decode-1", 31):
         assert router.pick("decode", 40, prompt=prompt).worker.worker_id == "decode-1"
+
+
+def test_a_prefilled_prompt_routes_its_twin_to_the_same_worker_before_any_event():
+    """Router.prefilled (the first token of a request arrived): the workers hold the prompt's
+    full pages in the index at once, so the same prompt right after goes there; a later
+    snapshot from the worker still has the last word."""
+    index = PrefixIndex()
+    router = Router(lambda role: [_worker("d0"), _worker("d1")], prefix=PrefixLookup(index))
+    prompt = PromptKey("m", list(range(10)))
+    assert router.pick("decode", 10, prompt=prompt).reason == "least_tokens"
+    router.prefilled(prompt, _worker("d1"), None)
+    decision = router.pick("decode", 10, prompt=prompt)
+    assert (decision.worker.worker_id, decision.reason) == ("d1", "prefix_hit")
+    assert index.matched_pages("d1", prompt.hashes(PS, "fp32")) == 2  # full pages only
+    index.apply(decode_pb2.KvEventBatch(worker_id="d1", snapshot=True))
+    assert router.pick("decode", 10, prompt=prompt).worker.worker_id == "d0"
