@@ -295,6 +295,13 @@ def test_an_openai_agents_sdk_loop_runs_to_the_end(mesh):
     made = kinds.count("tool_call_item")
     assert made >= 1 and kinds.count("tool_call_output_item") == made == len(calls), kinds
     assert kinds[0] == "tool_call_item" and kinds[-1] == "message_output_item", kinds
+    # every turn in protocol: each call answered by its own id before the next model turn
+    asked = [i.raw_item.call_id for i in result.new_items if i.type == "tool_call_item"]
+    answered = [i.raw_item["call_id"] for i in result.new_items
+                if i.type == "tool_call_output_item"]  # fmt: skip
+    assert asked == answered and len(set(asked)) == made, (asked, answered)
+    turns = [[o for o in r.output if o.type == "function_call"] for r in result.raw_responses]
+    assert sum(map(len, turns)) == made and turns[0] and not turns[-1], turns  # calls, an answer
     assert all(name in ("get_weather", "get_time") and city for name, city in calls)
     assert isinstance(result.final_output, str) and result.final_output.strip()
 

@@ -81,3 +81,11 @@ def test_a_prefilled_prompt_routes_its_twin_to_the_same_worker_before_any_event(
     assert index.matched_pages("d1", prompt.hashes(PS, "fp32")) == 2  # full pages only
     index.apply(decode_pb2.KvEventBatch(worker_id="d1", snapshot=True))
     assert router.pick("decode", 10, prompt=prompt).worker.worker_id == "d0"
+
+
+def test_a_prefill_workers_polled_load_drops_by_the_prompt_it_prefilled():
+    router = Router(lambda role: [_worker("p0"), _worker("p1")])
+    router._reported.update({"p0": 150, "p1": 40})
+    router.prefilled(PromptKey("m", list(range(100))), _worker("d0"), _worker("p0"))
+    router.prefilled(PromptKey("m", list(range(100))), _worker("d0"), _worker("p1"))
+    assert router._load("p0") == 50 and router._load("p1") == 0
