@@ -225,6 +225,7 @@ def _generate(args: argparse.Namespace) -> int:
         speculative_policy=args.speculative_policy,
         decode_step=args.decode_step,
         draft_model=args.draft_model or None,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]

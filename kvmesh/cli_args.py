@@ -187,6 +187,12 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _engine_args(gen)
     _spec_args(gen)
+    gen.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="rank processes the model's layers are split over (gloo on CPU)",
+    )
     _sampling_args(gen)
     up = sub.add_parser("up", help="run the local mesh: etcd, gateway, prefill and decode workers")
     up.add_argument("--model", default="smollm2-135m")

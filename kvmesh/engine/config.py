@@ -204,6 +204,7 @@ class EngineConfig:
     speculative_policy: str = "adaptive"  # adaptive (lengths from measurements) or fixed
     draft_model: str | None = None  # EAGLE head (safetensors); None: the shipped default
     draft_address: str = ""  # EAGLE on a draft service (host:port) instead of in-process
+    tensor_parallel_size: int = 1  # rank processes one model's layers are split over (parallel/)
 
     @property
     def compute_dtype(self) -> str:
@@ -244,6 +245,12 @@ class EngineConfig:
         if self.speculative_policy not in SPEC_POLICIES:
             raise InvalidRequestError(
                 f"speculative_policy must be one of {SPEC_POLICIES}, got {self.speculative_policy!r}"
+            )
+        if not 1 <= self.tensor_parallel_size <= 8:
+            raise InvalidRequestError("tensor_parallel_size must be in 1..8")
+        if self.tensor_parallel_size > 1 and self.speculative != "none":
+            raise InvalidRequestError(
+                "speculative decoding with tensor parallelism is not supported yet"
             )
         if not 1 <= self.num_speculative_tokens <= 16:
             raise InvalidRequestError("num_speculative_tokens must be in 1..16")

@@ -24,6 +24,8 @@ from kvmesh.engine.kv.events import KvEvent
 from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.loader import load_weights
 from kvmesh.engine.outputs import Reservation, TokenOutput
+from kvmesh.engine.parallel.ranks import LeaderRunner, Ranks, rank_specs
+from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.sample_step import sample_step
 from kvmesh.engine.sampler import Sampler
@@ -49,13 +51,17 @@ class Engine(HandOver):
 
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
-        torch.set_num_threads(env.serve_threads())  # KVMESH_NUM_THREADS, else the CPUs given
+        tp = config.tensor_parallel_size  # each rank a share of the CPUs given
+        torch.set_num_threads(max(1, env.serve_threads() // tp))  # KVMESH_NUM_THREADS, else CPUs
         serve_threads = torch.get_num_threads()
         torch.set_num_threads(env.load_threads() or serve_threads)  # see docs/benchmarks.md
         torch.manual_seed(config.seed)
         self.config = config
         # load_weights by name: a bench may substitute it (kv.py converts once per run)
-        loaded = load_engine_model(config, load_weights)
+        shard = TensorShard(0, tp) if tp > 1 else None
+        loaded = load_engine_model(config, load_weights, shard)
+        # the other ranks load after rank 0 (a converted model is then in the cache for them)
+        self.ranks = Ranks(config, tp, serve_threads) if tp > 1 else None
         self.source, self.model_config = loaded.source, loaded.config
         self.tokenizer, model = loaded.tokenizer, loaded.model
         self.max_model_len, self._context_note = loaded.max_model_len, loaded.context_note
@@ -63,7 +69,11 @@ class Engine(HandOver):
         self.kv_dtype = config.resolved_kv_dtype
         spec = model.kv_spec(config.page_size, self.kv_dtype)
         self.kv_spec = spec
-        num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
+        num_pages = config.num_pages or min(
+            s.pages_for_budget(config.kv_cache_bytes) for s in rank_specs(loaded.config, config, tp)
+        )  # fmt: skip
+        if self.ranks is not None:
+            self.ranks.send(("pages", num_pages))
         self.kv_cache = PagedKVCache(spec, num_pages, dtype)
         torch.set_num_threads(serve_threads)
         self.page_tags = PageTags(self.kv_cache.tags)
@@ -82,14 +92,16 @@ class Engine(HandOver):
             self.tokenizer.eos_token_ids,
         )
         backend = get_backend(config.attention_backend, spec.layers[0].kind)
-        self.runner = ModelRunner(model, self.kv_cache, backend)
+        self.runner = (LeaderRunner(model, self.kv_cache, backend, self.ranks) if self.ranks
+                       else ModelRunner(model, self.kv_cache, backend))  # fmt: skip
         self.sampler = Sampler()
         self.constraints = Constraints(self.tokenizer.hf, self.model_config.vocab_size)
         self.speculator = build_speculator(
             config, self.source.name, self.runner, self.max_model_len
         )
-        compile_decode(self.runner, config.decode_step, config.max_num_seqs, self.max_model_len)
-        fuse_decode(self.runner, config.decode_step)
+        decode_step = config.decode_step if tp == 1 else "eager"  # layers meet in all-reduces
+        compile_decode(self.runner, decode_step, config.max_num_seqs, self.max_model_len)
+        fuse_decode(self.runner, decode_step)
         self._reserved: dict[str, Sequence] = {}  # decode: pages awaiting a prefill worker
         self._kept: dict[str, Sequence] = {}  # prefill: keep_pages requests
         # Receives the prefix cache's stored/removed events after each step (None: dropped).
@@ -105,6 +117,11 @@ class Engine(HandOver):
             capacity_tokens=self.kv_cache.capacity_tokens,
             init_s=round(time.perf_counter() - started, 3),
         )
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do for one rank)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     @property
     def model_name(self) -> str:

@@ -54,6 +54,15 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None
     ) -> list[CompletionOutput]:

@@ -1,0 +1,59 @@
+"""The ranks of one tensor-parallel worker as a torch.distributed group (gloo on CPU, on
+loopback), and the all-reduce that joins a split layer's partial outputs."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# gloo would pick the interface of the host name's address: keep every rank on loopback
+HOST = "127.0.0.1"
+# a collective runs only inside a step; a rank that died closes its sockets, which ends it
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def master_store(world: int) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free loopback port (`.port` tells the others)."""
+    return dist.TCPStore(HOST, 0, world, is_master=True, wait_for_workers=False,
+                         timeout=TIMEOUT)  # fmt: skip
+
+
+def join(rank: int, world: int, store: dist.Store | None = None, port: int = 0) -> None:
+    """Join the worker's group: rank 0 with its master store, the others by its port."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if store is None:
+        store = dist.TCPStore(HOST, port, world, is_master=False, timeout=TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+
+
+def leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class AllReduced:
+    """A split layer (attention or MLP) whose partial outputs the ranks sum: in fp32, so a bf16
+    model rounds the whole sum once, as one rank would round its own."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        out = self.inner(*args)
+        total = out if out.dtype == torch.float32 else out.float()
+        dist.all_reduce(total)
+        return total if total is out else total.to(out.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+
+def all_reduced_layers(model: Any) -> None:
+    """Each decoder layer's attention and MLP of a sharded model, summed over the ranks."""
+    for layer in model.layers:
+        layer.attention, layer.mlp = AllReduced(layer.attention), AllReduced(layer.mlp)

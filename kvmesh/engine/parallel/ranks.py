@@ -1,0 +1,109 @@
+"""Rank 0's side of a tensor-parallel engine: the other ranks' processes, a socket to each,
+and the runner that sends them every forward pass.
+
+Rank 0 runs the scheduler, the KV block manager and the sampler as a single engine does. Its
+runner (`LeaderRunner`) sends each forward pass to the other ranks as plain data (the step
+plans applied since the last pass, then the chunks to run) before running its own shard; the
+ranks meet in the all-reduces inside the layers (gloo). A rank exits when its socket to rank 0
+closes, which is also how it dies with rank 0 (whatever kills it); rank 0 stops them on
+`close()` and at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kvmesh.engine.config import EngineConfig, ModelConfig
+from kvmesh.engine.kv.layout import KVCacheSpec, spec_for_model
+from kvmesh.engine.parallel import group
+from kvmesh.engine.parallel.shard import TensorShard
+from kvmesh.engine.runner import ModelRunner
+from kvmesh.errors import EngineFailure
+from kvmesh.mesh.processes import die_with_parent, stop_groups
+
+
+class Ranks:
+    """Ranks 1..world-1 of a tensor-parallel engine, started by rank 0 (this process)."""
+
+    def __init__(self, config: EngineConfig, world: int, threads: int) -> None:
+        self.world = world
+        store = group.master_store(world)
+        self._procs: list[subprocess.Popen] = []
+        self._conns: list[Connection] = []
+        env = {**os.environ, "KVMESH_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo"}
+        try:
+            for rank in range(1, world):
+                ours, theirs = socket.socketpair()
+                self._procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "kvmesh.engine.parallel.rank", str(theirs.fileno())],
+                    pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                    start_new_session=True, preexec_fn=die_with_parent(),
+                ))  # fmt: skip
+                theirs.close()
+                self._conns.append(Connection(ours.detach()))
+                self._conns[-1].send(("init", config, rank, world, store.port))
+            group.join(0, world, store)
+        except BaseException:
+            self.close()
+            raise
+        atexit.register(self.close)
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send(message)
+            except OSError as exc:
+                raise EngineFailure(f"tensor-parallel rank {rank} is gone: {exc}") from exc
+
+    def close(self) -> None:
+        """Stop the ranks (their sockets closed first: each exits on its own)."""
+        for conn in self._conns:
+            conn.close()
+        self._conns = []
+        stop_groups(self._procs, grace=5.0)
+        self._procs = []
+        group.leave()
+        atexit.unregister(self.close)
+
+
+def rank_specs(model: ModelConfig, config: EngineConfig, world: int) -> list[KVCacheSpec]:
+    """Each rank's KV page spec (its KV heads): the pool's page count must fit every rank."""
+    if world == 1:
+        return [spec_for_model(model, config.page_size, config.resolved_kv_dtype)]
+    return [spec_for_model(TensorShard(r, world).local_config(model), config.page_size,
+                           config.resolved_kv_dtype) for r in range(world)]  # fmt: skip
+
+
+class LeaderRunner(ModelRunner):
+    """Rank 0's runner: what it applies is queued for the other ranks, and each forward pass
+    is sent to them before its own shard runs (the same passes, in the same order)."""
+
+    def __init__(self, model: Any, kv: Any, attention: Any, ranks: Ranks) -> None:
+        super().__init__(model, kv, attention)
+        self.ranks = ranks
+        self._ops: list[tuple[str, Any]] = []
+
+    def apply(self, plan: Any) -> None:
+        self._ops.append(("apply", plan))
+        super().apply(plan)
+
+    def score(self, plan: Any) -> Any:
+        try:
+            return super().score(plan)
+        finally:
+            self._ops.extend(("forget", chunk.req_id) for chunk in plan.chunks)
+
+    def _forward(self, chunks: Any):
+        ops, self._ops = self._ops, []
+        self.ranks.send(("forward", ops, chunks))
+        return super()._forward(chunks)

@@ -1,0 +1,73 @@
+"""Tensor parallelism on CPU (gloo over loopback): SmolLM2 split over 2 rank processes gives a
+single rank's greedy tokens and its logits within fp32 tolerance; each rank holds its part of
+the layers; the other ranks end with rank 0, however it ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kvmesh import LLM, SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three colours of the rainbow are"]
+
+
+@pytest.fixture(scope="module")
+def split():
+    with LLM(dtype="fp32", tensor_parallel_size=2, max_num_seqs=8) as llm:
+        yield llm
+
+
+def test_two_ranks_give_one_ranks_tokens_and_logits(split, llm):
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    llm.engine.block_manager.reset_prefix_cache()
+    want = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert [o.token_ids for o in split.generate(PROMPTS, params)] == want
+    ids = llm.tokenizer.encode(PROMPTS[2] + " red, green and blue.")
+    one, two = llm.engine.score(ids), split.engine.score(ids)
+    assert torch.allclose(one.float(), two.float(), atol=2e-4, rtol=0), (one - two).abs().max()
+
+
+def test_each_rank_holds_its_part_of_the_layers(split, llm):
+    """Rank 0 keeps 1 of SmolLM2's 3 KV heads (3 of 9 query heads) and half the MLP; the
+    embedding, norms and LM head are whole on every rank."""
+    whole, part = llm.engine.runner.model, split.engine.runner.model
+    assert part.config.num_kv_heads == 1 and part.config.num_heads == 3
+    assert part.config.intermediate_size == whole.config.intermediate_size // 2
+    table = whole.embed.nbytes
+    layers = whole.weight_bytes - table - whole.norm.nbytes
+    assert part.weight_bytes - table - part.norm.nbytes < 0.5 * layers  # 0.458: 1 of 3 KV heads
+
+
+def test_the_other_ranks_end_when_rank_0_is_killed():
+    script = ("from kvmesh import LLM; import sys, time; "
+              "llm = LLM(dtype='fp32', tensor_parallel_size=2, max_num_seqs=4); "
+              "print('rank1', llm.engine.ranks.pids[0], flush=True); time.sleep(600)")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        line = next(line for line in proc.stdout if line.startswith("rank1 "))  # past the logs
+        rank1 = int(line.split()[1])
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 20
+        while _alive(rank1) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(rank1), "rank 1 outlived rank 0"
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
