@@ -14,7 +14,6 @@ from kvmesh.engine.config import EngineConfig, ModelConfig
 from kvmesh.engine.loader import ModelSource, load_hf_tokenizer, load_model, resolve_model
 from kvmesh.engine.loader.memory import current_rss_bytes, peak_rss_bytes
 from kvmesh.engine.models import CausalLM, build_model
-from kvmesh.engine.parallel.group import all_reduced_layers
 from kvmesh.engine.parallel.shard import ShardedState, TensorShard
 from kvmesh.engine.tokenizer import Tokenizer
 
@@ -35,7 +34,8 @@ class LoadedEngineModel:
 def load_engine_model(config: EngineConfig, load_weights: Any,
                       shard: TensorShard | None = None) -> LoadedEngineModel:  # fmt: skip
     """`load_weights` is the weight-format registry (a bench may substitute it); `shard`: this
-    rank's part of a tensor-parallel model (its layers then sum over the ranks)."""
+    rank's part of a tensor-parallel model (whose layers the caller joins to its ranks:
+    parallel/group.py all_reduced_layers)."""
     source = resolve_model(config.model)
     loaded = load_model(source, config.int4 is not None, config.compute_dtype, load_weights)
     log.info("engine.weights_loaded", cache=loaded.cache, seconds=round(loaded.seconds, 3))
@@ -59,7 +59,6 @@ def load_engine_model(config: EngineConfig, load_weights: Any,
         weights = ShardedState(loaded.weights, model_config, shard)
         model = build_model(shard.local_config(model_config), weights, dtype, max_len,
                             int4=config.int4)  # fmt: skip
-        all_reduced_layers(model)
     log.info("engine.model_built", seconds=round(time.perf_counter() - built, 3),
              weight_mib=model.weight_bytes >> 20, rss_mib=(current_rss_bytes() or 0) >> 20,
              peak_rss_mib=peak_rss_bytes() >> 20)  # fmt: skip

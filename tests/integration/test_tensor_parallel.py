@@ -35,6 +35,33 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(split, llm):
     assert torch.allclose(one.float(), two.float(), atol=2e-4, rtol=0), (one - two).abs().max()
 
 
+# (engine options, logits tolerance, the top-2 gap below which a token may differ): fp32 sums
+# differ from one rank's only in their order; bf16 partial outputs are rounded before the sum
+PRECISIONS = [({"dtype": "fp32", "kv_dtype": "fp8_e4m3"}, 1e-3, 0.02),
+              ({"dtype": "fp32", "weights": "int4"}, 1e-3, 0.02),
+              ({"dtype": "bf16"}, 1.5, 1.5)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("options", "atol", "margin"), PRECISIONS)
+def test_two_ranks_agree_with_fp8_pages_int4_weights_and_bf16(options, atol, margin):
+    """Greedy tokens equal one rank's up to the first step whose top-2 logits are closer than
+    `margin` (none in fp32 here), logits within `atol`; one prompt at a time."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1)
+    one = LLM(max_num_seqs=4, **options)
+    want = [one.generate([p], params)[0] for p in PROMPTS]
+    ids = one.tokenizer.encode(PROMPTS[2] + " red, green and blue.")
+    with LLM(max_num_seqs=4, tensor_parallel_size=2, **options) as two:
+        got = [two.generate([p], params)[0] for p in PROMPTS]
+        diff = (one.engine.score(ids).float() - two.engine.score(ids).float()).abs().max()
+    assert diff <= atol, (options, diff)
+    for a, b in zip(want, got, strict=True):
+        for step, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
+            if x != y:
+                first, second = a.logprobs[step].top[:2]
+                assert first[1] - second[1] < margin, (options, step, a.logprobs[step])
+                break
+
+
 def test_each_rank_holds_its_part_of_the_layers(split, llm):
     """Rank 0 keeps 1 of SmolLM2's 3 KV heads (3 of 9 query heads) and half the MLP; the
     embedding, norms and LM head are whole on every rank."""

@@ -22,30 +22,30 @@ def master_store(world: int) -> dist.TCPStore:
                          timeout=TIMEOUT)  # fmt: skip
 
 
-def join(rank: int, world: int, store: dist.Store | None = None, port: int = 0) -> None:
-    """Join the worker's group: rank 0 with its master store, the others by its port."""
+def join(rank: int, world: int, store: dist.Store | None = None,
+         port: int = 0) -> dist.ProcessGroupGloo:  # fmt: skip
+    """This rank's group: rank 0 with its master store, the others by its port. A group of its
+    own, not torch's default one, so one process may hold several engines' groups."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if store is None:
         store = dist.TCPStore(HOST, port, world, is_master=False, timeout=TIMEOUT)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
-
-
-def leave() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+    options._timeout = TIMEOUT
+    return dist.ProcessGroupGloo(store, rank, world, options)
 
 
 class AllReduced:
     """A split layer (attention or MLP) whose partial outputs the ranks sum: in fp32, so a bf16
     model rounds the whole sum once, as one rank would round its own."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
+    def __init__(self, inner: Any, group: dist.ProcessGroupGloo) -> None:
+        self.inner, self.group = inner, group
 
     def __call__(self, *args: Any) -> torch.Tensor:
         out = self.inner(*args)
         total = out if out.dtype == torch.float32 else out.float()
-        dist.all_reduce(total)
+        self.group.allreduce([total]).wait()
         return total if total is out else total.to(out.dtype)
 
     @property
@@ -53,7 +53,8 @@ class AllReduced:
         return self.inner.nbytes
 
 
-def all_reduced_layers(model: Any) -> None:
+def all_reduced_layers(model: Any, group: dist.ProcessGroupGloo) -> None:
     """Each decoder layer's attention and MLP of a sharded model, summed over the ranks."""
     for layer in model.layers:
-        layer.attention, layer.mlp = AllReduced(layer.attention), AllReduced(layer.mlp)
+        layer.attention = AllReduced(layer.attention, group)
+        layer.mlp = AllReduced(layer.mlp, group)

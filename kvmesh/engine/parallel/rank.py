@@ -35,8 +35,9 @@ def main(fd: int) -> int:
     conn = Connection(fd)
     _, config, rank, world, port = conn.recv()
     torch.set_num_threads(env.serve_threads())
-    group.join(rank, world, port=port)
+    ranks = group.join(rank, world, port=port)
     loaded = load_engine_model(config, load_weights, TensorShard(rank, world))
+    group.all_reduced_layers(loaded.model, ranks)
     spec = loaded.model.kv_spec(config.page_size, config.resolved_kv_dtype)
     try:
         _, num_pages = conn.recv()
@@ -48,8 +49,6 @@ def main(fd: int) -> int:
             runner.follow(ops, chunks)
     except EOFError:  # rank 0 closed the socket (or died): this rank's work is over
         return 0
-    finally:
-        group.leave()
 
 
 if __name__ == "__main__":

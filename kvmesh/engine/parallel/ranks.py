@@ -48,7 +48,7 @@ class Ranks:
                 theirs.close()
                 self._conns.append(Connection(ours.detach()))
                 self._conns[-1].send(("init", config, rank, world, store.port))
-            group.join(0, world, store)
+            self.group = group.join(0, world, store)
         except BaseException:
             self.close()
             raise
@@ -72,7 +72,6 @@ class Ranks:
         self._conns = []
         stop_groups(self._procs, grace=5.0)
         self._procs = []
-        group.leave()
         atexit.unregister(self.close)
 
 

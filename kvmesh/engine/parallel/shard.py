@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvmesh.engine.config import ModelConfig
+from kvmesh.engine.quant.int4 import Int4Weight
 from kvmesh.errors import InvalidRequestError, ModelFormatError
 
 # checkpoint name suffix -> (which range, which dimension of the weight: 0 rows, 1 columns)
@@ -131,10 +132,15 @@ class ShardedState(Mapping):
         rule = self._rule(name)
         if rule is None or rule[0] == "rank0":
             return tensor
-        if not isinstance(tensor, torch.Tensor):
-            raise ModelFormatError(
-                f"tensor parallelism needs dense weights for now; {name} is {type(tensor).__name__}"
-            )
         part, dim = rule
         keep = self._ranges[part]
+        if isinstance(tensor, Int4Weight):
+            try:
+                return tensor.narrow(dim, keep.start, len(keep))
+            except ValueError as exc:
+                raise ModelFormatError(f"{name} cannot be split over the ranks: {exc}") from exc
+        if not isinstance(tensor, torch.Tensor):
+            raise ModelFormatError(
+                f"tensor parallelism cannot split {name} ({type(tensor).__name__})"
+            )
         return tensor.narrow(dim, keep.start, len(keep)).contiguous()

@@ -81,6 +81,19 @@ class Int4Weight:
         unlike taking GGUF blocks over)."""
         return self if group == self.group else Int4Weight.quantize(self.dequantize(), group)
 
+    def narrow(self, dim: int, start: int, length: int) -> Int4Weight:
+        """Output rows (dim 0) or input features (dim 1, whole groups only) [start, +length):
+        a tensor-parallel shard, the same quantized values."""
+        if dim == 0:
+            return Int4Weight(*(t.narrow(0, start, length).contiguous()
+                                for t in (self.q, self.scale, self.zero)), self.group)  # fmt: skip
+        if start % self.group or length % self.group:
+            raise ValueError(f"input features [{start}, +{length}) split a group of {self.group}")
+        g0, groups = start // self.group, length // self.group
+        return Int4Weight(self.q.narrow(1, start, length).contiguous(),
+                          self.scale.narrow(1, g0, groups).contiguous(),
+                          self.zero.narrow(1, g0, groups).contiguous(), self.group)  # fmt: skip
+
     def rows(self, order: torch.Tensor) -> Int4Weight:
         """The same weight with its output rows reordered (e.g. llama.cpp's Q/K permutation)."""
         return Int4Weight(self.q[order], self.scale[order], self.zero[order], self.group)
