@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvmesh.errors import EngineFailure
+
 # gloo would pick the interface of the host name's address: keep every rank on loopback
 HOST = "127.0.0.1"
 # a collective runs only inside a step; a rank that died closes its sockets, which ends it
@@ -45,7 +47,10 @@ class AllReduced:
     def __call__(self, *args: Any) -> torch.Tensor:
         out = self.inner(*args)
         total = out if out.dtype == torch.float32 else out.float()
-        self.group.allreduce([total]).wait()
+        try:
+            self.group.allreduce([total]).wait()
+        except RuntimeError as exc:  # gloo: a peer closed its sockets (it died) or timed out
+            raise EngineFailure(f"a tensor-parallel rank of this engine is gone: {exc}") from exc
         return total if total is out else total.to(out.dtype)
 
     @property
