@@ -323,6 +323,8 @@ _BENCHES = {  # name: (help, module whose add_arguments defines its flags)
                  "kvmesh.benchmarks.compiled"),
     "agent-api": ("grammar cost per step, cold vs cached grammar TTFT, EAGLE on JSON with grammar",
                   "kvmesh.benchmarks.agent_api"),
+    "parallel": ("one model on 1 rank vs split over N (tensor parallel): memory per rank, tok/s",
+                 "kvmesh.benchmarks.parallel"),
 }  # fmt: skip
 
 

@@ -24,7 +24,7 @@ from kvmesh.engine.kv.events import KvEvent
 from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.loader import load_weights
 from kvmesh.engine.outputs import Reservation, TokenOutput
-from kvmesh.engine.parallel.group import all_reduced_layers
+from kvmesh.engine.parallel.group import all_reduced_layers, reduce_capacity
 from kvmesh.engine.parallel.ranks import LeaderRunner, Ranks, rank_specs
 from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.runner import ModelRunner
@@ -62,9 +62,12 @@ class Engine(HandOver):
         shard = TensorShard(0, tp) if tp > 1 else None
         loaded = load_engine_model(config, load_weights, shard)
         # the other ranks load after rank 0 (a converted model is then in the cache for them)
-        self.ranks = Ranks(config, tp, serve_threads) if tp > 1 else None
-        if self.ranks is not None:
-            all_reduced_layers(loaded.model, self.ranks.group)
+        self.ranks = None
+        if tp > 1:
+            rows = config.max_num_batched_tokens
+            capacity = reduce_capacity(loaded.config.hidden_size, rows)
+            self.ranks = Ranks(config, tp, serve_threads, capacity)
+            all_reduced_layers(loaded.model, self.ranks.group, self.ranks.shm)
         self.source, self.model_config = loaded.source, loaded.config
         self.tokenizer, model = loaded.tokenizer, loaded.model
         self.max_model_len, self._context_note = loaded.max_model_len, loaded.context_note

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvmesh.engine.parallel.shm_reduce import ShmAllReduce
 from kvmesh.errors import EngineFailure
 
 # gloo would pick the interface of the host name's address: keep every rank on loopback
@@ -41,12 +42,15 @@ class AllReduced:
     """A split layer (attention or MLP) whose partial outputs the ranks sum: in fp32, so a bf16
     model rounds the whole sum once, as one rank would round its own."""
 
-    def __init__(self, inner: Any, group: dist.ProcessGroupGloo) -> None:
-        self.inner, self.group = inner, group
+    def __init__(self, inner: Any, group: dist.ProcessGroupGloo, shm: ShmAllReduce | None) -> None:
+        self.inner, self.group, self.shm = inner, group, shm
 
     def __call__(self, *args: Any) -> torch.Tensor:
         out = self.inner(*args)
         total = out if out.dtype == torch.float32 else out.float()
+        if self.shm is not None and self.shm.fits(total) and total.is_contiguous():
+            self.shm(total)  # every rank decides by the size alone: the same path everywhere
+            return total if total is out else total.to(out.dtype)
         try:
             self.group.allreduce([total]).wait()
         except RuntimeError as exc:  # gloo: a peer closed its sockets (it died) or timed out
@@ -58,8 +62,15 @@ class AllReduced:
         return self.inner.nbytes
 
 
-def all_reduced_layers(model: Any, group: dist.ProcessGroupGloo) -> None:
-    """Each decoder layer's attention and MLP of a sharded model, summed over the ranks."""
+def all_reduced_layers(model: Any, group: dist.ProcessGroupGloo,
+                       shm: ShmAllReduce | None = None) -> None:  # fmt: skip
+    """Each decoder layer's attention and MLP of a sharded model, summed over the ranks
+    (through shared memory where the tensor fits, else gloo)."""
     for layer in model.layers:
-        layer.attention = AllReduced(layer.attention, group)
-        layer.mlp = AllReduced(layer.mlp, group)
+        layer.attention = AllReduced(layer.attention, group, shm)
+        layer.mlp = AllReduced(layer.mlp, group, shm)
+
+
+def reduce_capacity(hidden_size: int, max_rows: int) -> int:
+    """Floats a shared-memory slot holds: a step's rows of hidden states."""
+    return hidden_size * max_rows

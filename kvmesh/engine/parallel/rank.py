@@ -4,6 +4,7 @@ sends over the socket FD, until the socket closes."""
 
 from __future__ import annotations
 
+import os
 import sys
 from multiprocessing.connection import Connection
 
@@ -16,6 +17,7 @@ from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.loader import load_weights
 from kvmesh.engine.parallel import group
 from kvmesh.engine.parallel.shard import TensorShard
+from kvmesh.engine.parallel.shm_reduce import ShmAllReduce
 from kvmesh.engine.runner import ModelRunner
 
 
@@ -33,11 +35,14 @@ class FollowerRunner(ModelRunner):
 
 def main(fd: int) -> int:
     conn = Connection(fd)
-    _, config, rank, world, port = conn.recv()
+    _, config, rank, world, port, shm_name = conn.recv()
     torch.set_num_threads(env.serve_threads())
     ranks = group.join(rank, world, port=port)
     loaded = load_engine_model(config, load_weights, TensorShard(rank, world))
-    group.all_reduced_layers(loaded.model, ranks)
+    parent = os.getppid()
+    capacity = group.reduce_capacity(loaded.config.hidden_size, config.max_num_batched_tokens)
+    shm = ShmAllReduce(world, rank, capacity, shm_name, alive=lambda: os.getppid() == parent)
+    group.all_reduced_layers(loaded.model, ranks, shm)
     spec = loaded.model.kv_spec(config.page_size, config.resolved_kv_dtype)
     try:
         _, num_pages = conn.recv()

@@ -23,6 +23,7 @@ from kvmesh.engine.config import EngineConfig, ModelConfig
 from kvmesh.engine.kv.layout import KVCacheSpec, spec_for_model
 from kvmesh.engine.parallel import group
 from kvmesh.engine.parallel.shard import TensorShard
+from kvmesh.engine.parallel.shm_reduce import ShmAllReduce
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.errors import EngineFailure
 from kvmesh.mesh.processes import die_with_parent, stop_groups
@@ -31,9 +32,11 @@ from kvmesh.mesh.processes import die_with_parent, stop_groups
 class Ranks:
     """Ranks 1..world-1 of a tensor-parallel engine, started by rank 0 (this process)."""
 
-    def __init__(self, config: EngineConfig, world: int, threads: int) -> None:
+    def __init__(self, config: EngineConfig, world: int, threads: int, capacity: int) -> None:
+        """capacity: floats of the shared-memory all-reduce's slots."""
         self.world = world
         store = group.master_store(world)
+        self.shm = ShmAllReduce(world, 0, capacity, alive=self._all_running)
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
         env = {**os.environ, "KVMESH_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo"}
@@ -47,12 +50,15 @@ class Ranks:
                 ))  # fmt: skip
                 theirs.close()
                 self._conns.append(Connection(ours.detach()))
-                self._conns[-1].send(("init", config, rank, world, store.port))
+                self._conns[-1].send(("init", config, rank, world, store.port, self.shm.name))
             self.group = group.join(0, world, store)
         except BaseException:
             self.close()
             raise
         atexit.register(self.close)
+
+    def _all_running(self) -> bool:
+        return all(proc.poll() is None for proc in self._procs)
 
     @property
     def pids(self) -> list[int]:
@@ -72,6 +78,9 @@ class Ranks:
         self._conns = []
         stop_groups(self._procs, grace=5.0)
         self._procs = []
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         atexit.unregister(self.close)
 
 

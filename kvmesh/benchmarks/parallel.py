@@ -1,0 +1,67 @@
+"""`kvmesh bench parallel`: one model on 1 rank and split over N ranks (tensor parallelism), in
+one run: resident memory per rank after load, decode tok/s at one stream and at several, and
+whether the greedy tokens agree.
+
+On a 2-core machine a split cannot be faster: the ranks share the cores (each gets CPUs / N
+torch threads) and add two all-reduces per layer. What it shows is the memory split and what
+the communication costs a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from kvmesh.benchmarks.report import BenchRun, write_report
+
+PROMPT = "Tell me about the history of the city of Paris."
+
+
+def run_parallel_bench(args: argparse.Namespace) -> int:
+    from kvmesh import LLM, SamplingParams
+
+    run = BenchRun()
+    sizes = [int(n) for n in args.tensor_parallel.split(",")]
+    streams = [int(n) for n in args.concurrency.split(",")]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    rows, reference = [], None
+    for size in sizes:
+        with LLM(model=args.model, dtype=args.dtype, weights=args.weights, max_num_seqs=max(streams),
+                 tensor_parallel_size=size) as llm:  # fmt: skip
+            ranks = llm.engine.ranks
+            memory = [_rss_mib("self")] + [_rss_mib(pid) for pid in (ranks.pids if ranks else [])]
+            row = {"tensor_parallel": size, "rss_mib_per_rank": memory,
+                   "rank0_weight_mib": round(llm.engine.runner.model.weight_bytes / 2**20, 1)}  # fmt: skip
+            for n in streams:
+                llm.generate([PROMPT] * n, SamplingParams(max_tokens=4, temperature=0.0))  # warm
+                started = time.perf_counter()
+                outs = llm.generate([f"{PROMPT} ({i})" for i in range(n)], params)
+                seconds = time.perf_counter() - started
+                row[f"tok_s_{n}"] = round(sum(len(o.token_ids) for o in outs) / seconds, 2)
+            tokens = llm.generate([PROMPT], params)[0].token_ids
+        reference = reference or tokens
+        row["tokens_equal_first"] = tokens == reference
+        rows.append(row)
+        print(row, flush=True)
+    report = {**run.header(), "model": args.model, "dtype": args.dtype, "weights": args.weights,
+              "max_tokens": args.max_tokens, "runs": rows} | run.footer()  # fmt: skip
+    write_report(report, args.output)
+    return 0
+
+
+def _rss_mib(pid: int | str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int4"])
+    parser.add_argument("--tensor-parallel", default="1,2", help="rank counts, in one run")
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--output", default=None, help="also write the JSON report here")
