@@ -1,5 +1,5 @@
 """`kvmesh bench parallel`: one model on 1 rank and split over N ranks (tensor parallelism), in
-one run: resident memory per rank after load, decode tok/s at one stream and at several, and
+one run: resident memory per rank after the runs, decode tok/s at one stream and at several, and
 whether the greedy tokens agree.
 
 On a 2-core machine a split cannot be faster: the ranks share the cores (each gets CPUs / N
@@ -16,30 +16,20 @@ from pathlib import Path
 from kvmesh.benchmarks.report import BenchRun, write_report
 
 PROMPT = "Tell me about the history of the city of Paris."
+KV_BYTES = 32 << 20  # a small KV pool per rank, so resident memory is mostly weights
 
 
 def run_parallel_bench(args: argparse.Namespace) -> int:
-    from kvmesh import LLM, SamplingParams
+    import multiprocessing
 
     run = BenchRun()
-    sizes = [int(n) for n in args.tensor_parallel.split(",")]
-    streams = [int(n) for n in args.concurrency.split(",")]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     rows, reference = [], None
-    for size in sizes:
-        with LLM(model=args.model, dtype=args.dtype, weights=args.weights, max_num_seqs=max(streams),
-                 tensor_parallel_size=size) as llm:  # fmt: skip
-            ranks = llm.engine.ranks
-            memory = [_rss_mib("self")] + [_rss_mib(pid) for pid in (ranks.pids if ranks else [])]
-            row = {"tensor_parallel": size, "rss_mib_per_rank": memory,
-                   "rank0_weight_mib": round(llm.engine.runner.model.weight_bytes / 2**20, 1)}  # fmt: skip
-            for n in streams:
-                llm.generate([PROMPT] * n, SamplingParams(max_tokens=4, temperature=0.0))  # warm
-                started = time.perf_counter()
-                outs = llm.generate([f"{PROMPT} ({i})" for i in range(n)], params)
-                seconds = time.perf_counter() - started
-                row[f"tok_s_{n}"] = round(sum(len(o.token_ids) for o in outs) / seconds, 2)
-            tokens = llm.generate([PROMPT], params)[0].token_ids
+    # each rank count in a fresh process: memory a finished engine freed stays in a process's
+    # heap, and would count against the next one's rank 0
+    context = multiprocessing.get_context("spawn")
+    for size in (int(n) for n in args.tensor_parallel.split(",")):
+        with context.Pool(1) as pool:
+            row, tokens = pool.apply(_measure, (vars(args), size))
         reference = reference or tokens
         row["tokens_equal_first"] = tokens == reference
         rows.append(row)
@@ -50,9 +40,34 @@ def run_parallel_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rss_mib(pid: int | str) -> float:
+def _measure(options: dict, size: int) -> tuple[dict, list[int]]:
+    """One rank count's row (and its greedy tokens), in a process of its own."""
+    from kvmesh import LLM, SamplingParams
+
+    streams = [int(n) for n in options["concurrency"].split(",")]
+    params = SamplingParams(max_tokens=options["max_tokens"], temperature=0.0, ignore_eos=True)
+    with LLM(model=options["model"], dtype=options["dtype"], weights=options["weights"],
+             max_num_seqs=max(streams), tensor_parallel_size=size,
+             kv_cache_bytes=KV_BYTES) as llm:  # fmt: skip
+        row = {"tensor_parallel": size,
+               "rank0_weight_mib": round(llm.engine.runner.model.weight_bytes / 2**20, 1)}  # fmt: skip
+        for n in streams:
+            llm.generate([PROMPT] * n, SamplingParams(max_tokens=4, temperature=0.0))  # warm
+            started = time.perf_counter()
+            outs = llm.generate([f"{PROMPT} ({i})" for i in range(n)], params)
+            seconds = time.perf_counter() - started
+            row[f"tok_s_{n}"] = round(sum(len(o.token_ids) for o in outs) / seconds, 2)
+        tokens = llm.generate([PROMPT], params)[0].token_ids
+        ranks = llm.engine.ranks  # resident memory once every weight has been read
+        pids = ["self", *(ranks.pids if ranks else [])]
+        for kind in ("RssAnon", "RssFile"):  # private memory; mapped checkpoint pages (shared)
+            row[f"{kind.lower()}_mib_per_rank"] = [_status_mib(pid, kind) for pid in pids]
+        return row, tokens
+
+
+def _status_mib(pid: int | str, field: str) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return round(int(line.split()[1]) / 1024, 1)
     return 0.0
 

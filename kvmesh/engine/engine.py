@@ -64,10 +64,12 @@ class Engine(HandOver):
         # the other ranks load after rank 0 (a converted model is then in the cache for them)
         self.ranks = None
         if tp > 1:
-            rows = config.max_num_batched_tokens
-            capacity = reduce_capacity(loaded.config.hidden_size, rows)
-            self.ranks = Ranks(config, tp, serve_threads, capacity)
-            all_reduced_layers(loaded.model, self.ranks.group, self.ranks.shm)
+            rows, seqs = config.max_num_batched_tokens, config.max_num_seqs
+            self.ranks = Ranks(
+                config, tp, serve_threads, reduce_capacity(loaded.config, rows, seqs)
+            )
+            all_reduced_layers(loaded.model, shard.vocab(loaded.config), self.ranks.group,
+                               self.ranks.shm)  # fmt: skip
         self.source, self.model_config = loaded.source, loaded.config
         self.tokenizer, model = loaded.tokenizer, loaded.model
         self.max_model_len, self._context_note = loaded.max_model_len, loaded.context_note

@@ -21,7 +21,7 @@ def test_a_small_parallel_bench_reports_each_rank(tmp_path):
     assert run_parallel_bench(args) == 0
     runs = json.loads(out.read_text())["runs"]
     assert [r["tensor_parallel"] for r in runs] == [1, 2]
-    assert [len(r["rss_mib_per_rank"]) for r in runs] == [1, 2]
+    assert [len(r["rssanon_mib_per_rank"]) for r in runs] == [1, 2]
     one, two = runs
     assert two["rank0_weight_mib"] < one["rank0_weight_mib"]
     assert all(r["tok_s_1"] > 0 and r["tokens_equal_first"] for r in runs)

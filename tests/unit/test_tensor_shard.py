@@ -44,6 +44,7 @@ def test_a_checkpoint_sliced_as_each_tensor_is_taken():
         p + "self_attn.o_proj.bias": torch.ones(8),
         p + "mlp.down_proj.weight": torch.arange(8 * 64.0).view(8, 64),
         p + "input_layernorm.weight": torch.ones(8),
+        "model.embed_tokens.weight": torch.arange(32 * 8.0).view(32, 8),
     }
     one = ShardedState(dict(state), config, TensorShard(1, 2))
     assert p + "self_attn.o_proj.bias" not in one  # row-parallel bias: rank 0's
@@ -61,6 +62,8 @@ def test_a_checkpoint_sliced_as_each_tensor_is_taken():
         one.pop(p + "mlp.down_proj.weight"), state[p + "mlp.down_proj.weight"][:, 32:]
     )
     assert torch.equal(one.pop(p + "input_layernorm.weight"), torch.ones(8))  # replicated
+    table = one.pop("model.embed_tokens.weight")  # rows by token id
+    assert torch.equal(table, state["model.embed_tokens.weight"][16:])
     zero = ShardedState(dict(state), config, TensorShard(0, 2))
     assert torch.equal(zero.pop(p + "self_attn.o_proj.bias"), torch.ones(8))
 

@@ -22,15 +22,23 @@ from kvmesh.engine.runner import ModelRunner
 
 
 class FollowerRunner(ModelRunner):
-    """Applies what rank 0 applied and runs its passes; the logits are rank 0's to compute."""
+    """Applies what rank 0 applied and runs its passes, the LM head's too (its part of the
+    vocabulary, a collective): of the sampled rows for a step, of every row for a score."""
 
-    def follow(self, ops, chunks) -> None:
+    def follow(self, ops, chunks, every_row: bool) -> None:
         for kind, value in ops:
             if kind == "apply":
                 self.apply(value)
             else:
                 self._forget(value)
-        self._forward(chunks)
+        if every_row:
+            self.score_rows_of(chunks)
+        else:
+            self.execute(chunks)
+
+    def score_rows_of(self, chunks) -> None:
+        hidden, _, _, _ = self._forward(chunks)
+        self.model.logits(hidden)
 
 
 def main(fd: int) -> int:
@@ -40,9 +48,11 @@ def main(fd: int) -> int:
     ranks = group.join(rank, world, port=port)
     loaded = load_engine_model(config, load_weights, TensorShard(rank, world))
     parent = os.getppid()
-    capacity = group.reduce_capacity(loaded.config.hidden_size, config.max_num_batched_tokens)
+    capacity = group.reduce_capacity(loaded.config, config.max_num_batched_tokens,
+                                     config.max_num_seqs)  # fmt: skip
     shm = ShmAllReduce(world, rank, capacity, shm_name, alive=lambda: os.getppid() == parent)
-    group.all_reduced_layers(loaded.model, ranks, shm)
+    shard = TensorShard(rank, world)
+    group.all_reduced_layers(loaded.model, shard.vocab(loaded.config), ranks, shm)
     spec = loaded.model.kv_spec(config.page_size, config.resolved_kv_dtype)
     try:
         _, num_pages = conn.recv()
@@ -50,8 +60,8 @@ def main(fd: int) -> int:
         runner = FollowerRunner(loaded.model, kv, get_backend(config.attention_backend,
                                                               spec.layers[0].kind))  # fmt: skip
         while True:
-            _, ops, chunks = conn.recv()
-            runner.follow(ops, chunks)
+            _, ops, chunks, every_row = conn.recv()
+            runner.follow(ops, chunks, every_row)
     except EOFError:  # rank 0 closed the socket (or died): this rank's work is over
         return 0
 

@@ -100,10 +100,18 @@ class LeaderRunner(ModelRunner):
         super().__init__(model, kv, attention)
         self.ranks = ranks
         self._ops: list[tuple[str, Any]] = []
+        self._every_row = False  # the pass's LM head: every row (a score) or the sampled ones
 
     def apply(self, plan: Any) -> None:
         self._ops.append(("apply", plan))
         super().apply(plan)
+
+    def score_rows(self, plan: Any) -> Any:
+        self._every_row = True
+        try:
+            return super().score_rows(plan)
+        finally:
+            self._every_row = False
 
     def score(self, plan: Any) -> Any:
         try:
@@ -113,5 +121,5 @@ class LeaderRunner(ModelRunner):
 
     def _forward(self, chunks: Any):
         ops, self._ops = self._ops, []
-        self.ranks.send(("forward", ops, chunks))
+        self.ranks.send(("forward", ops, chunks, self._every_row))
         return super()._forward(chunks)

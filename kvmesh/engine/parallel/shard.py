@@ -23,6 +23,7 @@ from kvmesh.errors import InvalidRequestError, ModelFormatError
 # checkpoint name suffix -> (which range, which dimension of the weight: 0 rows, 1 columns)
 _COLUMN = {".q_proj": "q", ".k_proj": "kv", ".v_proj": "kv", ".gate_proj": "mlp", ".up_proj": "mlp"}
 _ROW = {".o_proj": "q", ".down_proj": "mlp"}
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")  # rows split by token id
 
 
 def share(total: int, rank: int, world: int) -> range:
@@ -58,6 +59,9 @@ class TensorShard:
     def features(self, config: ModelConfig) -> range:
         return share(config.intermediate_size, self.rank, self.world)
 
+    def vocab(self, config: ModelConfig) -> range:
+        return share(config.vocab_size, self.rank, self.world)
+
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """The config this rank's layers are built with (its heads and features)."""
         self.check(config)
@@ -70,7 +74,7 @@ class TensorShard:
         hd = config.head_dim
         q, kv = self.q_heads(config), self.kv_heads(config)
         return {"q": range(q.start * hd, q.stop * hd), "kv": range(kv.start * hd, kv.stop * hd),
-                "mlp": self.features(config)}  # fmt: skip
+                "mlp": self.features(config), "vocab": self.vocab(config)}  # fmt: skip
 
 
 class ShardedState(Mapping):
@@ -84,6 +88,8 @@ class ShardedState(Mapping):
         self._lazy = hasattr(state, "read")
 
     def _rule(self, name: str) -> tuple[str, int] | None:
+        if name in _VOCAB:
+            return "vocab", 0
         stem, _, kind = name.rpartition(".")
         if kind not in ("weight", "bias"):
             return None
