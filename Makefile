@@ -53,6 +53,7 @@ bench: model
 	$(BIN)/kvmesh bench weights --output bench/results/weights.json
 	$(BIN)/kvmesh bench coldstart --output bench/results/coldstart.json
 	$(BIN)/kvmesh bench agent-api --output bench/results/agent-api.json
+	$(BIN)/kvmesh bench parallel --output bench/results/parallel.json
 
 protos: install
 	$(BIN)/python scripts/gen_protos.py
