@@ -137,3 +137,29 @@ def test_a_rank_killed_mid_generation_is_an_engine_failure_at_once():
     assert time.monotonic() - started < 30
     llm.close()
     assert not _alive(rank1)
+
+
+def test_a_pass_that_fails_on_rank_0_stops_the_ranks():
+    """An error inside rank 0's forward pass (here a layer that raises) leaves the other ranks
+    waiting in a sum it will never reach: the ranks are stopped, that request and every later
+    one end with EngineFailure, and no rank process is left."""
+    from kvmesh.errors import EngineFailure
+
+    llm = LLM(dtype="fp32", tensor_parallel_size=2, max_num_seqs=4)
+    rank1 = llm.engine.ranks.pids[0]
+    layer = llm.engine.runner.model.layers[5].mlp
+
+    def broken(*args):
+        raise RuntimeError("a kernel failed")
+
+    layer.inner = broken
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    with pytest.raises(EngineFailure, match="pass failed on rank 0: a kernel failed"):
+        llm.generate(["Hello"], params)
+    deadline = time.monotonic() + 20
+    while _alive(rank1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(rank1)
+    with pytest.raises(EngineFailure, match="ranks are stopped"):
+        llm.generate(["Hello again"], params)
+    llm.close()

@@ -65,6 +65,8 @@ class Ranks:
         return [proc.pid for proc in self._procs]
 
     def send(self, message: tuple[Any, ...]) -> None:
+        if self.shm is None:
+            raise EngineFailure("this engine's tensor-parallel ranks are stopped")
         for rank, conn in enumerate(self._conns, start=1):
             try:
                 conn.send(message)
@@ -122,4 +124,10 @@ class LeaderRunner(ModelRunner):
     def _forward(self, chunks: Any):
         ops, self._ops = self._ops, []
         self.ranks.send(("forward", ops, chunks, self._every_row))
-        return super()._forward(chunks)
+        try:
+            return super()._forward(chunks)
+        except Exception as exc:
+            # the other ranks may be waiting in a sum this rank will never reach: matched
+            # calls cannot be restored, so the ranks stop and every later pass fails
+            self.ranks.close()
+            raise EngineFailure(f"a tensor-parallel pass failed on rank 0: {exc}") from exc
