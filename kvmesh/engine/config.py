@@ -252,6 +252,10 @@ class EngineConfig:
             raise InvalidRequestError(
                 "speculative decoding with tensor parallelism is not supported yet"
             )
+        if self.tensor_parallel_size > 1 and self.int4_embeddings:
+            raise InvalidRequestError(
+                "INT4 embeddings with tensor parallelism are not supported yet"
+            )
         if not 1 <= self.num_speculative_tokens <= 16:
             raise InvalidRequestError("num_speculative_tokens must be in 1..16")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):

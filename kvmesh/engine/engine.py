@@ -68,8 +68,12 @@ class Engine(HandOver):
             self.ranks = Ranks(
                 config, tp, serve_threads, reduce_capacity(loaded.config, rows, seqs)
             )
-            all_reduced_layers(loaded.model, shard.vocab(loaded.config), self.ranks.group,
-                               self.ranks.shm)  # fmt: skip
+            try:
+                all_reduced_layers(loaded.model, shard.vocab(loaded.config), self.ranks.group,
+                                   self.ranks.shm)  # fmt: skip
+            except BaseException:
+                self.ranks.close()  # (later failures: the ranks stop at exit, as registered)
+                raise
         self.source, self.model_config = loaded.source, loaded.config
         self.tokenizer, model = loaded.tokenizer, loaded.model
         self.max_model_len, self._context_note = loaded.max_model_len, loaded.context_note

@@ -120,11 +120,12 @@ class MeshBackend:
                 first = True
                 try:
                     async for response in responses:
-                        if first:  # the prompt is in pages; its prefill worker is done with it
+                        chunk = _chunk(response)  # raises a worker's error
+                        if first and chunk.token_ids:  # the prompt is in pages, prefilled
                             first = False
                             prefilling.close()
-                            self.router.prefilled(prompt, decode, prefill)
-                        yield _chunk(response)
+                            self.router.prefilled(prompt, decode, prefill, chunk.cached_tokens)
+                        yield chunk
                 finally:
                     if delivery is not None:
                         await responses.aclose()

@@ -147,13 +147,14 @@ class Router:
             return 0
         return self.prefix.cached_tokens(worker, prompt)
 
-    def prefilled(self, prompt: PromptKey, decode: WorkerInfo, prefill: WorkerInfo | None) -> None:
+    def prefilled(self, prompt: PromptKey, decode: WorkerInfo, prefill: WorkerInfo | None,
+                  cached: int = 0) -> None:  # fmt: skip
         """A request's first token came: the prompt's full pages are cached on both workers (in
         the prefix index at once, ahead of their KV events), and the prefill worker is done with
-        the prompt (its last polled load may still count it). So a request with the same prefix
-        right after goes there."""
+        the prompt (its last polled load may still count the `cached`-less part it computed).
+        So a request with the same prefix right after goes there."""
         if prefill is not None and prefill.worker_id in self._reported:
-            left = self._reported[prefill.worker_id] - len(prompt.token_ids)
+            left = self._reported[prefill.worker_id] - max(0, len(prompt.token_ids) - cached)
             self._reported[prefill.worker_id] = max(0, left)
         if self.prefix is not None:
             for worker in (decode, prefill):

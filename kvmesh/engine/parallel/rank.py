@@ -43,11 +43,11 @@ class FollowerRunner(ModelRunner):
 
 def main(fd: int) -> int:
     conn = Connection(fd)
+    parent = os.getppid()  # before anything slow: rank 0 may die meanwhile
     _, config, rank, world, port, shm_name = conn.recv()
     torch.set_num_threads(env.serve_threads())
     ranks = group.join(rank, world, port=port)
     loaded = load_engine_model(config, load_weights, TensorShard(rank, world))
-    parent = os.getppid()
     capacity = group.reduce_capacity(loaded.config, config.max_num_batched_tokens,
                                      config.max_num_seqs)  # fmt: skip
     shm = ShmAllReduce(world, rank, capacity, shm_name, alive=lambda: os.getppid() == parent)

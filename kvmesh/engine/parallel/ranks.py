@@ -70,7 +70,8 @@ class Ranks:
         for rank, conn in enumerate(self._conns, start=1):
             try:
                 conn.send(message)
-            except OSError as exc:
+            except OSError as exc:  # the ranks before it got the pass: none may run it alone
+                self.close()
                 raise EngineFailure(f"tensor-parallel rank {rank} is gone: {exc}") from exc
 
     def close(self) -> None:
@@ -108,12 +109,28 @@ class LeaderRunner(ModelRunner):
         self._ops.append(("apply", plan))
         super().apply(plan)
 
+    def execute(self, chunks: Any) -> Any:
+        return self._guarded(super().execute, chunks)
+
     def score_rows(self, plan: Any) -> Any:
         self._every_row = True
         try:
-            return super().score_rows(plan)
+            return self._guarded(super().score_rows, plan)
         finally:
             self._every_row = False
+
+    def _guarded(self, run: Any, arg: Any) -> Any:
+        """A whole pass (its layers' and its LM head's sums): if it fails here, the other ranks
+        may wait in a sum this rank will never reach, and matched calls cannot be restored, so
+        the ranks stop and every later pass fails."""
+        try:
+            return run(arg)
+        except EngineFailure:
+            self.ranks.close()
+            raise
+        except BaseException as exc:
+            self.ranks.close()
+            raise EngineFailure(f"a tensor-parallel pass failed on rank 0: {exc}") from exc
 
     def score(self, plan: Any) -> Any:
         try:
@@ -124,10 +141,4 @@ class LeaderRunner(ModelRunner):
     def _forward(self, chunks: Any):
         ops, self._ops = self._ops, []
         self.ranks.send(("forward", ops, chunks, self._every_row))
-        try:
-            return super()._forward(chunks)
-        except Exception as exc:
-            # the other ranks may be waiting in a sum this rank will never reach: matched
-            # calls cannot be restored, so the ranks stop and every later pass fails
-            self.ranks.close()
-            raise EngineFailure(f"a tensor-parallel pass failed on rank 0: {exc}") from exc
+        return super()._forward(chunks)
