@@ -81,9 +81,10 @@ class Engine(HandOver):
         self.kv_dtype = config.resolved_kv_dtype
         spec = model.kv_spec(config.page_size, self.kv_dtype)
         self.kv_spec = spec
+        specs = rank_specs(loaded.config, config, tp) if self.ranks is not None else [spec]
         num_pages = config.num_pages or min(
-            s.pages_for_budget(config.kv_cache_bytes) for s in rank_specs(loaded.config, config, tp)
-        )  # fmt: skip
+            s.pages_for_budget(config.kv_cache_bytes) for s in specs
+        )
         if self.ranks is not None:
             self.ranks.send(("pages", num_pages))
         self.kv_cache = PagedKVCache(spec, num_pages, dtype)

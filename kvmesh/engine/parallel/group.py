@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +17,7 @@ from kvmesh.engine.layers.norm import rms_norm
 from kvmesh.engine.parallel.shm_reduce import ShmAllReduce
 from kvmesh.errors import EngineFailure, InvalidRequestError
 
-# gloo would pick the interface of the host name's address: keep every rank on loopback
+# gloo would pick the interface of the host name's address: every rank's device on loopback
 HOST = "127.0.0.1"
 # a collective runs only inside a step; a rank that died closes its sockets, which ends it
 TIMEOUT = datetime.timedelta(minutes=10)
@@ -33,8 +32,8 @@ def master_store(world: int) -> dist.TCPStore:
 def join(rank: int, world: int, store: dist.Store | None = None,
          port: int = 0) -> dist.ProcessGroupGloo:  # fmt: skip
     """This rank's group: rank 0 with its master store, the others by its port. A group of its
-    own, not torch's default one, so one process may hold several engines' groups."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    own, not torch's default one, so one process may hold several engines' groups; its
+    device is bound to loopback."""
     if store is None:
         store = dist.TCPStore(HOST, port, world, is_master=False, timeout=TIMEOUT)
     options = dist.ProcessGroupGloo._Options()

@@ -39,7 +39,7 @@ class Ranks:
         self.shm = ShmAllReduce(world, 0, capacity, alive=self._all_running)
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
-        env = {**os.environ, "KVMESH_NUM_THREADS": str(threads), "GLOO_SOCKET_IFNAME": "lo"}
+        env = {**os.environ, "KVMESH_NUM_THREADS": str(threads)}
         try:
             for rank in range(1, world):
                 ours, theirs = socket.socketpair()
@@ -89,8 +89,6 @@ class Ranks:
 
 def rank_specs(model: ModelConfig, config: EngineConfig, world: int) -> list[KVCacheSpec]:
     """Each rank's KV page spec (its KV heads): the pool's page count must fit every rank."""
-    if world == 1:
-        return [spec_for_model(model, config.page_size, config.resolved_kv_dtype)]
     return [spec_for_model(TensorShard(r, world).local_config(model), config.page_size,
                            config.resolved_kv_dtype) for r in range(world)]  # fmt: skip
 
