@@ -62,7 +62,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 _WORKER_FLAGS = ("dtype", "weights", "int4_group_size", "int4_embeddings", "kv_dtype",
                  "kv_cache_bytes", "kv_integrity", "max_num_seqs", "protocol",
                  "local_prefill_tokens", "speculative", "num_speculative_tokens",
-                 "speculative_policy", "decode_step", "draft", "draft_model")  # fmt: skip
+                 "speculative_policy", "decode_step", "draft", "draft_model",
+                 "tensor_parallel_size")  # fmt: skip
 _ON_OFF = ("kv_integrity", "int4_embeddings")  # on|off flags, booleans in WorkerOptions
 
 
@@ -77,6 +78,16 @@ def _worker_passthrough(args: argparse.Namespace) -> list[str]:
     for name in _WORKER_FLAGS:
         flag = "--kv-cache-memory" if name == "kv_cache_bytes" else f"--{name.replace('_', '-')}"
         flags += [flag, str(getattr(args, name))]
+    return flags
+
+
+def _role_flags(args: argparse.Namespace, role: str) -> tuple[str, ...]:
+    """`kvmesh up`'s flags for one role's workers (after the common ones: they win)."""
+    flags: tuple[str, ...] = ()
+    if getattr(args, f"{role}_weights"):
+        flags += ("--weights", getattr(args, f"{role}_weights"))
+    if getattr(args, f"{role}_tp"):
+        flags += ("--tensor-parallel-size", str(getattr(args, f"{role}_tp")))
     return flags
 
 
@@ -97,11 +108,7 @@ def _up(args: argparse.Namespace) -> int:
             grpc_port=args.grpc_port,
             cluster=args.cluster,
             worker_args=tuple(passthrough),
-            role_args={
-                role: ("--weights", getattr(args, f"{role}_weights"))
-                for role in ("prefill", "decode")
-                if getattr(args, f"{role}_weights")
-            },
+            role_args={role: _role_flags(args, role) for role in ("prefill", "decode")},
             gateway_args=(
                 "--routing",
                 args.routing,
@@ -128,8 +135,7 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(args.service, "INFO")
     serve, options = _service(args)
     _log_imports_done()
-    event_loop.run(serve(options))
-    return 0
+    return event_loop.run(serve(options)) or 0
 
 
 def _service(args: argparse.Namespace) -> tuple[Callable[[Any], Any], Any]:

@@ -112,7 +112,14 @@ def _mesh_args(p: argparse.ArgumentParser) -> None:
 UP_LOCAL_PREFILL_TOKENS = 128
 
 
+def _tp_arg(p: argparse.ArgumentParser, text: str = "") -> None:
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="rank processes the model's layers are split over (their sums through "
+                   f"shared memory on one host){text}")  # fmt: skip
+
+
 def _worker_args(p: argparse.ArgumentParser, local_prefill: int | None = 0) -> None:
+    _tp_arg(p, "" if local_prefill == 0 else "; per role: --prefill-tp / --decode-tp")
     _dtype_arg(p)
     _weights_arg(p)
     _kv_args(p)
@@ -187,12 +194,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _engine_args(gen)
     _spec_args(gen)
-    gen.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="rank processes the model's layers are split over (gloo on CPU)",
-    )
+    _tp_arg(gen)
     _sampling_args(gen)
     up = sub.add_parser("up", help="run the local mesh: etcd, gateway, prefill and decode workers")
     up.add_argument("--model", default="smollm2-135m")
@@ -225,6 +227,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
             choices=["auto", "fp32", "bf16", "int4"],
             help=f"weight precision of the {role} workers only (default: --weights)",
         )
+        up.add_argument(f"--{role}-tp", type=int, default=None, metavar="N",
+                        help=f"tensor parallel size of the {role} workers only")  # fmt: skip
         _cpus_arg(up, f"--{role}-cpus", f"KVMESH_{role.upper()}_CPUS",
                   f"pin every {role} worker to these CPUs, a torch thread per CPU")  # fmt: skip
     up.add_argument("--decode-lead-cpu", default="auto", metavar="auto|off|CPU",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from kvmesh.benchmarks.report import BenchRun, write_report
 
@@ -43,6 +42,7 @@ def run_parallel_bench(args: argparse.Namespace) -> int:
 def _measure(options: dict, size: int) -> tuple[dict, list[int]]:
     """One rank count's row (and its greedy tokens), in a process of its own."""
     from kvmesh import LLM, SamplingParams
+    from kvmesh.engine.loader.memory import process_memory_mib
 
     streams = [int(n) for n in options["concurrency"].split(",")]
     params = SamplingParams(max_tokens=options["max_tokens"], temperature=0.0, ignore_eos=True)
@@ -60,16 +60,10 @@ def _measure(options: dict, size: int) -> tuple[dict, list[int]]:
         tokens = llm.generate([PROMPT], params)[0].token_ids
         ranks = llm.engine.ranks  # resident memory once every weight has been read
         pids = ["self", *(ranks.pids if ranks else [])]
-        for kind in ("RssAnon", "RssFile"):  # private memory; mapped checkpoint pages (shared)
-            row[f"{kind.lower()}_mib_per_rank"] = [_status_mib(pid, kind) for pid in pids]
+        memory = [process_memory_mib(pid) for pid in pids]
+        for kind in ("rssanon", "rssshmem", "rssfile"):  # private; KV pages; checkpoint pages
+            row[f"{kind}_mib_per_rank"] = [m.get(kind, 0.0) for m in memory]
         return row, tokens
-
-
-def _status_mib(pid: int | str, field: str) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return round(int(line.split()[1]) / 1024, 1)
-    return 0.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

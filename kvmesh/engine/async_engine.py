@@ -24,6 +24,7 @@ from kvmesh.engine.engine import Engine, Reservation, TokenOutput
 from kvmesh.engine.engine_thread import Call
 from kvmesh.engine.kv.events import KvEvent, PagesStored
 from kvmesh.engine.kv_cache import PagedKVCache
+from kvmesh.engine.kv_pages import KvPages
 from kvmesh.engine.output_streams import OutputStream, Tap, flush_all, put_all
 from kvmesh.engine.page_io import PageIO
 from kvmesh.engine.sampler import TokenLogprob
@@ -315,11 +316,22 @@ class AsyncEngine:
         finally:
             self._subscribers.remove(entry)
 
+    async def lost(self, every_s: float = 0.25) -> None:
+        """Return once the engine can serve no more (a tensor-parallel rank died); never for
+        an engine of one rank. Polled: a rank may die while no step runs."""
+        while self._engine.serviceable():
+            await asyncio.sleep(every_s)
+
     # -- the engine's immutable parts -----------------------------------------------------------
     @property
     def kv_cache(self) -> PagedKVCache:
         """The page pool: its spec and addresses never change (its bytes do, under the lock)."""
         return self._engine.kv_cache
+
+    @property
+    def kv_pages(self) -> KvPages:
+        """The whole pool as transfers see it: every tensor-parallel rank's shard of a page."""
+        return self._engine.kv_pages
 
     @property
     def max_model_len(self) -> int:

@@ -22,10 +22,10 @@ from kvmesh.engine.integrity import PageTags
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
 from kvmesh.engine.kv.events import KvEvent
 from kvmesh.engine.kv_cache import PagedKVCache
+from kvmesh.engine.kv_pages import KvPages
 from kvmesh.engine.loader import load_weights
 from kvmesh.engine.outputs import Reservation, TokenOutput
-from kvmesh.engine.parallel.group import all_reduced_layers, reduce_capacity
-from kvmesh.engine.parallel.ranks import LeaderRunner, Ranks, rank_specs
+from kvmesh.engine.parallel.ranks import LeaderRunner, start_ranks
 from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.sample_step import sample_step
@@ -62,18 +62,7 @@ class Engine(HandOver):
         shard = TensorShard(0, tp) if tp > 1 else None
         loaded = load_engine_model(config, load_weights, shard)
         # the other ranks load after rank 0 (a converted model is then in the cache for them)
-        self.ranks = None
-        if tp > 1:
-            rows, seqs = config.max_num_batched_tokens, config.max_num_seqs
-            self.ranks = Ranks(
-                config, tp, serve_threads, reduce_capacity(loaded.config, rows, seqs)
-            )
-            try:
-                all_reduced_layers(loaded.model, shard.vocab(loaded.config), self.ranks.group,
-                                   self.ranks.shm)  # fmt: skip
-            except BaseException:
-                self.ranks.close()  # (later failures: the ranks stop at exit, as registered)
-                raise
+        self.ranks = start_ranks(config, loaded, serve_threads) if tp > 1 else None
         self.source, self.model_config = loaded.source, loaded.config
         self.tokenizer, model = loaded.tokenizer, loaded.model
         self.max_model_len, self._context_note = loaded.max_model_len, loaded.context_note
@@ -81,13 +70,13 @@ class Engine(HandOver):
         self.kv_dtype = config.resolved_kv_dtype
         spec = model.kv_spec(config.page_size, self.kv_dtype)
         self.kv_spec = spec
-        specs = rank_specs(loaded.config, config, tp) if self.ranks is not None else [spec]
-        num_pages = config.num_pages or min(
-            s.pages_for_budget(config.kv_cache_bytes) for s in specs
-        )
-        if self.ranks is not None:
-            self.ranks.send(("pages", num_pages))
-        self.kv_cache = PagedKVCache(spec, num_pages, dtype)
+        if self.ranks is None:
+            num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
+            self.kv_cache = PagedKVCache(spec, num_pages, dtype)
+            self.kv_pages = KvPages.whole(self.kv_cache)  # what transfers see of the pool
+        else:  # every rank's pages in memory rank 0 maps too
+            self.kv_cache, self.kv_pages = self.ranks.kv_pool(loaded.config, config, dtype)
+        num_pages = self.kv_cache.num_pages
         torch.set_num_threads(serve_threads)
         self.page_tags = PageTags(self.kv_cache.tags)
         self.faults = FaultInjector.from_env()  # tests only (KVMESH_FAULTS)
@@ -130,6 +119,15 @@ class Engine(HandOver):
             capacity_tokens=self.kv_cache.capacity_tokens,
             init_s=round(time.perf_counter() - started, 3),
         )
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """The other tensor-parallel ranks' processes (none for one rank)."""
+        return [] if self.ranks is None else self.ranks.pids
+
+    def serviceable(self) -> bool:
+        """False once a tensor-parallel rank is gone: no pass can run again."""
+        return self.ranks is None or self.ranks.alive()
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing to do for one rank)."""

@@ -131,7 +131,10 @@ class PagedKVCache:
         num_pages: int,
         compute_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        pool: torch.Tensor | None = None,
     ) -> None:
+        """pool: zeroed memory [num_pages + 2, page_bytes] uint8 to use (a tensor-parallel
+        rank's part of shared memory: parallel/ranks.py), else a new one."""
         self.spec = spec
         self.num_pages = num_pages
         self.null_page = num_pages  # one more page, never allocated nor written: all zeros
@@ -139,7 +142,12 @@ class PagedKVCache:
             num_pages + 1
         )  # never allocated: padding rows of compiled steps write here
         rows = num_pages + 2
-        self.pool = torch.zeros(rows, spec.page_bytes, dtype=torch.uint8, device=device)
+        if pool is None:
+            pool = torch.zeros(rows, spec.page_bytes, dtype=torch.uint8, device=device)
+        elif pool.shape != (rows, spec.page_bytes) or pool.dtype != torch.uint8:
+            raise ValueError(f"a pool of {num_pages} pages needs [{rows}, {spec.page_bytes}] "
+                             f"uint8, got {list(pool.shape)} {pool.dtype}")  # fmt: skip
+        self.pool = pool
         self.tags = torch.zeros(rows, dtype=torch.int32, device=device)
         blocks = self.pool.view(rows, spec.num_heads, spec.head_block_bytes)
         self.layers = [self._layer(blocks, i, compute_dtype) for i in range(spec.num_layers)]

@@ -76,15 +76,14 @@ class PageIO:
     # -- export ---------------------------------------------------------------------------------
     def export_on_finish(self, sink: Callable[[ExportedPages], None], min_pages: int = 1) -> None:
         """On every finished sequence, copy its computed full pages and pass them to `sink`."""
-        pool = self.engine.kv_cache.pool
+        pages = self.engine.kv_pages  # every rank's shard of a page: whole pages staged
         page_size = self.engine.config.page_size
 
         def on_retire(seq: Sequence) -> None:
             count = min(seq.num_computed_tokens // page_size, len(seq.block_hashes))
             if count < min_pages:
                 return
-            pages = torch.tensor(seq.block_table[:count])
-            staging = pool[pages].reshape(count, -1).view(torch.uint8).clone()
+            staging = pages.gather(seq.block_table[:count])
             sink(ExportedPages(list(seq.block_hashes[:count]), staging, seq.cache_salt))
 
         self.engine.scheduler.on_retire = on_retire

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvmesh.engine.kv.pool_layout import PageSide, PoolLayout
 from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import FinishReason
 from kvmesh.proto.v1 import common_pb2 as pb
-from kvmesh.proto.v1 import draft_pb2
+from kvmesh.proto.v1 import draft_pb2, prefill_pb2
 
 if TYPE_CHECKING:  # the gateway imports this module and needs no torch
     import torch
@@ -109,3 +110,21 @@ def feature_rows_from_pb(msg: draft_pb2.FeatureRows) -> torch.Tensor:
 
     flat = torch.frombuffer(bytearray(msg.data), dtype=torch.float16)
     return flat.view(msg.rows, msg.width).float()
+
+
+def shards_to_pb(layout: PoolLayout) -> list[prefill_pb2.KvShard]:
+    """A sharded pool's shards as KvDestination.shards (byte spans of the whole page)."""
+    hb = layout.head_bytes
+    return [prefill_pb2.KvShard(address=s.address, first_byte=s.first_head * hb,
+                                bytes=s.num_heads * hb) for s in layout.shards]  # fmt: skip
+
+
+def destination_side(dest: prefill_pb2.KvDestination, pages: list[int]) -> PageSide:
+    """`pages` of a decode worker's pool as one side of a copy: whole pages at pool_address, or
+    its shards (a tensor-parallel worker)."""
+    if not dest.shards:
+        return PageSide.whole([dest.pool_address + p * dest.page_bytes for p in pages],
+                              dest.page_bytes)  # fmt: skip
+    spans = tuple(range(s.first_byte, s.first_byte + s.bytes) for s in dest.shards)
+    return PageSide(spans, tuple(tuple(s.address + p * s.bytes for p in pages)
+                                 for s in dest.shards))  # fmt: skip

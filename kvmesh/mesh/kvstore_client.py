@@ -15,6 +15,7 @@ import grpc
 import structlog
 import xxhash
 
+from kvmesh.engine.kv.pool_layout import PageSide, copy_ranges
 from kvmesh.mesh.grpc_server import channel
 from kvmesh.mesh.metrics import KV_FETCH_DIGEST_MISMATCHES as CORRUPT_FETCHES
 from kvmesh.mesh.transfer import KvTransferEngine
@@ -33,16 +34,26 @@ def layout_key(model: str, page_size: int, kv_dtype: str, kv_spec: str = "") -> 
     return f"{base}|{kv_spec}" if kv_spec else base
 
 
-def page_digest_at(address: int, page_bytes: int) -> int:
-    """xxh3_64 of `page_bytes` bytes at `address` (a page of a local pool), without a copy."""
-    return xxhash.xxh3_64_intdigest((ctypes.c_char * page_bytes).from_address(address))
+def page_digest_of(side: PageSide, index: int) -> int:
+    """xxh3_64 of page `index` of `side`, its shards' bytes in order (the digest of the whole
+    page, as the store computes it), without a copy."""
+    digest = xxhash.xxh3_64()
+    for address, length in side.pieces(index):
+        digest.update((ctypes.c_char * length).from_address(address))
+    return digest.intdigest()
+
+
+def _side(local: Sequence[int] | PageSide, page_bytes: int) -> PageSide:
+    """Local pages: a PageSide (a sharded pool's) or whole pages at these addresses."""
+    return local if isinstance(local, PageSide) else PageSide.whole(local, page_bytes)
 
 
 class KVStoreClient:
     """One store, reached at `address` (gRPC) and through `transfer` (this process's engine).
 
-    Local page addresses must lie in memory that stays alive during the call; for RDMA they must
-    be registered with `transfer` (TCP does not need it).
+    Local pages (whole pages at addresses, or a sharded pool's PageSide: kv/pool_layout.py) must
+    lie in memory that stays alive during the call; for RDMA they must be registered with
+    `transfer` (TCP does not need it).
     """
 
     def __init__(self, address: str, transfer: KvTransferEngine, timeout_s: float = 5.0) -> None:
@@ -72,12 +83,13 @@ class KVStoreClient:
     async def fetch(
         self,
         block_hashes: Sequence[int],
-        local_page_addresses: Sequence[int],
+        local: Sequence[int] | PageSide,
         page_bytes: int,
         layout_key: str,
     ) -> int:
         """Copy the store's leading run of `block_hashes` into the local pages; pages fetched."""
-        hashes = list(block_hashes[: len(local_page_addresses)])
+        local = _side(local, page_bytes)
+        hashes = list(block_hashes[: len(local)])
         if not hashes:
             return 0
         try:
@@ -93,25 +105,26 @@ class KVStoreClient:
         if found.hit_pages == 0:
             return 0
         try:
-            return await self._read(found, local_page_addresses, page_bytes)
+            return await self._read(found, local, page_bytes)
         finally:
             await self._release(found.lease_id)
 
     async def offer(
         self,
         block_hashes: Sequence[int],
-        local_page_addresses: Sequence[int],
+        local: Sequence[int] | PageSide,
         page_bytes: int,
         layout_key: str,
     ) -> int:
         """Store the local pages the store does not hold yet; pages committed."""
-        if len(block_hashes) != len(local_page_addresses):
+        local = _side(local, page_bytes)
+        if len(block_hashes) != len(local):
             log.warning("kvstore.offer_bad_args", hashes=len(block_hashes))
             return 0
         if not block_hashes:
             return 0
         try:
-            return await self._offer(block_hashes, local_page_addresses, page_bytes, layout_key)
+            return await self._offer(block_hashes, local, page_bytes, layout_key)
         except _FAILURES as exc:
             _log_failure("offer", exc, pages=len(block_hashes))
             return 0
@@ -121,17 +134,18 @@ class KVStoreClient:
         return await self.stub.GetStats(kvstore_pb2.GetStatsRequest(), timeout=self.timeout_s)
 
     async def _read(
-        self, found: kvstore_pb2.LookupResponse, local: Sequence[int], page_bytes: int
+        self, found: kvstore_pb2.LookupResponse, local: PageSide, page_bytes: int
     ) -> int:
-        remote = [loc.address for loc in found.locations]
+        remote = PageSide.whole([loc.address for loc in found.locations], page_bytes)
+        local = local.select(range(len(remote)))
         try:
             await asyncio.to_thread(
-                self.transfer.read_pages, found.te_session, remote, local[: len(remote)], page_bytes
+                self.transfer.read_pages, found.te_session, *copy_ranges(remote, local)
             )
         except _FAILURES as exc:
             _log_failure("fetch_transfer", exc, pages=len(remote))
             return 0  # the local pages may be partly written: the caller must not use them
-        return _verified(found.locations, local, page_bytes)
+        return _verified(found.locations, local)
 
     async def _release(self, lease_id: str) -> None:
         try:
@@ -142,7 +156,7 @@ class KVStoreClient:
             _log_failure("release", exc)
 
     async def _offer(
-        self, hashes: Sequence[int], local: Sequence[int], page_bytes: int, layout_key: str
+        self, hashes: Sequence[int], local: PageSide, page_bytes: int, layout_key: str
     ) -> int:
         reserved = await self.stub.Reserve(
             kvstore_pb2.ReserveRequest(
@@ -152,17 +166,14 @@ class KVStoreClient:
         )
         if not reserved.reservation_id:
             return 0
-        by_hash = dict(zip(hashes, local, strict=True))
-        src = [by_hash[h] for h in reserved.accepted_hashes]
+        index = {h: i for i, h in enumerate(hashes)}
+        src = local.select([index[h] for h in reserved.accepted_hashes])
+        dst = PageSide.whole(list(reserved.addresses), page_bytes)
         await asyncio.to_thread(
-            self.transfer.write_pages,
-            reserved.te_session,
-            src,
-            list(reserved.addresses),
-            page_bytes,
+            self.transfer.write_pages, reserved.te_session, *copy_ranges(src, dst)
         )
         # No commit after a failed write: it may still land, so the reservation must expire.
-        digests = [page_digest_at(address, page_bytes) for address in src]
+        digests = [page_digest_of(src, i) for i in range(len(src))]
         done = await self.stub.Commit(
             kvstore_pb2.CommitRequest(reservation_id=reserved.reservation_id, digests=digests),
             timeout=self.timeout_s,
@@ -172,12 +183,10 @@ class KVStoreClient:
         return done.committed
 
 
-def _verified(
-    locations: Sequence[kvstore_pb2.PageLocation], local: Sequence[int], page_bytes: int
-) -> int:
+def _verified(locations: Sequence[kvstore_pb2.PageLocation], local: PageSide) -> int:
     """Leading pages whose copied bytes hash to the digest the store committed them with."""
-    for index, (location, address) in enumerate(zip(locations, local, strict=False)):
-        if location.digest and page_digest_at(address, page_bytes) != location.digest:
+    for index, location in enumerate(locations):
+        if location.digest and page_digest_of(local, index) != location.digest:
             log.warning("kvstore.fetch_digest_mismatch", page=index, block_hash=location.block_hash)
             CORRUPT_FETCHES.inc()
             return index

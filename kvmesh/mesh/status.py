@@ -31,6 +31,9 @@ def run_status(etcd: str | None, cluster: str | None, as_json: bool) -> int:
             f"kv_spec={w['precision'].get('kv_spec', '?')} "
             f"running={load.get('numRunning', 0)} pages={load.get('kvPagesUsed', 0)}/{load.get('kvPagesTotal', 0)}"
         )
+        for rank in w["ranks"]:
+            print(f"{'':8} rank {rank['rank']} pid={rank['pid']} device={rank['device']} "
+                  f"anon={rank.get('rssanon', '?')}MiB shmem={rank.get('rssshmem', '?')}MiB")  # fmt: skip
     return 0
 
 
@@ -74,6 +77,7 @@ async def _describe(worker: WorkerInfo) -> dict:
         "te_session": worker.te_session,
         "delivery": worker.delivery_address,
         "precision": dict(worker.extra),
+        "ranks": json.loads(worker.extra.get("ranks", "[]")),
         "kv_dtype": worker.kv_dtype,
         "capacity_tokens": worker.capacity_tokens,
         "load": load,

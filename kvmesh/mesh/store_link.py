@@ -35,7 +35,8 @@ class StoreLink:
         self.transfer = transfer
         self.service = service
         self.page_io = engine.page_io
-        spec = engine.kv_cache.spec
+        self.pages = engine.kv_pages  # every rank's shard of a page
+        spec = self.pages.spec
         self.page_bytes = spec.page_bytes
         self.layout_key = layout_key(
             engine.model_name, spec.page_size, engine.kv_dtype, spec.layout_key
@@ -60,13 +61,13 @@ class StoreLink:
             self._address = address
             self._client = KVStoreClient(address, self.transfer) if address else None
 
-    async def fetch_into(self, block_hashes: list[int], addresses: list[int]) -> int:
+    async def fetch_into(self, block_hashes: list[int], page_ids: list[int]) -> int:
         """Fill local pages with the store's copies of the leading hashes; pages fetched."""
         client = self._client
         if client is None or not block_hashes:
             return 0
-        fetched = await client.fetch(block_hashes, addresses, self.page_bytes, self.layout_key)
-        return fetched
+        local = self.pages.side(page_ids)
+        return await client.fetch(block_hashes, local, self.page_bytes, self.layout_key)
 
     def enable_export(self) -> None:
         """Decode: every finished sequence's full pages are offered to the store."""
@@ -100,10 +101,9 @@ class StoreLink:
         client = self._client
         if client is None or not block_hashes:
             return
-        cache = self.engine.kv_cache
-        addresses = [cache.page_address(p) for p in page_ids]
+        local = self.pages.side(page_ids)
         self._offers.inc()
         try:
-            await client.offer(block_hashes, addresses, self.page_bytes, self.layout_key)
+            await client.offer(block_hashes, local, self.page_bytes, self.layout_key)
         finally:
             self._offers.dec()

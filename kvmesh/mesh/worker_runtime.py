@@ -4,6 +4,8 @@ Prometheus endpoint, etcd registration with keep-alive, graceful stop on SIGTERM
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.engine_thread import build_engine
 from kvmesh.engine.faults import KINDS as FAULT_KINDS
+from kvmesh.engine.loader.memory import process_memory_mib
 from kvmesh.mesh import metrics
 from kvmesh.mesh.affinity import lead_cpu_setup
 from kvmesh.mesh.discovery import Registry, WorkerInfo
@@ -48,6 +51,7 @@ class WorkerOptions:
     kv_cache_bytes: int = 512 << 20
     kv_integrity: bool = True
     max_num_seqs: int = 64
+    tensor_parallel_size: int = 1  # rank processes the engine's model is split over
     protocol: str = "tcp"
     ttl: int = 5
     local_prefill_tokens: int = 0
@@ -89,7 +93,9 @@ class Listener(Protocol):
 
 async def serve_worker(
     options: WorkerOptions, make_servicers: ServicerFactory, delivery: Listener | None = None
-) -> None:
+) -> int:
+    """Serve until SIGTERM / SIGINT (exit code 0) or until the engine is lost (1: a
+    tensor-parallel rank died; the worker goes down whole, its lease revoked first)."""
     worker_id = options.worker_id or f"{options.role}-{uuid.uuid4().hex[:8]}"
     structlog.contextvars.bind_contextvars(service=options.role, worker_id=worker_id)
     draft_address = await _draft_address(options)
@@ -111,6 +117,7 @@ async def serve_worker(
                 draft_model=options.draft_model or None,
                 draft_address=draft_address,
                 max_num_seqs=options.max_num_seqs,
+                tensor_parallel_size=options.tensor_parallel_size,
             )
         )
     )
@@ -125,7 +132,8 @@ async def serve_worker(
     async_engine = AsyncEngine(engine, lead_cpu_setup())  # a lead CPU, where set
     async_engine.start()
     transfer = KvTransferEngine(TransferConfig(protocol=options.protocol))
-    transfer.register(engine.kv_cache.pool.data_ptr(), engine.kv_cache.nbytes)
+    region = engine.kv_pages.region  # every rank's pages (tensor parallelism: shared memory)
+    transfer.register(region.data_ptr(), region.numel())
     transfer.register(engine.kv_cache.tags.data_ptr(), engine.kv_cache.tags.numel() * 4)
     store = None
     if options.use_kvstore:
@@ -157,16 +165,20 @@ async def serve_worker(
         extra={
             **_precision(engine.config),
             "architecture": engine.model_config.architecture,
-            "kv_spec": engine.kv_cache.spec.layout_key,
+            "kv_spec": engine.kv_pages.spec.layout_key,
+            "tensor_parallel": str(engine.config.tensor_parallel_size),
+            "rank_pids": ",".join(map(str, engine.rank_pids)),
+            "ranks": _ranks(engine),
         },  # fmt: skip
     )
+    lost = False
     try:
         async with Registry(options.etcd, options.cluster) as registry:
             registration = await registry.register(info, ttl=options.ttl)
             log.info("worker.ready", grpc=info.grpc_address, metrics=info.metrics_address)
             event_loop.freeze_heap()
-            await wait_for_signal()
-            await registration.close()
+            lost = await _until_stopped_or_lost(async_engine)
+            await registration.close()  # the lease revoked: routers drop this worker now
     finally:
         await health.shutdown()  # NOT_SERVING while draining
         if store_task is not None:
@@ -175,7 +187,30 @@ async def serve_worker(
         if delivery is not None:
             delivery.close()
         async_engine.stop()
+        engine.close()  # a tensor-parallel engine's other ranks
         transfer.close()
+    return 1 if lost else 0
+
+
+async def _until_stopped_or_lost(engine: AsyncEngine) -> bool:
+    """Wait for a stop signal or for the engine to be lost; True if lost. A lost engine's
+    requests in flight have failed (the pass that found it failed them, or the next one)."""
+    signal = asyncio.create_task(wait_for_signal())
+    lost = asyncio.create_task(engine.lost())
+    done, pending = await asyncio.wait((signal, lost), return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    if lost in done:
+        log.error("worker.engine_lost", reason="a tensor-parallel rank of this worker is gone")
+        return True
+    return False
+
+
+def _ranks(engine: Engine) -> str:
+    """Each rank's process, device and resident memory after load (`kvmesh status`), JSON."""
+    pids = [os.getpid(), *engine.rank_pids]
+    return json.dumps([{"rank": r, "pid": pid, "device": "cpu", **process_memory_mib(pid)}
+                       for r, pid in enumerate(pids)])  # fmt: skip
 
 
 def _spec_metrics(role: str):

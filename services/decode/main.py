@@ -12,11 +12,9 @@ from services.decode.worker import DecodeWorker
 
 
 def servicers(parts: WorkerParts, deliveries: Deliveries) -> list:
-    pool = parts.engine.kv_cache.pool
     worker = DecodeWorker(
         parts.engine,
         parts.transfer.session,
-        pool.data_ptr(),
         parts.kv_dtype,
         parts.options.local_prefill_tokens,
     )
@@ -25,8 +23,8 @@ def servicers(parts: WorkerParts, deliveries: Deliveries) -> list:
     return [add_to(DecodeServicer(worker, parts.worker_id, deliveries))]
 
 
-async def serve_decode(options: WorkerOptions) -> None:
+async def serve_decode(options: WorkerOptions) -> int:
     apply_worker_cpus()  # KVMESH_CPUS / --cpus, before the engine sizes its torch pool
     deliveries = Deliveries()  # served on the delivery socket and as Decode.Deliver
     make = functools.partial(servicers, deliveries=deliveries)
-    await serve_worker(options, make, DeliverySocket(deliveries))
+    return await serve_worker(options, make, DeliverySocket(deliveries))

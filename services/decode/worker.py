@@ -52,13 +52,11 @@ class DecodeWorker:
         self,
         engine: AsyncEngine,
         te_session: str,
-        pool_address: int,
         kv_dtype: str,
         local_prefill_tokens: int = 0,
     ) -> None:
         self.engine = engine
         self.te_session = te_session
-        self.pool_address = pool_address
         self.kv_dtype = kv_dtype
         self.local_prefill_tokens = local_prefill_tokens  # prompts this short are prefilled here
         self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
@@ -179,11 +177,11 @@ class DecodeWorker:
     def _prefill_request(
         self, job: DecodeJob, reservation: Reservation
     ) -> prefill_pb2.PrefillRequest:
-        cache = self.engine.kv_cache
-        spec = cache.spec
+        cache, pages = self.engine.kv_cache, self.engine.kv_pages
+        spec = pages.spec  # the whole page's (a sharded pool: each rank holds some heads)
         destination = prefill_pb2.KvDestination(
             te_session=self.te_session,
-            pool_address=self.pool_address,
+            pool_address=pages.layout.shards[0].address,
             page_bytes=spec.page_bytes,
             page_ids=reservation.page_ids,
             skip_pages=reservation.cached_pages,
@@ -191,6 +189,7 @@ class DecodeWorker:
             kv_dtype=self.kv_dtype,
             tags_address=cache.tag_address(0),
             page_tags=reservation.page_tags,
+            shards=convert.shards_to_pb(pages.layout) if pages.sharded else (),
         )
         return prefill_pb2.PrefillRequest(
             request_id=job.request_id,

@@ -13,6 +13,6 @@ def servicers(parts: WorkerParts) -> list:
     return [add_to(PrefillServicer(worker, parts.worker_id))]
 
 
-async def serve_prefill(options: WorkerOptions) -> None:
+async def serve_prefill(options: WorkerOptions) -> int:
     apply_worker_cpus()  # KVMESH_CPUS / --cpus, before the engine sizes its torch pool
-    await serve_worker(options, servicers)
+    return await serve_worker(options, servicers)

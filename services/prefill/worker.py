@@ -13,10 +13,12 @@ import torch
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import TokenOutput
 from kvmesh.engine.integrity import as_int32
+from kvmesh.engine.kv.pool_layout import copy_ranges
 from kvmesh.engine.page_io import ImportPlan
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError, RequestAbortedError
 from kvmesh.mesh import metrics
+from kvmesh.mesh.convert import destination_side
 from kvmesh.mesh.store_link import StoreLink
 from kvmesh.mesh.transfer import KvTransferEngine, TransferError
 from kvmesh.proto.v1 import prefill_pb2
@@ -39,7 +41,8 @@ class PrefillWorker:
         self.transfer = transfer
         self.kv_dtype = kv_dtype
         self.store = store
-        self.spec = engine.kv_cache.spec
+        self.pages = engine.kv_pages  # every rank's shard of a page (tensor parallelism)
+        self.spec = self.pages.spec  # the whole page's
         self._offers: set[asyncio.Task] = set()
         self.page_io = engine.page_io
         # Source of the tag writes: one registered int32 per page a prompt can have.
@@ -84,8 +87,7 @@ class PrefillWorker:
         plan = await self.engine.call(self.page_io.plan_import, request_id, prompt, cache_salt)
         if plan is None:
             return 0, 0
-        cache = self.engine.kv_cache
-        local = [cache.page_address(p) for p in plan.page_ids]
+        local = plan.page_ids
         from_decode = min(max(dest.skip_pages - plan.start_page, 0), len(local))
         decoded = stored = 0
         try:
@@ -108,13 +110,13 @@ class PrefillWorker:
 
     async def _read_from_decode(self, plan: ImportPlan, local: list[int],
                                 dest: prefill_pb2.KvDestination) -> int:  # fmt: skip
+        """Read the decode worker's pages into local pages (ids), each layout as it is."""
         if not local:
             return 0
-        remote = [dest.pool_address + dest.page_ids[plan.start_page + i] * dest.page_bytes
-                  for i in range(len(local))]  # fmt: skip
+        held = list(dest.page_ids[plan.start_page : plan.start_page + len(local)])
+        ranges = copy_ranges(destination_side(dest, held), self.pages.side(local))
         try:
-            await asyncio.to_thread(self.transfer.read_pages, dest.te_session, remote, local,
-                                    self.spec.page_bytes)  # fmt: skip
+            await asyncio.to_thread(self.transfer.read_pages, dest.te_session, *ranges)
         except TransferError as exc:
             log.warning("prefill.read_from_decode_failed", error=str(exc))
             return 0
@@ -150,10 +152,8 @@ class PrefillWorker:
         tags = list(dest.page_tags)[dest.skip_pages : dest.skip_pages + len(dst_pages)]
         if self.faults is not None:  # tests only: lose part of the transfer, tags included
             src_pages, dst_pages, tags = self.faults.drop_transfer_pages(src_pages, dst_pages, tags)
-        cache = self.engine.kv_cache
-        src = [cache.page_address(p) for p in src_pages]
-        dst = [dest.pool_address + p * dest.page_bytes for p in dst_pages]
-        written = self.transfer.write_pages(dest.te_session, src, dst, self.spec.page_bytes)
+        ranges = copy_ranges(self.pages.side(src_pages), destination_side(dest, dst_pages))
+        written = self.transfer.write_pages(dest.te_session, *ranges)
         if dest.tags_address and tags:
             with self._tag_lock:
                 self._tag_staging[: len(tags)] = as_int32(tags)
@@ -176,6 +176,12 @@ class PrefillWorker:
             raise InvalidRequestError(
                 f"KV dtype mismatch: decode {dest.kv_dtype}, prefill {self.kv_dtype}"
             )
+        if any(not 0 <= s.first_byte < s.first_byte + s.bytes <= dest.page_bytes
+               for s in dest.shards) or (dest.shards and not _covers(dest)):  # fmt: skip
+            raise InvalidRequestError(
+                f"destination shards {[(s.first_byte, s.bytes) for s in dest.shards]} do not "
+                f"split a page of {dest.page_bytes} bytes"
+            )
         if dest.page_tags and len(dest.page_tags) != len(dest.page_ids):
             raise InvalidRequestError(
                 f"destination has {len(dest.page_ids)} pages but {len(dest.page_tags)} tags"
@@ -184,3 +190,14 @@ class PrefillWorker:
             raise InvalidRequestError(
                 f"destination has {len(dest.page_ids)} pages, the prompt needs {num_pages}"
             )
+
+
+def _covers(dest: prefill_pb2.KvDestination) -> bool:
+    """Whether the destination's shards hold every byte of a page."""
+    held = sorted((s.first_byte, s.first_byte + s.bytes) for s in dest.shards)
+    reach = 0
+    for start, stop in held:
+        if start > reach:
+            return False
+        reach = max(reach, stop)
+    return reach == dest.page_bytes

@@ -18,11 +18,12 @@ def chat_text(client: openai.OpenAI, stream: bool, **kwargs) -> str:
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
-def ask_or_error(client: openai.OpenAI, messages, stream: bool, model: str,
-                 max_tokens: int) -> tuple[str, str | None]:  # fmt: skip
+def ask_or_error(client: openai.OpenAI, messages, stream: bool, model: str, max_tokens: int,
+                 headers: dict[str, str] | None = None) -> tuple[str, str | None]:  # fmt: skip
     """(text received, error code or None): greedy, streamed or not."""
     text = ""
-    kwargs = dict(model=model, messages=messages, max_tokens=max_tokens, temperature=0.0)
+    kwargs = dict(model=model, messages=messages, max_tokens=max_tokens, temperature=0.0,
+                  extra_headers=headers)  # fmt: skip
     try:
         if not stream:
             return client.chat.completions.create(**kwargs).choices[0].message.content, None

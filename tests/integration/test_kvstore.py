@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("mooncake.engine")
 
+from kvmesh.engine.kv.pool_layout import PoolLayout, PoolShard  # noqa: E402
 from kvmesh.mesh.discovery import Registry  # noqa: E402
 from kvmesh.mesh.etcd_server import EtcdServer  # noqa: E402
 from kvmesh.mesh.grpc_server import start_server  # noqa: E402
@@ -236,3 +237,29 @@ def test_serve_kvstore_registers_in_etcd(tmp_path: Path) -> None:
 
 class _NoTransfer:
     """Stands in for a transfer engine where a test only calls GetStats."""
+
+
+def test_pages_of_sharded_pools_are_stored_whole_and_fetched_into_another_split(te: Engines):
+    """A tensor-parallel worker's page is split by heads over its ranks' pools: the store gets
+    (and digests) the whole page, and a worker of another split gets its heads back."""
+    base, quarter = te.pool.data_ptr(), PAGE // 4  # pages of 4 heads of 1024 bytes
+    one_three = PoolLayout((PoolShard(base, 0, 1), PoolShard(base + 4 * PAGE, 1, 3)), quarter, 4)
+    two_two = PoolLayout((PoolShard(base + 16 * PAGE, 0, 2), PoolShard(base + 24 * PAGE, 2, 2)),
+                         quarter, 4)  # fmt: skip
+    whole = te.pool.view(-1)
+
+    def page(side, i: int) -> bytes:
+        return b"".join(whole[a - base : a - base + n].numpy().tobytes() for a, n in side.pieces(i))
+
+    async def scenario() -> None:
+        async with serving(te) as (store, client):
+            src = one_three.side(range(4))
+            assert await client.offer(HASHES[:4], src, PAGE, LAYOUT) == 4
+            dst = two_two.side([3, 2, 1, 0])
+            assert await client.fetch(HASHES[:4], dst, PAGE, LAYOUT) == 4
+            assert [page(dst, i) for i in range(4)] == [page(src, i) for i in range(4)]
+            slot = store.pages.ram.get(HASHES[1]).slot
+            store.pages.ram.pool[slot, 3 * quarter + 5] ^= 0xFF  # in the second shard's heads
+            assert await client.fetch(HASHES[:4], dst, PAGE, LAYOUT) == 1
+
+    run(scenario())

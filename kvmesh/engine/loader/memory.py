@@ -31,9 +31,21 @@ def current_rss_bytes() -> int | None:
     return _status_bytes("VmRSS:")
 
 
-def _status_bytes(field: str) -> int | None:
+def process_memory_mib(pid: int | str = "self") -> dict[str, float]:
+    """A process's resident memory by kind, MiB: private (RssAnon), shared memory it maps
+    (RssShmem: a tensor-parallel worker's KV pages) and mapped files (RssFile: checkpoint
+    pages). Empty where /proc is not there or the process is gone."""
+    out = {}
+    for kind in ("RssAnon", "RssShmem", "RssFile"):
+        value = _status_bytes(f"{kind}:", pid)
+        if value is not None:
+            out[kind.lower()] = round(value / 2**20, 1)
+    return out
+
+
+def _status_bytes(field: str, pid: int | str = "self") -> int | None:
     try:
-        text = Path("/proc/self/status").read_text()
+        text = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
     for line in text.splitlines():

@@ -17,6 +17,7 @@ from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.loader import load_weights
 from kvmesh.engine.parallel import group
 from kvmesh.engine.parallel.shard import TensorShard
+from kvmesh.engine.parallel.shared_pages import pool_of, receive_region
 from kvmesh.engine.parallel.shm_reduce import ShmAllReduce
 from kvmesh.engine.runner import ModelRunner
 
@@ -55,8 +56,9 @@ def main(fd: int) -> int:
     group.all_reduced_layers(loaded.model, shard.vocab(loaded.config), ranks, shm)
     spec = loaded.model.kv_spec(config.page_size, config.resolved_kv_dtype)
     try:
-        _, num_pages = conn.recv()
-        kv = PagedKVCache(spec, num_pages, TORCH_DTYPES[config.compute_dtype])
+        _, num_pages, nbytes, offset = conn.recv()
+        pool = pool_of(receive_region(conn, nbytes), offset, spec, num_pages)
+        kv = PagedKVCache(spec, num_pages, TORCH_DTYPES[config.compute_dtype], pool=pool)
         runner = FollowerRunner(loaded.model, kv, get_backend(config.attention_backend,
                                                               spec.layers[0].kind))  # fmt: skip
         while True:

@@ -19,10 +19,15 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
+
 from kvmesh.engine.config import EngineConfig, ModelConfig
 from kvmesh.engine.kv.layout import KVCacheSpec, spec_for_model
+from kvmesh.engine.kv_cache import PagedKVCache
+from kvmesh.engine.kv_pages import KvPages
 from kvmesh.engine.parallel import group
 from kvmesh.engine.parallel.shard import TensorShard
+from kvmesh.engine.parallel.shared_pages import new_region, pool_of, pool_offsets, send_region
 from kvmesh.engine.parallel.shm_reduce import ShmAllReduce
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.errors import EngineFailure
@@ -57,6 +62,10 @@ class Ranks:
             raise
         atexit.register(self.close)
 
+    def alive(self) -> bool:
+        """Every rank runs and none was stopped (a failed pass stops them all)."""
+        return self.shm is not None and self._all_running()
+
     def _all_running(self) -> bool:
         return all(proc.poll() is None for proc in self._procs)
 
@@ -67,12 +76,46 @@ class Ranks:
     def send(self, message: tuple[Any, ...]) -> None:
         if self.shm is None:
             raise EngineFailure("this engine's tensor-parallel ranks are stopped")
-        for rank, conn in enumerate(self._conns, start=1):
-            try:
-                conn.send(message)
-            except OSError as exc:  # the ranks before it got the pass: none may run it alone
-                self.close()
-                raise EngineFailure(f"tensor-parallel rank {rank} is gone: {exc}") from exc
+        for rank in range(1, self.world):
+            self._send_to(rank, message)
+
+    def share_pages(self, specs: list[KVCacheSpec], num_pages: int) -> tuple[torch.Tensor, list]:
+        """Every rank's page pool (specs[r]: its heads) in one block of shared memory, which
+        each rank maps: the block and each rank's pool in it (shared_pages.py)."""
+        offsets, nbytes = pool_offsets(specs, num_pages)
+        fd, region = new_region(nbytes)
+        try:
+            for rank in range(1, self.world):  # each its own offset: one message per rank
+                self._send_to(rank, ("pages", num_pages, nbytes, offsets[rank]), fd)
+        finally:
+            os.close(fd)
+        pools = [pool_of(region, o, s, num_pages) for o, s in zip(offsets, specs, strict=True)]
+        return region, pools
+
+    def kv_pool(self, model: ModelConfig, config: EngineConfig,
+                dtype: torch.dtype) -> tuple[PagedKVCache, KvPages]:  # fmt: skip
+        """Rank 0's page pool, and every rank's as one KvPages; the page count fits every
+        rank's share of the budget (each its KV heads)."""
+        shards = [TensorShard(r, self.world) for r in range(self.world)]
+        kv_dtype = config.resolved_kv_dtype
+        specs = [spec_for_model(s.local_config(model), config.page_size, kv_dtype) for s in shards]
+        num_pages = config.num_pages or min(s.pages_for_budget(config.kv_cache_bytes)
+                                            for s in specs)  # fmt: skip
+        region, pools = self.share_pages(specs, num_pages)
+        cache = PagedKVCache(specs[0], num_pages, dtype, pool=pools[0])
+        whole = spec_for_model(model, config.page_size, kv_dtype)
+        heads = [s.kv_heads(model) for s in shards]
+        return cache, KvPages(whole, pools, heads, region)
+
+    def _send_to(self, rank: int, message: tuple[Any, ...], fd: int | None = None) -> None:
+        """To one rank (with the descriptor `fd`, where given)."""
+        try:
+            self._conns[rank - 1].send(message)
+            if fd is not None:
+                send_region(self._conns[rank - 1], fd)
+        except OSError as exc:  # the ranks before it got the pass: none may run it alone
+            self.close()
+            raise EngineFailure(f"tensor-parallel rank {rank} is gone: {exc}") from exc
 
     def close(self) -> None:
         """Stop the ranks (their sockets closed first: each exits on its own)."""
@@ -87,10 +130,19 @@ class Ranks:
         atexit.unregister(self.close)
 
 
-def rank_specs(model: ModelConfig, config: EngineConfig, world: int) -> list[KVCacheSpec]:
-    """Each rank's KV page spec (its KV heads): the pool's page count must fit every rank."""
-    return [spec_for_model(TensorShard(r, world).local_config(model), config.page_size,
-                           config.resolved_kv_dtype) for r in range(world)]  # fmt: skip
+def start_ranks(config: EngineConfig, loaded: Any, threads: int) -> Ranks:
+    """The other ranks of a tensor-parallel engine whose rank 0 (this process) has `loaded`
+    its shard, joined to rank 0's layers."""
+    shard = TensorShard(0, config.tensor_parallel_size)
+    capacity = group.reduce_capacity(loaded.config, config.max_num_batched_tokens,
+                                     config.max_num_seqs)  # fmt: skip
+    ranks = Ranks(config, shard.world, threads, capacity)
+    try:
+        group.all_reduced_layers(loaded.model, shard.vocab(loaded.config), ranks.group, ranks.shm)
+    except BaseException:
+        ranks.close()  # (later failures: the ranks stop at exit, as registered)
+        raise
+    return ranks
 
 
 class LeaderRunner(ModelRunner):

@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvDestination(_message.Message):
-    __slots__ = ("te_session", "pool_address", "page_bytes", "page_ids", "skip_pages", "page_size", "kv_dtype", "tags_address", "page_tags")
+    __slots__ = ("te_session", "pool_address", "page_bytes", "page_ids", "skip_pages", "page_size", "kv_dtype", "tags_address", "page_tags", "shards")
     TE_SESSION_FIELD_NUMBER: _ClassVar[int]
     POOL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class KvDestination(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     TAGS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PAGE_TAGS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     te_session: str
     pool_address: int
     page_bytes: int
@@ -29,7 +30,18 @@ class KvDestination(_message.Message):
     kv_dtype: str
     tags_address: int
     page_tags: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, te_session: _Optional[str] = ..., pool_address: _Optional[int] = ..., page_bytes: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., skip_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., tags_address: _Optional[int] = ..., page_tags: _Optional[_Iterable[int]] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[KvShard]
+    def __init__(self, te_session: _Optional[str] = ..., pool_address: _Optional[int] = ..., page_bytes: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., skip_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., tags_address: _Optional[int] = ..., page_tags: _Optional[_Iterable[int]] = ..., shards: _Optional[_Iterable[_Union[KvShard, _Mapping]]] = ...) -> None: ...
+
+class KvShard(_message.Message):
+    __slots__ = ("address", "first_byte", "bytes")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BYTE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    address: int
+    first_byte: int
+    bytes: int
+    def __init__(self, address: _Optional[int] = ..., first_byte: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "cache_salt")

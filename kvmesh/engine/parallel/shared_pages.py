@@ -1,0 +1,60 @@
+"""Every tensor-parallel rank's KV page pool in one block of anonymous shared memory (a memfd):
+rank 0 makes it and hands its descriptor to the other ranks over their sockets, each rank uses
+its own part as its pool, and rank 0 sees every part, so its transfer engine moves any rank's
+pages (kv_pages.py). Nothing is named in /dev/shm: the memory goes with the last process that
+maps it, however the ranks end."""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+from collections.abc import Sequence
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
+
+import torch
+
+from kvmesh.engine.kv.layout import KVCacheSpec
+
+_ALIGN = 4096  # each rank's pool starts on a memory page
+
+
+def pool_offsets(specs: Sequence[KVCacheSpec], num_pages: int) -> tuple[list[int], int]:
+    """Where each rank's pool starts in the block, and the block's size."""
+    sizes = [-(-(num_pages + 2) * s.page_bytes // _ALIGN) * _ALIGN for s in specs]
+    return list(itertools.accumulate([0, *sizes[:-1]])), sum(sizes)
+
+
+def new_region(nbytes: int) -> tuple[int, torch.Tensor]:
+    """A zeroed block of `nbytes` (committed now, not at first touch) and its descriptor."""
+    fd = os.memfd_create("kvmesh-kv-pages", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
+        return fd, map_region(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def map_region(fd: int, nbytes: int) -> torch.Tensor:
+    """The block behind `fd` as a uint8 tensor (the mapping lives as long as the tensor)."""
+    return torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
+
+
+def pool_of(region: torch.Tensor, offset: int, spec: KVCacheSpec, num_pages: int) -> torch.Tensor:
+    rows = num_pages + 2
+    return region[offset : offset + rows * spec.page_bytes].view(rows, spec.page_bytes)
+
+
+def send_region(conn: Connection, fd: int) -> None:
+    reduction.send_handle(conn, fd, 0)  # (the pid is unused on POSIX)
+
+
+def receive_region(conn: Connection, nbytes: int) -> torch.Tensor:
+    fd = reduction.recv_handle(conn)
+    try:
+        return map_region(fd, nbytes)
+    finally:
+        os.close(fd)

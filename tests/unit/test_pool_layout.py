@@ -1,0 +1,118 @@
+"""Copies between page pools split differently over tensor-parallel ranks (kv/pool_layout.py):
+every byte of every page lands where the destination layout keeps it."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvmesh.engine.kv.layout import KVCacheSpec
+from kvmesh.engine.kv.pool_layout import PageSide, PoolLayout, PoolShard, copy_ranges
+from kvmesh.engine.kv_pages import KvPages
+
+HEAD = 8  # bytes of one head block
+HEADS = 6
+
+
+class Memory:
+    """One flat byte space: an address is an offset into it."""
+
+    def __init__(self) -> None:
+        self.bytes = np.zeros(1 << 16, np.uint8)
+        self.top = 64
+
+    def pool(self, splits: list[range], pages: int) -> PoolLayout:
+        shards = []
+        for heads in splits:
+            shards.append(PoolShard(self.top, heads.start, len(heads)))
+            self.top += pages * len(heads) * HEAD + 32  # a gap: nothing runs into a neighbour
+        return PoolLayout(tuple(shards), HEAD, HEADS)
+
+    def copy(self, src: list[int], dst: list[int], lengths: list[int]) -> None:
+        for s, d, n in zip(src, dst, lengths, strict=True):
+            self.bytes[d : d + n] = self.bytes[s : s + n]
+
+    def page(self, side: PageSide, index: int) -> bytes:
+        return b"".join(self.bytes[a : a + n].tobytes() for a, n in side.pieces(index))
+
+    def fill(self, side: PageSide, pages: list[bytes]) -> None:
+        """Write whole logical pages into every shard holding each byte."""
+        for i, page in enumerate(pages):
+            for span, starts in zip(side.spans, side.starts, strict=True):
+                self.bytes[starts[i] : starts[i] + len(span)] = np.frombuffer(
+                    page[span.start : span.stop], np.uint8
+                )
+
+
+def _pages(count: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, HEADS * HEAD, np.uint8).tobytes() for _ in range(count)]
+
+
+SPLITS = {
+    "tp1": [range(0, 6)],
+    "tp2": [range(0, 3), range(3, 6)],
+    "tp4_uneven": [range(0, 1), range(1, 3), range(3, 4), range(4, 6)],
+    "replicated": [range(0, 6), range(0, 6)],  # MLA's latent on two ranks
+    "halves_replicated": [range(0, 3), range(0, 3), range(3, 6), range(3, 6)],
+}
+
+
+@pytest.mark.parametrize("src_name", sorted(SPLITS))
+@pytest.mark.parametrize("dst_name", sorted(SPLITS))
+def test_copy_between_any_two_layouts(src_name: str, dst_name: str) -> None:
+    memory = Memory()
+    src_pool, dst_pool = memory.pool(SPLITS[src_name], 8), memory.pool(SPLITS[dst_name], 8)
+    src, dst = src_pool.side([5, 1, 2]), dst_pool.side([0, 7, 3])
+    pages = _pages(3, 1)
+    memory.fill(src, pages)
+    out = copy_ranges(src, dst)
+    memory.copy(*out)
+    for i, page in enumerate(pages):
+        for span, starts in zip(dst.spans, dst.starts, strict=True):  # every replica too
+            got = memory.bytes[starts[i] : starts[i] + len(span)].tobytes()
+            assert got == page[span.start : span.stop]
+    if src_name != "replicated" and "replicated" not in dst_name:  # one range per overlap
+        per_page = len(out[0]) // 3
+        assert per_page <= len(src.spans) + len(dst.spans) - 1
+
+
+def test_replicas_are_read_in_turn() -> None:
+    memory = Memory()
+    src = memory.pool(SPLITS["replicated"], 4).side([0])
+    dst = memory.pool(SPLITS["replicated"], 4).side([0])
+    sources, _, _ = copy_ranges(src, dst)
+    assert sources == [src.starts[0][0], src.starts[1][0]]  # destination rank r from replica r
+
+
+def test_whole_pages_and_a_sharded_pool() -> None:
+    memory = Memory()
+    sharded = memory.pool(SPLITS["tp2"], 4).side([2, 3])
+    store = PageSide.whole([30000, 30000 + HEADS * HEAD], HEADS * HEAD)
+    pages = _pages(2, 2)
+    memory.fill(store, pages)
+    memory.copy(*copy_ranges(store, sharded))
+    assert [memory.page(sharded, i) for i in range(2)] == pages
+    assert len(sharded.pieces(0)) == 2 and sharded.page_bytes == HEADS * HEAD
+
+
+def test_mismatches_are_refused() -> None:
+    memory = Memory()
+    pool = memory.pool(SPLITS["tp2"], 4)
+    with pytest.raises(ValueError, match="2 source pages but 1"):
+        copy_ranges(pool.side([0, 1]), pool.side([0]))
+    with pytest.raises(ValueError, match="in no shard"):
+        copy_ranges(PageSide.whole([0], 3 * HEAD), pool.side([0]))
+    with pytest.raises(ValueError, match="do not hold all"):
+        PoolLayout((PoolShard(0, 0, 2), PoolShard(100, 3, 3)), HEAD, HEADS)
+
+
+def test_kv_pages_gathers_whole_pages_from_shards() -> None:
+    spec = KVCacheSpec.gqa(2, HEADS, 4, 2, "fp32")
+    whole = torch.randint(0, 255, (6, spec.page_bytes), dtype=torch.uint8)
+    hb = spec.head_block_bytes
+    pools = [whole[:, : 2 * hb].clone(), whole[:, 2 * hb :].clone()]
+    pages = KvPages(spec, pools, [range(0, 2), range(2, 6)], pools[0])
+    assert pages.sharded
+    assert torch.equal(pages.gather([4, 1]), whole[[4, 1]])
+    one = KvPages(spec, [whole], [range(HEADS)], whole)
+    assert torch.equal(one.gather([3]), whole[[3]])
