@@ -63,7 +63,7 @@ _WORKER_FLAGS = ("dtype", "weights", "int4_group_size", "int4_embeddings", "kv_d
                  "kv_cache_bytes", "kv_integrity", "max_num_seqs", "protocol",
                  "local_prefill_tokens", "speculative", "num_speculative_tokens",
                  "speculative_policy", "decode_step", "draft", "draft_model",
-                 "tensor_parallel_size")  # fmt: skip
+                 "tensor_parallel_size", "enable_expert_parallel")  # fmt: skip
 _ON_OFF = ("kv_integrity", "int4_embeddings")  # on|off flags, booleans in WorkerOptions
 
 
@@ -77,7 +77,11 @@ def _worker_passthrough(args: argparse.Namespace) -> list[str]:
     flags: list[str] = []
     for name in _WORKER_FLAGS:
         flag = "--kv-cache-memory" if name == "kv_cache_bytes" else f"--{name.replace('_', '-')}"
-        flags += [flag, str(getattr(args, name))]
+        value = getattr(args, name)
+        if isinstance(value, bool):  # a switch (store_true)
+            flags += [flag] if value else []
+        else:
+            flags += [flag, str(value)]
     return flags
 
 
@@ -232,6 +236,7 @@ def _generate(args: argparse.Namespace) -> int:
         decode_step=args.decode_step,
         draft_model=args.draft_model or None,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]

@@ -116,6 +116,9 @@ def _tp_arg(p: argparse.ArgumentParser, text: str = "") -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="rank processes the model's layers are split over (their sums through "
                    f"shared memory on one host){text}")  # fmt: skip
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE: each rank holds whole experts (a share of them) instead of a "
+                   "slice of every expert")  # fmt: skip
 
 
 def _worker_args(p: argparse.ArgumentParser, local_prefill: int | None = 0) -> None:

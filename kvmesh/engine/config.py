@@ -73,6 +73,13 @@ class MoeConfig:
     num_groups: int = 1
     topk_group: int = 1
     correction_bias: bool = False  # e_score_correction_bias steers the choice only
+    expert_shard: tuple[int, int] = (0, 1)  # (rank, ranks): experts held under expert parallelism
+
+    @property
+    def held_experts(self) -> range:
+        """The routed experts this process holds (all but under expert parallelism)."""
+        rank, ranks = self.expert_shard
+        return range(self.num_experts * rank // ranks, self.num_experts * (rank + 1) // ranks)
 
     def __post_init__(self) -> None:
         if self.scoring not in ROUTER_SCORING:
@@ -205,6 +212,7 @@ class EngineConfig:
     draft_model: str | None = None  # EAGLE head (safetensors); None: the shipped default
     draft_address: str = ""  # EAGLE on a draft service (host:port) instead of in-process
     tensor_parallel_size: int = 1  # rank processes one model's layers are split over (parallel/)
+    enable_expert_parallel: bool = False  # MoE: experts partitioned over those ranks, not split
 
     @property
     def compute_dtype(self) -> str:
@@ -248,6 +256,8 @@ class EngineConfig:
             )
         if not 1 <= self.tensor_parallel_size <= 8:
             raise InvalidRequestError("tensor_parallel_size must be in 1..8")
+        if self.enable_expert_parallel and self.tensor_parallel_size < 2:
+            raise InvalidRequestError("expert parallelism needs tensor_parallel_size >= 2")
         if self.tensor_parallel_size > 1 and self.speculative != "none":
             raise InvalidRequestError(
                 "speculative decoding with tensor parallelism is not supported yet"

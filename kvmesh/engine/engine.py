@@ -59,7 +59,7 @@ class Engine(HandOver):
         torch.manual_seed(config.seed)
         self.config = config
         # load_weights by name: a bench may substitute it (kv.py converts once per run)
-        shard = TensorShard(0, tp) if tp > 1 else None
+        shard = TensorShard.of(config, 0) if tp > 1 else None
         loaded = load_engine_model(config, load_weights, shard)
         # the other ranks load after rank 0 (a converted model is then in the cache for them)
         self.ranks = start_ranks(config, loaded, serve_threads) if tp > 1 else None

@@ -14,7 +14,8 @@ from kvmesh.engine.config import EngineConfig, ModelConfig
 from kvmesh.engine.loader import ModelSource, load_hf_tokenizer, load_model, resolve_model
 from kvmesh.engine.loader.memory import current_rss_bytes, peak_rss_bytes
 from kvmesh.engine.models import CausalLM, build_model
-from kvmesh.engine.parallel.shard import ShardedState, TensorShard
+from kvmesh.engine.parallel.shard import TensorShard
+from kvmesh.engine.parallel.sharded_state import ShardedState
 from kvmesh.engine.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)

@@ -52,6 +52,7 @@ class WorkerOptions:
     kv_integrity: bool = True
     max_num_seqs: int = 64
     tensor_parallel_size: int = 1  # rank processes the engine's model is split over
+    enable_expert_parallel: bool = False
     protocol: str = "tcp"
     ttl: int = 5
     local_prefill_tokens: int = 0
@@ -118,6 +119,7 @@ async def serve_worker(
                 draft_address=draft_address,
                 max_num_seqs=options.max_num_seqs,
                 tensor_parallel_size=options.tensor_parallel_size,
+                enable_expert_parallel=options.enable_expert_parallel,
             )
         )
     )

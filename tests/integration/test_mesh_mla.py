@@ -1,7 +1,8 @@
 """The mesh on an MLA + MoE model (tiny DeepSeek-V3 in Kimi K2's shape, `kvmesh make-tiny-model`):
 etcd, gateway, 1 prefill + 1 decode + the KV store as real processes, FP8 latent pages moved by
 the transfer engine (gRPC carries only metadata), every 4th transfer losing its last page.
-Through the openai client, streamed and not, each answer is exactly the single-process FP8
+Also with a prefill worker of two ranks (experts partitioned) feeding a decode worker of one, and
+the reverse. Through the openai client, streamed and not, each answer is exactly the single-process FP8
 engine's or a `kv_integrity` error; a repeated prompt is served from the prefix cache; every
 injected fault is detected; etcd advertises the
 architecture and the KV spec, and the store holds pages of that spec."""
@@ -29,10 +30,21 @@ def model(tmp_path_factory) -> str:
     return str(make_tiny_model(TinySpec("deepseek_v3"), tmp_path_factory.mktemp("m") / "kimi").path)
 
 
-@pytest.fixture(scope="module")
-def mesh(model):
+# tensor-parallel layouts per role: MLA's latent pages are replicated on every rank, so pages
+# cross between layouts from one replica each; the MoE layers split inside each expert or, with
+# expert parallelism, hold whole experts per rank
+LAYOUTS = {
+    "one-rank-each": {},
+    "prefill-tp2-ep/decode-tp1": {"prefill": ("--tensor-parallel-size", "2",
+                                              "--enable-expert-parallel")},
+    "prefill-tp1/decode-tp2": {"decode": ("--tensor-parallel-size", "2")},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def mesh(model, request):
     options = UpOptions(model=model, prefill=1, decode=1, kvstore="builtin",
-                        worker_args=WORKER_ARGS)  # fmt: skip
+                        worker_args=WORKER_ARGS, role_args=LAYOUTS[request.param])  # fmt: skip
     with mesh_with_faults(options, "drop_transfer@4") as running:
         yield running
 

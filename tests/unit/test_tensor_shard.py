@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvmesh.engine.config import ModelConfig
-from kvmesh.engine.parallel.shard import ShardedState, TensorShard
+from kvmesh.engine.parallel.shard import TensorShard
+from kvmesh.engine.parallel.sharded_state import ShardedState
 from kvmesh.engine.quant.int4 import Int4Weight
 from kvmesh.errors import InvalidRequestError, ModelFormatError
 

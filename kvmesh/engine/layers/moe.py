@@ -57,7 +57,8 @@ class Router:
 
 
 class MoE:
-    def __init__(self, router: Router, experts: list[GatedMLP], shared: GatedMLP | None) -> None:
+    def __init__(self, router: Router, experts: list[GatedMLP | None],
+                 shared: GatedMLP | None) -> None:  # fmt: skip
         self.router, self.experts, self.shared = router, experts, shared
 
     @classmethod
@@ -84,27 +85,28 @@ class MoE:
         tokens = order // ids.shape[1]
         begin = 0
         for expert, count in enumerate(counts):
-            if count:
+            mlp = self.experts[expert]  # None: another rank's (expert parallelism)
+            if count and mlp is not None:
                 rows = tokens[begin : begin + count]
-                y = (
-                    self.experts[expert](x[rows]).float()
-                    * weights.flatten()[order[begin : begin + count], None]
-                )
+                y = mlp(x[rows]).float() * weights.flatten()[order[begin : begin + count], None]
                 out.index_add_(0, rows, y)
-                begin += count
+            begin += count
         out = out.to(x.dtype)
         return out if self.shared is None else out + self.shared(x)
 
     @property
     def nbytes(self) -> int:
-        held = self.router.weight.nbytes + sum(e.nbytes for e in self.experts)
+        held = self.router.weight.nbytes + sum(e.nbytes for e in self.experts if e is not None)
         return held + (self.shared.nbytes if self.shared is not None else 0)
 
 
 def _experts(config: MoeConfig, weights: Weights, prefix: str,
-             method: LinearMethod) -> list[GatedMLP]:  # fmt: skip
+             method: LinearMethod) -> list[GatedMLP | None]:  # fmt: skip
+    """Every routed expert's MLP; None for those another rank holds (expert parallelism)."""
+    held = config.held_experts
     if f"{prefix}gate_up_proj" in weights:  # transformers' fused [E, 2I, H] / [E, H, I]
         gate_up, down = weights.raw(f"{prefix}gate_up_proj"), weights.raw(f"{prefix}down_proj")
         return [GatedMLP(method.create([gate_up[e]], None), method.create([down[e]], None))
-                for e in range(config.num_experts)]  # fmt: skip
-    return [GatedMLP.load(weights, f"{prefix}{e}.", method) for e in range(config.num_experts)]
+                if e in held else None for e in range(config.num_experts)]  # fmt: skip
+    return [GatedMLP.load(weights, f"{prefix}{e}.", method) if e in held else None
+            for e in range(config.num_experts)]  # fmt: skip

@@ -40,7 +40,10 @@ class Weights:
             self.taken.extend(
                 f"{base}.{s}" for s in ("weight_packed", "weight_scale", "weight_shape")
             )
-            return read_pack_quantized(self.state, base, self.packed)
+            whole = getattr(self.state, "whole", self.state)  # a rank's view: read whole, then
+            weight = read_pack_quantized(whole, base, self.packed)  # its part (whole groups)
+            sliced = getattr(self.state, "sliced", None)
+            return weight if sliced is None else sliced(f"{base}.weight", weight)
         if name not in self.state:
             raise ModelFormatError(f"weights lack tensor {name!r}")
         self.taken.append(name)

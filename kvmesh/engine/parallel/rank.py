@@ -42,25 +42,37 @@ class FollowerRunner(ModelRunner):
         self.model.logits(hidden)
 
 
+def _build(conn: Connection, config, rank: int, world: int, ranks, shm_name: str,
+           parent: int) -> FollowerRunner:  # fmt: skip
+    """This rank's shard of the model, joined to the group, over its part of the page pool."""
+    shard = TensorShard.of(config, rank)
+    loaded = load_engine_model(config, load_weights, shard)
+    capacity = group.reduce_capacity(loaded.config, config.max_num_batched_tokens,
+                                     config.max_num_seqs)  # fmt: skip
+    shm = ShmAllReduce(world, rank, capacity, shm_name, alive=lambda: os.getppid() == parent)
+    group.all_reduced_layers(loaded.model, shard.vocab(loaded.config), ranks, shm)
+    spec = loaded.model.kv_spec(config.page_size, config.resolved_kv_dtype)
+    _, num_pages, nbytes, offset = conn.recv()
+    pool = pool_of(receive_region(conn, nbytes), offset, spec, num_pages)
+    kv = PagedKVCache(spec, num_pages, TORCH_DTYPES[config.compute_dtype], pool=pool)
+    return FollowerRunner(loaded.model, kv, get_backend(config.attention_backend,
+                                                        spec.layers[0].kind))  # fmt: skip
+
+
 def main(fd: int) -> int:
     conn = Connection(fd)
     parent = os.getppid()  # before anything slow: rank 0 may die meanwhile
     _, config, rank, world, port, shm_name = conn.recv()
     torch.set_num_threads(env.serve_threads())
     ranks = group.join(rank, world, port=port)
-    loaded = load_engine_model(config, load_weights, TensorShard(rank, world))
-    capacity = group.reduce_capacity(loaded.config, config.max_num_batched_tokens,
-                                     config.max_num_seqs)  # fmt: skip
-    shm = ShmAllReduce(world, rank, capacity, shm_name, alive=lambda: os.getppid() == parent)
-    shard = TensorShard(rank, world)
-    group.all_reduced_layers(loaded.model, shard.vocab(loaded.config), ranks, shm)
-    spec = loaded.model.kv_spec(config.page_size, config.resolved_kv_dtype)
     try:
-        _, num_pages, nbytes, offset = conn.recv()
-        pool = pool_of(receive_region(conn, nbytes), offset, spec, num_pages)
-        kv = PagedKVCache(spec, num_pages, TORCH_DTYPES[config.compute_dtype], pool=pool)
-        runner = FollowerRunner(loaded.model, kv, get_backend(config.attention_backend,
-                                                              spec.layers[0].kind))  # fmt: skip
+        runner = _build(conn, config, rank, world, ranks, shm_name, parent)
+    except Exception as exc:  # rank 0 raises it as its own (a bad checkpoint, a split refused)
+        exc.add_note(f"(on tensor-parallel rank {rank})")
+        conn.send(("failed", exc))
+        return 1
+    conn.send(("ready",))
+    try:
         while True:
             _, ops, chunks, every_row = conn.recv()
             runner.follow(ops, chunks, every_row)

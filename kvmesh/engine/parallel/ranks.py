@@ -96,16 +96,36 @@ class Ranks:
                 dtype: torch.dtype) -> tuple[PagedKVCache, KvPages]:  # fmt: skip
         """Rank 0's page pool, and every rank's as one KvPages; the page count fits every
         rank's share of the budget (each its KV heads)."""
-        shards = [TensorShard(r, self.world) for r in range(self.world)]
+        shards = [TensorShard.of(config, r) for r in range(self.world)]
         kv_dtype = config.resolved_kv_dtype
         specs = [spec_for_model(s.local_config(model), config.page_size, kv_dtype) for s in shards]
         num_pages = config.num_pages or min(s.pages_for_budget(config.kv_cache_bytes)
                                             for s in specs)  # fmt: skip
         region, pools = self.share_pages(specs, num_pages)
+        self._await_ready()
         cache = PagedKVCache(specs[0], num_pages, dtype, pool=pools[0])
         whole = spec_for_model(model, config.page_size, kv_dtype)
         heads = [s.kv_heads(model) for s in shards]
         return cache, KvPages(whole, pools, heads, region)
+
+    def _await_ready(self) -> None:
+        """Each rank's word that its shard is built; a rank that failed sends its exception,
+        raised here as rank 0's own (the ranks stopped)."""
+        for rank in range(1, self.world):
+            self._raise_failure(rank)
+
+    def _raise_failure(self, rank: int, cause: BaseException | None = None) -> None:
+        """Wait for rank `rank`'s ("ready",) or ("failed", exc); raise exc if it failed."""
+        try:
+            message = self._conns[rank - 1].recv()
+        except (EOFError, OSError):
+            message = ("gone",)
+        if message[0] == "ready":
+            return
+        self.close()
+        if message[0] == "failed":
+            raise message[1]
+        raise EngineFailure(f"tensor-parallel rank {rank} ended while it loaded") from cause
 
     def _send_to(self, rank: int, message: tuple[Any, ...], fd: int | None = None) -> None:
         """To one rank (with the descriptor `fd`, where given)."""
@@ -114,6 +134,8 @@ class Ranks:
             if fd is not None:
                 send_region(self._conns[rank - 1], fd)
         except OSError as exc:  # the ranks before it got the pass: none may run it alone
+            if message[0] == "pages":  # it failed before it took its pages: say why
+                self._raise_failure(rank, exc)
             self.close()
             raise EngineFailure(f"tensor-parallel rank {rank} is gone: {exc}") from exc
 
@@ -133,7 +155,7 @@ class Ranks:
 def start_ranks(config: EngineConfig, loaded: Any, threads: int) -> Ranks:
     """The other ranks of a tensor-parallel engine whose rank 0 (this process) has `loaded`
     its shard, joined to rank 0's layers."""
-    shard = TensorShard(0, config.tensor_parallel_size)
+    shard = TensorShard.of(config, 0)
     capacity = group.reduce_capacity(loaded.config, config.max_num_batched_tokens,
                                      config.max_num_seqs)  # fmt: skip
     ranks = Ranks(config, shard.world, threads, capacity)

@@ -1,29 +1,28 @@
-"""Tensor-parallel shards of a dense GQA decoder (pure data, no processes).
+"""Tensor-parallel shards of a decoder (pure data, no processes).
 
-Rank r of N holds a contiguous range of the KV heads and the query heads that attend to them
-(so a GQA group never spans two ranks; with 3 KV heads on 2 ranks the split is 1 + 2), and a
-contiguous range of the MLP's intermediate features. Column-parallel: q / k / v and gate / up
-keep their rows of the rank's heads / features; row-parallel: o and down keep the matching
-columns, and their biases live on rank 0 only, so the sum over ranks (an all-reduce after each
-attention and MLP) is the whole layer. Embedding, norms and LM head are replicated.
+Attention. GQA: rank r of N holds a contiguous range of the KV heads and the query heads that
+attend to them (a GQA group never spans two ranks; 3 KV heads on 2 ranks split 1 + 2); with
+fewer KV heads than ranks the query heads are split evenly and each rank keeps the KV heads its
+queries need (a KV head replicated over N / KV ranks). MLA: the query heads are split
+(q_b_proj / q_proj and kv_b_proj by heads, o_proj by their columns); the latent (q_a_proj,
+kv_a_proj_with_mqa, their norms) and so the KV cache are replicated on every rank.
+
+MLP: a contiguous range of the intermediate features (gate / up rows, down columns); MoE
+experts either split the same way inside each expert (tensor parallel) or, with expert
+parallelism, held whole by one rank each (rank r: experts [E r / N, E (r + 1) / N)); shared
+experts always split by features. The router is replicated, so every rank routes alike.
+
+Column-parallel weights keep their rows; row-parallel ones (o, down) the matching columns,
+their biases on rank 0 only, so the sum over ranks (an all-reduce after each attention and MLP)
+is the whole layer. Norms are replicated; embedding and LM head split by token id.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
-import torch
-
-from kvmesh.engine.config import ModelConfig
-from kvmesh.engine.quant.int4 import Int4Weight
-from kvmesh.errors import InvalidRequestError, ModelFormatError
-
-# checkpoint name suffix -> (which range, which dimension of the weight: 0 rows, 1 columns)
-_COLUMN = {".q_proj": "q", ".k_proj": "kv", ".v_proj": "kv", ".gate_proj": "mlp", ".up_proj": "mlp"}
-_ROW = {".o_proj": "q", ".down_proj": "mlp"}
-_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")  # rows split by token id
+from kvmesh.engine.config import EngineConfig, ModelConfig
+from kvmesh.errors import InvalidRequestError
 
 
 def share(total: int, rank: int, world: int) -> range:
@@ -35,118 +34,90 @@ def share(total: int, rank: int, world: int) -> range:
 class TensorShard:
     rank: int
     world: int
+    expert_parallel: bool = False  # MoE experts whole, partitioned over the ranks
+
+    @classmethod
+    def of(cls, config: EngineConfig, rank: int) -> TensorShard:
+        return cls(rank, config.tensor_parallel_size, config.enable_expert_parallel)
 
     def check(self, config: ModelConfig) -> None:
-        """Whether this model splits over `world` ranks (the first slice: dense GQA)."""
-        if config.mla is not None or config.moe is not None:
+        """Whether this model splits over `world` ranks."""
+        if config.num_heads < self.world:
             raise InvalidRequestError(
-                "tensor parallelism covers dense GQA models for now (no MLA or MoE layers)"
+                f"tensor parallel size {self.world} exceeds the model's {config.num_heads} "
+                "attention heads"
             )
-        if config.num_kv_heads < self.world:
+        kv = config.num_kv_heads
+        if (
+            config.mla is None
+            and kv < self.world
+            and (self.world % kv or config.num_heads % self.world)
+        ):
             raise InvalidRequestError(
-                f"tensor parallel size {self.world} exceeds the model's {config.num_kv_heads} "
-                "KV heads (replicated KV heads are not supported yet)"
+                f"tensor parallel size {self.world} exceeds the model's {kv} KV heads and is "
+                f"not a multiple of them (each KV head replicated on whole ranks)"
             )
-
-    def kv_heads(self, config: ModelConfig) -> range:
-        return share(config.num_kv_heads, self.rank, self.world)
+        if self.expert_parallel and (config.moe is None or config.moe.num_experts < self.world):
+            raise InvalidRequestError(
+                "expert parallelism needs an MoE model with at least as many experts as ranks"
+            )
 
     def q_heads(self, config: ModelConfig) -> range:
+        if config.mla is not None or config.num_kv_heads < self.world:
+            return share(config.num_heads, self.rank, self.world)
         group = config.num_heads // config.num_kv_heads
         kv = self.kv_heads(config)
         return range(kv.start * group, kv.stop * group)
 
+    def kv_heads(self, config: ModelConfig) -> range:
+        """The KV heads this rank's queries attend to (MLA: the one latent "head")."""
+        if config.mla is not None:
+            return range(1)
+        if config.num_kv_heads >= self.world:
+            return share(config.num_kv_heads, self.rank, self.world)
+        group = config.num_heads // config.num_kv_heads
+        q = self.q_heads(config)
+        return range(q.start // group, (q.stop - 1) // group + 1)
+
     def features(self, config: ModelConfig) -> range:
         return share(config.intermediate_size, self.rank, self.world)
+
+    def experts(self, config: ModelConfig) -> range:
+        """The routed experts this rank holds (all of them, split inside, without EP)."""
+        total = config.moe.num_experts if config.moe is not None else 0
+        return share(total, self.rank, self.world) if self.expert_parallel else range(total)
 
     def vocab(self, config: ModelConfig) -> range:
         return share(config.vocab_size, self.rank, self.world)
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
-        """The config this rank's layers are built with (its heads and features)."""
+        """The config this rank's layers are built with (its heads, features, experts)."""
         self.check(config)
-        return replace(config, num_heads=len(self.q_heads(config)),
-                       num_kv_heads=len(self.kv_heads(config)),
-                       intermediate_size=len(self.features(config)))  # fmt: skip
+        q, kv = self.q_heads(config), self.kv_heads(config)
+        moe = config.moe
+        if moe is not None and self.expert_parallel:
+            moe = replace(moe, expert_shard=(self.rank, self.world))
+        return replace(config, num_heads=len(q), num_kv_heads=len(q) if config.mla else len(kv),
+                       intermediate_size=len(self.features(config)), moe=moe)  # fmt: skip
 
     def ranges(self, config: ModelConfig) -> dict[str, range]:
         """Rows / columns of each weight kind this rank keeps, in checkpoint units."""
-        hd = config.head_dim
         q, kv = self.q_heads(config), self.kv_heads(config)
-        return {"q": range(q.start * hd, q.stop * hd), "kv": range(kv.start * hd, kv.stop * hd),
-                "mlp": self.features(config), "vocab": self.vocab(config)}  # fmt: skip
+        out = {"mlp": self.features(config), "vocab": self.vocab(config)}
+        if config.mla is None:
+            hd = config.head_dim
+            out.update(q=_scaled(q, hd), kv=_scaled(kv, hd), o=_scaled(q, hd))
+        else:
+            m = config.mla
+            out.update(q=_scaled(q, m.qk_head_dim), o=_scaled(q, m.v_head_dim),
+                       kv_b=_scaled(q, m.qk_nope_head_dim + m.v_head_dim))  # fmt: skip
+        if config.moe is not None:
+            moe = config.moe
+            shared = moe.shared_intermediate_size or moe.num_shared_experts * moe.intermediate_size
+            out.update(expert=share(moe.intermediate_size, self.rank, self.world),
+                       shared=share(shared, self.rank, self.world))  # fmt: skip
+        return out
 
 
-class ShardedState(Mapping):
-    """A checkpoint's state dict as rank `shard.rank` reads it: each split weight sliced to the
-    rank's part as it is taken (the full tensor is dropped at once), the row-parallel biases
-    absent beyond rank 0."""
-
-    def __init__(self, state: Any, config: ModelConfig, shard: TensorShard) -> None:
-        self.state, self.shard = state, shard
-        self._ranges = shard.ranges(config)
-        self._lazy = hasattr(state, "read")
-
-    def _rule(self, name: str) -> tuple[str, int] | None:
-        if name in _VOCAB:
-            return "vocab", 0
-        stem, _, kind = name.rpartition(".")
-        if kind not in ("weight", "bias"):
-            return None
-        for suffix, part in _COLUMN.items():
-            if stem.endswith(suffix):
-                return part, 0
-        for suffix, part in _ROW.items():
-            if stem.endswith(suffix):
-                return (part, 1) if kind == "weight" else ("rank0", 0)
-        return None
-
-    def _hidden(self, name: str) -> bool:
-        rule = self._rule(name)
-        return rule is not None and rule[0] == "rank0" and self.shard.rank != 0
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in self.state and not self._hidden(name)
-
-    def __getitem__(self, name: str) -> Any:
-        if name not in self:
-            raise KeyError(name)
-        return self._slice(name, self.state[name])
-
-    def __iter__(self) -> Iterator[str]:
-        return (n for n in list(self.state) if not self._hidden(n))
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def keys(self):  # noqa: D102 - Mapping's, without the hidden biases
-        return list(iter(self))
-
-    def pop(self, name: str, dtype: torch.dtype | None = None) -> Any:
-        if self._hidden(name):
-            self.state.pop(name)
-            raise KeyError(name)
-        tensor = self.state.pop(name, dtype=dtype) if self._lazy else self.state.pop(name)
-        if dtype is not None and isinstance(tensor, torch.Tensor) and not self._lazy:
-            tensor = tensor.to(dtype)
-        return self._slice(name, tensor)
-
-    def read(self, name: str) -> Any:  # what `Weights` looks for to cast while reading
-        return self[name]
-
-    def _slice(self, name: str, tensor: Any) -> Any:
-        rule = self._rule(name)
-        if rule is None or rule[0] == "rank0":
-            return tensor
-        part, dim = rule
-        keep = self._ranges[part]
-        if isinstance(tensor, Int4Weight):
-            try:
-                return tensor.narrow(dim, keep.start, len(keep))
-            except ValueError as exc:
-                raise ModelFormatError(f"{name} cannot be split over the ranks: {exc}") from exc
-        if not isinstance(tensor, torch.Tensor):
-            raise ModelFormatError(
-                f"tensor parallelism cannot split {name} ({type(tensor).__name__})"
-            )
-        return tensor.narrow(dim, keep.start, len(keep)).contiguous()
+def _scaled(heads: range, size: int) -> range:
+    return range(heads.start * size, heads.stop * size)
