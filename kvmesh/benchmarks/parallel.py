@@ -1,6 +1,8 @@
 """`kvmesh bench parallel`: one model on 1 rank and split over N ranks (tensor parallelism), in
 one run: resident memory per rank after the runs, decode tok/s at one stream and at several, and
-whether the greedy tokens agree.
+whether the greedy tokens agree. Then an MoE model of DeepSeek-V3's shape (MLA, shared and
+routed experts; random weights unless --moe-model names one) on 1 rank, split inside its
+experts over 2 (TP=2) and with its experts partitioned (EP=2).
 
 On a 2-core machine a split cannot be faster: the ranks share the cores (each gets CPUs / N
 torch threads) and add two all-reduces per layer. What it shows is the memory split and what
@@ -26,20 +28,45 @@ def run_parallel_bench(args: argparse.Namespace) -> int:
     # each rank count in a fresh process: memory a finished engine freed stays in a process's
     # heap, and would count against the next one's rank 0
     context = multiprocessing.get_context("spawn")
-    for size in (int(n) for n in args.tensor_parallel.split(",")):
+    runs = [(args.model, layout) for layout in _layouts(args.tensor_parallel)]
+    if args.moe_layouts:
+        moe = args.moe_model or _random_moe()
+        runs += [(moe, layout) for layout in _layouts(args.moe_layouts)]
+    for model, (size, experts) in runs:
         with context.Pool(1) as pool:
-            row, tokens = pool.apply(_measure, (vars(args), size))
-        reference = reference or tokens
+            row, tokens = pool.apply(_measure, ({**vars(args), "model": model}, size, experts))
+        if model != (rows[-1]["model"] if rows else None):
+            reference = tokens  # each model's first layout is its reference
         row["tokens_equal_first"] = tokens == reference
         rows.append(row)
         print(row, flush=True)
-    report = {**run.header(), "model": args.model, "dtype": args.dtype, "weights": args.weights,
+    report = {**run.header(), "dtype": args.dtype, "weights": args.weights,
               "max_tokens": args.max_tokens, "runs": rows} | run.footer()  # fmt: skip
     write_report(report, args.output)
     return 0
 
 
-def _measure(options: dict, size: int) -> tuple[dict, list[int]]:
+def _layouts(text: str) -> list[tuple[int, bool]]:
+    """ "1,2,ep2" -> (ranks, expert parallel) each."""
+    return [(int(item.removeprefix("ep")), item.startswith("ep")) for item in text.split(",")]
+
+
+def _random_moe() -> str:
+    """A random-weight DeepSeek-V3-shaped checkpoint (~70M parameters: 5 MoE layers of 16
+    experts), written once into kvmesh's cache."""
+    from kvmesh.env import kvmesh_home
+    from kvmesh.tools.tiny_configs import TinySize, TinySpec
+    from kvmesh.tools.tiny_models import make_tiny_model
+
+    size = TinySize(hidden_size=512, intermediate_size=1536, moe_intermediate_size=512,
+                    num_layers=6, num_heads=8, num_experts=16)  # fmt: skip
+    path = kvmesh_home() / "models" / "bench-moe-deepseek-v3"
+    if not (path / "config.json").is_file():
+        make_tiny_model(TinySpec("deepseek_v3", size=size), path)
+    return str(path)
+
+
+def _measure(options: dict, size: int, experts: bool) -> tuple[dict, list[int]]:
     """One rank count's row (and its greedy tokens), in a process of its own."""
     from kvmesh import LLM, SamplingParams
     from kvmesh.engine.loader.memory import process_memory_mib
@@ -48,8 +75,8 @@ def _measure(options: dict, size: int) -> tuple[dict, list[int]]:
     params = SamplingParams(max_tokens=options["max_tokens"], temperature=0.0, ignore_eos=True)
     with LLM(model=options["model"], dtype=options["dtype"], weights=options["weights"],
              max_num_seqs=max(streams), tensor_parallel_size=size,
-             kv_cache_bytes=KV_BYTES) as llm:  # fmt: skip
-        row = {"tensor_parallel": size,
+             enable_expert_parallel=experts, kv_cache_bytes=KV_BYTES) as llm:  # fmt: skip
+        row = {"model": options["model"], "tensor_parallel": size, "expert_parallel": experts,
                "rank0_weight_mib": round(llm.engine.runner.model.weight_bytes / 2**20, 1)}  # fmt: skip
         for n in streams:
             llm.generate([PROMPT] * n, SamplingParams(max_tokens=4, temperature=0.0))  # warm
@@ -71,6 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int4"])
     parser.add_argument("--tensor-parallel", default="1,2", help="rank counts, in one run")
+    parser.add_argument("--moe-layouts", default="1,2,ep2",
+                        help="then the MoE model's: rank counts, epN = N ranks of whole experts "
+                        "('' to skip)")  # fmt: skip
+    parser.add_argument(
+        "--moe-model", default="", help="the MoE model (default: a random DeepSeek-V3-shaped one)"
+    )
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--output", default=None, help="also write the JSON report here")

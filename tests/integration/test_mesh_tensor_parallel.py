@@ -8,8 +8,11 @@ still caught by the integrity tags. Last: one rank of a decode worker is SIGKILL
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import openai
@@ -78,6 +81,13 @@ def test_layouts_are_advertised(mesh):
         assert len(pids) == int(worker.extra["tensor_parallel"]) - 1
         for pid in pids:
             os.kill(pid, 0)
+    status = subprocess.run([sys.executable, "-m", "kvmesh.cli", "status", "--etcd",
+                             running.etcd.endpoint, "--json"], capture_output=True, text=True,
+                            timeout=60, check=True)  # fmt: skip
+    shown = {w["role"]: w["ranks"] for w in json.loads(status.stdout)["workers"]}
+    for role, ranks in (("prefill", prefill_tp), ("decode", decode_tp)):
+        assert [r["rank"] for r in shown[role]] == list(range(ranks))
+        assert all(r["device"] == "cpu" and r["rssanon"] > 100 for r in shown[role])
 
 
 def test_greedy_text_equals_the_engine_and_faults_are_caught(mesh, reference):
@@ -119,10 +129,13 @@ def test_sigkill_of_one_rank_takes_its_decode_worker_down_cleanly(mesh):
         killed = _kill_a_rank_mid_stream(client, running)
         if killed is not None:
             break
+    killed_seen = time.monotonic()
     victim, rank, worker_proc, error_after = killed
+    print(f"stream error {error_after:.2f} s after the kill")  # (docs/benchmarks.md, with -s)
     assert error_after < 10, "the stream should end with an error within seconds"
     wait_for(lambda: victim.worker_id not in {w.worker_id for w in _workers(running)}, 10,
              "the dead worker's lease is revoked")  # fmt: skip
+    print(f"lease gone {error_after + time.monotonic() - killed_seen:.2f} s after the kill")
     assert worker_proc.wait(15) == 1  # the worker went down whole, saying why
     with pytest.raises(ProcessLookupError):
         os.kill(rank, 0)
