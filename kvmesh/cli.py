@@ -63,7 +63,8 @@ _WORKER_FLAGS = ("dtype", "weights", "int4_group_size", "int4_embeddings", "kv_d
                  "kv_cache_bytes", "kv_integrity", "max_num_seqs", "protocol",
                  "local_prefill_tokens", "speculative", "num_speculative_tokens",
                  "speculative_policy", "decode_step", "draft", "draft_model",
-                 "tensor_parallel_size", "enable_expert_parallel")  # fmt: skip
+                 "tensor_parallel_size", "enable_expert_parallel",
+                 "pipeline_parallel_size")  # fmt: skip
 _ON_OFF = ("kv_integrity", "int4_embeddings")  # on|off flags, booleans in WorkerOptions
 
 
@@ -92,6 +93,8 @@ def _role_flags(args: argparse.Namespace, role: str) -> tuple[str, ...]:
         flags += ("--weights", getattr(args, f"{role}_weights"))
     if getattr(args, f"{role}_tp"):
         flags += ("--tensor-parallel-size", str(getattr(args, f"{role}_tp")))
+    if getattr(args, f"{role}_pp"):
+        flags += ("--pipeline-parallel-size", str(getattr(args, f"{role}_pp")))
     return flags
 
 
@@ -237,6 +240,7 @@ def _generate(args: argparse.Namespace) -> int:
         draft_model=args.draft_model or None,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]

@@ -116,6 +116,12 @@ def _tp_arg(p: argparse.ArgumentParser, text: str = "") -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="rank processes the model's layers are split over (their sums through "
                    f"shared memory on one host){text}")  # fmt: skip
+    p.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="stages of contiguous layers, each of --tensor-parallel-size ranks",
+    )
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE: each rank holds whole experts (a share of them) instead of a "
                    "slice of every expert")  # fmt: skip
@@ -232,6 +238,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         )
         up.add_argument(f"--{role}-tp", type=int, default=None, metavar="N",
                         help=f"tensor parallel size of the {role} workers only")  # fmt: skip
+        up.add_argument(f"--{role}-pp", type=int, default=None, metavar="N",
+                        help=f"pipeline parallel size of the {role} workers only")  # fmt: skip
         _cpus_arg(up, f"--{role}-cpus", f"KVMESH_{role.upper()}_CPUS",
                   f"pin every {role} worker to these CPUs, a torch thread per CPU")  # fmt: skip
     up.add_argument("--decode-lead-cpu", default="auto", metavar="auto|off|CPU",

@@ -32,9 +32,9 @@ def run_parallel_bench(args: argparse.Namespace) -> int:
     if args.moe_layouts:
         moe = args.moe_model or _random_moe()
         runs += [(moe, layout) for layout in _layouts(args.moe_layouts)]
-    for model, (size, experts) in runs:
+    for model, layout in runs:
         with context.Pool(1) as pool:
-            row, tokens = pool.apply(_measure, ({**vars(args), "model": model}, size, experts))
+            row, tokens = pool.apply(_measure, ({**vars(args), "model": model}, *layout))
         if model != (rows[-1]["model"] if rows else None):
             reference = tokens  # each model's first layout is its reference
         row["tokens_equal_first"] = tokens == reference
@@ -46,9 +46,14 @@ def run_parallel_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _layouts(text: str) -> list[tuple[int, bool]]:
-    """ "1,2,ep2" -> (ranks, expert parallel) each."""
-    return [(int(item.removeprefix("ep")), item.startswith("ep")) for item in text.split(",")]
+def _layouts(text: str) -> list[tuple[int, int, bool]]:
+    """ "1,2,ep2,pp2" -> (tensor ranks, stages, expert parallel) each."""
+    out = []
+    for item in text.split(","):
+        number = int(item.removeprefix("ep").removeprefix("pp"))
+        out.append((1, number, False) if item.startswith("pp") else
+                   (number, 1, item.startswith("ep")))  # fmt: skip
+    return out
 
 
 def _random_moe() -> str:
@@ -66,7 +71,7 @@ def _random_moe() -> str:
     return str(path)
 
 
-def _measure(options: dict, size: int, experts: bool) -> tuple[dict, list[int]]:
+def _measure(options: dict, size: int, stages: int, experts: bool) -> tuple[dict, list[int]]:
     """One rank count's row (and its greedy tokens), in a process of its own."""
     from kvmesh import LLM, SamplingParams
     from kvmesh.engine.loader.memory import process_memory_mib
@@ -75,8 +80,10 @@ def _measure(options: dict, size: int, experts: bool) -> tuple[dict, list[int]]:
     params = SamplingParams(max_tokens=options["max_tokens"], temperature=0.0, ignore_eos=True)
     with LLM(model=options["model"], dtype=options["dtype"], weights=options["weights"],
              max_num_seqs=max(streams), tensor_parallel_size=size,
-             enable_expert_parallel=experts, kv_cache_bytes=KV_BYTES) as llm:  # fmt: skip
-        row = {"model": options["model"], "tensor_parallel": size, "expert_parallel": experts,
+             pipeline_parallel_size=stages, enable_expert_parallel=experts,
+             kv_cache_bytes=KV_BYTES) as llm:  # fmt: skip
+        row = {"model": options["model"], "tensor_parallel": size, "pipeline_parallel": stages,
+               "expert_parallel": experts,
                "rank0_weight_mib": round(llm.engine.runner.model.weight_bytes / 2**20, 1)}  # fmt: skip
         for n in streams:
             llm.generate([PROMPT] * n, SamplingParams(max_tokens=4, temperature=0.0))  # warm
@@ -97,10 +104,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int4"])
-    parser.add_argument("--tensor-parallel", default="1,2", help="rank counts, in one run")
-    parser.add_argument("--moe-layouts", default="1,2,ep2",
-                        help="then the MoE model's: rank counts, epN = N ranks of whole experts "
-                        "('' to skip)")  # fmt: skip
+    parser.add_argument(
+        "--tensor-parallel",
+        default="1,2,pp2",
+        help="layouts, in one run: N tensor-parallel ranks, ppN pipeline stages",
+    )
+    parser.add_argument(
+        "--moe-layouts",
+        default="1,2,ep2,pp2",
+        help="then the MoE model's; epN = N ranks of whole experts ('' to skip)",
+    )
     parser.add_argument(
         "--moe-model", default="", help="the MoE model (default: a random DeepSeek-V3-shaped one)"
     )

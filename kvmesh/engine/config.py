@@ -213,6 +213,7 @@ class EngineConfig:
     draft_address: str = ""  # EAGLE on a draft service (host:port) instead of in-process
     tensor_parallel_size: int = 1  # rank processes one model's layers are split over (parallel/)
     enable_expert_parallel: bool = False  # MoE: experts partitioned over those ranks, not split
+    pipeline_parallel_size: int = 1  # stages of contiguous layers, each its TP ranks
 
     @property
     def compute_dtype(self) -> str:
@@ -227,6 +228,11 @@ class EngineConfig:
     @property
     def resolved_kv_dtype(self) -> str:
         return self.compute_dtype if self.kv_dtype == "auto" else self.kv_dtype
+
+    @property
+    def world_size(self) -> int:
+        """Rank processes of one engine: tensor x pipeline parallel size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -254,17 +260,19 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"speculative_policy must be one of {SPEC_POLICIES}, got {self.speculative_policy!r}"
             )
-        if not 1 <= self.tensor_parallel_size <= 8:
-            raise InvalidRequestError("tensor_parallel_size must be in 1..8")
+        if not 1 <= self.tensor_parallel_size <= 8 or not 1 <= self.pipeline_parallel_size <= 8:
+            raise InvalidRequestError("tensor_parallel_size and pipeline_parallel_size: 1..8")
+        if self.world_size > 16:
+            raise InvalidRequestError("at most 16 ranks (tensor x pipeline parallel size)")
         if self.enable_expert_parallel and self.tensor_parallel_size < 2:
             raise InvalidRequestError("expert parallelism needs tensor_parallel_size >= 2")
-        if self.tensor_parallel_size > 1 and self.speculative != "none":
+        if self.world_size > 1 and self.speculative != "none":
             raise InvalidRequestError(
-                "speculative decoding with tensor parallelism is not supported yet"
+                "speculative decoding with tensor or pipeline parallelism is not supported yet"
             )
-        if self.tensor_parallel_size > 1 and self.int4_embeddings:
+        if self.world_size > 1 and self.int4_embeddings:
             raise InvalidRequestError(
-                "INT4 embeddings with tensor parallelism are not supported yet"
+                "INT4 embeddings with tensor or pipeline parallelism are not supported yet"
             )
         if not 1 <= self.num_speculative_tokens <= 16:
             raise InvalidRequestError("num_speculative_tokens must be in 1..16")

@@ -52,17 +52,17 @@ class Engine(HandOver):
 
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
-        tp = config.tensor_parallel_size  # each rank a share of the CPUs given
-        torch.set_num_threads(max(1, env.serve_threads() // tp))  # KVMESH_NUM_THREADS, else CPUs
+        ranks = config.world_size  # each rank a share of the CPUs given
+        torch.set_num_threads(max(1, env.serve_threads() // ranks))  # KVMESH_NUM_THREADS, else CPUs
         serve_threads = torch.get_num_threads()
         torch.set_num_threads(env.load_threads() or serve_threads)  # see docs/benchmarks.md
         torch.manual_seed(config.seed)
         self.config = config
         # load_weights by name: a bench may substitute it (kv.py converts once per run)
-        shard = TensorShard.of(config, 0) if tp > 1 else None
+        shard = TensorShard.of(config, 0) if ranks > 1 else None
         loaded = load_engine_model(config, load_weights, shard)
         # the other ranks load after rank 0 (a converted model is then in the cache for them)
-        self.ranks = start_ranks(config, loaded, serve_threads) if tp > 1 else None
+        self.ranks = start_ranks(config, loaded, serve_threads) if ranks > 1 else None
         self.source, self.model_config = loaded.source, loaded.config
         self.tokenizer, model = loaded.tokenizer, loaded.model
         self.max_model_len, self._context_note = loaded.max_model_len, loaded.context_note
@@ -101,7 +101,7 @@ class Engine(HandOver):
         self.speculator = build_speculator(
             config, self.source.name, self.runner, self.max_model_len
         )
-        decode_step = config.decode_step if tp == 1 else "eager"  # layers meet in all-reduces
+        decode_step = config.decode_step if ranks == 1 else "eager"  # ranks meet inside
         compile_decode(self.runner, decode_step, config.max_num_seqs, self.max_model_len)
         fuse_decode(self.runner, decode_step)
         self._reserved: dict[str, Sequence] = {}  # decode: pages awaiting a prefill worker

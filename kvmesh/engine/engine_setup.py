@@ -16,6 +16,7 @@ from kvmesh.engine.loader.memory import current_rss_bytes, peak_rss_bytes
 from kvmesh.engine.models import CausalLM, build_model
 from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.parallel.sharded_state import ShardedState
+from kvmesh.engine.parallel.stage_state import StageState
 from kvmesh.engine.tokenizer import Tokenizer
 
 log = structlog.get_logger(__name__)
@@ -57,7 +58,10 @@ def load_engine_model(config: EngineConfig, load_weights: Any,
     if shard is None:
         model = build_model(model_config, loaded.weights, dtype, max_len, int4=config.int4)
     else:
-        weights = ShardedState(loaded.weights, model_config, shard)
+        state = loaded.weights
+        if shard.stages > 1:  # the stage's layers only, renumbered
+            state = StageState(state, model_config, shard)
+        weights = ShardedState(state, model_config, shard)
         model = build_model(shard.local_config(model_config), weights, dtype, max_len,
                             int4=config.int4)  # fmt: skip
     log.info("engine.model_built", seconds=round(time.perf_counter() - built, 3),

@@ -1,6 +1,7 @@
 """A worker's whole page pool as transfers and the KV store see it (kv/pool_layout.py): one
-shard per tensor-parallel rank, rank 0's in its own engine, the others' in shared memory that
-rank 0 maps too (parallel/ranks.py), or the one pool of a single-rank engine."""
+shard per rank (its KV heads, its pipeline stage's layers), rank 0's in its own engine, the
+others' in shared memory that rank 0 maps too (parallel/ranks.py), or the one pool of a
+single-rank engine."""
 
 from __future__ import annotations
 
@@ -15,18 +16,17 @@ from kvmesh.engine.kv_cache import PagedKVCache
 
 class KvPages:
     def __init__(self, spec: KVCacheSpec, pools: Sequence[torch.Tensor],
-                 heads: Sequence[range], region: torch.Tensor) -> None:  # fmt: skip
-        """spec: the logical page's (every head); pools[r]: rank r's [pages, heads[r] blocks];
-        region: memory holding every pool (what a transfer engine registers)."""
+                 spans: Sequence[tuple[range, ...]], region: torch.Tensor) -> None:  # fmt: skip
+        """spec: the logical page's (every head and layer); pools[r]: rank r's [pages, bytes],
+        holding the whole page's `spans[r]` end to end (pool_layout.shard_spans); region:
+        memory holding every pool (what a transfer engine registers)."""
         self.spec, self.pools, self.region = spec, list(pools), region
-        shards = tuple(
-            PoolShard(p.data_ptr(), h.start, len(h)) for p, h in zip(pools, heads, strict=True)
-        )
-        self.layout = PoolLayout(shards, spec.head_block_bytes, spec.num_heads)
+        shards = tuple(PoolShard(p.data_ptr(), s) for p, s in zip(pools, spans, strict=True))
+        self.layout = PoolLayout(shards, spec.page_bytes)
 
     @classmethod
     def whole(cls, cache: PagedKVCache) -> KvPages:
-        return cls(cache.spec, [cache.pool], [range(cache.spec.num_heads)], cache.pool)
+        return cls(cache.spec, [cache.pool], [(range(cache.spec.page_bytes),)], cache.pool)
 
     @property
     def sharded(self) -> bool:
@@ -36,7 +36,7 @@ class KvPages:
         return self.layout.side(pages)
 
     def gather(self, pages: Sequence[int]) -> torch.Tensor:
-        """Copies of whole pages, [len(pages), page_bytes] uint8 (each head once, in order)."""
+        """Copies of whole pages, [len(pages), page_bytes] uint8 (each byte once, in order)."""
         index = torch.tensor(list(pages), dtype=torch.long)
         if not self.sharded:
             return self.pools[0][index]

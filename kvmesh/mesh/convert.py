@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvmesh.engine.kv.pool_layout import PageSide, PoolLayout
+from kvmesh.engine.kv.pool_layout import PageSide, PoolLayout, PoolShard
 from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import FinishReason
@@ -114,9 +114,8 @@ def feature_rows_from_pb(msg: draft_pb2.FeatureRows) -> torch.Tensor:
 
 def shards_to_pb(layout: PoolLayout) -> list[prefill_pb2.KvShard]:
     """A sharded pool's shards as KvDestination.shards (byte spans of the whole page)."""
-    hb = layout.head_bytes
-    return [prefill_pb2.KvShard(address=s.address, first_byte=s.first_head * hb,
-                                bytes=s.num_heads * hb) for s in layout.shards]  # fmt: skip
+    return [prefill_pb2.KvShard(address=s.address, starts=[r.start for r in s.spans],
+                                stops=[r.stop for r in s.spans]) for s in layout.shards]  # fmt: skip
 
 
 def destination_side(dest: prefill_pb2.KvDestination, pages: list[int]) -> PageSide:
@@ -125,6 +124,21 @@ def destination_side(dest: prefill_pb2.KvDestination, pages: list[int]) -> PageS
     if not dest.shards:
         return PageSide.whole([dest.pool_address + p * dest.page_bytes for p in pages],
                               dest.page_bytes)  # fmt: skip
-    spans = tuple(range(s.first_byte, s.first_byte + s.bytes) for s in dest.shards)
-    return PageSide(spans, tuple(tuple(s.address + p * s.bytes for p in pages)
-                                 for s in dest.shards))  # fmt: skip
+    spans = tuple(shard_spans_of(s) for s in dest.shards)
+    sizes = [sum(len(r) for r in s) for s in spans]
+    return PageSide(spans, tuple(tuple(s.address + p * n for p in pages)
+                                 for s, n in zip(dest.shards, sizes, strict=True)))  # fmt: skip
+
+
+def shard_spans_of(shard: prefill_pb2.KvShard) -> tuple[range, ...]:
+    if len(shard.starts) != len(shard.stops) or not shard.starts:
+        raise ValueError("a shard needs as many span starts as stops, at least one")
+    return tuple(range(a, b) for a, b in zip(shard.starts, shard.stops, strict=True))
+
+
+def check_shards(dest: prefill_pb2.KvDestination) -> None:
+    """ValueError unless the destination's shards hold every byte of its pages, in spans."""
+    shards = [PoolShard(s.address, shard_spans_of(s)) for s in dest.shards]
+    if any(len(span) < 1 for s in shards for span in s.spans):
+        raise ValueError("empty span")
+    PoolLayout(tuple(shards), dest.page_bytes)

@@ -53,6 +53,7 @@ class WorkerOptions:
     max_num_seqs: int = 64
     tensor_parallel_size: int = 1  # rank processes the engine's model is split over
     enable_expert_parallel: bool = False
+    pipeline_parallel_size: int = 1
     protocol: str = "tcp"
     ttl: int = 5
     local_prefill_tokens: int = 0
@@ -120,6 +121,7 @@ async def serve_worker(
                 max_num_seqs=options.max_num_seqs,
                 tensor_parallel_size=options.tensor_parallel_size,
                 enable_expert_parallel=options.enable_expert_parallel,
+                pipeline_parallel_size=options.pipeline_parallel_size,
             )
         )
     )
@@ -169,6 +171,7 @@ async def serve_worker(
             "architecture": engine.model_config.architecture,
             "kv_spec": engine.kv_pages.spec.layout_key,
             "tensor_parallel": str(engine.config.tensor_parallel_size),
+            "pipeline_parallel": str(engine.config.pipeline_parallel_size),
             "rank_pids": ",".join(map(str, engine.rank_pids)),
             "ranks": _ranks(engine),
         },  # fmt: skip

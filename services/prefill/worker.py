@@ -18,7 +18,7 @@ from kvmesh.engine.page_io import ImportPlan
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError, RequestAbortedError
 from kvmesh.mesh import metrics
-from kvmesh.mesh.convert import destination_side
+from kvmesh.mesh.convert import check_shards, destination_side
 from kvmesh.mesh.store_link import StoreLink
 from kvmesh.mesh.transfer import KvTransferEngine, TransferError
 from kvmesh.proto.v1 import prefill_pb2
@@ -176,12 +176,11 @@ class PrefillWorker:
             raise InvalidRequestError(
                 f"KV dtype mismatch: decode {dest.kv_dtype}, prefill {self.kv_dtype}"
             )
-        if any(not 0 <= s.first_byte < s.first_byte + s.bytes <= dest.page_bytes
-               for s in dest.shards) or (dest.shards and not _covers(dest)):  # fmt: skip
-            raise InvalidRequestError(
-                f"destination shards {[(s.first_byte, s.bytes) for s in dest.shards]} do not "
-                f"split a page of {dest.page_bytes} bytes"
-            )
+        if dest.shards:
+            try:
+                check_shards(dest)
+            except ValueError as exc:
+                raise InvalidRequestError(f"destination shards: {exc}") from exc
         if dest.page_tags and len(dest.page_tags) != len(dest.page_ids):
             raise InvalidRequestError(
                 f"destination has {len(dest.page_ids)} pages but {len(dest.page_tags)} tags"
@@ -190,14 +189,3 @@ class PrefillWorker:
             raise InvalidRequestError(
                 f"destination has {len(dest.page_ids)} pages, the prompt needs {num_pages}"
             )
-
-
-def _covers(dest: prefill_pb2.KvDestination) -> bool:
-    """Whether the destination's shards hold every byte of a page."""
-    held = sorted((s.first_byte, s.first_byte + s.bytes) for s in dest.shards)
-    reach = 0
-    for start, stop in held:
-        if start > reach:
-            return False
-        reach = max(reach, stop)
-    return reach == dest.page_bytes

@@ -1,5 +1,5 @@
 """`kvmesh bench parallel` at its smallest: a row per layout (SmolLM2 on 1 and 2 ranks, a tiny
-DeepSeek-V3 on 1 rank and with its experts over 2), memory for every rank, sane numbers (speeds are recorded in docs/benchmarks.md, never asserted)."""
+DeepSeek-V3 on 1 rank, with its experts over 2 and in 2 pipeline stages), memory for every rank, sane numbers (speeds are recorded in docs/benchmarks.md, never asserted)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,14 @@ def test_a_small_parallel_bench_reports_each_rank(tmp_path):
     out = tmp_path / "parallel.json"
     moe = make_tiny_model(TinySpec("deepseek_v3"), tmp_path / "moe").path
     args = parser.parse_args(["--concurrency", "1", "--max-tokens", "4", "--output", str(out),
-                              "--moe-layouts", "1,ep2", "--moe-model", str(moe)])  # fmt: skip
+                              "--tensor-parallel", "1,2", "--moe-layouts", "1,ep2,pp2",
+                              "--moe-model", str(moe)])  # fmt: skip
     assert run_parallel_bench(args) == 0
     runs = json.loads(out.read_text())["runs"]
-    assert [(r["tensor_parallel"], r["expert_parallel"]) for r in runs] == [
-        (1, False), (2, False), (1, False), (2, True)]  # fmt: skip
-    assert [len(r["rssanon_mib_per_rank"]) for r in runs] == [1, 2, 1, 2]
-    for one, two in (runs[:2], runs[2:]):
-        assert two["rank0_weight_mib"] < one["rank0_weight_mib"]
+    assert [(r["tensor_parallel"], r["pipeline_parallel"], r["expert_parallel"])
+            for r in runs] == [(1, 1, False), (2, 1, False), (1, 1, False), (2, 1, True),
+                               (1, 2, False)]  # fmt: skip
+    assert [len(r["rssanon_mib_per_rank"]) for r in runs] == [1, 2, 1, 2, 2]
+    for one, split in ((runs[0], runs[1]), (runs[2], runs[3]), (runs[2], runs[4])):
+        assert split["rank0_weight_mib"] < one["rank0_weight_mib"]
     assert all(r["tok_s_1"] > 0 and r["tokens_equal_first"] for r in runs)

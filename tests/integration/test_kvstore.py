@@ -243,9 +243,12 @@ def test_pages_of_sharded_pools_are_stored_whole_and_fetched_into_another_split(
     """A tensor-parallel worker's page is split by heads over its ranks' pools: the store gets
     (and digests) the whole page, and a worker of another split gets its heads back."""
     base, quarter = te.pool.data_ptr(), PAGE // 4  # pages of 4 heads of 1024 bytes
-    one_three = PoolLayout((PoolShard(base, 0, 1), PoolShard(base + 4 * PAGE, 1, 3)), quarter, 4)
-    two_two = PoolLayout((PoolShard(base + 16 * PAGE, 0, 2), PoolShard(base + 24 * PAGE, 2, 2)),
-                         quarter, 4)  # fmt: skip
+
+    def heads(address: int, first: int, count: int) -> PoolShard:
+        return PoolShard(address, (range(first * quarter, (first + count) * quarter),))
+
+    one_three = PoolLayout((heads(base, 0, 1), heads(base + 4 * PAGE, 1, 3)), PAGE)
+    two_two = PoolLayout((heads(base + 16 * PAGE, 0, 2), heads(base + 24 * PAGE, 2, 2)), PAGE)
     whole = te.pool.view(-1)
 
     def page(side, i: int) -> bytes:

@@ -1,8 +1,9 @@
 """The mesh on an MLA + MoE model (tiny DeepSeek-V3 in Kimi K2's shape, `kvmesh make-tiny-model`):
 etcd, gateway, 1 prefill + 1 decode + the KV store as real processes, FP8 latent pages moved by
 the transfer engine (gRPC carries only metadata), every 4th transfer losing its last page.
-Also with a prefill worker of two ranks (experts partitioned) feeding a decode worker of one, and
-the reverse. Through the openai client, streamed and not, each answer is exactly the single-process FP8
+Also with a prefill worker of two tensor-parallel ranks (experts partitioned) feeding a decode
+worker of two pipeline stages, and a prefill worker of two stages feeding a decode worker of two
+tensor-parallel ranks. Through the openai client, streamed and not, each answer is exactly the single-process FP8
 engine's or a `kv_integrity` error; a repeated prompt is served from the prefix cache; every
 injected fault is detected; etcd advertises the
 architecture and the KV spec, and the store holds pages of that spec."""
@@ -30,14 +31,17 @@ def model(tmp_path_factory) -> str:
     return str(make_tiny_model(TinySpec("deepseek_v3"), tmp_path_factory.mktemp("m") / "kimi").path)
 
 
-# tensor-parallel layouts per role: MLA's latent pages are replicated on every rank, so pages
-# cross between layouts from one replica each; the MoE layers split inside each expert or, with
+# parallel layouts per role: MLA's latent pages are replicated on every tensor-parallel rank,
+# so pages cross between layouts from one replica each; a pipeline stage's pages hold its layers'
+# latents and FP8 scales (two spans a page); the MoE layers split inside each expert or, with
 # expert parallelism, hold whole experts per rank
 LAYOUTS = {
     "one-rank-each": {},
-    "prefill-tp2-ep/decode-tp1": {"prefill": ("--tensor-parallel-size", "2",
-                                              "--enable-expert-parallel")},
-    "prefill-tp1/decode-tp2": {"decode": ("--tensor-parallel-size", "2")},
+    "prefill-tp2-ep/decode-pp2": {"prefill": ("--tensor-parallel-size", "2",
+                                              "--enable-expert-parallel"),
+                                  "decode": ("--pipeline-parallel-size", "2")},
+    "prefill-pp2/decode-tp2": {"prefill": ("--pipeline-parallel-size", "2"),
+                               "decode": ("--tensor-parallel-size", "2")},
 }  # fmt: skip
 
 

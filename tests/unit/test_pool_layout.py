@@ -1,12 +1,19 @@
-"""Copies between page pools split differently over tensor-parallel ranks (kv/pool_layout.py):
-every byte of every page lands where the destination layout keeps it."""
+"""Copies between page pools split differently over ranks (kv/pool_layout.py): by KV heads
+(tensor parallelism), by layers (pipeline stages), replicated; every byte of every page lands
+where the destination layout keeps it."""
 
 import numpy as np
 import pytest
 import torch
 
 from kvmesh.engine.kv.layout import KVCacheSpec
-from kvmesh.engine.kv.pool_layout import PageSide, PoolLayout, PoolShard, copy_ranges
+from kvmesh.engine.kv.pool_layout import (
+    PageSide,
+    PoolLayout,
+    PoolShard,
+    copy_ranges,
+    shard_spans,
+)
 from kvmesh.engine.kv_pages import KvPages
 
 HEAD = 8  # bytes of one head block
@@ -20,12 +27,15 @@ class Memory:
         self.bytes = np.zeros(1 << 16, np.uint8)
         self.top = 64
 
-    def pool(self, splits: list[range], pages: int) -> PoolLayout:
+    def pool(self, splits: list, pages: int, page_bytes: int = HEADS * HEAD) -> PoolLayout:
+        """Shards holding these head ranges (or these tuples of byte spans)."""
         shards = []
-        for heads in splits:
-            shards.append(PoolShard(self.top, heads.start, len(heads)))
-            self.top += pages * len(heads) * HEAD + 32  # a gap: nothing runs into a neighbour
-        return PoolLayout(tuple(shards), HEAD, HEADS)
+        for split in splits:
+            spans = split if isinstance(split, tuple) else (range(split.start * HEAD,
+                                                                   split.stop * HEAD),)  # fmt: skip
+            shards.append(PoolShard(self.top, spans))
+            self.top += pages * shards[-1].page_bytes + 32  # a gap: no run into a neighbour
+        return PoolLayout(tuple(shards), page_bytes)
 
     def copy(self, src: list[int], dst: list[int], lengths: list[int]) -> None:
         for s, d, n in zip(src, dst, lengths, strict=True):
@@ -37,10 +47,19 @@ class Memory:
     def fill(self, side: PageSide, pages: list[bytes]) -> None:
         """Write whole logical pages into every shard holding each byte."""
         for i, page in enumerate(pages):
-            for span, starts in zip(side.spans, side.starts, strict=True):
-                self.bytes[starts[i] : starts[i] + len(span)] = np.frombuffer(
-                    page[span.start : span.stop], np.uint8
+            for spans, starts in zip(side.spans, side.starts, strict=True):
+                self.bytes[starts[i] : starts[i] + sum(map(len, spans))] = np.frombuffer(
+                    b"".join(page[r.start : r.stop] for r in spans), np.uint8
                 )
+
+    def holds(self, side: PageSide, pages: list[bytes]) -> bool:
+        """Every shard of `side` holds its bytes of each page (replicas too)."""
+        return all(
+            self.bytes[starts[i] : starts[i] + sum(map(len, spans))].tobytes()
+            == b"".join(page[r.start : r.stop] for r in spans)
+            for i, page in enumerate(pages)
+            for spans, starts in zip(side.spans, side.starts, strict=True)
+        )
 
 
 def _pages(count: int, seed: int) -> list[bytes]:
@@ -67,10 +86,7 @@ def test_copy_between_any_two_layouts(src_name: str, dst_name: str) -> None:
     memory.fill(src, pages)
     out = copy_ranges(src, dst)
     memory.copy(*out)
-    for i, page in enumerate(pages):
-        for span, starts in zip(dst.spans, dst.starts, strict=True):  # every replica too
-            got = memory.bytes[starts[i] : starts[i] + len(span)].tobytes()
-            assert got == page[span.start : span.stop]
+    assert memory.holds(dst, pages)  # every replica too
     if src_name != "replicated" and "replicated" not in dst_name:  # one range per overlap
         per_page = len(out[0]) // 3
         assert per_page <= len(src.spans) + len(dst.spans) - 1
@@ -102,8 +118,9 @@ def test_mismatches_are_refused() -> None:
         copy_ranges(pool.side([0, 1]), pool.side([0]))
     with pytest.raises(ValueError, match="in no shard"):
         copy_ranges(PageSide.whole([0], 3 * HEAD), pool.side([0]))
-    with pytest.raises(ValueError, match="do not hold all"):
-        PoolLayout((PoolShard(0, 0, 2), PoolShard(100, 3, 3)), HEAD, HEADS)
+    with pytest.raises(ValueError, match="do not hold a page"):
+        PoolLayout((PoolShard(0, (range(2 * HEAD),)), PoolShard(100, (range(3 * HEAD, 48),))),
+                   HEADS * HEAD)  # fmt: skip
 
 
 def test_kv_pages_gathers_whole_pages_from_shards() -> None:
@@ -111,8 +128,35 @@ def test_kv_pages_gathers_whole_pages_from_shards() -> None:
     whole = torch.randint(0, 255, (6, spec.page_bytes), dtype=torch.uint8)
     hb = spec.head_block_bytes
     pools = [whole[:, : 2 * hb].clone(), whole[:, 2 * hb :].clone()]
-    pages = KvPages(spec, pools, [range(0, 2), range(2, 6)], pools[0])
+    pages = KvPages(spec, pools, [(range(2 * hb),), (range(2 * hb, 6 * hb),)], pools[0])
     assert pages.sharded
     assert torch.equal(pages.gather([4, 1]), whole[[4, 1]])
-    one = KvPages(spec, [whole], [range(HEADS)], whole)
+    one = KvPages(spec, [whole], [(range(spec.page_bytes),)], whole)
     assert torch.equal(one.gather([3]), whole[[3]])
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp8_e4m3"])
+def test_pipeline_stages_and_heads_to_any_layout(kv_dtype: str) -> None:
+    """A page of 3 layers x 4 heads (FP8: data then scales per head block) held by 2 stages x 2
+    tensor ranks, copied into one pool and back into 3 stages x 1 rank: byte for byte."""
+    spec = KVCacheSpec.gqa(3, 4, 2, 2, kv_dtype)
+    by = {  # rank -> (heads, layers)
+        "tp2pp2": [(range(0, 2), range(0, 2)), (range(2, 4), range(0, 2)),
+                   (range(0, 2), range(2, 3)), (range(2, 4), range(2, 3))],
+        "pp3": [(range(4), range(i, i + 1)) for i in range(3)],
+    }  # fmt: skip
+    memory = Memory()
+    layouts = {k: memory.pool([shard_spans(spec, h, lay) for h, lay in v], 4, spec.page_bytes)
+               for k, v in by.items()}  # fmt: skip
+    whole = memory.pool([(range(spec.page_bytes),)], 4, spec.page_bytes)
+    assert shard_spans(spec, range(4), range(3)) == (range(spec.page_bytes),)  # merged
+    assert len(shard_spans(spec, range(0, 2), range(0, 2))) == (2 if kv_dtype == "fp32" else 4)
+    rng = np.random.default_rng(3)
+    pages = [rng.integers(0, 256, spec.page_bytes, np.uint8).tobytes() for _ in range(2)]
+    src = layouts["tp2pp2"].side([1, 3])
+    memory.fill(src, pages)
+    middle, end = whole.side([2, 0]), layouts["pp3"].side([0, 1])
+    memory.copy(*copy_ranges(src, middle))
+    memory.copy(*copy_ranges(middle, end))
+    assert memory.holds(middle, pages) and memory.holds(end, pages)
+    assert [memory.page(end, i) for i in range(2)] == pages

@@ -11,6 +11,7 @@ import torch
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.parallel.sharded_state import ShardedState
+from kvmesh.engine.parallel.stage_state import StageState
 from kvmesh.engine.quant.int4 import Int4Weight
 from kvmesh.errors import InvalidRequestError, ModelFormatError
 
@@ -85,3 +86,24 @@ def test_int4_weights_split_by_rows_and_by_whole_groups():
                          config, TensorShard(1, 2))  # fmt: skip
     with pytest.raises(ModelFormatError, match="cannot be split over the ranks"):
         state.pop(name)  # features 24-48 cut a group of 16
+
+
+def test_pipeline_stages_renumber_their_layers_and_keep_their_ends():
+    config = _config(num_layers=4)
+    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(4)]
+    state = {n: torch.full((2, 2), float(i)) for i, n in enumerate(names)}
+    state |= {"model.embed_tokens.weight": torch.zeros(2), "model.norm.weight": torch.ones(2),
+              "lm_head.weight": torch.ones(3)}  # fmt: skip
+    first, last = TensorShard(0, 1, stage=0, stages=2), TensorShard(0, 1, stage=1, stages=2)
+    assert (first.layers(config), last.layers(config)) == (range(0, 2), range(2, 4))
+    assert last.local_config(config).num_layers == 2
+    head = StageState(dict(state), config, first)
+    assert sorted(head.keys()) == sorted([*names[:2], "model.embed_tokens.weight"])
+    tail = StageState(dict(state), config, last)
+    assert sorted(tail.keys()) == sorted([*names[:2], "model.norm.weight", "lm_head.weight"])
+    assert torch.equal(tail.pop(names[0]), state[names[2]])  # its layer 0 is layer 2
+    assert names[3] not in StageState(dict(state), config, first)
+    tied = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    assert "model.embed_tokens.weight" in StageState(tied, config, last)  # the tied LM head
+    with pytest.raises(InvalidRequestError, match="exceeds the model's 4 layers"):
+        TensorShard(0, 1, stage=0, stages=5).local_config(config)

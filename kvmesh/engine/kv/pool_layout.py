@@ -1,14 +1,16 @@
 """Where a worker's KV pages lie in memory, shard by shard, and the byte ranges that copy pages
 between two such layouts (pure Python: transfer code, routers and tests use it).
 
-A page is head-major (layout.py): [head] x head block. A worker whose KV heads are split over
-tensor-parallel ranks keeps one pool per rank, and rank r's page p holds heads [first, first +
-count) of the logical page p as one byte range. Copying pages from one layout to another
-(prefill TP=2 -> decode TP=1, a TP=2 worker -> the KV store's whole pages) is then, per page and
-destination shard, one range per source shard its heads come from: at most (source shards +
-destination shards - 1) ranges a page, never a per-token copy. A head that several source shards
-hold (MLA's latent, KV heads replicated over ranks) is read from one of them, the holders taken
-in turn by destination shard; every destination shard gets every head it holds.
+A page is head-major (layout.py): [head] x head block, a head block being each layer's data then
+each layer's FP8 scales. A worker split over ranks keeps one pool per rank, and rank r's page p
+holds some bytes of the logical page p: its KV heads (tensor parallelism) and, within each head
+block, its layers (pipeline stages), as `spans` of the whole page laid end to end. Heads only:
+one span (a head range is contiguous); a stage's layers: one or two spans per head (data, then
+scales). Copying pages from one layout to another (prefill TP=2 -> decode TP=1, a staged worker
+-> the KV store's whole pages) is, per page and destination span, one range per source span its
+bytes come from, never a per-token copy. Bytes that several source shards hold (MLA's latent
+on every rank, KV heads replicated over ranks) are read from one of them, the holders taken in
+turn by destination shard; every destination shard gets every byte it holds.
 """
 
 from __future__ import annotations
@@ -16,64 +18,78 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["PageSide", "PoolLayout", "PoolShard", "copy_ranges"]
+from kvmesh.engine.kv.layout import KVCacheSpec
+
+__all__ = ["PageSide", "PoolLayout", "PoolShard", "copy_ranges", "shard_spans"]
 
 
 @dataclass(frozen=True)
 class PoolShard:
-    """One rank's pool: page p of it starts at address + p * num_heads * head bytes."""
+    """One rank's pool: page p of it (its spans' bytes end to end) starts at address + p *
+    page_bytes."""
 
     address: int
-    first_head: int
-    num_heads: int
+    spans: tuple[range, ...]
 
     @property
-    def heads(self) -> range:
-        return range(self.first_head, self.first_head + self.num_heads)
+    def page_bytes(self) -> int:
+        return sum(len(span) for span in self.spans)
 
 
 @dataclass(frozen=True)
 class PoolLayout:
-    """A worker's page pool: its shards (rank order), each head's block bytes and the logical
-    page's head count (every head held by at least one shard)."""
+    """A worker's page pool: its shards (rank order) and the logical page's size; every byte of
+    the page is held by at least one shard."""
 
     shards: tuple[PoolShard, ...]
-    head_bytes: int
-    num_heads: int
+    page_bytes: int
 
     def __post_init__(self) -> None:
-        held = set()
-        for shard in self.shards:
-            if shard.num_heads < 1 or shard.first_head < 0 or shard.heads.stop > self.num_heads:
-                raise ValueError(f"shard {shard} outside the page's {self.num_heads} heads")
-            held.update(shard.heads)
-        if self.head_bytes < 1 or len(held) != self.num_heads:
-            raise ValueError(f"shards {self.shards} do not hold all {self.num_heads} heads")
+        held = sorted((span.start, span.stop) for s in self.shards for span in s.spans)
+        reach = 0
+        for start, stop in held:
+            if start > reach or stop <= start:
+                break
+            reach = max(reach, stop)
+        if reach != self.page_bytes or held[-1][1] > self.page_bytes:
+            raise ValueError(f"shards {self.shards} do not hold a page of {self.page_bytes} B")
 
     @classmethod
-    def whole(cls, address: int, num_heads: int, head_bytes: int) -> PoolLayout:
+    def whole(cls, address: int, page_bytes: int) -> PoolLayout:
         """One pool of whole pages."""
-        return cls((PoolShard(address, 0, num_heads),), head_bytes, num_heads)
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one logical page (every head once)."""
-        return self.num_heads * self.head_bytes
+        return cls((PoolShard(address, (range(page_bytes),)),), page_bytes)
 
     def side(self, pages: Sequence[int]) -> PageSide:
         """`pages` of this pool as one side of a copy."""
-        hb = self.head_bytes
-        spans = tuple(range(s.first_head * hb, s.heads.stop * hb) for s in self.shards)
-        starts = tuple(tuple(s.address + p * s.num_heads * hb for p in pages) for s in self.shards)
-        return PageSide(spans, starts)
+        starts = tuple(tuple(s.address + p * s.page_bytes for p in pages) for s in self.shards)
+        return PageSide(tuple(s.spans for s in self.shards), starts)
+
+
+def shard_spans(spec: KVCacheSpec, heads: range, layers: range) -> tuple[range, ...]:
+    """The bytes of a whole page (of `spec`) that a rank with these KV heads and layers holds,
+    in the order of its own page (heads, then per head the layers' data, then their scales);
+    neighbouring spans merged."""
+    out: list[range] = []
+    block, first, stop = spec.head_block_bytes, layers.start, layers.stop
+    for head in heads:
+        base = head * block
+        parts = [(spec.data_offset(first), spec.data_offset(stop))]
+        if spec.quantized:
+            parts.append((spec.scale_offset(first), spec.scale_offset(stop)))
+        for a, b in parts:
+            if out and out[-1].stop == base + a:
+                out[-1] = range(out[-1].start, base + b)
+            else:
+                out.append(range(base + a, base + b))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
 class PageSide:
-    """Pages on one side of a copy: per shard, the bytes of the logical page it holds (a
-    contiguous span: its heads) and where each page of it starts."""
+    """Pages on one side of a copy: per shard, the spans of the logical page it holds (end to
+    end in its own page) and where each of its pages starts."""
 
-    spans: tuple[range, ...]
+    spans: tuple[tuple[range, ...], ...]
     starts: tuple[tuple[int, ...], ...]
 
     def __post_init__(self) -> None:
@@ -83,7 +99,7 @@ class PageSide:
     @classmethod
     def whole(cls, addresses: Sequence[int], page_bytes: int) -> PageSide:
         """Whole pages at `addresses` (a KV store's, a staging buffer's)."""
-        return cls((range(page_bytes),), (tuple(addresses),))
+        return cls(((range(page_bytes),),), (tuple(addresses),))
 
     def __len__(self) -> int:
         return len(self.starts[0])
@@ -94,12 +110,13 @@ class PageSide:
 
     @property
     def page_bytes(self) -> int:
-        return max(span.stop for span in self.spans)
+        return max(span.stop for spans in self.spans for span in spans)
 
     def runs(self) -> list[tuple[int, int, int]]:
         """(shard, offset in its page, bytes) runs that make a whole page, in order, each byte
         from the first shard holding it."""
-        return _runs(self.spans, range(self.page_bytes), 0)
+        return [(s, offset, n) for s, offset, n, _ in
+                _runs(_held(self.spans), range(self.page_bytes), 0)]  # fmt: skip
 
     def pieces(self, index: int) -> list[tuple[int, int]]:
         """(address, length) of page `index`'s bytes in order (see runs)."""
@@ -111,26 +128,43 @@ def copy_ranges(src: PageSide, dst: PageSide) -> tuple[list[int], list[int], lis
     i of `dst` for every i (the same logical pages, possibly split differently)."""
     if len(src) != len(dst):
         raise ValueError(f"{len(src)} source pages but {len(dst)} destination pages")
+    held = _held(src.spans)
     out_src, out_dst, lengths = [], [], []
-    for d, span in enumerate(dst.spans):
-        for s, s_off, n in _runs(src.spans, span, d):
-            d_off = s_off + src.spans[s].start - span.start
-            out_src.extend(start + s_off for start in src.starts[s])
-            out_dst.extend(start + d_off for start in dst.starts[d])
-            lengths.extend([n] * len(src))
+    for d, spans in enumerate(dst.spans):
+        local = 0
+        for span in spans:
+            for s, s_off, n, at in _runs(held, span, d):
+                d_off = local + at - span.start
+                out_src.extend(start + s_off for start in src.starts[s])
+                out_dst.extend(start + d_off for start in dst.starts[d])
+                lengths.extend([n] * len(src))
+            local += len(span)
     return out_src, out_dst, lengths
 
 
-def _runs(held: tuple[range, ...], wanted: range, turn: int) -> list[tuple[int, int, int]]:
-    """(shard, offset in it, bytes) runs covering the `wanted` bytes: each byte from a shard
-    holding it, the `turn`-th of its holders (in turn, so destinations spread over replicas)."""
+def _held(spans: tuple[tuple[range, ...], ...]) -> list[tuple[int, range, int]]:
+    """(shard, span, its offset in the shard's page) for every span of every shard."""
+    out = []
+    for shard, shard_spans_ in enumerate(spans):
+        local = 0
+        for span in shard_spans_:
+            out.append((shard, span, local))
+            local += len(span)
+    return out
+
+
+def _runs(held: list[tuple[int, range, int]], wanted: range,
+          turn: int) -> list[tuple[int, int, int, int]]:  # fmt: skip
+    """(shard, offset in its page, bytes, first byte) runs covering the `wanted` bytes, each
+    byte from a shard holding it: the `turn`-th of its holders (destinations spread over
+    replicas)."""
     out, at = [], wanted.start
     while at < wanted.stop:
-        holders = [s for s, span in enumerate(held) if at in span]
+        holders = [(s, span, local) for s, span, local in held if at in span]
         if not holders:
             raise ValueError(f"byte {at} of the page is in no shard")
-        s = holders[turn % len(holders)]
-        end = min(wanted.stop, held[s].stop)
-        out.append((s, at - held[s].start, end - at))
+        s, span, local = holders[turn % len(holders)]
+        end = min(wanted.stop, span.stop)
+        out.append((s, local + at - span.start, end - at, at))
         at = end
     return out

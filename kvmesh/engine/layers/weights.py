@@ -23,6 +23,11 @@ class Weights:
         self.state, self.dtype, self.packed = state, dtype, packed
         self.taken: list[str] = []
 
+    @property
+    def partial(self) -> bool:
+        """A pipeline stage's view (parallel/stage_state.py): its tables and norm may be absent."""
+        return getattr(self.state, "partial", False)
+
     def __contains__(self, name: str) -> bool:
         return name in self.state or self._packed_base(name) is not None
 

@@ -96,9 +96,12 @@ class DecoderModel:
         self.method: LinearMethod = method_for(int4, dtype, native=packed is not None)
         self.rope = RotaryEmbedding.of(config, max_positions, dtype, self._rope_freqs())
         tied = config.tie_word_embeddings or "lm_head.weight" not in self.weights
-        self.embed = self._table("model.embed_tokens.weight")
+        # a pipeline stage's checkpoint view lacks the tables and norm of other stages: None
+        self.embed = self._optional_table("model.embed_tokens.weight")
         self.layers = [self._layer(i) for i in range(config.num_layers)]
-        self.norm = self.weights.dense("model.norm.weight")
+        self.norm = (self.weights.optional if self.weights.partial else self.weights.dense)(
+            "model.norm.weight"
+        )
         self.lm_head = self.embed if tied else self._table("lm_head.weight")
         self.weight_names = tuple(self.weights.taken)
         self._report_unread()
@@ -123,6 +126,10 @@ class DecoderModel:
         if "rope_freqs" not in self.weights:
             return None
         return self.weights.raw("rope_freqs")  # GGUF llama3 factors, read as they are
+
+    def _optional_table(self, name: str) -> Any:
+        """A table a pipeline stage may lack (None there); elsewhere a missing one is an error."""
+        return None if self.weights.partial and name not in self.weights else self._table(name)
 
     def _table(self, name: str) -> Any:
         """The token embedding or an untied LM head: dense, or INT4 whose rows the CPU kernel
@@ -154,9 +161,9 @@ class DecoderModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes of the weights the model holds (a tied table counted once)."""
-        tables = {id(t): t for t in (self.embed, self.lm_head)}.values()
+        tables = {id(t): t for t in (self.embed, self.lm_head) if t is not None}.values()
         return (
-            self.norm.nbytes
+            (self.norm.nbytes if self.norm is not None else 0)
             + sum(t.nbytes for t in tables)
             + sum(layer.nbytes for layer in self.layers)
         )

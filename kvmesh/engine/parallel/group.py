@@ -29,13 +29,18 @@ def master_store(world: int) -> dist.TCPStore:
                          timeout=TIMEOUT)  # fmt: skip
 
 
-def join(rank: int, world: int, store: dist.Store | None = None,
-         port: int = 0) -> dist.ProcessGroupGloo:  # fmt: skip
-    """This rank's group: rank 0 with its master store, the others by its port. A group of its
-    own, not torch's default one, so one process may hold several engines' groups; its
+def client_store(port: int) -> dist.TCPStore:
+    """A rank's connection to rank 0's store."""
+    return dist.TCPStore(HOST, port, is_master=False, timeout=TIMEOUT)
+
+
+def join(rank: int, world: int, store: dist.Store, prefix: str = "") -> dist.ProcessGroupGloo:
+    """A group of `world` ranks over `store` (rank 0's master store, or a client of it); with
+    `prefix`, a subgroup of its own names (a pipeline stage's tensor-parallel ranks). A group of
+    its own, not torch's default one, so one process may hold several engines' groups; its
     device is bound to loopback."""
-    if store is None:
-        store = dist.TCPStore(HOST, port, world, is_master=False, timeout=TIMEOUT)
+    if prefix:
+        store = dist.PrefixStore(prefix, store)
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
     options._timeout = TIMEOUT
@@ -86,7 +91,8 @@ class VocabParallel:
 
     def __init__(self, model: Any, vocab: range, reduce: Callable[[torch.Tensor], None]) -> None:
         self.model, self.vocab, self.reduce = model, vocab, reduce
-        if not isinstance(model.embed, torch.Tensor) or not isinstance(model.lm_head, torch.Tensor):
+        if any(t is not None and not isinstance(t, torch.Tensor)
+               for t in (model.embed, model.lm_head)):  # fmt: skip
             raise InvalidRequestError("tensor parallelism needs dense embeddings (no INT4 table)")
 
     def token_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
@@ -110,7 +116,10 @@ def vocab_parallel(model: Any, vocab: range, group: dist.ProcessGroupGloo,
                    shm: ShmAllReduce | None) -> None:  # fmt: skip
     """The model's embedding lookup and LM head, split by token id over the ranks."""
     split = VocabParallel(model, vocab, functools.partial(_sum, group, shm))
-    model.token_embeddings, model.logits = split.token_embeddings, split.logits
+    if model.embed is not None:  # (a pipeline stage holds the tables of its ends only)
+        model.token_embeddings = split.token_embeddings
+    if model.norm is not None:
+        model.logits = split.logits
 
 
 def _sum(group: dist.ProcessGroupGloo, shm: ShmAllReduce | None, total: torch.Tensor) -> None:

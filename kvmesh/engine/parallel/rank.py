@@ -16,6 +16,7 @@ from kvmesh.engine.engine_setup import TORCH_DTYPES, load_engine_model
 from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.loader import load_weights
 from kvmesh.engine.parallel import group
+from kvmesh.engine.parallel.ranks import join_shard
 from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.parallel.shared_pages import pool_of, receive_region
 from kvmesh.engine.parallel.shm_reduce import ShmAllReduce
@@ -42,15 +43,17 @@ class FollowerRunner(ModelRunner):
         self.model.logits(hidden)
 
 
-def _build(conn: Connection, config, rank: int, world: int, ranks, shm_name: str,
+def _build(conn: Connection, config, shard: TensorShard, groups: tuple, shm_names: list[str],
            parent: int) -> FollowerRunner:  # fmt: skip
-    """This rank's shard of the model, joined to the group, over its part of the page pool."""
-    shard = TensorShard.of(config, rank)
+    """This rank's shard of the model, joined to the others, over its part of the page pool."""
     loaded = load_engine_model(config, load_weights, shard)
     capacity = group.reduce_capacity(loaded.config, config.max_num_batched_tokens,
                                      config.max_num_seqs)  # fmt: skip
-    shm = ShmAllReduce(world, rank, capacity, shm_name, alive=lambda: os.getppid() == parent)
-    group.all_reduced_layers(loaded.model, shard.vocab(loaded.config), ranks, shm)
+    shm = None
+    if shm_names:  # its stage's shared-memory all-reduce
+        shm = ShmAllReduce(shard.world, shard.rank, capacity, shm_names[shard.stage],
+                           alive=lambda: os.getppid() == parent)  # fmt: skip
+    join_shard(loaded.model, loaded.config, shard, *groups, shm)
     spec = loaded.model.kv_spec(config.page_size, config.resolved_kv_dtype)
     _, num_pages, nbytes, offset = conn.recv()
     pool = pool_of(receive_region(conn, nbytes), offset, spec, num_pages)
@@ -62,11 +65,15 @@ def _build(conn: Connection, config, rank: int, world: int, ranks, shm_name: str
 def main(fd: int) -> int:
     conn = Connection(fd)
     parent = os.getppid()  # before anything slow: rank 0 may die meanwhile
-    _, config, rank, world, port, shm_name = conn.recv()
+    _, config, rank, port, shm_names = conn.recv()
     torch.set_num_threads(env.serve_threads())
-    ranks = group.join(rank, world, port=port)
+    shard, store = TensorShard.of(config, rank), group.client_store(port)
+    world = group.join(rank, config.world_size, store)  # in rank 0's order: world, then stage
+    tp = world
+    if shard.stages > 1 and shard.world > 1:
+        tp = group.join(shard.rank, shard.world, store, f"stage{shard.stage}")
     try:
-        runner = _build(conn, config, rank, world, ranks, shm_name, parent)
+        runner = _build(conn, config, shard, (world, tp), shm_names, parent)
     except Exception as exc:  # rank 0 raises it as its own (a bad checkpoint, a split refused)
         exc.add_note(f"(on tensor-parallel rank {rank})")
         conn.send(("failed", exc))

@@ -23,9 +23,11 @@ import torch
 
 from kvmesh.engine.config import EngineConfig, ModelConfig
 from kvmesh.engine.kv.layout import KVCacheSpec, spec_for_model
+from kvmesh.engine.kv.pool_layout import shard_spans
 from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.kv_pages import KvPages
 from kvmesh.engine.parallel import group
+from kvmesh.engine.parallel.pipeline import Pipeline
 from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.parallel.shared_pages import new_region, pool_of, pool_offsets, send_region
 from kvmesh.engine.parallel.shm_reduce import ShmAllReduce
@@ -35,18 +37,22 @@ from kvmesh.mesh.processes import die_with_parent, stop_groups
 
 
 class Ranks:
-    """Ranks 1..world-1 of a tensor-parallel engine, started by rank 0 (this process)."""
+    """Ranks 1..world-1 of a parallel engine (tensor x pipeline), started by rank 0 (this
+    process)."""
 
-    def __init__(self, config: EngineConfig, world: int, threads: int, capacity: int) -> None:
-        """capacity: floats of the shared-memory all-reduce's slots."""
-        self.world = world
-        store = group.master_store(world)
-        self.shm = ShmAllReduce(world, 0, capacity, alive=self._all_running)
+    def __init__(self, config: EngineConfig, threads: int, capacity: int) -> None:
+        """capacity: floats of a shared-memory all-reduce's slots."""
+        tp, stages = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.world, self._stopped = config.world_size, False
+        store = group.master_store(self.world)
+        # one shared-memory all-reduce per stage's tensor-parallel ranks, all made by rank 0
+        self.sums = ([ShmAllReduce(tp, 0, capacity, alive=self._all_running)
+                      for _ in range(stages)] if tp > 1 else [])  # fmt: skip
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
         env = {**os.environ, "KVMESH_NUM_THREADS": str(threads)}
         try:
-            for rank in range(1, world):
+            for rank in range(1, self.world):
                 ours, theirs = socket.socketpair()
                 self._procs.append(subprocess.Popen(
                     [sys.executable, "-m", "kvmesh.engine.parallel.rank", str(theirs.fileno())],
@@ -55,8 +61,11 @@ class Ranks:
                 ))  # fmt: skip
                 theirs.close()
                 self._conns.append(Connection(ours.detach()))
-                self._conns[-1].send(("init", config, rank, world, store.port, self.shm.name))
-            self.group = group.join(0, world, store)
+                self._conns[-1].send(("init", config, rank, store.port,
+                                      [s.name for s in self.sums]))  # fmt: skip
+            self.group = group.join(0, self.world, store)  # pipeline links; TP's without stages
+            self.tp_group = self.group if stages == 1 or tp == 1 else group.join(0, tp, store,
+                                                                                   "stage0")  # fmt: skip
         except BaseException:
             self.close()
             raise
@@ -64,7 +73,12 @@ class Ranks:
 
     def alive(self) -> bool:
         """Every rank runs and none was stopped (a failed pass stops them all)."""
-        return self.shm is not None and self._all_running()
+        return not self._stopped and self._all_running()
+
+    @property
+    def shm(self) -> ShmAllReduce | None:
+        """Rank 0's stage's shared-memory all-reduce (None without tensor parallelism)."""
+        return self.sums[0] if self.sums else None
 
     def _all_running(self) -> bool:
         return all(proc.poll() is None for proc in self._procs)
@@ -74,8 +88,8 @@ class Ranks:
         return [proc.pid for proc in self._procs]
 
     def send(self, message: tuple[Any, ...]) -> None:
-        if self.shm is None:
-            raise EngineFailure("this engine's tensor-parallel ranks are stopped")
+        if self._stopped:
+            raise EngineFailure("this engine's parallel ranks are stopped")
         for rank in range(1, self.world):
             self._send_to(rank, message)
 
@@ -105,8 +119,8 @@ class Ranks:
         self._await_ready()
         cache = PagedKVCache(specs[0], num_pages, dtype, pool=pools[0])
         whole = spec_for_model(model, config.page_size, kv_dtype)
-        heads = [s.kv_heads(model) for s in shards]
-        return cache, KvPages(whole, pools, heads, region)
+        spans = [shard_spans(whole, s.kv_heads(model), s.layers(model)) for s in shards]
+        return cache, KvPages(whole, pools, spans, region)
 
     def _await_ready(self) -> None:
         """Each rank's word that its shard is built; a rank that failed sends its exception,
@@ -145,11 +159,20 @@ class Ranks:
             conn.close()
         self._conns = []
         stop_groups(self._procs, grace=5.0)
-        self._procs = []
-        if self.shm is not None:
-            self.shm.close()
-            self.shm = None
+        self._procs, self._stopped = [], True
+        for block in self.sums:
+            block.close()
+        self.sums = []
         atexit.unregister(self.close)
+
+
+def join_shard(model: Any, config: ModelConfig, shard: TensorShard, world: Any, tp: Any,
+               shm: ShmAllReduce | None) -> None:  # fmt: skip
+    """A rank's model joined to the others: its stage's tensor-parallel sums, its stage's links."""
+    if shard.world > 1:
+        group.all_reduced_layers(model, shard.vocab(config), tp, shm)
+    if shard.stages > 1:
+        Pipeline(model, shard, world).install()
 
 
 def start_ranks(config: EngineConfig, loaded: Any, threads: int) -> Ranks:
@@ -158,9 +181,9 @@ def start_ranks(config: EngineConfig, loaded: Any, threads: int) -> Ranks:
     shard = TensorShard.of(config, 0)
     capacity = group.reduce_capacity(loaded.config, config.max_num_batched_tokens,
                                      config.max_num_seqs)  # fmt: skip
-    ranks = Ranks(config, shard.world, threads, capacity)
+    ranks = Ranks(config, threads, capacity)
     try:
-        group.all_reduced_layers(loaded.model, shard.vocab(loaded.config), ranks.group, ranks.shm)
+        join_shard(loaded.model, loaded.config, shard, ranks.group, ranks.tp_group, ranks.shm)
     except BaseException:
         ranks.close()  # (later failures: the ranks stop at exit, as registered)
         raise

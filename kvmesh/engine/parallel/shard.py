@@ -15,6 +15,10 @@ experts always split by features. The router is replicated, so every rank routes
 Column-parallel weights keep their rows; row-parallel ones (o, down) the matching columns,
 their biases on rank 0 only, so the sum over ranks (an all-reduce after each attention and MLP)
 is the whole layer. Norms are replicated; embedding and LM head split by token id.
+
+Pipeline stages: with P stages, stage s holds the contiguous layers [L s / P, L (s + 1) / P)
+(split over its own tensor-parallel ranks as above), the first stage the token embedding, the
+last the final norm and the LM head (a tied table on both). Global rank = stage * N + rank.
 """
 
 from __future__ import annotations
@@ -32,16 +36,36 @@ def share(total: int, rank: int, world: int) -> range:
 
 @dataclass(frozen=True)
 class TensorShard:
-    rank: int
-    world: int
+    rank: int  # within the stage's tensor-parallel group
+    world: int  # that group's size
     expert_parallel: bool = False  # MoE experts whole, partitioned over the ranks
+    stage: int = 0  # pipeline stage
+    stages: int = 1
 
     @classmethod
     def of(cls, config: EngineConfig, rank: int) -> TensorShard:
-        return cls(rank, config.tensor_parallel_size, config.enable_expert_parallel)
+        """Global rank `rank`'s shard."""
+        tp = config.tensor_parallel_size
+        return cls(rank % tp, tp, config.enable_expert_parallel, rank // tp,
+                   config.pipeline_parallel_size)  # fmt: skip
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def layers(self, config: ModelConfig) -> range:
+        """The decoder layers of this rank's stage (all of them without pipelining)."""
+        return share(config.num_layers, self.stage, self.stages)
 
     def check(self, config: ModelConfig) -> None:
-        """Whether this model splits over `world` ranks."""
+        """Whether this model splits over `world` ranks and `stages` stages."""
+        if config.num_layers < self.stages:
+            raise InvalidRequestError(f"pipeline parallel size {self.stages} exceeds the "
+                                      f"model's {config.num_layers} layers")  # fmt: skip
         if config.num_heads < self.world:
             raise InvalidRequestError(
                 f"tensor parallel size {self.world} exceeds the model's {config.num_heads} "
@@ -94,11 +118,14 @@ class TensorShard:
         """The config this rank's layers are built with (its heads, features, experts)."""
         self.check(config)
         q, kv = self.q_heads(config), self.kv_heads(config)
-        moe = config.moe
+        moe, layers = config.moe, self.layers(config)
         if moe is not None and self.expert_parallel:
             moe = replace(moe, expert_shard=(self.rank, self.world))
+        if moe is not None and self.stages > 1:  # the stage's layers, numbered from 0
+            moe = replace(moe, layers=tuple(i - layers.start for i in moe.layers if i in layers))
         return replace(config, num_heads=len(q), num_kv_heads=len(q) if config.mla else len(kv),
-                       intermediate_size=len(self.features(config)), moe=moe)  # fmt: skip
+                       intermediate_size=len(self.features(config)), moe=moe,
+                       num_layers=len(layers))  # fmt: skip
 
     def ranges(self, config: ModelConfig) -> dict[str, range]:
         """Rows / columns of each weight kind this rank keeps, in checkpoint units."""

@@ -88,6 +88,10 @@ class ShardedState(Mapping):
         return self[name]
 
     @property
+    def partial(self) -> bool:  # a pipeline stage's view underneath (stage_state.py)
+        return getattr(self.state, "partial", False)
+
+    @property
     def whole(self) -> Any:
         """The checkpoint itself: a pack-quantized linear is read whole, then `sliced`."""
         return self.state

@@ -1,0 +1,86 @@
+"""Pipeline stages of one engine joined to each other (shard.py has what each holds).
+
+Every rank gets every forward pass from rank 0 (ranks.py), so each builds the same attention
+metadata and picks the same sampled rows. Stage s > 0 takes its input rows from stage s - 1 (the
+rank of the same tensor-parallel index) instead of looking tokens up; a stage before the last
+hands its output rows on; the last stage's tensor-parallel rank 0 sends the logits to global
+rank 0, which samples. Rows travel in fp32 over gloo point-to-point (bf16 -> fp32 -> bf16 is
+exact). No micro-batches yet: the stages of one pass run one after the other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvmesh.engine.parallel.shard import TensorShard
+from kvmesh.errors import EngineFailure
+
+_ROWS, _LOGITS = 1, 2  # message tags
+
+
+class Pipeline:
+    def __init__(self, model: Any, shard: TensorShard, group: dist.ProcessGroupGloo) -> None:
+        self.model, self.shard, self.group = model, shard, group
+        self.dtype = model.dtype
+        self.hidden = model.config.hidden_size
+        base = shard.stage * shard.world + shard.rank
+        self.previous = None if shard.first else base - shard.world
+        self.next = None if shard.last else base + shard.world
+        self.sends_logits = shard.last and shard.rank == 0 and base != 0
+
+    def install(self) -> None:
+        """Replace the model's input, output and logits ends by the stage's links."""
+        model, inner_forward, inner_logits = self.model, self.model.forward, self.model.logits
+        if self.previous is not None:
+            model.token_embeddings = self._rows_from_previous
+        if self.next is not None:
+
+            def forward(*args: Any, **kwargs: Any):
+                out = inner_forward(*args, **kwargs)
+                self._send(out[0], self.next, _ROWS)
+                return out
+
+            model.forward = forward
+        if self.shard.last:
+            if self.sends_logits:
+
+                def logits(hidden: torch.Tensor) -> torch.Tensor:
+                    out = inner_logits(hidden)
+                    self._send(out, 0, _LOGITS)
+                    return out
+
+                model.logits = logits
+        elif self.shard.stage == 0 and self.shard.rank == 0:
+            model.logits = self._logits_from_last
+        else:
+            model.logits = _no_logits
+
+    def _rows_from_previous(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._receive((ids.shape[0], self.hidden), self.previous, _ROWS).to(self.dtype)
+
+    def _logits_from_last(self, hidden: torch.Tensor) -> torch.Tensor:
+        last = (self.shard.stages - 1) * self.shard.world
+        shape = (hidden.shape[0], self.model.config.vocab_size)
+        return self._receive(shape, last, _LOGITS).to(self.dtype)
+
+    def _send(self, tensor: torch.Tensor, rank: int, tag: int) -> None:
+        try:
+            self.group.send([tensor.float().contiguous()], rank, tag).wait()
+        except RuntimeError as exc:
+            raise EngineFailure(f"pipeline rank {rank} of this engine is gone: {exc}") from exc
+
+    def _receive(self, shape: tuple[int, int], rank: int, tag: int) -> torch.Tensor:
+        out = torch.empty(shape, dtype=torch.float32)
+        try:
+            self.group.recv([out], rank, tag).wait()
+        except RuntimeError as exc:
+            raise EngineFailure(f"pipeline rank {rank} of this engine is gone: {exc}") from exc
+        return out
+
+
+def _no_logits(hidden: torch.Tensor) -> torch.Tensor:
+    """A stage that neither computes nor receives logits (only rank 0 samples)."""
+    return hidden[:, :0]
