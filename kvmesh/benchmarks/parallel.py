@@ -46,13 +46,15 @@ def run_parallel_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _layouts(text: str) -> list[tuple[int, int, bool]]:
-    """ "1,2,ep2,pp2" -> (tensor ranks, stages, expert parallel) each."""
+def _layouts(text: str) -> list[tuple[int, int, bool, int]]:
+    """ "1,2,ep2,pp2,pp2/1" -> (tensor ranks, stages, expert parallel, micro-batches) each
+    (ppN/M: M micro-batches a step; default one per stage)."""
     out = []
     for item in text.split(","):
+        item, _, micro = item.partition("/")
         number = int(item.removeprefix("ep").removeprefix("pp"))
-        out.append((1, number, False) if item.startswith("pp") else
-                   (number, 1, item.startswith("ep")))  # fmt: skip
+        layout = (1, number, False) if item.startswith("pp") else (number, 1, item.startswith("ep"))
+        out.append((*layout, int(micro or 0)))
     return out
 
 
@@ -71,7 +73,8 @@ def _random_moe() -> str:
     return str(path)
 
 
-def _measure(options: dict, size: int, stages: int, experts: bool) -> tuple[dict, list[int]]:
+def _measure(options: dict, size: int, stages: int, experts: bool,
+             micro: int) -> tuple[dict, list[int]]:  # fmt: skip
     """One rank count's row (and its greedy tokens), in a process of its own."""
     from kvmesh import LLM, SamplingParams
     from kvmesh.engine.loader.memory import process_memory_mib
@@ -81,9 +84,10 @@ def _measure(options: dict, size: int, stages: int, experts: bool) -> tuple[dict
     with LLM(model=options["model"], dtype=options["dtype"], weights=options["weights"],
              max_num_seqs=max(streams), tensor_parallel_size=size,
              pipeline_parallel_size=stages, enable_expert_parallel=experts,
+             pipeline_micro_batches=micro,
              kv_cache_bytes=KV_BYTES) as llm:  # fmt: skip
         row = {"model": options["model"], "tensor_parallel": size, "pipeline_parallel": stages,
-               "expert_parallel": experts,
+               "expert_parallel": experts, "micro_batches": llm.engine.config.micro_batches,
                "rank0_weight_mib": round(llm.engine.runner.model.weight_bytes / 2**20, 1)}  # fmt: skip
         for n in streams:
             llm.generate([PROMPT] * n, SamplingParams(max_tokens=4, temperature=0.0))  # warm
@@ -106,12 +110,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int4"])
     parser.add_argument(
         "--tensor-parallel",
-        default="1,2,pp2",
-        help="layouts, in one run: N tensor-parallel ranks, ppN pipeline stages",
+        default="1,2,pp2,pp2/1",
+        help="layouts, in one run: N tensor-parallel ranks, ppN pipeline stages (ppN/M: M "
+        "micro-batches a step, default N)",
     )
     parser.add_argument(
         "--moe-layouts",
-        default="1,2,ep2,pp2",
+        default="1,2,ep2,pp2,pp2/1",
         help="then the MoE model's; epN = N ranks of whole experts ('' to skip)",
     )
     parser.add_argument(

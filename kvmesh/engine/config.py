@@ -214,6 +214,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # rank processes one model's layers are split over (parallel/)
     enable_expert_parallel: bool = False  # MoE: experts partitioned over those ranks, not split
     pipeline_parallel_size: int = 1  # stages of contiguous layers, each its TP ranks
+    pipeline_micro_batches: int = 0  # a step's rows in this many groups; 0: one per stage
 
     @property
     def compute_dtype(self) -> str:
@@ -228,6 +229,13 @@ class EngineConfig:
     @property
     def resolved_kv_dtype(self) -> str:
         return self.compute_dtype if self.kv_dtype == "auto" else self.kv_dtype
+
+    @property
+    def micro_batches(self) -> int:
+        """Groups a step's rows run in through the pipeline stages (1 without stages)."""
+        if self.pipeline_parallel_size == 1:
+            return 1
+        return self.pipeline_micro_batches or self.pipeline_parallel_size
 
     @property
     def world_size(self) -> int:
@@ -262,6 +270,8 @@ class EngineConfig:
             )
         if not 1 <= self.tensor_parallel_size <= 8 or not 1 <= self.pipeline_parallel_size <= 8:
             raise InvalidRequestError("tensor_parallel_size and pipeline_parallel_size: 1..8")
+        if not 0 <= self.pipeline_micro_batches <= 64:
+            raise InvalidRequestError("pipeline_micro_batches must be in 0..64")
         if self.world_size > 16:
             raise InvalidRequestError("at most 16 ranks (tensor x pipeline parallel size)")
         if self.enable_expert_parallel and self.tensor_parallel_size < 2:

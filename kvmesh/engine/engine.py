@@ -96,6 +96,7 @@ class Engine(HandOver):
         backend = get_backend(config.attention_backend, spec.layers[0].kind)
         self.runner = (LeaderRunner(model, self.kv_cache, backend, self.ranks) if self.ranks
                        else ModelRunner(model, self.kv_cache, backend))  # fmt: skip
+        self.runner.micro_batches = config.micro_batches
         self.sampler = Sampler()
         self.constraints = Constraints(self.tokenizer.hf, self.model_config.vocab_size)
         self.speculator = build_speculator(

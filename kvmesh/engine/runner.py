@@ -45,6 +45,7 @@ class ModelRunner:
         self.rows_of: dict[str, tuple[int, int]] = {}  # req_id -> its rows [begin, end) last step
         self.compiled: CompiledDecode | None = None  # decode-only steps' graphs (compiled.py)
         self.fused: FusedDecode | None = None  # decode (and verify) steps as one op: fused_decode
+        self.micro_batches = 1  # pipeline stages: a step's rows in this many groups (overlap)
 
     def apply(self, plan: StepPlan) -> None:
         """Bring the per-request state up to date (finished first: an id may come back new)."""
@@ -68,12 +69,21 @@ class ModelRunner:
         return self.execute(plan.chunks)
 
     def execute(self, chunks: tuple[ChunkPlan, ...]) -> StepResult:
-        """Run chunks of requests already brought up to date by `apply`."""
-        hidden, sample_rows, req_ids, counts = self._forward(chunks)
-        if len(sample_rows) != hidden.shape[0]:  # else every row samples, in order
-            hidden = hidden[int_tensor(sample_rows)]
-        logits = self.model.logits(hidden)
-        return StepResult(logits, req_ids, counts)
+        """Run chunks of requests already brought up to date by `apply`: in micro-batches
+        under pipeline stages (each group's rows go on to the next stage while this one runs
+        the next group), their logits taken once every group ran."""
+        if self.micro_batches > 1 and len(chunks) > 1:
+            passes = [self._forward(group) for group in micro_batches(chunks, self.micro_batches)]
+        else:
+            passes = [self._forward(chunks)]
+        logits, req_ids, counts = [], [], []
+        for hidden, sample_rows, ids, rows in passes:
+            if len(sample_rows) != hidden.shape[0]:  # else every row samples, in order
+                hidden = hidden[int_tensor(sample_rows)]
+            logits.append(self.model.logits(hidden))
+            req_ids += ids
+            counts += rows
+        return StepResult(logits[0] if len(logits) == 1 else torch.cat(logits), req_ids, counts)
 
     def score_rows(self, plan: StepPlan) -> list[torch.Tensor]:
         """Logits [width, V] of every row of each chunk, in `plan.chunks` order (teacher
@@ -191,6 +201,18 @@ class ModelRunner:
             torch.zeros(bucket, dtype=torch.long),
         )
         forward(ids, positions, meta, self.kv.layers, self.attention, self.capture)
+
+
+def micro_batches(chunks: tuple[ChunkPlan, ...], count: int) -> list[tuple[ChunkPlan, ...]]:
+    """The chunks in at most `count` consecutive groups of about equal rows (a chunk whole):
+    every rank of a pipeline splits a pass alike."""
+    total, groups, rows = sum(c.width for c in chunks), [[]], 0
+    for chunk in chunks:
+        if groups[-1] and len(groups) < count and rows >= total * len(groups) / count:
+            groups.append([])
+        groups[-1].append(chunk)
+        rows += chunk.width
+    return [tuple(group) for group in groups]
 
 
 def _verify_rows_as_decode_rows(ordered, starts, tables):

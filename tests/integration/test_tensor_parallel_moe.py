@@ -16,7 +16,7 @@ from kvmesh.tools.tiny_configs import TinySize, TinySpec
 from kvmesh.tools.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
-PROMPTS = [[5, 17, 42, 99, 7, 250, 3], [300, 2, 11]]
+PROMPTS = [[5, 17, 42, 99, 7, 250, 3], [300, 2, 11], [8] * 21, [9, 10], [77, 66, 55, 44, 33]]
 WIDE = TinySize(moe_intermediate_size=64)  # experts that split into whole INT4 groups of 32
 FP8 = {"kv_dtype": "fp8_e4m3"}
 # (arch, tensor ranks, stages, expert parallel, engine options, size, --quantize)

@@ -5,7 +5,8 @@ metadata and picks the same sampled rows. Stage s > 0 takes its input rows from 
 rank of the same tensor-parallel index) instead of looking tokens up; a stage before the last
 hands its output rows on; the last stage's tensor-parallel rank 0 sends the logits to global
 rank 0, which samples. Rows travel in fp32 over gloo point-to-point (bf16 -> fp32 -> bf16 is
-exact). No micro-batches yet: the stages of one pass run one after the other.
+exact). A pass runs in micro-batches (runner.micro_batches: one per stage by default), sent
+without waiting, so a stage runs its next group while the next stage runs this one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.errors import EngineFailure
 
 _ROWS, _LOGITS = 1, 2  # message tags
+_IN_FLIGHT = 8  # sends not waited for yet, per rank
 
 
 class Pipeline:
@@ -30,6 +32,7 @@ class Pipeline:
         self.previous = None if shard.first else base - shard.world
         self.next = None if shard.last else base + shard.world
         self.sends_logits = shard.last and shard.rank == 0 and base != 0
+        self._sending: list[tuple[Any, torch.Tensor]] = []  # sends in flight, their tensors
 
     def install(self) -> None:
         """Replace the model's input, output and logits ends by the stage's links."""
@@ -67,8 +70,12 @@ class Pipeline:
         return self._receive(shape, last, _LOGITS).to(self.dtype)
 
     def _send(self, tensor: torch.Tensor, rank: int, tag: int) -> None:
+        """Without waiting for it (a bounded number in flight)."""
         try:
-            self.group.send([tensor.float().contiguous()], rank, tag).wait()
+            while len(self._sending) >= _IN_FLIGHT:
+                self._sending.pop(0)[0].wait()
+            rows = tensor.float().contiguous()
+            self._sending.append((self.group.send([rows], rank, tag), rows))
         except RuntimeError as exc:
             raise EngineFailure(f"pipeline rank {rank} of this engine is gone: {exc}") from exc
 

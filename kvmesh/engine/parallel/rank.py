@@ -58,8 +58,10 @@ def _build(conn: Connection, config, shard: TensorShard, groups: tuple, shm_name
     _, num_pages, nbytes, offset = conn.recv()
     pool = pool_of(receive_region(conn, nbytes), offset, spec, num_pages)
     kv = PagedKVCache(spec, num_pages, TORCH_DTYPES[config.compute_dtype], pool=pool)
-    return FollowerRunner(loaded.model, kv, get_backend(config.attention_backend,
-                                                        spec.layers[0].kind))  # fmt: skip
+    runner = FollowerRunner(loaded.model, kv, get_backend(config.attention_backend,
+                                                          spec.layers[0].kind))  # fmt: skip
+    runner.micro_batches = config.micro_batches  # split as rank 0 splits
+    return runner
 
 
 def main(fd: int) -> int:

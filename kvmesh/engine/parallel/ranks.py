@@ -199,13 +199,23 @@ class LeaderRunner(ModelRunner):
         self.ranks = ranks
         self._ops: list[tuple[str, Any]] = []
         self._every_row = False  # the pass's LM head: every row (a score) or the sampled ones
+        self._sent = False  # this step's pass went out whole (its micro-batches run after)
 
     def apply(self, plan: Any) -> None:
         self._ops.append(("apply", plan))
         super().apply(plan)
 
     def execute(self, chunks: Any) -> Any:
-        return self._guarded(super().execute, chunks)
+        return self._guarded(self._execute_sent, chunks)
+
+    def _execute_sent(self, chunks: Any) -> Any:
+        """The whole step to the other ranks first: each splits it into the same micro-batches."""
+        self._send(chunks)
+        self._sent = True
+        try:
+            return super().execute(chunks)
+        finally:
+            self._sent = False
 
     def score_rows(self, plan: Any) -> Any:
         self._every_row = True
@@ -234,6 +244,10 @@ class LeaderRunner(ModelRunner):
             self._ops.extend(("forget", chunk.req_id) for chunk in plan.chunks)
 
     def _forward(self, chunks: Any):
+        if not self._sent:  # a score: sent here, after the plan it applies
+            self._send(chunks)
+        return super()._forward(chunks)
+
+    def _send(self, chunks: Any) -> None:
         ops, self._ops = self._ops, []
         self.ranks.send(("forward", ops, chunks, self._every_row))
-        return super()._forward(chunks)
