@@ -47,14 +47,14 @@ def run_parallel_bench(args: argparse.Namespace) -> int:
 
 
 def _layouts(text: str) -> list[tuple[int, int, bool, int]]:
-    """ "1,2,ep2,pp2,pp2/1" -> (tensor ranks, stages, expert parallel, micro-batches) each
-    (ppN/M: M micro-batches a step; default one per stage)."""
+    """ "1,2,ep2,pp2,pp2/2" -> (tensor ranks, stages, expert parallel, micro-batches) each
+    (ppN/M: M micro-batches a step; default 1)."""
     out = []
     for item in text.split(","):
         item, _, micro = item.partition("/")
         number = int(item.removeprefix("ep").removeprefix("pp"))
         layout = (1, number, False) if item.startswith("pp") else (number, 1, item.startswith("ep"))
-        out.append((*layout, int(micro or 0)))
+        out.append((*layout, int(micro or 1)))
     return out
 
 
@@ -110,13 +110,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int4"])
     parser.add_argument(
         "--tensor-parallel",
-        default="1,2,pp2,pp2/1",
+        default="1,2,pp2,pp2/2",
         help="layouts, in one run: N tensor-parallel ranks, ppN pipeline stages (ppN/M: M "
-        "micro-batches a step, default N)",
+        "micro-batches a step, default 1)",
     )
     parser.add_argument(
         "--moe-layouts",
-        default="1,2,ep2,pp2,pp2/1",
+        default="1,2,ep2,pp2,pp2/2",
         help="then the MoE model's; epN = N ranks of whole experts ('' to skip)",
     )
     parser.add_argument(

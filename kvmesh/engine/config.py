@@ -214,7 +214,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # rank processes one model's layers are split over (parallel/)
     enable_expert_parallel: bool = False  # MoE: experts partitioned over those ranks, not split
     pipeline_parallel_size: int = 1  # stages of contiguous layers, each its TP ranks
-    pipeline_micro_batches: int = 0  # a step's rows in this many groups; 0: one per stage
+    # a step's rows through the stages in this many groups (0: one per stage); 1 by default:
+    # on 2 cores the groups' extra passes cost more than their overlap gives (benchmarks.md)
+    pipeline_micro_batches: int = 1
 
     @property
     def compute_dtype(self) -> str:

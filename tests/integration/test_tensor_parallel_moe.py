@@ -4,8 +4,8 @@ Qwen3-MoE split over ranks give one rank's greedy tokens and logits within fp32 
 experts split inside (tensor parallel) or held whole per rank (expert parallel), with FP8 KV
 pages and INT4 weights (quantized at load, or a compressed-tensors checkpoint split by whole
 groups) -- and each rank holds only its part. A Qwen3 on 4 ranks has 2 KV heads: each is
-replicated on two ranks. Pipeline stages (2 or 3, alone or with 2 tensor-parallel ranks each)
-give one rank's tokens too (exactly: no sum changes order)."""
+replicated on two ranks. Pipeline stages (2 or 3, alone or with 2 tensor-parallel ranks each,
+a step whole or in micro-batches) give one rank's tokens too."""
 
 from __future__ import annotations
 
@@ -29,9 +29,26 @@ CASES = {
     "qwen3-moe-ep2": ("qwen3_moe", 2, 1, True, FP8, TinySize(), "none"),
     "qwen3-tp4-replicated-kv": ("qwen3", 4, 1, False, {}, TinySize(), "none"),
     "llama-pp2": ("llama", 1, 2, False, {}, TinySize(), "none"),
+    "llama-pp2-micro-batches": (
+        "llama",
+        1,
+        2,
+        False,
+        {"pipeline_micro_batches": 2},
+        TinySize(),
+        "none",
+    ),  # fmt: skip
     "mla-moe-pp3-fp8": ("deepseek_v3", 1, 3, False, FP8, TinySize(), "none"),
     "mla-moe-tp2-pp2-int4": ("deepseek_v3", 2, 2, False, {"weights": "int4"}, WIDE, "none"),
-    "qwen3-moe-ep2-pp2": ("qwen3_moe", 2, 2, True, {}, TinySize(), "none"),
+    "qwen3-moe-ep2-pp2-micro-batches": (
+        "qwen3_moe",
+        2,
+        2,
+        True,
+        {"pipeline_micro_batches": 0},
+        TinySize(),
+        "none",
+    ),  # fmt: skip
 }
 
 

@@ -5,8 +5,9 @@ metadata and picks the same sampled rows. Stage s > 0 takes its input rows from 
 rank of the same tensor-parallel index) instead of looking tokens up; a stage before the last
 hands its output rows on; the last stage's tensor-parallel rank 0 sends the logits to global
 rank 0, which samples. Rows travel in fp32 over gloo point-to-point (bf16 -> fp32 -> bf16 is
-exact). A pass runs in micro-batches (runner.micro_batches: one per stage by default), sent
-without waiting, so a stage runs its next group while the next stage runs this one.
+exact). A pass may run in micro-batches (EngineConfig.pipeline_micro_batches; sends do not
+wait), so a stage runs its next group while the next stage runs this one: on 2 cores the
+extra passes cost more than the overlap gives, so one group is the default.
 """
 
 from __future__ import annotations
