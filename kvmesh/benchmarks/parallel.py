@@ -99,7 +99,7 @@ def _measure(options: dict, size: int, stages: int, experts: bool,
         ranks = llm.engine.ranks  # resident memory once every weight has been read
         pids = ["self", *(ranks.pids if ranks else [])]
         memory = [process_memory_mib(pid) for pid in pids]
-        for kind in ("rssanon", "rssshmem", "rssfile"):  # private; KV pages; checkpoint pages
+        for kind in ("rssanon", "rssshmem", "rssfile", "vmhwm"):  # private; KV pages; files; peak
             row[f"{kind}_mib_per_rank"] = [m.get(kind, 0.0) for m in memory]
         return row, tokens
 

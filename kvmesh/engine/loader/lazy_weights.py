@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 # dtype (None: the file's own) -> a tensor in that dtype, or an Int4Weight as stored.
 Reader = Callable[["torch.dtype | None"], Any]
+# (dim, start, length, dtype) -> that part of a dense tensor, read without the rest
+Slicer = Callable[[int, int, int, "torch.dtype | None"], Any]
 
 
 class Closable(Protocol):
@@ -38,8 +40,11 @@ class Closable(Protocol):
 class LazyWeights(Mapping[str, Any]):
     """HF names -> tensors (or `Int4Weight`s), each read from its file on access."""
 
-    def __init__(self, readers: Mapping[str, Reader], files: Sequence[Closable] = ()) -> None:
+    def __init__(self, readers: Mapping[str, Reader], files: Sequence[Closable] = (),
+                 slicers: Mapping[str, Slicer] | None = None) -> None:  # fmt: skip
+        """slicers: the names whose parts can be read alone (safetensors files)."""
         self._readers = dict(readers)
+        self._slicers = dict(slicers or {})
         self._source: LazyWeights | None = None  # a derived mapping keeps its source's files
         self._open = [True]
         self._close = weakref.finalize(self, _close_all, list(files), self._open)
@@ -65,6 +70,22 @@ class LazyWeights(Mapping[str, Any]):
 
     def __getitem__(self, name: str) -> Any:
         return self.read(name)
+
+    def pop_slice(self, name: str, dim: int, start: int, length: int,
+                  dtype: torch.dtype | None = None) -> Any:  # fmt: skip
+        """Rows (dim 0) or columns (dim 1) [start, start + length) of `name` (see can_slice),
+        reading no more than that (and row chunks); the name forgotten."""
+        if not self._open[0]:
+            raise ValueError(f"read of {name!r} from closed weights")
+        slicer = self._slicers.pop(name)
+        release_freed_memory()
+        del self._readers[name]
+        return slicer(dim, start, length, dtype)
+
+    def can_slice(self, name: str) -> bool:
+        """Whether `pop_slice` reads only part of `name` (a dense tensor in a safetensors
+        file, not a converted one)."""
+        return name in self._slicers
 
     def pop(self, name: str, *default: Any, dtype: torch.dtype | None = None) -> Any:
         """The tensor `name`, read now (as `read`), and the name forgotten (`default` if

@@ -33,10 +33,11 @@ def current_rss_bytes() -> int | None:
 
 def process_memory_mib(pid: int | str = "self") -> dict[str, float]:
     """A process's resident memory by kind, MiB: private (RssAnon), shared memory it maps
-    (RssShmem: a tensor-parallel worker's KV pages) and mapped files (RssFile: checkpoint
-    pages). Empty where /proc is not there or the process is gone."""
+    (RssShmem: a tensor-parallel worker's KV pages), mapped files (RssFile: checkpoint pages)
+    and its peak so far (VmHWM: a load's transient). Empty where /proc is not there or the
+    process is gone."""
     out = {}
-    for kind in ("RssAnon", "RssShmem", "RssFile"):
+    for kind in ("RssAnon", "RssShmem", "RssFile", "VmHWM"):
         value = _status_bytes(f"{kind}:", pid)
         if value is not None:
             out[kind.lower()] = round(value / 2**20, 1)

@@ -79,6 +79,28 @@ class SafetensorsFile:
             out[first:last].copy_(raw.view(entry.dtype).view(last - first, *entry.shape[1:]))
         return out
 
+    def read_slice(self, name: str, dim: int, start: int, length: int,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+        """Rows (dim 0) or columns (dim 1, of a 2-D tensor) [start, start + length) of `name`,
+        reading only those rows, or the rows in chunks of about CHUNK_BYTES whose columns are
+        kept: never the whole tensor at once (a tensor-parallel rank's part)."""
+        entry = self.entries[name]
+        rows = entry.shape[0] if entry.shape else 0
+        row_bytes = (entry.end - entry.begin) // rows if rows else 0
+        if dim == 0:
+            raw = self._bytes(entry.begin + start * row_bytes, length * row_bytes)
+            return as_dtype(raw.view(entry.dtype).view(length, *entry.shape[1:]), dtype)
+        if dim != 1 or len(entry.shape) != 2:
+            raise ValueError(f"{name}: only rows or the columns of a matrix are read in part")
+        out = torch.empty(rows, length, dtype=dtype or entry.dtype)
+        step = max(1, CHUNK_BYTES // max(row_bytes, 1))
+        for first in range(0, rows, step):
+            last = min(rows, first + step)
+            raw = self._bytes(entry.begin + first * row_bytes, (last - first) * row_bytes)
+            chunk = raw.view(entry.dtype).view(last - first, entry.shape[1])
+            out[first:last].copy_(chunk[:, start : start + length])
+        return out
+
     def _bytes(self, offset: int, length: int) -> torch.Tensor:
         buffer = torch.empty(length, dtype=torch.uint8)
         self._file.read_into(buffer.numpy(), offset)

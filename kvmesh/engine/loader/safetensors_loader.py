@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.loader.hf_config import config_from_hf
-from kvmesh.engine.loader.lazy_weights import LazyWeights, Reader
+from kvmesh.engine.loader.lazy_weights import LazyWeights, Reader, Slicer
 from kvmesh.engine.loader.safetensors_io import SafetensorsFile
 from kvmesh.errors import ModelFormatError
 
@@ -24,15 +24,18 @@ def load_hf_folder(folder: Path) -> tuple[ModelConfig, LazyWeights]:
         raise ModelFormatError(f"{folder}/config.json is invalid: {exc}") from exc
     shards: list[SafetensorsFile] = []
     readers: dict[str, Reader] = {}
+    slicers: dict[str, Slicer] = {}
     try:
         for file in safetensors_files(folder):
             shards.append(SafetensorsFile(file))
             readers.update({n: functools.partial(shards[-1].read, n) for n in shards[-1].names})
+            slicers.update({n: functools.partial(shards[-1].read_slice, n)
+                            for n in shards[-1].names})  # fmt: skip
     except BaseException:
         for shard in shards:
             shard.close()
         raise
-    return config, LazyWeights(readers, shards)
+    return config, LazyWeights(readers, shards, slicers)
 
 
 def safetensors_files(folder: Path) -> list[Path]:

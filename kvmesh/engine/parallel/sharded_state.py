@@ -79,6 +79,10 @@ class ShardedState(Mapping):
         if self._hidden(name):
             self.state.pop(name)
             raise KeyError(name)
+        part = self._part(name)
+        can_slice = getattr(self.state, "can_slice", None)
+        if part is not None and can_slice is not None and can_slice(name):
+            return self.state.pop_slice(name, *part, dtype=dtype)  # only this rank's part read
         tensor = self.state.pop(name, dtype=dtype) if self._lazy else self.state.pop(name)
         if dtype is not None and isinstance(tensor, torch.Tensor) and not self._lazy:
             tensor = tensor.to(dtype)
@@ -99,6 +103,17 @@ class ShardedState(Mapping):
     def sliced(self, name: str, tensor: Any) -> Any:
         """This rank's part of `tensor`, read whole as `name` (an INT4 weight: by whole groups)."""
         return self._slice(name, tensor)
+
+    def _part(self, name: str) -> tuple[int, int, int] | None:
+        """(dimension, start, length) of a dense tensor's part this rank keeps, or None."""
+        rule = self._rule(name)
+        if rule is None or rule[0] in ("rank0", "absent"):
+            return None
+        part, dim = rule
+        if name.rpartition(".")[2] not in ("weight", "bias"):
+            return None
+        keep = self._ranges[part]
+        return dim, keep.start, len(keep)
 
     def _slice(self, name: str, tensor: Any) -> Any:
         rule = self._rule(name)

@@ -67,5 +67,15 @@ class StageState(Mapping):
             tensor.to(dtype) if dtype is not None and isinstance(tensor, torch.Tensor) else tensor
         )
 
+    def pop_slice(self, name: str, dim: int, start: int, length: int,
+                  dtype: torch.dtype | None = None) -> Any:  # fmt: skip
+        if name not in self:
+            raise KeyError(name)
+        return self.state.pop_slice(self._original(name), dim, start, length, dtype)
+
+    def can_slice(self, name: str) -> bool:
+        can = getattr(self.state, "can_slice", None)
+        return can is not None and name in self and can(self._original(name))
+
     def read(self, name: str) -> Any:
         return self.state.read(self._original(name)) if self._lazy else self[name]
