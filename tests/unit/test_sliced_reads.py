@@ -73,3 +73,21 @@ def test_a_ranks_view_reads_only_its_parts(tensors):
     whole = LazyWeights(readers)  # no slicers (a converted model): whole, then sliced
     state = ShardedState(whole, config, TensorShard(1, 2))
     assert torch.equal(state.pop(Q), full[Q][8:24]) and calls == [Q, OUT, E]
+
+
+def test_gguf_parts_dequantize_only_their_rows_or_columns(default_model_source):
+    """SmolLM2's GGUF (Q4_1 / Q8_0 blocks): a part equals the whole tensor's, read and cut,
+    permuted Q/K rows included (whole heads unpermuted alone), in fp32 and bf16."""
+    from kvmesh.engine.loader.gguf_loader import load_gguf
+
+    parts = [("model.layers.3.self_attn.q_proj.weight", 0, 192, 192),
+             ("model.layers.3.self_attn.k_proj.weight", 0, 64, 128),
+             ("model.layers.3.self_attn.o_proj.weight", 1, 192, 384),
+             ("model.embed_tokens.weight", 0, 24576, 24576)]  # fmt: skip
+    for dtype in (torch.float32, torch.bfloat16):
+        _, weights = load_gguf(default_model_source.gguf_file)
+        for name, dim, start, length in parts:
+            assert weights.can_slice(name)
+            whole = weights.read(name, dtype).narrow(dim, start, length)
+            assert torch.equal(weights.pop_slice(name, dim, start, length, dtype), whole), name
+        assert not weights.can_slice("model.norm.weight")  # a vector: read whole

@@ -85,12 +85,14 @@ def open_entry(path: Path) -> tuple[ModelConfig, LazyWeights] | None:
         return None
     try:
         config = config_from_json(file.metadata["config"])
-        readers = _entry_readers(file, json.loads(file.metadata["int4"]))
+        int4 = json.loads(file.metadata["int4"])
+        readers = _entry_readers(file, int4)
     except Exception as exc:  # noqa: BLE001 - metadata of another writer: rebuilt
         file.close()
         log.warning("model_cache.unreadable", path=str(path), error=repr(exc))
         return None
-    return config, LazyWeights(readers, [file])
+    slicers = {n: functools.partial(file.read_slice, n) for n in readers if n not in int4}
+    return config, LazyWeights(readers, [file], slicers)  # a rank reads its part of a dense one
 
 
 def _entry_readers(file: SafetensorsFile, groups: dict[str, int]) -> dict[str, Reader]:

@@ -94,9 +94,41 @@ def load_gguf(path: Path, int4: bool = False) -> tuple[ModelConfig, LazyWeights]
     file = ReadOnlyFile(path)
     readers = {hf_name(t.name): functools.partial(_read, file, t, config, int4)
                for t in header.tensors}  # fmt: skip
+    slicers = {hf_name(t.name): functools.partial(_read_slice, file, t, config)
+               for t in header.tensors if len(t.shape) == 2 and not _kept_int4(t, int4)}  # fmt: skip
     if "lm_head.weight" in readers:
         config = _replace(config, tie_word_embeddings=False)
-    return config, LazyWeights(readers, [file])
+    return config, LazyWeights(readers, [file], slicers)
+
+
+def _kept_int4(t: TensorInfo, int4: bool) -> bool:
+    return int4 and t.qtype in ("Q4_0", "Q4_1") and len(t.shape) == 2
+
+
+def _read_slice(file: ReadOnlyFile, t: TensorInfo, config: ModelConfig, dim: int, start: int,
+                length: int, dtype: Any) -> Any:  # fmt: skip
+    """Rows or columns [start, start + length) of a float matrix: the raw (quantized) tensor
+    is read whole -- a fraction of the floats -- but only this part is dequantized, row chunks
+    at a time. Permuted Q/K rows: a slice of whole heads, unpermuted on its own."""
+    import torch
+
+    raw = np.empty(t.items, t.item_dtype)
+    file.read_into(raw.reshape(-1).view(np.uint8), t.offset)
+    rows, cols = t.shape
+    keep = range(start, start + length) if dim == 0 else range(rows)
+    columns = slice(start, start + length) if dim == 1 else slice(None)
+    out = torch.empty(len(keep), length if dim == 1 else cols, dtype=dtype or torch.float32)
+    for chunk in _row_chunks((len(keep), cols)):
+        first, last = keep.start + chunk.start, min(keep.stop, keep.start + chunk.stop)
+        part = _dequantized_rows(raw[first:last], t, (last - first, cols))
+        out[first - keep.start : last - keep.start].copy_(torch.from_numpy(part[:, columns]))
+    heads = _permuted_heads(hf_name(t.name), config)
+    if heads is not None:
+        if dim != 0 or rows % heads or start % (rows // heads) or length % (rows // heads):
+            raise ModelFormatError(f"{t.name}: a split of permuted rows must keep whole heads")
+        n_head = length // (rows // heads)  # unpermute's reshape, in any dtype
+        out = out.view(n_head, length // n_head // 2, 2, cols).transpose(1, 2).reshape(out.shape)
+    return out
 
 
 def _read(file: ReadOnlyFile, t: TensorInfo, config: ModelConfig, int4: bool, dtype: Any) -> Any:
