@@ -35,6 +35,19 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(split, llm):
     assert torch.allclose(one.float(), two.float(), atol=2e-4, rtol=0), (one - two).abs().max()
 
 
+def test_two_pipeline_stages_give_one_ranks_tokens_and_logits_exactly(llm):
+    """SmolLM2 in 2 stages of 15 layers (FP8 pages): no sum changes order, so the same bits."""
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    options = dict(dtype="fp32", kv_dtype="fp8_e4m3", max_num_seqs=8, kv_cache_bytes=64 << 20)
+    one = LLM(**options)
+    want = [o.token_ids for o in one.generate(PROMPTS, params)]
+    ids = one.tokenizer.encode(PROMPTS[2] + " red, green and blue.")
+    with LLM(pipeline_parallel_size=2, **options) as staged:
+        assert len(staged.engine.runner.model.layers) == 15
+        assert [o.token_ids for o in staged.generate(PROMPTS, params)] == want
+        assert torch.equal(one.engine.score(ids), staged.engine.score(ids))
+
+
 # (engine options, logits tolerance, the top-2 gap below which a token may differ): fp32 sums
 # differ from one rank's only in their order; bf16 partial outputs are rounded before the sum
 PRECISIONS = [({"dtype": "fp32", "kv_dtype": "fp8_e4m3"}, 1e-3, 0.02),
