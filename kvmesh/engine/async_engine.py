@@ -321,6 +321,8 @@ class AsyncEngine:
         an engine of one rank. Polled: a rank may die while no step runs."""
         while self._engine.serviceable():
             await asyncio.sleep(every_s)
+        await asyncio.to_thread(self._engine.close)  # the other ranks now: a pass waiting on
+        # them fails at once (rather than when the worker stops its engine thread)
 
     # -- the engine's immutable parts -----------------------------------------------------------
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 import torch
@@ -63,6 +64,26 @@ class Engine(HandOver):
         loaded = load_engine_model(config, load_weights, shard)
         # the other ranks load after rank 0 (a converted model is then in the cache for them)
         self.ranks = start_ranks(config, loaded, serve_threads) if ranks > 1 else None
+        try:  # a failure from here on must not leave the other ranks running
+            self._build(config, loaded, serve_threads)
+        except BaseException:
+            self.close()
+            raise
+        log.info(
+            "engine.ready",
+            model=self.source.name,
+            dtype=config.compute_dtype,
+            weights=config.weights,
+            kv_dtype=self.kv_dtype,
+            kv_integrity=config.kv_integrity,
+            pages=self.kv_cache.num_pages,
+            capacity_tokens=self.kv_cache.capacity_tokens,
+            init_s=round(time.perf_counter() - started, 3),
+        )
+
+    def _build(self, config: EngineConfig, loaded: Any, serve_threads: int) -> None:
+        """Everything past the weights and the ranks: pages, scheduler, runner, sampler."""
+        ranks = config.world_size
         self.source, self.model_config = loaded.source, loaded.config
         self.tokenizer, model = loaded.tokenizer, loaded.model
         self.max_model_len, self._context_note = loaded.max_model_len, loaded.context_note
@@ -109,17 +130,6 @@ class Engine(HandOver):
         self._kept: dict[str, Sequence] = {}  # prefill: keep_pages requests
         # Receives the prefix cache's stored/removed events after each step (None: dropped).
         self.kv_event_sink: Callable[[list[KvEvent]], None] | None = None
-        log.info(
-            "engine.ready",
-            model=self.source.name,
-            dtype=config.compute_dtype,
-            weights=config.weights,
-            kv_dtype=self.kv_dtype,
-            kv_integrity=config.kv_integrity,
-            pages=num_pages,
-            capacity_tokens=self.kv_cache.capacity_tokens,
-            init_s=round(time.perf_counter() - started, 3),
-        )
 
     @property
     def rank_pids(self) -> list[int]:

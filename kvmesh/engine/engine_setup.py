@@ -58,10 +58,11 @@ def load_engine_model(config: EngineConfig, load_weights: Any,
     if shard is None:
         model = build_model(model_config, loaded.weights, dtype, max_len, int4=config.int4)
     else:
-        state = loaded.weights
+        weights = loaded.weights
         if shard.stages > 1:  # the stage's layers only, renumbered
-            state = StageState(state, model_config, shard)
-        weights = ShardedState(state, model_config, shard)
+            weights = StageState(weights, model_config, shard)
+        if shard.world > 1:  # its part of each split tensor
+            weights = ShardedState(weights, model_config, shard)
         model = build_model(shard.local_config(model_config), weights, dtype, max_len,
                             int4=config.int4)  # fmt: skip
     log.info("engine.model_built", seconds=round(time.perf_counter() - built, 3),

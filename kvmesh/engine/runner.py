@@ -78,6 +78,9 @@ class ModelRunner:
             passes = [self._forward(chunks)]
         logits, req_ids, counts = [], [], []
         for hidden, sample_rows, ids, rows in passes:
+            if not sample_rows:  # (a prompt's chunk before its last): no LM head on any rank
+                logits.append(hidden.new_empty((0, self.model.config.vocab_size)))
+                continue
             if len(sample_rows) != hidden.shape[0]:  # else every row samples, in order
                 hidden = hidden[int_tensor(sample_rows)]
             logits.append(self.model.logits(hidden))

@@ -136,9 +136,20 @@ def shard_spans_of(shard: prefill_pb2.KvShard) -> tuple[range, ...]:
     return tuple(range(a, b) for a, b in zip(shard.starts, shard.stops, strict=True))
 
 
+MAX_SHARDS = 64  # ranks of one worker (16 today)
+MAX_SPANS = 1024  # spans of one shard: 2 per KV head and stage at most
+
+
 def check_shards(dest: prefill_pb2.KvDestination) -> None:
-    """ValueError unless the destination's shards hold every byte of its pages, in spans."""
+    """ValueError unless the destination's shards hold every byte of its pages, each in
+    ordered, disjoint spans inside the page (bounded: the copy plan grows with them)."""
+    if len(dest.shards) > MAX_SHARDS:
+        raise ValueError(f"{len(dest.shards)} shards (at most {MAX_SHARDS})")
     shards = [PoolShard(s.address, shard_spans_of(s)) for s in dest.shards]
-    if any(len(span) < 1 for s in shards for span in s.spans):
-        raise ValueError("empty span")
+    for shard in shards:
+        spans = shard.spans
+        if len(spans) > MAX_SPANS or any(len(r) < 1 for r in spans):
+            raise ValueError(f"a shard of {len(spans)} spans (1..{MAX_SPANS}, none empty)")
+        if any(a.stop > b.start for a, b in zip(spans, spans[1:], strict=False)):
+            raise ValueError("a shard's spans must be ordered and disjoint")
     PoolLayout(tuple(shards), dest.page_bytes)

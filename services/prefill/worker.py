@@ -114,9 +114,13 @@ class PrefillWorker:
         if not local:
             return 0
         held = list(dest.page_ids[plan.start_page : plan.start_page + len(local)])
-        ranges = copy_ranges(destination_side(dest, held), self.pages.side(local))
+
+        def read() -> None:  # (the copy plan off the event loop too)
+            ranges = copy_ranges(destination_side(dest, held), self.pages.side(local))
+            self.transfer.read_pages(dest.te_session, *ranges)
+
         try:
-            await asyncio.to_thread(self.transfer.read_pages, dest.te_session, *ranges)
+            await asyncio.to_thread(read)
         except TransferError as exc:
             log.warning("prefill.read_from_decode_failed", error=str(exc))
             return 0

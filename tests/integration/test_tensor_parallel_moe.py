@@ -28,7 +28,15 @@ CASES = {
     "qwen3-moe-tp2": ("qwen3_moe", 2, 1, False, {}, TinySize(), "none"),
     "qwen3-moe-ep2": ("qwen3_moe", 2, 1, True, FP8, TinySize(), "none"),
     "qwen3-tp4-replicated-kv": ("qwen3", 4, 1, False, {}, TinySize(), "none"),
-    "llama-pp2": ("llama", 1, 2, False, {}, TinySize(), "none"),
+    "llama-pp2-chunked": (
+        "llama",
+        1,
+        2,
+        False,
+        {"max_num_batched_tokens": 8},
+        TinySize(),
+        "none",
+    ),  # fmt: skip (prompt chunks before the last sample nothing)
     "llama-pp2-micro-batches": (
         "llama",
         1,

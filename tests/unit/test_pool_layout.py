@@ -160,3 +160,28 @@ def test_pipeline_stages_and_heads_to_any_layout(kv_dtype: str) -> None:
     memory.copy(*copy_ranges(middle, end))
     assert memory.holds(middle, pages) and memory.holds(end, pages)
     assert [memory.page(end, i) for i in range(2)] == pages
+
+
+def test_a_destinations_shards_are_checked_before_any_copy() -> None:
+    """KvDestination.shards come from another worker: spans ordered, disjoint, bounded and
+    covering the page, or the request is refused (never a huge or wrong copy plan)."""
+    from kvmesh.mesh.convert import MAX_SPANS, check_shards
+    from kvmesh.proto.v1 import prefill_pb2
+
+    def dest(*shards) -> prefill_pb2.KvDestination:
+        return prefill_pb2.KvDestination(page_bytes=48, shards=[
+            prefill_pb2.KvShard(address=1000 * i, starts=[a for a, _ in s], stops=[b for _, b in s])
+            for i, s in enumerate(shards)])  # fmt: skip
+
+    check_shards(dest([(0, 16), (32, 48)], [(16, 32)]))  # interleaved heads: fine
+    check_shards(dest([(0, 48)], [(0, 48)]))  # replicated
+    bad = {"ordered and disjoint": dest([(16, 32), (0, 16), (32, 48)]),
+           "do not hold a page": dest([(0, 16)], [(32, 48)]),
+           "none empty": dest([(0, 0), (0, 48)]),
+           "as many span starts": dest([])}  # fmt: skip
+    for reason, message in bad.items():
+        with pytest.raises(ValueError, match=reason):
+            check_shards(message)
+    flood = dest([(i, i + 1) for i in range(MAX_SPANS)] + [(MAX_SPANS, 48)])
+    with pytest.raises(ValueError, match="spans"):
+        check_shards(flood)

@@ -35,7 +35,10 @@ if TYPE_CHECKING:
 
 KV_DTYPES = ("fp32", "bf16", "fp8_e4m3")
 KV_KINDS = ("gqa", "mla")
-LAYOUT_VERSION = 2  # bump when the byte order of a page changes (pairs P/D workers and stores)
+# bump when the byte order of a page, or how a worker says where its pages are, changes (pairs
+# P/D workers and stores); 3: sharded destinations (KvDestination.shards), which a worker of 2
+# would not read
+LAYOUT_VERSION = 3
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8_e4m3": 1}
 
 

@@ -112,6 +112,9 @@ def _read_slice(file: ReadOnlyFile, t: TensorInfo, config: ModelConfig, dim: int
     at a time. Permuted Q/K rows: a slice of whole heads, unpermuted on its own."""
     import torch
 
+    from kvmesh.engine.loader.safetensors_io import check_part
+
+    check_part(hf_name(t.name), tuple(t.shape), dim, start, length)
     raw = np.empty(t.items, t.item_dtype)
     file.read_into(raw.reshape(-1).view(np.uint8), t.offset)
     rows, cols = t.shape

@@ -85,13 +85,12 @@ class SafetensorsFile:
         reading only those rows, or the rows in chunks of about CHUNK_BYTES whose columns are
         kept: never the whole tensor at once (a tensor-parallel rank's part)."""
         entry = self.entries[name]
-        rows = entry.shape[0] if entry.shape else 0
+        check_part(name, entry.shape, dim, start, length)
+        rows = entry.shape[0]
         row_bytes = (entry.end - entry.begin) // rows if rows else 0
         if dim == 0:
             raw = self._bytes(entry.begin + start * row_bytes, length * row_bytes)
             return as_dtype(raw.view(entry.dtype).view(length, *entry.shape[1:]), dtype)
-        if dim != 1 or len(entry.shape) != 2:
-            raise ValueError(f"{name}: only rows or the columns of a matrix are read in part")
         out = torch.empty(rows, length, dtype=dtype or entry.dtype)
         step = max(1, CHUNK_BYTES // max(row_bytes, 1))
         for first in range(0, rows, step):
@@ -108,6 +107,16 @@ class SafetensorsFile:
 
     def close(self) -> None:
         self._file.close()
+
+
+def check_part(name: str, shape: tuple[int, ...], dim: int, start: int, length: int) -> None:
+    """ModelFormatError unless [start, start + length) lies inside dimension `dim` (0, or 1 of
+    a matrix) of `shape`: a checkpoint smaller than its config says."""
+    if dim not in (0, 1) or len(shape) <= dim or (dim == 1 and len(shape) != 2):
+        raise ValueError(f"{name}: only rows or the columns of a matrix are read in part")
+    if start < 0 or length < 0 or start + length > shape[dim]:
+        raise ModelFormatError(f"{name} has {shape[dim]} entries in dimension {dim}; a rank "
+                               f"needs [{start}, {start + length})")  # fmt: skip
 
 
 def _parse_header(file: ReadOnlyFile) -> tuple[dict[str, TensorEntry], dict[str, str]]:

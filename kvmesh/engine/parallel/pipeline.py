@@ -12,6 +12,8 @@ extra passes cost more than the overlap gives, so one group is the default.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,11 +24,15 @@ from kvmesh.errors import EngineFailure
 
 _ROWS, _LOGITS = 1, 2  # message tags
 _IN_FLIGHT = 8  # sends not waited for yet, per rank
+_CHECK_EVERY_S = 0.5  # how often a waiting receive asks whether the ranks still run
 
 
 class Pipeline:
-    def __init__(self, model: Any, shard: TensorShard, group: dist.ProcessGroupGloo) -> None:
-        self.model, self.shard, self.group = model, shard, group
+    def __init__(self, model: Any, shard: TensorShard, group: dist.ProcessGroupGloo,
+                 alive: Callable[[], bool]) -> None:  # fmt: skip
+        """alive: whether the ranks this one may wait on still run (polled while it waits: a
+        rank of a later stage may die while that stage's peers wait in their own sum)."""
+        self.model, self.shard, self.group, self.alive = model, shard, group, alive
         self.dtype = model.dtype
         self.hidden = model.config.hidden_size
         base = shard.stage * shard.world + shard.rank
@@ -70,12 +76,23 @@ class Pipeline:
         shape = (hidden.shape[0], self.model.config.vocab_size)
         return self._receive(shape, last, _LOGITS).to(self.dtype)
 
+    def _wait(self, work: Any) -> None:
+        """Wait for a receive on a thread of its own, asking `alive` every half second (gloo's
+        recv work cannot be polled): a rank that died behind the sender ends the wait."""
+        done, failed = threading.Event(), []
+        threading.Thread(target=_waited, args=(work, done, failed), daemon=True).start()
+        while not done.wait(_CHECK_EVERY_S):
+            if not self.alive():
+                raise EngineFailure("a parallel rank of this engine is gone")
+        if failed:
+            raise failed[0]
+
     def _send(self, tensor: torch.Tensor, rank: int, tag: int) -> None:
         """Without waiting for it (a bounded number in flight)."""
         try:
             while len(self._sending) >= _IN_FLIGHT:
                 self._sending.pop(0)[0].wait()
-            rows = tensor.float().contiguous()
+            rows = tensor.to(torch.float32, copy=True)  # its own buffer: sent later
             self._sending.append((self.group.send([rows], rank, tag), rows))
         except RuntimeError as exc:
             raise EngineFailure(f"pipeline rank {rank} of this engine is gone: {exc}") from exc
@@ -83,10 +100,19 @@ class Pipeline:
     def _receive(self, shape: tuple[int, int], rank: int, tag: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=torch.float32)
         try:
-            self.group.recv([out], rank, tag).wait()
+            self._wait(self.group.recv([out], rank, tag))
         except RuntimeError as exc:
             raise EngineFailure(f"pipeline rank {rank} of this engine is gone: {exc}") from exc
         return out
+
+
+def _waited(work: Any, done: threading.Event, failed: list[BaseException]) -> None:
+    try:
+        work.wait()
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+        failed.append(exc)
+    finally:
+        done.set()
 
 
 def _no_logits(hidden: torch.Tensor) -> torch.Tensor:

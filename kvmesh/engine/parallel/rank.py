@@ -53,7 +53,7 @@ def _build(conn: Connection, config, shard: TensorShard, groups: tuple, shm_name
     if shm_names:  # its stage's shared-memory all-reduce
         shm = ShmAllReduce(shard.world, shard.rank, capacity, shm_names[shard.stage],
                            alive=lambda: os.getppid() == parent)  # fmt: skip
-    join_shard(loaded.model, loaded.config, shard, *groups, shm)
+    join_shard(loaded.model, loaded.config, shard, *groups, shm, lambda: os.getppid() == parent)
     spec = loaded.model.kv_spec(config.page_size, config.resolved_kv_dtype)
     _, num_pages, nbytes, offset = conn.recv()
     pool = pool_of(receive_region(conn, nbytes), offset, spec, num_pages)

@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -44,14 +45,16 @@ class Ranks:
         """capacity: floats of a shared-memory all-reduce's slots."""
         tp, stages = config.tensor_parallel_size, config.pipeline_parallel_size
         self.world, self._stopped = config.world_size, False
-        store = group.master_store(self.world)
-        # one shared-memory all-reduce per stage's tensor-parallel ranks, all made by rank 0
-        self.sums = ([ShmAllReduce(tp, 0, capacity, alive=self._all_running)
-                      for _ in range(stages)] if tp > 1 else [])  # fmt: skip
+        self._closing = threading.Lock()  # close() may come from two threads (a lost engine)
+        self.sums: list[ShmAllReduce] = []
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
         env = {**os.environ, "KVMESH_NUM_THREADS": str(threads)}
         try:
+            store = group.master_store(self.world)
+            # one shared-memory all-reduce per stage's tensor-parallel ranks, all made by rank 0
+            for _ in range(stages if tp > 1 else 0):
+                self.sums.append(ShmAllReduce(tp, 0, capacity, alive=self._all_running))
             for rank in range(1, self.world):
                 ours, theirs = socket.socketpair()
                 self._procs.append(subprocess.Popen(
@@ -74,6 +77,10 @@ class Ranks:
     def alive(self) -> bool:
         """Every rank runs and none was stopped (a failed pass stops them all)."""
         return not self._stopped and self._all_running()
+
+    def running(self) -> bool:
+        """Every other rank's process runs (what a rank 0 waiting on them polls)."""
+        return self._all_running()
 
     @property
     def shm(self) -> ShmAllReduce | None:
@@ -154,25 +161,30 @@ class Ranks:
             raise EngineFailure(f"tensor-parallel rank {rank} is gone: {exc}") from exc
 
     def close(self) -> None:
-        """Stop the ranks (their sockets closed first: each exits on its own)."""
-        for conn in self._conns:
-            conn.close()
-        self._conns = []
-        stop_groups(self._procs, grace=5.0)
-        self._procs, self._stopped = [], True
-        for block in self.sums:
-            block.close()
-        self.sums = []
-        atexit.unregister(self.close)
+        """Stop the ranks (their sockets closed first: each exits on its own). Once, from
+        whichever thread comes first; a pass still running fails (sends to closed sockets,
+        sums whose peers are gone)."""
+        with self._closing:
+            if self._stopped and not self._procs:
+                return
+            self._stopped = True
+            for conn in self._conns:
+                conn.close()
+            stop_groups(self._procs, grace=5.0)
+            self._procs = []
+            for block in self.sums:
+                block.close()
+            atexit.unregister(self.close)
 
 
 def join_shard(model: Any, config: ModelConfig, shard: TensorShard, world: Any, tp: Any,
-               shm: ShmAllReduce | None) -> None:  # fmt: skip
-    """A rank's model joined to the others: its stage's tensor-parallel sums, its stage's links."""
+               shm: ShmAllReduce | None, alive: Any) -> None:  # fmt: skip
+    """A rank's model joined to the others: its stage's tensor-parallel sums, its stage's links
+    (`alive`: whether the ranks it may wait on still run)."""
     if shard.world > 1:
         group.all_reduced_layers(model, shard.vocab(config), tp, shm)
     if shard.stages > 1:
-        Pipeline(model, shard, world).install()
+        Pipeline(model, shard, world, alive).install()
 
 
 def start_ranks(config: EngineConfig, loaded: Any, threads: int) -> Ranks:
@@ -183,7 +195,8 @@ def start_ranks(config: EngineConfig, loaded: Any, threads: int) -> Ranks:
                                      config.max_num_seqs)  # fmt: skip
     ranks = Ranks(config, threads, capacity)
     try:
-        join_shard(loaded.model, loaded.config, shard, ranks.group, ranks.tp_group, ranks.shm)
+        join_shard(loaded.model, loaded.config, shard, ranks.group, ranks.tp_group, ranks.shm,
+                   ranks.running)  # fmt: skip
     except BaseException:
         ranks.close()  # (later failures: the ranks stop at exit, as registered)
         raise

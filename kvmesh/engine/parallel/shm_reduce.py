@@ -11,6 +11,7 @@ all at each), so the other parity's slots are never read while written.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -72,9 +73,13 @@ class ShmAllReduce:
 
     def close(self) -> None:
         self._slots = self._counters = None  # views into the block go before it does
-        self.shm.close()
+        # a sum still running on another thread holds a view: then unmapped at exit (the block
+        # is unlinked below all the same)
+        with contextlib.suppress(BufferError):
+            self.shm.close()
         if self.rank == 0:
-            self.shm.unlink()
+            with contextlib.suppress(FileNotFoundError):
+                self.shm.unlink()
 
 
 def _untrack(shm: shared_memory.SharedMemory) -> None:
