@@ -107,3 +107,30 @@ def _check_parts(whole, part, ranks: int, stages: int, expert_parallel: bool) ->
     else:
         assert len(held) == len(experts)
         assert held[0].nbytes * ranks == pytest.approx(full.nbytes, rel=0.02)
+
+
+def test_a_rank_of_a_later_stage_killed_is_an_engine_failure_in_seconds(tmp_path):
+    """TP=2 x PP=2, the last stage's second rank SIGKILLed mid-generation: its stage peer
+    waits in their sum and rank 0 in its receive of the logits; rank 0 sees the rank gone
+    (checked every 0.5 s while it waits) and the request fails, every rank stopped."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from kvmesh.errors import EngineFailure
+
+    path = str(make_tiny_model(TinySpec("qwen3_moe"), tmp_path / "m").path)
+    llm = LLM(model=path, dtype="fp32", tensor_parallel_size=2, pipeline_parallel_size=2,
+              max_num_seqs=4)  # fmt: skip
+    pids = llm.engine.ranks.pids  # global ranks 1, 2, 3
+    threading.Timer(1.0, os.kill, (pids[2], signal.SIGKILL)).start()
+    started = time.monotonic()
+    with pytest.raises(EngineFailure, match="gone"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=100000, temperature=0.0,
+                                                 ignore_eos=True))  # fmt: skip
+    assert time.monotonic() - started < 20
+    llm.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
