@@ -172,7 +172,6 @@ async def serve_worker(
             "kv_spec": engine.kv_pages.spec.layout_key,
             "tensor_parallel": str(engine.config.tensor_parallel_size),
             "pipeline_parallel": str(engine.config.pipeline_parallel_size),
-            "rank_pids": ",".join(map(str, engine.rank_pids)),
             "ranks": _ranks(engine),
         },  # fmt: skip
     )

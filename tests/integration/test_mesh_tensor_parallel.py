@@ -77,7 +77,7 @@ def test_layouts_are_advertised(mesh):
     assert {w.role: int(w.extra["tensor_parallel"]) for w in workers} == {
         "prefill": prefill_tp, "decode": decode_tp}  # fmt: skip
     for worker in workers:  # the other ranks' processes, alive
-        pids = [int(p) for p in worker.extra["rank_pids"].split(",") if p]
+        pids = _other_ranks(worker)
         assert len(pids) == int(worker.extra["tensor_parallel"]) - 1
         for pid in pids:
             os.kill(pid, 0)
@@ -160,7 +160,7 @@ def _kill_a_rank_mid_stream(client, running):
         for i, _ in enumerate(stream):
             if i == 2:
                 victim = _busy_decode(running)
-                rank = int(victim.extra["rank_pids"].split(",")[0])
+                rank = _other_ranks(victim)[0]
                 killed = (victim, rank, running.procs[victim.worker_id], time.monotonic())
                 os.kill(rank, signal.SIGKILL)
     except openai.APIError:
@@ -168,6 +168,11 @@ def _kill_a_rank_mid_stream(client, running):
             return None
         return (*killed[:3], time.monotonic() - killed[3])
     raise AssertionError("the stream ended without an error")
+
+
+def _other_ranks(worker) -> list[int]:
+    """The pids of a worker's ranks other than rank 0 (its etcd `ranks`)."""
+    return [r["pid"] for r in json.loads(worker.extra["ranks"])[1:]]
 
 
 def _busy_decode(running):
