@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvmesh.cli_args import UP_LOCAL_PREFILL_TOKENS, build_parser
+from kvmesh.cli_args import GATEWAY_FRONT, UP_LOCAL_PREFILL_TOKENS, build_parser
 from kvmesh.errors import KvmeshError
 
 
@@ -122,6 +122,7 @@ def _up(args: argparse.Namespace) -> int:
                 "--session-ttl",
                 str(args.session_ttl),
                 *(("--tool-call-parser", args.tool_call_parser) if args.tool_call_parser else ()),
+                *_gateway_front(args),
             ),
             kvstore=args.kvstore,
             decode_lead_cpu=args.decode_lead_cpu,
@@ -133,6 +134,16 @@ def _up(args: argparse.Namespace) -> int:
             ),
         )
     )
+
+
+def _gateway_front(args: argparse.Namespace) -> list[str]:
+    """`up`'s gateway_front_args as the gateway's flags."""
+    flags: list[str] = []
+    for name in GATEWAY_FRONT:
+        value = getattr(args, name)
+        if value is not None and value is not False:
+            flags += ["--" + name.replace("_", "-")] + ([] if value is True else [str(value)])
+    return flags
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -160,7 +171,7 @@ def _service(args: argparse.Namespace) -> tuple[Callable[[Any], Any], Any]:
 
         names = ("etcd", "cluster", "model", "host", "http_port", "grpc_port", "session_ttl",
                  "affinity_max_load_ratio", "affinity_slack_tokens", "routing",
-                 "tool_call_parser")  # fmt: skip
+                 "tool_call_parser", *GATEWAY_FRONT)  # fmt: skip
         return serve_gateway, GatewayOptions(**{name: getattr(args, name) for name in names})
     from kvmesh.mesh.worker_runtime import WorkerOptions
 

@@ -227,6 +227,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     up.add_argument("--kvstore-ram-mib", type=int, default=256)
     up.add_argument("--kvstore-disk-mib", type=int, default=1024)
     up.add_argument("--session-ttl", type=int, default=600)
+    gateway_front_args(up)
     _worker_args(up, local_prefill=None)
     _spec_args(up, worker=True)
     for role in ("prefill", "decode"):
@@ -294,6 +295,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         help="cache-aware: session affinity + prefix scores; least-load: baseline",
     )
     _tool_parser_arg(gateway)
+    gateway_front_args(gateway)
     status = sub.add_parser("status", help="list the mesh's workers and their load")
     status.add_argument(
         "--etcd", default=None, help="host:port (default: the one `kvmesh up` started)"
@@ -376,6 +378,20 @@ class _Lazy:
         parser = sub.add_parser(path[1], help=text, description=text)
         if self.argv is None or self.argv[:2] == path:
             getattr(importlib.import_module(module), adder)(parser)
+
+
+def gateway_front_args(parser: argparse.ArgumentParser) -> None:
+    """The gateway's request-handling flags, on `serve gateway` and passed on by `up`."""
+    parser.add_argument(
+        "--migration-limit",
+        type=int,
+        default=3,
+        help="times a stream may move to another decode worker after its own died mid-stream "
+        "(0: the client gets the error)",
+    )
+
+
+GATEWAY_FRONT = ("migration_limit",)  # gateway_front_args' destinations, passed on by `up`
 
 
 def _tool_parser_arg(parser: argparse.ArgumentParser) -> None:

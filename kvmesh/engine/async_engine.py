@@ -14,7 +14,7 @@ import contextlib
 import contextvars
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -194,15 +194,15 @@ class AsyncEngine:
         keep_pages: bool = False,
         cache_salt: str = "",
         tap: Tap | None = None,
+        resumed: Sequence[int] = (),
     ) -> AsyncIterator[TokenOutput]:
         """Run a request here (prefill and decode) and stream its outputs (those `tap` does
-        not take: output_streams.py)."""
+        not take: output_streams.py); `resumed`: output another worker already sent."""
         stream = self._open(request_id, tap)
         try:
             await self._prepare(params)
-            await self.call(
-                self._engine.add_request, request_id, prompt, params, keep_pages, cache_salt
-            )
+            await self.call(self._engine.add_request, request_id, prompt, params, keep_pages,
+                            cache_salt, resumed)  # fmt: skip
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -210,22 +210,23 @@ class AsyncEngine:
             async for out in drain:
                 yield out
 
-    async def prefill(
-        self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str = ""
-    ) -> TokenOutput:
-        """Compute the prompt's KV and the first token; the pages stay held until `release`."""
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      cache_salt: str = "", resumed: Sequence[int] = ()) -> TokenOutput:  # fmt: skip
+        """Compute the KV of the prompt (and `resumed`) and the next token; the pages stay held
+        until `release`."""
         last = None
-        one = replace(params, max_tokens=1)
-        async for out in self.generate(request_id, prompt, one, True, cache_salt):
+        one = replace(params, max_tokens=len(resumed) + 1)
+        async for out in self.generate(request_id, prompt, one, True, cache_salt, None, resumed):
             last = out
         assert last is not None and last.finished
         return last
 
-    async def reserve(
-        self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str = ""
-    ) -> Reservation | None:
+    async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      cache_salt: str = "", resumed: Sequence[int] = ()) -> Reservation | None:  # fmt: skip
         await self._prepare(params)
-        return await self.call(self._engine.reserve, request_id, prompt, params, cache_salt)
+        return await self.call(
+            self._engine.reserve, request_id, prompt, params, cache_salt, resumed
+        )
 
     async def _prepare(self, params: SamplingParams) -> None:
         """Compile the request's grammar here, off the engine thread (the engine then copies

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import abc
 from collections.abc import Callable
 from typing import Any
 
@@ -38,8 +39,6 @@ from kvmesh.engine.spec.speculator import build_speculator
 from kvmesh.engine.step import ChunkPlan, StepPlan
 from kvmesh.errors import (
     CapacityError,
-    ContextLengthError,
-    InvalidRequestError,
     KvIntegrityError,
 )
 
@@ -156,39 +155,20 @@ class Engine(HandOver):
         params: SamplingParams,
         keep_pages: bool = False,
         cache_salt: str = "",
+        resumed: abc.Sequence[int] = (),
     ) -> None:
-        """Queue a request. With keep_pages its pages outlive it until `release` (prefill)."""
-        self._validate(prompt_token_ids)
-        if self.scheduler.get(request_id) is not None or request_id in self._reserved:
-            raise InvalidRequestError(f"request id {request_id!r} is already running")
-        seq = Sequence(
-            request_id, list(prompt_token_ids), params, keep_pages=keep_pages, cache_salt=cache_salt
-        )
-        self._constrain(request_id, params)
-        self.scheduler.add(seq)
+        """Queue a request. With keep_pages its pages outlive it until `release` (prefill).
+        `resumed`: output tokens another worker already sent (a migrated request goes on)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt, resumed)
+        seq.keep_pages = keep_pages
+        try:
+            self.scheduler.add(seq)
+        except BaseException:
+            self.sampler.release(request_id)
+            self.constraints.release(request_id)
+            raise
         if keep_pages:
             self._kept[request_id] = seq
-
-    def _constrain(self, request_id: str, params: SamplingParams) -> None:
-        """Compile the request's grammar (its matcher lives until the request ends)."""
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= token < vocab for token, _ in params.logit_bias):
-            raise InvalidRequestError(f"logit_bias has token ids outside [0, {vocab})")
-        if params.grammar is not None:
-            self.constraints.add(request_id, params.grammar)
-
-    def _validate(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty")
-        if len(prompt) >= self.max_model_len:
-            raise ContextLengthError(
-                f"the prompt has {len(prompt)} tokens; this model's context length is "
-                f"{self.max_model_len} tokens{self._context_note}, leaving no room to generate"
-            )
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [T, V] at every position of `token_ids` through the paged path (perplexity)."""

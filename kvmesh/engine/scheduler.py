@@ -76,7 +76,7 @@ class Scheduler:
         Returns the finish reason when the first token already ends it (pages freed then).
         With max_num_seqs running it waits first in line, holding its pages.
         """
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_computed_tokens = seq.num_tokens  # the prompt (and any resumed tokens)
         self.block_manager.cache_full_pages(seq, seq.num_computed_tokens)
         seq.append_token(first_token)
         self._seqs[seq.seq_id] = seq

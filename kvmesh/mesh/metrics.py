@@ -45,6 +45,11 @@ KV_FETCH_DIGEST_MISMATCHES = Counter(
     "kvmesh_kvstore_fetch_digest_mismatches_total",
     "Pages read from the KV store whose bytes did not match their committed digest (misses)",
 )
+REQUEST_MIGRATIONS = Counter(
+    "kvmesh_request_migrations_total",
+    "Streams moved to another decode worker after theirs died or broke mid-stream",
+    ["service", "outcome"],  # outcome: migrated | exhausted (over --migration-limit)
+)
 FAULTS_INJECTED = Counter(
     "kvmesh_faults_injected_total", "Faults injected for tests (KVMESH_FAULTS)", ["service", "kind"]
 )
@@ -122,6 +127,8 @@ def init_series(service: str, fault_kinds: Iterable[str] = ()) -> None:
     if service == "gateway":
         for outcome in _OUTCOMES:
             REQUESTS.labels(service, outcome)
+        for outcome in ("migrated", "exhausted"):
+            REQUEST_MIGRATIONS.labels(service, outcome)
         for role in ("prefill", "decode"):
             for reason in _ROUTING_REASONS:
                 ROUTING_DECISIONS.labels(role, reason)

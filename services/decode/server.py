@@ -41,7 +41,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             stream = self.worker.generate(DecodeJob(
                 request.request_id, list(request.prompt_token_ids), params,
-                request.prefill_address, request.cache_salt,
+                request.prefill_address, request.cache_salt, tuple(request.resume_token_ids),
             ), tap if request.delivery_id else None)  # fmt: skip
             async with contextlib.aclosing(stream):  # an abort reaches the engine before we return
                 async for out in stream:

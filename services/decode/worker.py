@@ -45,6 +45,11 @@ class DecodeJob:
     params: SamplingParams
     prefill_address: str = ""  # empty: prefill here
     cache_salt: str = ""
+    resumed: tuple[int, ...] = ()  # a migrated request: output the client already has
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.resumed)
 
 
 class DecodeWorker:
@@ -96,10 +101,9 @@ class DecodeWorker:
         self, job: DecodeJob, aborted: asyncio.Event, tap: Tap | None
     ) -> AsyncIterator[TokenOutput] | None:
         """The engine's output stream for the job, or None when it was aborted before."""
-        if not job.prefill_address or len(job.prompt) <= self.local_prefill_tokens:
-            return self.engine.generate(
-                job.request_id, job.prompt, job.params, cache_salt=job.cache_salt, tap=tap
-            )
+        if not job.prefill_address or job.num_tokens <= self.local_prefill_tokens:
+            return self.engine.generate(job.request_id, job.prompt, job.params,
+                                        cache_salt=job.cache_salt, tap=tap, resumed=job.resumed)  # fmt: skip
         reservation = await self._reserve(job, aborted)
         if reservation is None:
             return None
@@ -122,13 +126,13 @@ class DecodeWorker:
         deadline = time.monotonic() + RESERVE_TIMEOUT_S
         while not aborted.is_set():
             reservation = await self.engine.reserve(
-                job.request_id, job.prompt, job.params, job.cache_salt
+                job.request_id, job.prompt, job.params, job.cache_salt, job.resumed
             )
             if reservation is not None:
                 return reservation
             if time.monotonic() > deadline:
                 raise CapacityError(
-                    f"no free KV pages for {len(job.prompt)} prompt tokens within "
+                    f"no free KV pages for {job.num_tokens} prompt tokens within "
                     f"{RESERVE_TIMEOUT_S}s"
                 )
             with contextlib.suppress(TimeoutError):
@@ -197,6 +201,7 @@ class DecodeWorker:
             sampling=convert.sampling_to_pb(job.params),
             destination=destination,
             cache_salt=job.cache_salt,
+            resume_token_ids=job.resumed,
         )
 
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillStub:

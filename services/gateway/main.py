@@ -17,7 +17,7 @@ from kvmesh.mesh.discovery import Registry, WorkerWatcher
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.kv_events import PrefixIndex
 from services.gateway import grpc_api
-from services.gateway.mesh_backend import MeshBackend
+from services.gateway.mesh_backend import DEFAULT_MIGRATION_LIMIT, MeshBackend
 from services.gateway.openai_api import create_app
 from services.gateway.prefix_routing import KvEventFollower, PrefixLookup
 from services.gateway.readiness import MeshReadiness, follow
@@ -40,6 +40,7 @@ class GatewayOptions:
     affinity_slack_tokens: int = 2048
     routing: str = "cache-aware"  # or "least-load": no affinity, no prefix scores (a baseline)
     tool_call_parser: str | None = None  # None: chosen from the model's chat template
+    migration_limit: int = DEFAULT_MIGRATION_LIMIT
 
 
 async def serve_gateway(options: GatewayOptions) -> None:
@@ -59,7 +60,8 @@ async def serve_gateway(options: GatewayOptions) -> None:
             router = Router(watcher.alive, policy, PrefixLookup(index))
         follower = asyncio.create_task(KvEventFollower(index, watcher.alive).run())
         sessions = SessionStore(registry, options.session_ttl)
-        backend = MeshBackend(router, source.name, config.max_position_embeddings, sessions)
+        backend = MeshBackend(router, source.name, config.max_position_embeddings, sessions,
+                              options.migration_limit)  # fmt: skip
         counts = lambda: (len(watcher.alive("prefill")), len(watcher.alive("decode")))  # noqa: E731
         readiness = MeshReadiness(watcher.alive)
         grpc_server, grpc_port, health = await start_server(

@@ -1,18 +1,20 @@
 """GenerateBackend over the mesh: route, call Decode.Generate (which pulls in a prefill worker),
 its chunks but the last coming on the worker's delivery stream (delivery.py), retry on another
-worker when one is gone before the first token, abort down the chain."""
+worker when one is gone before the first token, migrate a stream whose worker dies after it,
+abort down the chain."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
 import grpc
 import structlog
 
-from kvmesh.errors import PrefillUnavailable
-from kvmesh.mesh import convert
+from kvmesh.errors import EngineFailure, PrefillUnavailable
+from kvmesh.mesh import convert, metrics
 from kvmesh.mesh.discovery import WorkerInfo
 from kvmesh.mesh.error_mapping import error_from_code, error_from_grpc
 from kvmesh.mesh.grpc_server import channel
@@ -24,9 +26,20 @@ from services.gateway.router import Router, WorkerUnavailable
 from services.gateway.sessions import Pin, SessionStore
 
 log = structlog.get_logger(__name__)
-MAX_ATTEMPTS = 3
+MAX_ATTEMPTS = 3  # workers tried before a request's first token
+DEFAULT_MIGRATION_LIMIT = 3  # moves of a stream after it started (--migration-limit)
 REFUSED_RETRY_S = 5.0  # a delivery socket that refused a connection is tried again after this
 _now = time.monotonic
+
+
+@dataclasses.dataclass(frozen=True)
+class Leg:
+    """One worker call of a request: the id it runs under there (a migrated request's differs:
+    the worker it left may still hold the old one), the tokens already sent, its prompt key."""
+
+    request_id: str
+    resumed: tuple[int, ...]
+    prompt: PromptKey  # the prompt and the resumed tokens (what the worker's KV will hold)
 
 
 class MeshBackend:
@@ -36,36 +49,59 @@ class MeshBackend:
         model_name: str,
         max_model_len: int,
         sessions: SessionStore | None = None,
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
     ) -> None:
         self.router = router
+        self.migration_limit = migration_limit
         self.sessions = sessions
         self.model_name = model_name
         self.max_model_len = max_model_len
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._where: dict[str, str] = {}  # request id -> decode address
+        self._where: dict[str, tuple[str, str]] = {}  # request id -> (decode, its id there)
         self._deliveries: dict[str, Delivery] = {}  # delivery socket -> its open stream
         self._refused: dict[str, float] = {}  # delivery socket -> when to try it again
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        """The request's chunks. A worker gone before the first token: tried on another (at
+        most MAX_ATTEMPTS). A decode worker that dies or breaks mid-stream: the request migrates
+        (at most `migration_limit` times) -- another worker goes on after the tokens already
+        sent (`resume_token_ids`), so the stream continues without a repeat or a gap."""
         pin = await self._lookup(request.session_id)
-        prompt = PromptKey(self.model_name, request.prompt_token_ids, request.cache_salt)
         bad_decode: set[str] = set()
         bad_prefill: set[str] = set()
-        for attempt in range(MAX_ATTEMPTS):
-            cost = self._decode_cost(request)
-            decode = self.router.pick("decode", cost, bad_decode, pin and pin.decode, prompt).worker
-            prefill = self._pick_prefill(request, decode, bad_prefill, pin and pin.prefill, prompt)
+        sent: list[int] = []  # tokens the caller has
+        attempts = migrations = 0
+        while True:
+            leg = self._leg(request, sent, migrations)
+            decode = self.router.pick("decode", self._decode_cost(request), bad_decode,
+                                      pin and pin.decode, leg.prompt).worker  # fmt: skip
+            prefill = self._pick_prefill(leg, decode, bad_prefill, pin and pin.prefill)
             started = False
             try:
-                async for chunk in self._stream(request, decode, prefill, prompt):
+                async for chunk in self._stream(request, leg, decode, prefill):
                     if not started and request.session_id and self.sessions:
                         pinned = Pin(prefill.worker_id if prefill else "", decode.worker_id)
                         await self.sessions.pin(request.session_id, pinned)
                     started = True
+                    sent.extend(chunk.token_ids)
+                    if leg.resumed:  # the worker counts resumed tokens' pages as cached
+                        cached = min(chunk.cached_tokens, len(request.prompt_token_ids))
+                        chunk = dataclasses.replace(chunk, cached_tokens=cached)
                     yield chunk
                 return
-            except WorkerUnavailable as exc:
-                if started or attempt == MAX_ATTEMPTS - 1:
+            except (WorkerUnavailable, EngineFailure) as exc:
+                if sent:
+                    outcome = "migrated" if migrations < self.migration_limit else "exhausted"
+                    metrics.REQUEST_MIGRATIONS.labels("gateway", outcome).inc()
+                    log.warning("gateway.migrate", decode=decode.worker_id, sent=len(sent),
+                                outcome=outcome, error=str(exc))  # fmt: skip
+                    if outcome == "exhausted":
+                        raise
+                    migrations += 1
+                    bad_decode.add(decode.worker_id)
+                    continue
+                attempts += 1
+                if attempts == MAX_ATTEMPTS:
                     raise
                 log.warning("gateway.retry", decode=decode.worker_id, error=str(exc))
                 if isinstance(exc, PrefillUnavailable) and prefill is not None:
@@ -73,18 +109,25 @@ class MeshBackend:
                 else:
                     bad_decode.add(decode.worker_id)
 
+    def _leg(self, request: GenerateInput, sent: list[int], migrations: int) -> Leg:
+        """The next worker call of `request`: after `migrations` moves, `sent` tokens sent."""
+        worker_request_id = request.request_id + (f"~m{migrations}" if migrations else "")
+        tokens = [*request.prompt_token_ids, *sent]
+        prompt = PromptKey(self.model_name, tokens, request.cache_salt)
+        return Leg(worker_request_id, tuple(sent), prompt)
+
     async def _lookup(self, session_id: str | None) -> Pin | None:
         if not session_id or self.sessions is None:
             return None
         return await self.sessions.lookup(session_id)
 
-    def _pick_prefill(self, request: GenerateInput, decode: WorkerInfo, exclude: set[str],
-                      preferred: str | None, prompt: PromptKey) -> WorkerInfo | None:  # fmt: skip
+    def _pick_prefill(self, leg: Leg, decode: WorkerInfo, exclude: set[str],
+                      preferred: str | None) -> WorkerInfo | None:  # fmt: skip
         """A prefill worker whose pages `decode` can take; None: decode prefills it itself."""
         try:
-            cost = len(request.prompt_token_ids)
+            cost = len(leg.prompt.token_ids)
             return self.router.pick(
-                "prefill", cost, exclude, preferred or None, prompt, paired_with=decode
+                "prefill", cost, exclude, preferred or None, leg.prompt, paired_with=decode
             ).worker
         except WorkerUnavailable:
             return None
@@ -93,30 +136,30 @@ class MeshBackend:
     def _decode_cost(request: GenerateInput) -> int:
         return len(request.prompt_token_ids) + request.params.max_tokens
 
-    async def _stream(
-        self, request: GenerateInput, decode: WorkerInfo, prefill: WorkerInfo | None,
-        prompt: PromptKey,
-    ) -> AsyncIterator[GenerateChunk]:  # fmt: skip
+    async def _stream(self, request: GenerateInput, leg: Leg, decode: WorkerInfo,
+                      prefill: WorkerInfo | None) -> AsyncIterator[GenerateChunk]:  # fmt: skip
         stub = decode_pb2_grpc.DecodeStub(self._channel(decode.grpc_address))
         message = decode_pb2.DecodeRequest(
-            request_id=request.request_id,
+            request_id=leg.request_id,
             prompt_token_ids=request.prompt_token_ids,
             sampling=convert.sampling_to_pb(request.params),
             prefill_address=prefill.grpc_address if prefill else "",
             cache_salt=request.cache_salt,
+            resume_token_ids=leg.resumed,
         )
-        self._where[request.request_id] = decode.grpc_address
+        self._where[request.request_id] = (decode.grpc_address, leg.request_id)
         held = self._decode_cost(request)
+        prompt = leg.prompt
         delivery = self._delivery(decode.delivery_address)
-        if delivery is not None and delivery.serves(request.request_id):
+        if delivery is not None and delivery.serves(leg.request_id):
             delivery = None  # a request of this id runs there already: this one on its call
         if delivery is not None:
             message.delivery_id = delivery.id
         try:
             with self.router.holding(decode.worker_id, held), contextlib.ExitStack() as prefilling:
-                prefilling.enter_context(self._holding_prefill(prefill, request))
+                prefilling.enter_context(self._holding_prefill(prefill, len(prompt.token_ids)))
                 call = stub.Generate(message)
-                responses = call if delivery is None else delivery.chunks(request.request_id, call)
+                responses = call if delivery is None else delivery.chunks(leg.request_id, call)
                 first = True
                 try:
                     async for response in responses:
@@ -139,18 +182,19 @@ class MeshBackend:
         finally:
             self._where.pop(request.request_id, None)
 
-    def _holding_prefill(self, prefill: WorkerInfo | None, request: GenerateInput):
+    def _holding_prefill(self, prefill: WorkerInfo | None, tokens: int):
         if prefill is None:
             return contextlib.nullcontext()
-        return self.router.holding(prefill.worker_id, len(request.prompt_token_ids))
+        return self.router.holding(prefill.worker_id, tokens)
 
     async def abort(self, request_id: str) -> None:
-        address = self._where.get(request_id)
-        if address is None:
+        where = self._where.get(request_id)
+        if where is None:
             return
+        address, worker_request_id = where
         stub = decode_pb2_grpc.DecodeStub(self._channel(address))
         try:
-            await stub.Abort(decode_pb2.AbortRequest(request_id=request_id), timeout=5)
+            await stub.Abort(decode_pb2.AbortRequest(request_id=worker_request_id), timeout=5)
         except grpc.aio.AioRpcError as exc:
             log.warning("gateway.abort_failed", request_id=request_id, code=exc.code().name)
 

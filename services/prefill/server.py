@@ -34,6 +34,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 params,
                 request.destination,
                 request.cache_salt,
+                list(request.resume_token_ids),
             )
         except KvmeshError as exc:
             log.warning("prefill.failed", code=exc.code, error=str(exc))
@@ -48,7 +49,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         )
         if result.draft_window is not None:
             fused, start = result.draft_window
-            tokens = [*request.prompt_token_ids, first.new_token_ids[0]]
+            tokens = [*request.prompt_token_ids, *request.resume_token_ids, first.new_token_ids[0]]
             response.draft_window.CopyFrom(
                 convert.feature_rows_to_pb(
                     fused, start, tokens[start + 1 : start + 1 + len(fused)], fused=True

@@ -59,12 +59,17 @@ class PrefillWorker:
         params: SamplingParams,
         destination: prefill_pb2.KvDestination,
         cache_salt: str = "",
+        resumed: list[int] | None = None,
     ) -> PrefillResult:
-        num_pages = -(-len(prompt) // self.spec.page_size)
+        """The KV of `prompt` (then `resumed`: a migrated request's output so far) written into
+        `destination`; the result's token is the one after them."""
+        resumed = resumed or []
+        tokens = [*prompt, *resumed]
+        num_pages = -(-len(tokens) // self.spec.page_size)
         self._check(destination, num_pages)
-        imported = await self._import_prefix(request_id, prompt, cache_salt, destination)
-        first = await self.engine.prefill(request_id, prompt, params, cache_salt)
-        self._count_hits(len(prompt), first.num_cached_tokens, imported)
+        imported = await self._import_prefix(request_id, tokens, cache_salt, destination)
+        first = await self.engine.prefill(request_id, prompt, params, cache_salt, resumed)
+        self._count_hits(len(tokens), first.num_cached_tokens, imported)
         window = await self.engine.hand_over_draft(request_id)
         try:
             if first.finish_reason is not None and first.finish_reason.value == "abort":

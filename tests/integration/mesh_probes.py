@@ -46,6 +46,15 @@ def running_mesh(options: UpOptions) -> Iterator[Mesh]:
 
 
 @contextlib.contextmanager
+def module_mesh(options: UpOptions) -> Iterator[Mesh]:
+    """`running_mesh` for a module fixture, which then checks that no process outlived it."""
+    with running_mesh(options) as running:
+        yield running
+    for proc in running.procs.values():
+        assert proc.poll() is not None, "a mesh process outlived the fixture"
+
+
+@contextlib.contextmanager
 def mesh_with_faults(options: UpOptions, faults: str) -> Iterator[Mesh]:
     """A running mesh whose processes inherit KVMESH_FAULTS (the test's own environment is
     restored as soon as they are started); stopped on exit."""
@@ -107,3 +116,16 @@ def offers_done(mesh) -> bool:
         sum(samples(w.metrics_address, "kvmesh_kv_store_offers_in_flight").values()) == 0
         for w in _engines(mesh)
     )
+
+
+def pages_in_use(mesh) -> int:
+    """KV pages held on every prefill and decode worker (each worker's GetLoads)."""
+    from kvmesh.mesh.status import _collect
+
+    workers = asyncio.run(_collect(mesh.etcd.endpoint, "default"))
+    return sum(int((w["load"] or {}).get("kvPagesUsed", 0)) for w in workers)
+
+
+def live_workers(mesh, role: str) -> list:
+    """The `role` workers registered in etcd now."""
+    return [w for w in _engines(mesh) if w.role == role]

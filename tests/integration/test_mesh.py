@@ -26,9 +26,10 @@ from kvmesh.proto.v1 import (
     prefill_pb2_grpc,
 )
 from tests.integration.mesh_probes import (
+    module_mesh,
+    pages_in_use,
     router_caught_up,
     router_sees_idle,
-    running_mesh,
     wait_for,
 )
 
@@ -42,10 +43,8 @@ def mesh():
         prefill=2, decode=2, worker_args=("--kv-cache-mib", "96", "--max-num-seqs", "16"),
         gateway_args=("--affinity-slack-tokens", "600"),  # affinity yields above 2x least + 600
     )  # fmt: skip
-    with running_mesh(options) as running:
+    with module_mesh(options) as running:
         yield running
-    for proc in running.procs.values():
-        assert proc.poll() is not None, "a mesh process outlived the fixture"
 
 
 @pytest.fixture(scope="module")
@@ -540,13 +539,6 @@ def _wait_until_idle(mesh, timeout_s: float = 60.0) -> None:
     wait_for(lambda: router_sees_idle(mesh), timeout_s, "workers still busy after earlier tests")
 
 
-def _pages_in_use(mesh) -> int:
-    from kvmesh.mesh.status import _collect
-
-    workers = asyncio.run(_collect(mesh.etcd.endpoint, "default"))
-    return sum(int((w["load"] or {}).get("kvPagesUsed", 0)) for w in workers)
-
-
 def test_client_disconnect_frees_pages(client, mesh):
     stream = client.chat.completions.create(
         model="smollm2-135m",
@@ -561,7 +553,7 @@ def test_client_disconnect_frees_pages(client, mesh):
             break
     stream.close()
     deadline = time.time() + 20
-    while (used := _pages_in_use(mesh)) and time.time() < deadline:
+    while (used := pages_in_use(mesh)) and time.time() < deadline:
         time.sleep(0.5)
     assert used == 0, "pages stranded on a prefill or decode worker after the client left"
 
@@ -594,7 +586,7 @@ def test_decode_abort_while_its_prefill_runs_ends_the_request(mesh):
         responses = list(call)
     assert [t for r in responses for t in r.token_ids] == []
     assert responses[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
-    wait_for(lambda: _pages_in_use(mesh) == 0, 30, "pages held after the abort")
+    wait_for(lambda: pages_in_use(mesh) == 0, 30, "pages held after the abort")
 
 
 def test_a_delivery_stream_carries_several_requests_chunks_per_message(mesh):
@@ -664,27 +656,20 @@ def test_kill_prefill_then_requests_still_succeed(client, mesh):
         assert r.choices[0].message.content
 
 
-def test_kill_decode_mid_stream_gives_a_clear_error_and_mesh_keeps_serving(client, mesh):
-    import openai
-
-    errors: list[str] = []
+def test_kill_decode_mid_stream_the_stream_goes_on_elsewhere(client, mesh, reference):
+    """The stream migrates to the other decode worker (test_mesh_faults has the full case)."""
+    ask = [{"role": "user", "content": "Tell me a long story."}]
     stream = client.chat.completions.create(
-        model="smollm2-135m",
-        messages=[{"role": "user", "content": "Tell me a long story."}],
-        max_tokens=400,
-        temperature=0,
-        stream=True,
+        model="smollm2-135m", messages=ask, max_tokens=64, temperature=0, stream=True,
         extra_body={"ignore_eos": True},
-    )
-    started = time.time()
-    try:
-        for i, _ in enumerate(stream):
-            if i == 2:
-                _kill_busy_decode(mesh)  # the decode worker serving this stream
-    except openai.APIError as exc:
-        errors.append(str(exc))
-    assert errors, "the stream should end with an error event"
-    assert time.time() - started < 60
+    )  # fmt: skip
+    text = []
+    for i, chunk in enumerate(stream):
+        text.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
+        if i == 2:
+            _kill_busy_decode(mesh)  # the decode worker serving this stream
+    want = reference.chat(ask, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    assert "".join(text) == want[0].text
     r = client.chat.completions.create(
         model="smollm2-135m",
         messages=[{"role": "user", "content": "Hello"}],

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.proto.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/decode.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xac\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65livery_id\x18\x06 \x01(\t\"\xe9\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x1f\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x10.kvmesh.v1.Error\x12\x13\n\x0b\x66irst_index\x18\x07 \x01(\r\"%\n\x0e\x44\x65liverRequest\x12\x13\n\x0b\x64\x65livery_id\x18\x01 \x01(\t\"?\n\x0f\x44\x65\x63odeResponses\x12,\n\tresponses\x18\x01 \x03(\x0b\x32\x19.kvmesh.v1.DecodeResponse\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x11\n\x0fGetLoadsRequest\"\x1a\n\x18SubscribeKvEventsRequest\";\n\x07KvEvent\x12\x0e\n\x06stored\x18\x01 \x03(\x04\x12\x0f\n\x07removed\x18\x02 \x03(\x04\x12\x0f\n\x07\x63leared\x18\x03 \x01(\x08\"W\n\x0cKvEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\"\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x12.kvmesh.v1.KvEvent\"8\n\x10GetLoadsResponse\x12$\n\x05loads\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.WorkerLoad2\xe5\x02\n\x06\x44\x65\x63ode\x12\x41\n\x08Generate\x12\x18.kvmesh.v1.DecodeRequest\x1a\x19.kvmesh.v1.DecodeResponse0\x01\x12\x42\n\x07\x44\x65liver\x12\x19.kvmesh.v1.DeliverRequest\x1a\x1a.kvmesh.v1.DecodeResponses0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12\x43\n\x08GetLoads\x12\x1a.kvmesh.v1.GetLoadsRequest\x1a\x1b.kvmesh.v1.GetLoadsResponse\x12S\n\x11SubscribeKvEvents\x12#.kvmesh.v1.SubscribeKvEventsRequest\x1a\x17.kvmesh.v1.KvEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/decode.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xc6\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65livery_id\x18\x06 \x01(\t\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\r\"\xe9\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x1f\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x10.kvmesh.v1.Error\x12\x13\n\x0b\x66irst_index\x18\x07 \x01(\r\"%\n\x0e\x44\x65liverRequest\x12\x13\n\x0b\x64\x65livery_id\x18\x01 \x01(\t\"?\n\x0f\x44\x65\x63odeResponses\x12,\n\tresponses\x18\x01 \x03(\x0b\x32\x19.kvmesh.v1.DecodeResponse\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x11\n\x0fGetLoadsRequest\"\x1a\n\x18SubscribeKvEventsRequest\";\n\x07KvEvent\x12\x0e\n\x06stored\x18\x01 \x03(\x04\x12\x0f\n\x07removed\x18\x02 \x03(\x04\x12\x0f\n\x07\x63leared\x18\x03 \x01(\x08\"W\n\x0cKvEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\"\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x12.kvmesh.v1.KvEvent\"8\n\x10GetLoadsResponse\x12$\n\x05loads\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.WorkerLoad2\xe5\x02\n\x06\x44\x65\x63ode\x12\x41\n\x08Generate\x12\x18.kvmesh.v1.DecodeRequest\x1a\x19.kvmesh.v1.DecodeResponse0\x01\x12\x42\n\x07\x44\x65liver\x12\x19.kvmesh.v1.DeliverRequest\x1a\x1a.kvmesh.v1.DecodeResponses0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12\x43\n\x08GetLoads\x12\x1a.kvmesh.v1.GetLoadsRequest\x1a\x1b.kvmesh.v1.GetLoadsResponse\x12S\n\x11SubscribeKvEvents\x12#.kvmesh.v1.SubscribeKvEventsRequest\x1a\x17.kvmesh.v1.KvEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,27 +33,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.decode_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=62
-  _globals['_DECODEREQUEST']._serialized_end=234
-  _globals['_DECODERESPONSE']._serialized_start=237
-  _globals['_DECODERESPONSE']._serialized_end=470
-  _globals['_DELIVERREQUEST']._serialized_start=472
-  _globals['_DELIVERREQUEST']._serialized_end=509
-  _globals['_DECODERESPONSES']._serialized_start=511
-  _globals['_DECODERESPONSES']._serialized_end=574
-  _globals['_ABORTREQUEST']._serialized_start=576
-  _globals['_ABORTREQUEST']._serialized_end=610
-  _globals['_ABORTRESPONSE']._serialized_start=612
-  _globals['_ABORTRESPONSE']._serialized_end=644
-  _globals['_GETLOADSREQUEST']._serialized_start=646
-  _globals['_GETLOADSREQUEST']._serialized_end=663
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=665
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=691
-  _globals['_KVEVENT']._serialized_start=693
-  _globals['_KVEVENT']._serialized_end=752
-  _globals['_KVEVENTBATCH']._serialized_start=754
-  _globals['_KVEVENTBATCH']._serialized_end=841
-  _globals['_GETLOADSRESPONSE']._serialized_start=843
-  _globals['_GETLOADSRESPONSE']._serialized_end=899
-  _globals['_DECODE']._serialized_start=902
-  _globals['_DECODE']._serialized_end=1259
+  _globals['_DECODEREQUEST']._serialized_end=260
+  _globals['_DECODERESPONSE']._serialized_start=263
+  _globals['_DECODERESPONSE']._serialized_end=496
+  _globals['_DELIVERREQUEST']._serialized_start=498
+  _globals['_DELIVERREQUEST']._serialized_end=535
+  _globals['_DECODERESPONSES']._serialized_start=537
+  _globals['_DECODERESPONSES']._serialized_end=600
+  _globals['_ABORTREQUEST']._serialized_start=602
+  _globals['_ABORTREQUEST']._serialized_end=636
+  _globals['_ABORTRESPONSE']._serialized_start=638
+  _globals['_ABORTRESPONSE']._serialized_end=670
+  _globals['_GETLOADSREQUEST']._serialized_start=672
+  _globals['_GETLOADSREQUEST']._serialized_end=689
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=691
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=717
+  _globals['_KVEVENT']._serialized_start=719
+  _globals['_KVEVENT']._serialized_end=778
+  _globals['_KVEVENTBATCH']._serialized_start=780
+  _globals['_KVEVENTBATCH']._serialized_end=867
+  _globals['_GETLOADSRESPONSE']._serialized_start=869
+  _globals['_GETLOADSRESPONSE']._serialized_end=925
+  _globals['_DECODE']._serialized_start=928
+  _globals['_DECODE']._serialized_end=1285
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_address", "cache_salt", "delivery_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_address", "cache_salt", "delivery_id", "resume_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     prefill_address: str
     cache_salt: str
     delivery_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., cache_salt: _Optional[str] = ..., delivery_id: _Optional[str] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., cache_salt: _Optional[str] = ..., delivery_id: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "usage", "error", "first_index")
