@@ -64,7 +64,7 @@ _WORKER_FLAGS = ("dtype", "weights", "int4_group_size", "int4_embeddings", "kv_d
                  "local_prefill_tokens", "speculative", "num_speculative_tokens",
                  "speculative_policy", "decode_step", "draft", "draft_model",
                  "tensor_parallel_size", "enable_expert_parallel",
-                 "pipeline_parallel_size")  # fmt: skip
+                 "pipeline_parallel_size", "max_queued_requests", "drain_timeout")  # fmt: skip
 _ON_OFF = ("kv_integrity", "int4_embeddings")  # on|off flags, booleans in WorkerOptions
 
 

@@ -134,6 +134,15 @@ def _worker_args(p: argparse.ArgumentParser, local_prefill: int | None = 0) -> N
     _kv_args(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument(
+        "--max-queued-requests", type=int, default=256,
+        help="requests a worker holds at once (running, waiting, prefilling); past it a request "
+        "is refused as overloaded and the gateway tries another worker or answers 429 (0: no bound)",
+    )  # fmt: skip
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0,
+        help="on SIGTERM: seconds the requests in flight get to finish (the rest migrate)",
+    )  # fmt: skip
+    p.add_argument(
         "--protocol", default="tcp", choices=["tcp", "rdma"], help="transfer engine protocol"
     )
     auto = f"; default {UP_LOCAL_PREFILL_TOKENS}, 0 with --prefill-weights / --decode-weights"
@@ -389,9 +398,22 @@ def gateway_front_args(parser: argparse.ArgumentParser) -> None:
         help="times a stream may move to another decode worker after its own died mid-stream "
         "(0: the client gets the error)",
     )
+    parser.add_argument(
+        "--max-inflight-requests", type=int, default=1024,
+        help="sequences the gateway streams at once; past it: 429 with Retry-After (0: no bound)",
+    )  # fmt: skip
+    parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
+                        help="larger request bodies get 413")  # fmt: skip
+    parser.add_argument("--max-prompt-tokens", type=int, default=0,
+                        help="longer prompts get 400 (0: the model's context length)")  # fmt: skip
+    parser.add_argument("--max-output-tokens", type=int, default=0,
+                        help="a larger max_tokens gets 400 (0: only the context length)")  # fmt: skip
+    parser.add_argument("--max-n", type=int, default=16, help="choices per request (n)")
 
 
-GATEWAY_FRONT = ("migration_limit",)  # gateway_front_args' destinations, passed on by `up`
+GATEWAY_FRONT = ("migration_limit", "max_inflight_requests", "max_request_body_bytes",
+                 "max_prompt_tokens", "max_output_tokens", "max_n")  # fmt: skip
+# gateway_front_args' destinations, passed on by `up`
 
 
 def _tool_parser_arg(parser: argparse.ArgumentParser) -> None:

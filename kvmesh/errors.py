@@ -39,6 +39,28 @@ class CapacityError(KvmeshError):
     user_error = True
 
 
+class OverloadedError(KvmeshError):
+    """Over capacity right now (a queue bound reached): retry later (HTTP 429, gRPC
+    RESOURCE_EXHAUSTED). Unlike CapacityError the request itself is fine."""
+
+    code = "overloaded"
+    expose = True
+    retry_after_s = 1
+
+
+class PrefillOverloadedError(OverloadedError):
+    """The prefill worker a decode worker asked was at its limit (the gateway picks another)."""
+
+    code = "prefill_overloaded"
+
+
+class DeadlineExceededError(KvmeshError):
+    """The request's deadline (x-request-timeout, a gRPC deadline) passed before it finished."""
+
+    code = "deadline_exceeded"
+    expose = True
+
+
 class FetchError(KvmeshError):
     code = "fetch_failed"
     user_error = True

@@ -13,10 +13,12 @@ import grpc
 
 from kvmesh.errors import (
     CapacityError,
+    DeadlineExceededError,
     InvalidRequestError,
     KvIntegrityError,
     KvmeshError,
     ModelNotFoundError,
+    OverloadedError,
     PayloadTooLargeError,
     RequestAbortedError,
     WorkerUnavailableError,
@@ -40,10 +42,14 @@ def http_status(exc: BaseException) -> int:
     """The HTTP status a REST front end answers with for `exc`."""
     if isinstance(exc, PayloadTooLargeError):
         return 413
+    if isinstance(exc, OverloadedError):
+        return 429
     if isinstance(exc, InvalidRequestError | CapacityError):
         return 400  # CapacityError: this request can never fit, so it is the request's fault
     if isinstance(exc, ModelNotFoundError):
         return 404
+    if isinstance(exc, DeadlineExceededError):
+        return 504
     if _is_unavailable(exc) or isinstance(exc, RequestAbortedError):
         return 503  # aborted on a worker, not by this caller: retrying may succeed
     return 500
@@ -60,8 +66,18 @@ def openai_error_body(exc: BaseException) -> dict[str, Any]:
     if status == 500 and not (isinstance(exc, KvmeshError) and exc.expose):
         return error_body(_GENERIC_MESSAGE, "server_error", "internal_error")
     code = exc.code if isinstance(exc, KvmeshError) else None
-    type_ = "server_error" if status >= 500 else "invalid_request_error"
+    type_ = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return error_body(str(exc), type_, code)
+
+
+_OPENAI_TYPES = {401: "authentication_error", 429: "rate_limit_error"}  # others: 4xx / 5xx
+
+
+def http_headers(exc: BaseException) -> dict[str, str]:
+    """Headers an error response carries: Retry-After on 429."""
+    if isinstance(exc, OverloadedError):
+        return {"Retry-After": str(exc.retry_after_s)}
+    return {}
 
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -85,7 +101,7 @@ def grpc_status(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, ModelNotFoundError):
         return grpc.StatusCode.NOT_FOUND
-    if isinstance(exc, CapacityError):
+    if isinstance(exc, CapacityError | OverloadedError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if _is_unavailable(exc):
         return grpc.StatusCode.UNAVAILABLE
@@ -93,6 +109,8 @@ def grpc_status(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.DATA_LOSS
     if isinstance(exc, RequestAbortedError):
         return grpc.StatusCode.CANCELLED
+    if isinstance(exc, DeadlineExceededError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
     return grpc.StatusCode.INTERNAL
 
 
@@ -106,7 +124,7 @@ _FALLBACK_BY_STATUS: dict[grpc.StatusCode, type[KvmeshError]] = {
     grpc.StatusCode.NOT_FOUND: ModelNotFoundError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
     grpc.StatusCode.UNAVAILABLE: WorkerUnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: WorkerUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.DATA_LOSS: KvIntegrityError,
 }
 

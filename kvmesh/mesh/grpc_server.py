@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 
 import grpc
@@ -78,3 +79,9 @@ async def start_server(
 
 def channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+    """The call's deadline as a time.monotonic() value; None when the caller set none."""
+    left = context.time_remaining()
+    return None if left is None or left > 1e9 else time.monotonic() + left

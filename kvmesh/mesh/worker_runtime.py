@@ -1,5 +1,6 @@
 """Runs a prefill or decode worker process: engine thread, transfer engine, gRPC server,
-Prometheus endpoint, etcd registration with keep-alive, graceful stop on SIGTERM/SIGINT."""
+Prometheus endpoint, etcd registration with keep-alive, a drain on SIGTERM/SIGINT (NOT_SERVING,
+lease revoked, new requests refused, those in flight given --drain-timeout to finish)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.ports import free_port
 from kvmesh.mesh.processes import wait_for_signal
+from kvmesh.mesh.request_gate import RequestGate
 from kvmesh.mesh.store_link import StoreLink, StoreLinkOptions
 from kvmesh.mesh.transfer import KvTransferEngine, TransferConfig
 
@@ -64,6 +66,8 @@ class WorkerOptions:
     draft: str = "local"  # eagle: "local" head in-process or "remote" draft service (etcd)
     draft_model: str = ""
     use_kvstore: bool = True  # pull/push pages from/to a KV store registered in etcd, if any
+    max_queued_requests: int = 256  # requests held at once (running, waiting, prefilling)
+    drain_timeout: float = 30.0  # SIGTERM: seconds the requests in flight get to finish
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -80,6 +84,7 @@ class WorkerParts:
     transfer: KvTransferEngine
     kv_dtype: str
     store: StoreLink | None
+    gate: RequestGate  # every request-serving call goes through it (bound, drain)
 
 
 ServicerFactory = Callable[[WorkerParts], list[Callable]]
@@ -144,7 +149,8 @@ async def serve_worker(
         store = StoreLink(StoreLinkOptions(options.etcd, options.cluster), async_engine, transfer,
                           options.role)  # fmt: skip
     store_task = asyncio.create_task(store.run()) if store else None
-    parts = WorkerParts(options, worker_id, async_engine, transfer, engine.kv_dtype, store)
+    gate = RequestGate(options.max_queued_requests)
+    parts = WorkerParts(options, worker_id, async_engine, transfer, engine.kv_dtype, store, gate)
     metrics_port = options.metrics_port or free_port()
     metrics.serve_metrics(metrics_port, options.host)
     metrics.KV_CAPACITY_TOKENS.labels(options.role).set(engine.kv_cache.capacity_tokens)
@@ -182,9 +188,12 @@ async def serve_worker(
             log.info("worker.ready", grpc=info.grpc_address, metrics=info.metrics_address)
             event_loop.freeze_heap()
             lost = await _until_stopped_or_lost(async_engine)
+            await health.shutdown()  # NOT_SERVING from now on
             await registration.close()  # the lease revoked: routers drop this worker now
+            if not lost:
+                await gate.drain(options.drain_timeout)  # the rest migrate when the server stops
     finally:
-        await health.shutdown()  # NOT_SERVING while draining
+        await health.shutdown()
         if store_task is not None:
             store_task.cancel()
         await server.stop(grace=2)

@@ -20,7 +20,7 @@ def servicers(parts: WorkerParts, deliveries: Deliveries) -> list:
     )
     if parts.store is not None:
         parts.store.enable_export()  # finished sequences' pages go to the KV store
-    return [add_to(DecodeServicer(worker, parts.worker_id, deliveries))]
+    return [add_to(DecodeServicer(worker, parts.worker_id, deliveries, parts.gate))]
 
 
 async def serve_decode(options: WorkerOptions) -> int:

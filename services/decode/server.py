@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
 
 import grpc
 import structlog
 
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import TokenOutput
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import KvmeshError
 from kvmesh.mesh import convert, metrics
 from kvmesh.mesh.error_mapping import grpc_details, grpc_status
+from kvmesh.mesh.grpc_server import deadline_of
 from kvmesh.mesh.kv_events import stream_kv_events
 from kvmesh.mesh.loads import load_to_pb
+from kvmesh.mesh.request_gate import RequestGate
 from kvmesh.proto.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.decode.delivery import Deliveries
 from services.decode.worker import DecodeJob, DecodeWorker
@@ -24,8 +28,10 @@ _PAGES_USED = metrics.KV_PAGES_USED.labels("decode")
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, worker: DecodeWorker, worker_id: str, deliveries: Deliveries) -> None:
+    def __init__(self, worker: DecodeWorker, worker_id: str, deliveries: Deliveries,
+                 gate: RequestGate | None = None) -> None:  # fmt: skip
         self.worker = worker
+        self.gate = gate or RequestGate()
         self.engine: AsyncEngine = worker.engine
         self.worker_id = worker_id
         self.deliveries = deliveries  # shared with the worker's delivery socket
@@ -39,20 +45,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await context.abort(grpc_status(exc), grpc_details(exc))
         tap = _DeliveryTap(self.deliveries, request.delivery_id, self.engine)
         try:
-            stream = self.worker.generate(DecodeJob(
-                request.request_id, list(request.prompt_token_ids), params,
-                request.prefill_address, request.cache_salt, tuple(request.resume_token_ids),
-            ), tap if request.delivery_id else None)  # fmt: skip
-            async with contextlib.aclosing(stream):  # an abort reaches the engine before we return
-                async for out in stream:
-                    response = _response(out, tap.generated)
-                    tap.generated += len(out.new_token_ids)
-                    _count(len(out.new_token_ids), self.engine)
-                    # the last chunk on this call (the ones before on the delivery stream)
-                    if (out.finished or not out.new_token_ids
-                            or not self.deliveries.send(request.delivery_id, response)):  # fmt: skip
-                        metrics.observe_message("decode", response.ByteSize())
-                        yield response
+            with self.gate.admit():  # bounded; refused while draining
+                async for response in self._generate(request, params, tap, context):
+                    yield response
         except KvmeshError as exc:
             log.warning("decode.request_failed", code=exc.code, error=str(exc))
             yield decode_pb2.DecodeResponse(
@@ -62,6 +57,26 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             )
         finally:
             _PAGES_USED.set(self.engine.num_used_pages)
+
+    async def _generate(self, request: decode_pb2.DecodeRequest, params: SamplingParams,
+                        tap: _DeliveryTap, context: grpc.aio.ServicerContext,
+                        ) -> AsyncIterator[decode_pb2.DecodeResponse]:  # fmt: skip
+        """The chunks to send on the Generate call (the others go on the delivery stream)."""
+        stream = self.worker.generate(DecodeJob(
+            request.request_id, list(request.prompt_token_ids), params,
+            request.prefill_address, request.cache_salt, tuple(request.resume_token_ids),
+            deadline_of(context),
+        ), tap if request.delivery_id else None)  # fmt: skip
+        async with contextlib.aclosing(stream):  # an abort reaches the engine before we return
+            async for out in stream:
+                response = _response(out, tap.generated)
+                tap.generated += len(out.new_token_ids)
+                _count(len(out.new_token_ids), self.engine)
+                # the last chunk on this call (the ones before on the delivery stream)
+                if (out.finished or not out.new_token_ids
+                        or not self.deliveries.send(request.delivery_id, response)):  # fmt: skip
+                    metrics.observe_message("decode", response.ByteSize())
+                    yield response
 
     async def Deliver(self, request: decode_pb2.DeliverRequest, context):
         try:

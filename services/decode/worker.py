@@ -16,7 +16,12 @@ from kvmesh.engine.engine import Reservation, TokenOutput
 from kvmesh.engine.output_streams import Tap
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import FinishReason
-from kvmesh.errors import CapacityError, PrefillUnavailable
+from kvmesh.errors import (
+    DeadlineExceededError,
+    OverloadedError,
+    PrefillOverloadedError,
+    PrefillUnavailable,
+)
 from kvmesh.mesh import convert
 from kvmesh.mesh.error_mapping import error_from_grpc
 from kvmesh.mesh.grpc_server import channel
@@ -46,6 +51,17 @@ class DecodeJob:
     prefill_address: str = ""  # empty: prefill here
     cache_salt: str = ""
     resumed: tuple[int, ...] = ()  # a migrated request: output the client already has
+    deadline: float | None = None  # time.monotonic() by which it must end (the call's deadline)
+
+    def time_left(self, bound_s: float) -> float:
+        """Seconds a wait of this job may take: `bound_s`, or less when its deadline is closer;
+        DeadlineExceededError once the deadline passed."""
+        if self.deadline is None:
+            return bound_s
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceededError(f"request {self.request_id}: its deadline passed")
+        return min(bound_s, left)
 
     @property
     def num_tokens(self) -> int:
@@ -123,7 +139,7 @@ class DecodeWorker:
         )
 
     async def _reserve(self, job: DecodeJob, aborted: asyncio.Event) -> Reservation | None:
-        deadline = time.monotonic() + RESERVE_TIMEOUT_S
+        deadline = time.monotonic() + job.time_left(RESERVE_TIMEOUT_S)
         while not aborted.is_set():
             reservation = await self.engine.reserve(
                 job.request_id, job.prompt, job.params, job.cache_salt, job.resumed
@@ -131,7 +147,8 @@ class DecodeWorker:
             if reservation is not None:
                 return reservation
             if time.monotonic() > deadline:
-                raise CapacityError(
+                job.time_left(0.0)  # the request's own deadline, if that is what passed
+                raise OverloadedError(
                     f"no free KV pages for {job.num_tokens} prompt tokens within "
                     f"{RESERVE_TIMEOUT_S}s"
                 )
@@ -147,7 +164,7 @@ class DecodeWorker:
         address = job.prefill_address
         request = self._prefill_request(job, reservation)
         call = asyncio.ensure_future(
-            self._stub(address).Prefill(request, timeout=PREFILL_TIMEOUT_S)
+            self._stub(address).Prefill(request, timeout=job.time_left(PREFILL_TIMEOUT_S))
         )
         abort_wait = asyncio.ensure_future(aborted.wait())
         try:
@@ -162,9 +179,14 @@ class DecodeWorker:
         except grpc.aio.AioRpcError as exc:
             await self.engine.cancel_reservation(job.request_id)
             log.warning("decode.prefill_failed", prefill=address, code=exc.code().name)
+            failed = error_from_grpc(exc.code(), f"prefill worker {address}: {exc.details()}")
+            if isinstance(failed, OverloadedError):
+                raise PrefillOverloadedError(str(failed)) from exc
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                job.time_left(0.0)  # the request's deadline passed: not the prefill worker's fault
             if exc.code() in _PREFILL_GONE:
                 raise PrefillUnavailable(f"prefill worker {address}: {exc.details()}") from exc
-            raise error_from_grpc(exc.code(), f"prefill worker {address}: {exc.details()}") from exc
+            raise failed from exc
         finally:
             abort_wait.cancel()
 

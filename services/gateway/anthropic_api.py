@@ -25,7 +25,7 @@ from kvmesh.agent.tool_parsers import (
     parse_output,
 )
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.mesh.error_mapping import anthropic_error_body, http_status
+from kvmesh.mesh.error_mapping import anthropic_error_body, http_headers, http_status
 from services.gateway.anthropic_protocol import count_tokens, parse_messages
 from services.gateway.backend import GenerateBackend
 from services.gateway.generation import Delta, Generation, Routing
@@ -215,4 +215,4 @@ def _error(exc: Exception) -> JSONResponse:
         log.error("request.failed", exc_info=exc)
     else:
         log.info("request.rejected", status=status, error=str(exc))
-    return JSONResponse(anthropic_error_body(exc), status_code=status)
+    return JSONResponse(anthropic_error_body(exc), status_code=status, headers=http_headers(exc))

@@ -28,7 +28,7 @@ def parse_messages(body: Any, tokenizer: Tokenizer, served: ServedModel) -> Pars
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise InvalidRequestError("'max_tokens' is required and must be an integer >= 1")
     prompt = common.chat_prompt(conversation, tokenizer)
-    common.check_context("chat", len(prompt), max_tokens, served.max_model_len)
+    common.check_context("chat", len(prompt), max_tokens, served)
     stop = body.get("stop_sequences") or []
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise InvalidRequestError("'stop_sequences' must be an array of non-empty strings")

@@ -23,6 +23,7 @@ class GenerateInput:
     params: SamplingParams  # stop strings are handled by the gateway, not the mesh
     session_id: str | None = None  # x-session-affinity (used by the router later)
     cache_salt: str = ""
+    deadline: float | None = None  # time.monotonic() by which it must end (x-request-timeout)
 
 
 @dataclass(frozen=True)

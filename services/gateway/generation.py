@@ -24,6 +24,7 @@ from services.gateway.openai_protocol import ParsedRequest
 
 log = structlog.get_logger(__name__)
 SERVICE = "gateway"
+MAX_TIMEOUT_S = 86400
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,11 @@ class Routing:
 
     session_id: str | None = None  # x-session-affinity
     cache_salt: str = ""  # x-kvmesh-cache-salt, else derived from the API key
+    timeout_s: float | None = None  # x-request-timeout: seconds the request may take in all
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str]) -> Routing:
+        timeout = _timeout(headers.get("x-request-timeout"))
         session = headers.get("x-session-affinity") or None
         salt = headers.get("x-kvmesh-cache-salt", "")
         auth = headers.get("authorization", "")
@@ -52,7 +55,21 @@ class Routing:
             salt = "key:" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:32]
         if session is not None and len(session) > 256:
             raise InvalidRequestError("x-session-affinity must be at most 256 characters")
-        return cls(session, salt)
+        return cls(session, salt, timeout)
+
+
+def _timeout(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds <= MAX_TIMEOUT_S:
+        raise InvalidRequestError(
+            f"x-request-timeout must be a number of seconds in (0, {MAX_TIMEOUT_S}], got {value!r}"
+        )
+    return seconds
 
 
 class ReplyDetokenizer:
@@ -105,9 +122,11 @@ class Generation:
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
         """Text deltas; the last one has finish_reason. Aborts the backend if cut short."""
+        timeout = self._routing.timeout_s
         request = GenerateInput(
             self._request_id, list(self._parsed.prompt_token_ids), self._parsed.params,
             self._routing.session_id, self._routing.cache_salt,
+            None if timeout is None else self._started + timeout,
         )  # fmt: skip
         stream = self._backend.generate(request)
         try:

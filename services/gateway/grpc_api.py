@@ -20,10 +20,12 @@ from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import ContextLengthError, InvalidRequestError, KvmeshError, ModelNotFoundError
 from kvmesh.mesh import convert
 from kvmesh.mesh.error_mapping import grpc_details, grpc_status
+from kvmesh.mesh.grpc_server import deadline_of
 from kvmesh.proto.v1 import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.backend import GenerateBackend, GenerateInput
 from services.gateway.generation import ReplyDetokenizer
 from services.gateway.grpc_chat import conversation_of
+from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
 from services.gateway.openai_protocol import ToolSetup, chat_prompt
 
 log = structlog.get_logger(__name__)
@@ -31,8 +33,10 @@ log = structlog.get_logger(__name__)
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, live_counts,
-                 tool_parser: str | None = None) -> None:  # fmt: skip
+                 tool_parser: str | None = None,
+                 limits: RequestLimits = DEFAULT_LIMITS) -> None:  # fmt: skip
         self.backend = backend
+        self.limits = limits
         self.tokenizer = tokenizer
         self._live_counts = live_counts  # () -> (prefill workers, decode workers)
         self._tool_parser = tool_parser or parser_for(tokenizer.hf.chat_template)
@@ -50,9 +54,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         detok = ReplyDetokenizer(self.tokenizer, params, params.stop, prompt, parser)
         calls = ToolCallStream(parser) if parser is not None else None
         completion = 0
+        answered = False
         try:
             async for chunk in self.backend.generate(
-                GenerateInput(request_id, prompt, params, *_routing(request, context))
+                GenerateInput(
+                    request_id,
+                    prompt,
+                    params,
+                    *_routing(request, context),
+                    deadline=deadline_of(context),
+                )  # fmt: skip
             ):
                 completion += len(chunk.token_ids)
                 result = detok.push(chunk.token_ids, final=chunk.finish_reason is not None)
@@ -65,10 +76,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if calls is not None:
                     _read_calls(message, calls.push(result.delta, final=finish is not None))
                 yield message
+                answered = True
                 if finish is not None:
                     return
         except KvmeshError as exc:
             log.warning("gateway.grpc_failed", code=exc.code, error=str(exc))
+            if not answered:  # nothing sent yet: the call's status says it (RESOURCE_EXHAUSTED..)
+                await context.abort(grpc_status(exc), grpc_details(exc))
             yield gateway_pb2.GenerateResponse(
                 request_id=request_id, error=common_pb2.Error(code=exc.code, message=str(exc))
             )
@@ -98,6 +112,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             params = replace(params, grammar=grammar)
         if request.include_stop_str_in_output:
             params = replace(params, include_stop_str_in_output=True)
+        self.limits.check(len(prompt), params.max_tokens)
         if len(prompt) + params.max_tokens > self.backend.max_model_len:
             raise ContextLengthError(
                 f"this model's maximum context length is {self.backend.max_model_len} tokens; the "

@@ -17,7 +17,12 @@ from kvmesh.mesh.discovery import Registry, WorkerWatcher
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.kv_events import PrefixIndex
 from services.gateway import grpc_api
-from services.gateway.mesh_backend import DEFAULT_MIGRATION_LIMIT, MeshBackend
+from services.gateway.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, RequestLimits
+from services.gateway.mesh_backend import (
+    DEFAULT_MAX_INFLIGHT,
+    DEFAULT_MIGRATION_LIMIT,
+    MeshBackend,
+)
 from services.gateway.openai_api import create_app
 from services.gateway.prefix_routing import KvEventFollower, PrefixLookup
 from services.gateway.readiness import MeshReadiness, follow
@@ -41,6 +46,16 @@ class GatewayOptions:
     routing: str = "cache-aware"  # or "least-load": no affinity, no prefix scores (a baseline)
     tool_call_parser: str | None = None  # None: chosen from the model's chat template
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
+    max_inflight_requests: int = DEFAULT_MAX_INFLIGHT
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_prompt_tokens: int = 0
+    max_output_tokens: int = 0
+    max_n: int = DEFAULT_MAX_N
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.max_request_body_bytes, self.max_prompt_tokens,
+                             self.max_output_tokens, self.max_n)  # fmt: skip
 
 
 async def serve_gateway(options: GatewayOptions) -> None:
@@ -61,13 +76,15 @@ async def serve_gateway(options: GatewayOptions) -> None:
         follower = asyncio.create_task(KvEventFollower(index, watcher.alive).run())
         sessions = SessionStore(registry, options.session_ttl)
         backend = MeshBackend(router, source.name, config.max_position_embeddings, sessions,
-                              options.migration_limit)  # fmt: skip
+                              options.migration_limit, options.max_inflight_requests)  # fmt: skip
         counts = lambda: (len(watcher.alive("prefill")), len(watcher.alive("decode")))  # noqa: E731
         readiness = MeshReadiness(watcher.alive)
         grpc_server, grpc_port, health = await start_server(
             [
                 grpc_api.add_to(
-                    grpc_api.GatewayServicer(backend, tokenizer, counts, options.tool_call_parser)
+                    grpc_api.GatewayServicer(
+                        backend, tokenizer, counts, options.tool_call_parser, options.limits
+                    )  # fmt: skip
                 )
             ],  # fmt: skip
             options.host,
@@ -76,9 +93,7 @@ async def serve_gateway(options: GatewayOptions) -> None:
         )
         http = uvicorn.Server(
             uvicorn.Config(
-                create_app(
-                    backend, tokenizer, readiness=readiness, tool_parser=options.tool_call_parser
-                ),
+                create_app(backend, tokenizer, options.limits, readiness, options.tool_call_parser),
                 host=options.host,
                 port=options.http_port,
                 log_level="warning",

@@ -13,7 +13,13 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from kvmesh.errors import EngineFailure, PrefillUnavailable
+from kvmesh.errors import (
+    DeadlineExceededError,
+    EngineFailure,
+    OverloadedError,
+    PrefillOverloadedError,
+    PrefillUnavailable,
+)
 from kvmesh.mesh import convert, metrics
 from kvmesh.mesh.discovery import WorkerInfo
 from kvmesh.mesh.error_mapping import error_from_code, error_from_grpc
@@ -28,6 +34,7 @@ from services.gateway.sessions import Pin, SessionStore
 log = structlog.get_logger(__name__)
 MAX_ATTEMPTS = 3  # workers tried before a request's first token
 DEFAULT_MIGRATION_LIMIT = 3  # moves of a stream after it started (--migration-limit)
+DEFAULT_MAX_INFLIGHT = 1024  # sequences streaming through one gateway (--max-inflight-requests)
 REFUSED_RETRY_S = 5.0  # a delivery socket that refused a connection is tried again after this
 _now = time.monotonic
 
@@ -50,9 +57,12 @@ class MeshBackend:
         max_model_len: int,
         sessions: SessionStore | None = None,
         migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
     ) -> None:
         self.router = router
         self.migration_limit = migration_limit
+        self.max_inflight = max_inflight  # sequences streaming through this gateway at once
+        self.inflight = 0
         self.sessions = sessions
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -63,18 +73,37 @@ class MeshBackend:
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
         """The request's chunks. A worker gone before the first token: tried on another (at
-        most MAX_ATTEMPTS). A decode worker that dies or breaks mid-stream: the request migrates
-        (at most `migration_limit` times) -- another worker goes on after the tokens already
-        sent (`resume_token_ids`), so the stream continues without a repeat or a gap."""
+        most MAX_ATTEMPTS); one at its limit: the next, until every one was (OverloadedError:
+        429). A decode worker that dies or breaks mid-stream: the request migrates (at most
+        `migration_limit` times) -- another worker goes on after the tokens already sent
+        (`resume_token_ids`), so the stream continues without a repeat or a gap."""
+        if self.max_inflight and self.inflight >= self.max_inflight:
+            raise OverloadedError(
+                f"the gateway streams {self.inflight} requests, its limit (--max-inflight-requests)"
+            )
+        self.inflight += 1
+        try:
+            async for chunk in self._generate(request):
+                yield chunk
+        finally:
+            self.inflight -= 1
+
+    async def _generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
         pin = await self._lookup(request.session_id)
         bad_decode: set[str] = set()
         bad_prefill: set[str] = set()
         sent: list[int] = []  # tokens the caller has
         attempts = migrations = 0
+        full: OverloadedError | None = None  # the last worker found at its limit
         while True:
             leg = self._leg(request, sent, migrations)
-            decode = self.router.pick("decode", self._decode_cost(request), bad_decode,
-                                      pin and pin.decode, leg.prompt).worker  # fmt: skip
+            try:
+                decode = self.router.pick("decode", self._decode_cost(request), bad_decode,
+                                          pin and pin.decode, leg.prompt).worker  # fmt: skip
+            except WorkerUnavailable as exc:
+                if full is None:
+                    raise
+                raise OverloadedError(f"every decode worker is at its limit ({full})") from exc
             prefill = self._pick_prefill(leg, decode, bad_prefill, pin and pin.prefill)
             started = False
             try:
@@ -89,6 +118,14 @@ class MeshBackend:
                         chunk = dataclasses.replace(chunk, cached_tokens=cached)
                     yield chunk
                 return
+            except OverloadedError as exc:
+                if sent:
+                    raise
+                full = exc  # another worker may have room (each tried once)
+                if isinstance(exc, PrefillOverloadedError) and prefill is not None:
+                    bad_prefill.add(prefill.worker_id)  # none left: decode prefills itself
+                else:
+                    bad_decode.add(decode.worker_id)
             except (WorkerUnavailable, EngineFailure) as exc:
                 if sent:
                     outcome = "migrated" if migrations < self.migration_limit else "exhausted"
@@ -139,6 +176,11 @@ class MeshBackend:
     async def _stream(self, request: GenerateInput, leg: Leg, decode: WorkerInfo,
                       prefill: WorkerInfo | None) -> AsyncIterator[GenerateChunk]:  # fmt: skip
         stub = decode_pb2_grpc.DecodeStub(self._channel(decode.grpc_address))
+        timeout = None
+        if request.deadline is not None:
+            timeout = request.deadline - _now()
+            if timeout <= 0:
+                raise DeadlineExceededError(f"request {request.request_id}: its deadline passed")
         message = decode_pb2.DecodeRequest(
             request_id=leg.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -158,7 +200,7 @@ class MeshBackend:
         try:
             with self.router.holding(decode.worker_id, held), contextlib.ExitStack() as prefilling:
                 prefilling.enter_context(self._holding_prefill(prefill, len(prompt.token_ids)))
-                call = stub.Generate(message)
+                call = stub.Generate(message, timeout=timeout)
                 responses = call if delivery is None else delivery.chunks(leg.request_id, call)
                 first = True
                 try:
@@ -174,6 +216,10 @@ class MeshBackend:
                         await responses.aclose()
                     call.cancel()  # no-op when finished; cancels decode when the client left
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DeadlineExceededError(
+                    f"request {request.request_id}: its deadline passed"
+                ) from exc
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                 raise WorkerUnavailable(
                     f"decode worker {decode.worker_id} unavailable: {exc.details()}"

@@ -34,13 +34,19 @@ from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidRequestError, KvmeshError, WorkerUnavailableError
 from kvmesh.mesh import error_mapping, metrics
-from kvmesh.mesh.error_mapping import PayloadTooLargeError, http_status, openai_error_body
+from kvmesh.mesh.error_mapping import (
+    PayloadTooLargeError,
+    http_headers,
+    http_status,
+    openai_error_body,
+)
 from services.gateway import openai_protocol as proto
 from services.gateway import openai_responses as resp
 from services.gateway.anthropic_api import AnthropicApi
 from services.gateway.backend import GenerateBackend
 from services.gateway.choices import Choice, choice_requests, delta_events, merged, total_usage
 from services.gateway.generation import SERVICE, Delta, Generation, Routing
+from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
 from services.gateway.openai_responses import LogprobFormatter, ResponseMeta
 from services.gateway.readiness import AlwaysReady, Readiness
 from services.gateway.responses_api import ResponsesApi
@@ -48,14 +54,13 @@ from services.gateway.tool_output import ToolReply
 from services.gateway.tool_output import finish_reason as finish_reason_of
 
 log = structlog.get_logger(__name__)
-DEFAULT_MAX_BODY_BYTES = 4 << 20
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def create_app(
     backend: GenerateBackend,
     tokenizer: Tokenizer,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    limits: RequestLimits = DEFAULT_LIMITS,
     readiness: Readiness | None = None,
     tool_parser: str | None = None,
 ) -> Starlette:
@@ -63,8 +68,8 @@ def create_app(
     API); GET /v1/models, /health (readiness: 503
     until a request would succeed), /live (liveness), /metrics. `tool_parser`: the format of
     the model's tool calls (None: chosen from its chat template)."""
-    api = _OpenAIApi(backend, tokenizer, max_body_bytes, tool_parser)
-    read = lambda request: _read_json(request, max_body_bytes)  # noqa: E731
+    api = _OpenAIApi(backend, tokenizer, limits, tool_parser)
+    read = lambda request: _read_json(request, limits.max_body_bytes)  # noqa: E731
     anthropic = AnthropicApi(backend, tokenizer, api.served, read)
     responses = ResponsesApi(backend, tokenizer, api.served, read)
     routes = [
@@ -110,13 +115,13 @@ class RequestIdMiddleware:
 
 
 class _OpenAIApi:
-    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, max_body_bytes: int,
+    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, limits: RequestLimits,
                  tool_parser: str | None) -> None:  # fmt: skip
         self._backend = backend
         self._tokenizer = tokenizer
-        self._max_body_bytes = max_body_bytes
+        self._max_body_bytes = limits.max_body_bytes
         parser = tool_parser or parser_for(tokenizer.hf.chat_template)
-        self.served = proto.ServedModel(backend.model_name, backend.max_model_len, parser)
+        self.served = proto.ServedModel(backend.model_name, backend.max_model_len, parser, limits)
         self._created = int(time.time())
 
     async def chat(self, request: Request) -> Response:
@@ -225,12 +230,16 @@ async def _read_json(request: Request, limit: int) -> Any:
     """The body as JSON; 413 past `limit` bytes (declared or actual), 400 when not JSON."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLargeError(f"the request body exceeds {limit} bytes")
+        raise PayloadTooLargeError(
+            f"the request body exceeds {limit} bytes (--max-request-body-bytes)"
+        )
     body = bytearray()
     async for part in request.stream():
         body += part
         if len(body) > limit:
-            raise PayloadTooLargeError(f"the request body exceeds {limit} bytes")
+            raise PayloadTooLargeError(
+                f"the request body exceeds {limit} bytes (--max-request-body-bytes)"
+            )
     try:
         return json.loads(body)
     except ValueError as exc:
@@ -241,7 +250,7 @@ def _error_response(exc: Exception) -> JSONResponse:
     status = http_status(exc)
     _count(_outcome(status))
     _log_error(exc)
-    return JSONResponse(openai_error_body(exc), status_code=status)
+    return JSONResponse(openai_error_body(exc), status_code=status, headers=http_headers(exc))
 
 
 def _log_error(exc: Exception) -> None:

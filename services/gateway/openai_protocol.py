@@ -18,6 +18,7 @@ from kvmesh.agent.tool_parsers import ToolParser, get_parser
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
+from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
 from services.gateway.openai_chat import parse_conversation
 from services.gateway.output_format import output_grammar
 
@@ -25,7 +26,6 @@ Kind = Literal["chat", "completion"]
 T = TypeVar("T")
 
 DEFAULT_MAX_TOKENS = 1024  # max_tokens missing: the remaining context, capped at this
-MAX_N = 16  # choices per request
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 _UNSUPPORTED = ("suffix",)  # unless null/false/empty
 _SAMPLING_FIELDS: tuple[tuple[type, tuple[str, ...]], ...] = (  # passed on to SamplingParams
@@ -45,6 +45,7 @@ class ServedModel:
     name: str
     max_model_len: int
     tool_parser: str = "hermes"  # the format of the model's tool calls (agent/tool_parsers)
+    limits: RequestLimits = DEFAULT_LIMITS
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,11 @@ def parse_request(
                                 "response_format")  # fmt: skip
     bias = _logit_bias(body, tokenizer.vocab_size)
     params = _sampling(body, max_tokens, logprobs, grammar, bias)
-    check_context(kind, len(prompt), max_tokens, served.max_model_len)
+    n = _n(body)
+    check_context(kind, len(prompt), max_tokens, served, n)
     return ParsedRequest(
         kind, model, tuple(prompt), replace(params, stop=()), params.stop,
-        stream, include_usage, _get(body, "user", str), tools, echo, _n(body),
+        stream, include_usage, _get(body, "user", str), tools, echo, n,
     )  # fmt: skip
 
 
@@ -160,9 +162,7 @@ def _check_unsupported(body: dict[str, Any]) -> None:
 
 def _n(body: dict[str, Any]) -> int:
     n = _get(body, "n", int)
-    if n is not None and not 1 <= n <= MAX_N:
-        raise InvalidRequestError(f"'n' must be in [1, {MAX_N}], got {n}")
-    return n or 1
+    return 1 if n is None else n  # checked against the limit by check_context
 
 
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -262,7 +262,11 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     raise InvalidRequestError("'stop' must be a string or an array of strings")
 
 
-def check_context(kind: Kind, prompt_len: int, max_tokens: int, limit: int) -> None:
+def check_context(kind: Kind, prompt_len: int, max_tokens: int, served: ServedModel,
+                  n: int = 1) -> None:  # fmt: skip
+    """The configured limits (RequestLimits), then the model's context length."""
+    served.limits.check(prompt_len, max_tokens, n)
+    limit = served.max_model_len
     total = prompt_len + max_tokens
     if total <= limit:
         return

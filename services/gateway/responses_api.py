@@ -25,7 +25,7 @@ from kvmesh.agent.tool_parsers import (
     get_parser,
 )
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.mesh.error_mapping import http_status, openai_error_body
+from kvmesh.mesh.error_mapping import http_headers, http_status, openai_error_body
 from services.gateway.backend import GenerateBackend
 from services.gateway.generation import Delta, Generation, Routing
 from services.gateway.openai_protocol import ParsedRequest, ServedModel
@@ -59,7 +59,8 @@ class ResponsesApi:
         except Exception as exc:
             status = http_status(exc)
             log.info("request.rejected", status=status, error=str(exc))
-            return JSONResponse(openai_error_body(exc), status_code=status)
+            return JSONResponse(openai_error_body(exc), status_code=status,
+                                headers=http_headers(exc))  # fmt: skip
         return StreamingResponse(_events(reply, generation, first, deltas),
                                  media_type="text/event-stream")  # fmt: skip
 

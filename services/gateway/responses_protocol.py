@@ -35,7 +35,7 @@ def parse_response_request(body: Any, tokenizer: Tokenizer, served: ServedModel)
     if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool)):
         raise InvalidRequestError("'max_output_tokens' must be an integer")
     max_tokens = requested or common.default_max_tokens(len(prompt), served)
-    common.check_context("chat", len(prompt), max_tokens, served.max_model_len)
+    common.check_context("chat", len(prompt), max_tokens, served)
     grammar = reply_grammar(conversation, served.tool_parser, tokenizer.hf, _text_format(body),
                             "text.format")  # fmt: skip
     fields = {n: float(body[n]) for n in ("temperature", "top_p") if _number(body, n)}

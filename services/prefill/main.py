@@ -10,7 +10,7 @@ from services.prefill.worker import PrefillWorker
 
 def servicers(parts: WorkerParts) -> list:
     worker = PrefillWorker(parts.engine, parts.transfer, parts.kv_dtype, parts.store)
-    return [add_to(PrefillServicer(worker, parts.worker_id))]
+    return [add_to(PrefillServicer(worker, parts.worker_id, parts.gate))]
 
 
 async def serve_prefill(options: WorkerOptions) -> int:

@@ -8,8 +8,10 @@ import structlog
 from kvmesh.errors import KvmeshError
 from kvmesh.mesh import convert, metrics
 from kvmesh.mesh.error_mapping import grpc_details, grpc_status
+from kvmesh.mesh.grpc_server import deadline_of
 from kvmesh.mesh.kv_events import stream_kv_events
 from kvmesh.mesh.loads import load_to_pb
+from kvmesh.mesh.request_gate import RequestGate
 from kvmesh.proto.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
 from services.prefill.worker import PrefillWorker
 
@@ -17,8 +19,10 @@ log = structlog.get_logger(__name__)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, worker: PrefillWorker, worker_id: str) -> None:
+    def __init__(self, worker: PrefillWorker, worker_id: str,
+                 gate: RequestGate | None = None) -> None:  # fmt: skip
         self.worker = worker
+        self.gate = gate or RequestGate()
         self.worker_id = worker_id
 
     async def Prefill(
@@ -28,14 +32,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         metrics.observe_message("prefill", request.ByteSize())
         try:
             params = convert.sampling_from_pb(request.sampling)
-            result = await self.worker.prefill(
-                request.request_id,
-                list(request.prompt_token_ids),
-                params,
-                request.destination,
-                request.cache_salt,
-                list(request.resume_token_ids),
-            )
+            with self.gate.admit():  # bounded; refused while draining
+                result = await self.worker.prefill(
+                    request.request_id,
+                    list(request.prompt_token_ids),
+                    params,
+                    request.destination,
+                    request.cache_salt,
+                    list(request.resume_token_ids),
+                    deadline_of(context),
+                )
         except KvmeshError as exc:
             log.warning("prefill.failed", code=exc.code, error=str(exc))
             await context.abort(grpc_status(exc), grpc_details(exc))

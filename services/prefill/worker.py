@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
 
 import structlog
@@ -16,7 +17,7 @@ from kvmesh.engine.integrity import as_int32
 from kvmesh.engine.kv.pool_layout import copy_ranges
 from kvmesh.engine.page_io import ImportPlan
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.errors import InvalidRequestError, RequestAbortedError
+from kvmesh.errors import DeadlineExceededError, InvalidRequestError, RequestAbortedError
 from kvmesh.mesh import metrics
 from kvmesh.mesh.convert import check_shards, destination_side
 from kvmesh.mesh.store_link import StoreLink
@@ -60,6 +61,7 @@ class PrefillWorker:
         destination: prefill_pb2.KvDestination,
         cache_salt: str = "",
         resumed: list[int] | None = None,
+        deadline: float | None = None,
     ) -> PrefillResult:
         """The KV of `prompt` (then `resumed`: a migrated request's output so far) written into
         `destination`; the result's token is the one after them."""
@@ -74,6 +76,8 @@ class PrefillWorker:
         try:
             if first.finish_reason is not None and first.finish_reason.value == "abort":
                 raise RequestAbortedError(f"prefill of {request_id} was aborted")
+            if deadline is not None and time.monotonic() > deadline:  # no transfer then
+                raise DeadlineExceededError(f"prefill of {request_id}: its deadline passed")
             src_pages = (await self.engine.pages_of(request_id))[destination.skip_pages : num_pages]
             dst_pages = list(destination.page_ids)[destination.skip_pages : num_pages]
             written = await asyncio.to_thread(self._write, destination, src_pages, dst_pages)

@@ -5,6 +5,7 @@ rolling restart of every worker under load fails no request. One mesh: etcd, gat
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import pytest
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.mesh.launcher import UpOptions
+from kvmesh.mesh.supervisor import RestartPolicy
 from kvmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.integration.mesh_probes import (
     live_workers,
@@ -38,6 +40,8 @@ def mesh():
     options = UpOptions(prefill=1, decode=2,
                         worker_args=("--kv-cache-mib", "96", "--max-num-seqs", "16"))  # fmt: skip
     with module_mesh(options) as running:
+        # workers die here many times over: restart each at once, every time
+        running.supervisor.policy = RestartPolicy(max_restarts=100, backoff_s=0.1)
         yield running
 
 
@@ -166,3 +170,59 @@ def test_with_every_decode_worker_dead_the_stream_ends_with_a_clear_error(client
     reply = client.chat.completions.create(model=MODEL, messages=_ask("tea"), max_tokens=4)
     assert reply.choices[0].message.content
     wait_for(lambda: pages_in_use(mesh) == 0, 60, "pages held after the failed stream")
+
+
+def test_sigterm_drains_a_decode_worker_its_streams_finish_there(client, mesh, expected):
+    """SIGTERM: the lease goes at once (no new requests), the streams it serves finish on it
+    (no migration), then it exits 0."""
+    before = _migrations(mesh, "migrated")
+    progress = threading.Semaphore(0)
+    topics = TOPICS[:4]
+    with ThreadPoolExecutor(len(topics)) as pool:
+        futures = {t: pool.submit(_stream, client, t, progress) for t in topics}
+        for _ in topics:
+            assert progress.acquire(timeout=120)
+        victim = _busiest_decode(mesh)
+        proc = mesh.procs[victim.worker_id]
+        os.kill(proc.pid, signal.SIGTERM)
+        gone = lambda: victim.worker_id not in {w.worker_id for w in live_workers(mesh, "decode")}  # noqa: E731
+        wait_for(gone, 5, "the draining worker's lease revoked")
+        texts = {topic: future.result(timeout=300) for topic, future in futures.items()}
+    assert texts == {t: expected[t] for t in topics}
+    assert proc.wait(60) == 0
+    assert _migrations(mesh, "migrated") == before  # each finished where it ran
+    _restarted(mesh, "decode", 2)
+
+
+def test_rolling_restart_of_every_worker_under_load_fails_no_request(client, mesh, expected):
+    stop = threading.Event()
+    done: list[tuple[str, str]] = []
+    failed: list[str] = []
+
+    def load(offset: int) -> None:
+        for i in itertools.count(offset):
+            if stop.is_set():
+                return
+            topic = TOPICS[i % len(TOPICS)]
+            try:
+                done.append((topic, _stream(client, topic)))
+            except Exception as exc:  # noqa: BLE001 - any failure is what this test counts
+                failed.append(repr(exc))
+
+    with ThreadPoolExecutor(4) as pool:
+        loops = [pool.submit(load, k) for k in range(4)]
+        for name, role, count in (("decode-0", "decode", 2), ("prefill-0", "prefill", 1),
+                                  ("decode-1", "decode", 2)):  # fmt: skip
+            base = len(done)
+            wait_for(lambda: len(done) >= base + 2, 120, "requests completing between restarts")  # noqa: B023
+            proc = mesh.procs[name]
+            os.kill(proc.pid, signal.SIGTERM)
+            assert proc.wait(60) == 0, f"{name} did not drain and exit cleanly"
+            _restarted(mesh, role, count)
+        stop.set()
+        for loop in loops:
+            loop.result(timeout=300)
+    assert failed == []
+    assert len(done) >= 6
+    assert all(text == expected[topic] for topic, text in done)
+    wait_for(lambda: pages_in_use(mesh) == 0, 60, "pages held after the rolling restart")

@@ -31,6 +31,7 @@ from kvmesh.mesh.error_mapping import (
     openai_error_body,
 )
 from services.gateway import openai_responses as resp
+from services.gateway.limits import RequestLimits
 from services.gateway.openai_api import create_app
 from tests.unit.fake_backend import ANSWER, FakeBackend, cached_tokens_for, serve_app
 
@@ -292,7 +293,7 @@ def test_bad_completion_request(client: TestClient, body: dict, fragment: str) -
 def test_body_too_large(backend: FakeBackend, tok: Tokenizer, chunked: bool) -> None:
     payload = json.dumps({"messages": [{"role": "user", "content": "x" * 4096}]}).encode()
     content: Any = iter([payload[:1000], payload[1000:]]) if chunked else payload
-    with TestClient(create_app(backend, tok, max_body_bytes=1024)) as small:
+    with TestClient(create_app(backend, tok, RequestLimits(max_body_bytes=1024))) as small:
         response = small.post(CHAT, content=content)
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "payload_too_large"
