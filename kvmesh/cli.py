@@ -60,7 +60,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 _WORKER_FLAGS = ("dtype", "weights", "int4_group_size", "int4_embeddings", "kv_dtype",
-                 "kv_cache_bytes", "kv_integrity", "max_num_seqs", "protocol",
+                 "kv_cache_bytes", "kv_integrity", "kv_integrity_action", "max_num_seqs",
+                 "protocol",
                  "local_prefill_tokens", "speculative", "num_speculative_tokens",
                  "speculative_policy", "decode_step", "draft", "draft_model",
                  "tensor_parallel_size", "enable_expert_parallel",
@@ -243,6 +244,7 @@ def _generate(args: argparse.Namespace) -> int:
         int4_group_size=args.int4_group_size,
         int4_embeddings=args.int4_embeddings == "on",
         kv_integrity=args.kv_integrity == "on",
+        kv_integrity_action=args.kv_integrity_action,
         max_model_len=args.max_model_len,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,

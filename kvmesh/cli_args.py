@@ -97,6 +97,11 @@ def _kv_args(p: argparse.ArgumentParser) -> None:
         choices=["on", "off"],
         help="check every KV page's integrity tag before each step (default on)",
     )
+    p.add_argument(
+        "--kv-integrity-action", default="recompute", choices=["recompute", "abort"],
+        help="a request holding a page that fails its tag: recompute its KV from its tokens and "
+        "go on (the output equals a fault-free run), or abort it with a kv_integrity error",
+    )  # fmt: skip
 
 
 def _mesh_args(p: argparse.ArgumentParser) -> None:

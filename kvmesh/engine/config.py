@@ -206,6 +206,9 @@ class EngineConfig:
     int4_group_size: int = 0  # with weights=int4: see Int4Scheme
     int4_embeddings: bool = False
     kv_integrity: bool = True  # check every page's tag before each step
+    # a request holding a page that fails its tag: its KV is recomputed from its tokens (the
+    # page discarded) and it goes on, or it is aborted with a kv_integrity error
+    kv_integrity_action: str = "recompute"  # recompute | abort
     speculative: str = "none"  # none, ngram or eagle
     num_speculative_tokens: int = 4  # drafts verified per step (at most, when adaptive)
     speculative_policy: str = "adaptive"  # adaptive (lengths from measurements) or fixed
@@ -245,6 +248,10 @@ class EngineConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
+        if self.kv_integrity_action not in ("recompute", "abort"):
+            raise InvalidRequestError(
+                f"kv_integrity_action must be recompute or abort, got {self.kv_integrity_action!r}"
+            )
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be auto or one of {DTYPES}, got {self.dtype!r}")
         if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:

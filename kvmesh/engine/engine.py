@@ -44,6 +44,7 @@ from kvmesh.errors import (
 
 __all__ = ["Engine", "Reservation", "TokenOutput"]
 log = structlog.get_logger(__name__)
+MAX_INTEGRITY_RECOMPUTES = 3  # then a request that keeps failing its tags is aborted
 _score_ids = itertools.count()
 
 
@@ -261,8 +262,10 @@ class Engine(HandOver):
     def _check_integrity(
         self, output: SchedulerOutput
     ) -> tuple[SchedulerOutput, list[TokenOutput]]:
-        """Abort (alone) every scheduled sequence holding a page whose tag it does not expect;
-        those pages leave the prefix cache, so no later request reuses their bytes."""
+        """Take out of this step every scheduled sequence holding a page whose tag it does not
+        expect: its KV is recomputed from its tokens (kv_integrity_action recompute: its pages
+        freed, it waits first in line, its output goes on as if nothing happened) or it is
+        aborted (alone). Those pages leave the prefix cache: no later request reuses them."""
         seqs = [chunk.seq for chunk in output.chunks]
         mismatched = self.page_tags.mismatched(self.runner.tables, [s.seq_id for s in seqs])
         if not mismatched:
@@ -270,12 +273,19 @@ class Engine(HandOver):
         failed: list[TokenOutput] = []
         for index, pages in mismatched:
             seq = seqs[index]
-            log.error("kv.integrity_failure", request_id=seq.seq_id, pages=pages)
             reported = seq.finalizing is not None  # its finish was already delivered
+            recompute = (self.config.kv_integrity_action == "recompute" and not reported
+                         and seq.integrity_recomputes < MAX_INTEGRITY_RECOMPUTES)  # fmt: skip
+            log.error("kv.integrity_failure", request_id=seq.seq_id, pages=pages,
+                      action="recompute" if recompute else "abort")  # fmt: skip
             self.block_manager.discard_cached(pages)
-            self.abort(seq.seq_id)
             if self.on_integrity_failure is not None:
                 self.on_integrity_failure(seq.seq_id)
+            if recompute:
+                seq.integrity_recomputes += 1
+                self.scheduler.recompute(seq.seq_id)
+                continue
+            self.abort(seq.seq_id)
             if not reported:
                 error = KvIntegrityError(
                     f"request {seq.seq_id} aborted: KV page(s) {pages} no longer carry the "

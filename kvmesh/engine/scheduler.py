@@ -191,6 +191,13 @@ class Scheduler:
         sample = start + num_tokens == seq.num_tokens and seq.finalizing is None
         return ScheduledChunk(seq, start, num_tokens, sample, draft)
 
+    def recompute(self, seq_id: str) -> None:
+        """Drop a sequence's KV and compute it again from its tokens (a page failed its
+        integrity tag): its pages are freed and it waits first in line, as a preempted one."""
+        seq = self._seqs[seq_id]
+        (self.running if seq.status is SeqStatus.RUNNING else self.waiting).remove(seq)
+        self._preempt(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.differ.forget(seq.seq_id)
         self.block_manager.free(seq)

@@ -40,6 +40,7 @@ class Sequence:
     page_tags: list[int] = field(default_factory=list)  # integrity tag expected of each page
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step only
     num_preemptions: int = 0
+    integrity_recomputes: int = 0  # times its KV was recomputed after a page failed its tag
     cache_salt: str = ""
     keep_pages: bool = False  # on finish, hold the pages until Scheduler.release (prefill workers)
     finalizing: FinishReason | None = None  # finished; one more step computes the last token's KV

@@ -38,7 +38,8 @@ KV_TRANSFER_BYTES = Counter(
 KV_CAPACITY_TOKENS = Gauge("kvmesh_kv_capacity_tokens", "KV pool capacity in tokens", ["service"])
 KV_INTEGRITY_FAILURES = Counter(
     "kvmesh_kv_integrity_failures_total",
-    "Requests aborted because a KV page's integrity tag did not match",
+    "Requests holding a KV page whose integrity tag did not match (recomputed or aborted, as "
+    "--kv-integrity-action says)",
     ["service"],
 )
 KV_FETCH_DIGEST_MISMATCHES = Counter(

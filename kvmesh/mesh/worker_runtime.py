@@ -52,6 +52,7 @@ class WorkerOptions:
     kv_dtype: str = "auto"
     kv_cache_bytes: int = 512 << 20
     kv_integrity: bool = True
+    kv_integrity_action: str = "recompute"
     max_num_seqs: int = 64
     tensor_parallel_size: int = 1  # rank processes the engine's model is split over
     enable_expert_parallel: bool = False
@@ -117,6 +118,7 @@ async def serve_worker(
                 kv_cache_bytes=options.kv_cache_bytes,
                 kv_dtype=options.kv_dtype,
                 kv_integrity=options.kv_integrity,
+                kv_integrity_action=options.kv_integrity_action,
                 speculative=options.speculative,
                 num_speculative_tokens=options.num_speculative_tokens,
                 speculative_policy=options.speculative_policy,

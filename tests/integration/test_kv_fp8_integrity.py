@@ -1,8 +1,9 @@
 """FP8 KV and integrity tags on the real default model, in one process.
 
-Injected faults (KVMESH_FAULTS) must each be detected: the hit request is aborted with a
-kv_integrity error and every token that reached the caller is one the fault-free engine would
-have produced; with the check off, the same faults visibly corrupt the output.
+Injected faults (KVMESH_FAULTS) must each be detected: with kv_integrity_action recompute the hit
+request's KV is computed again and its output equals the fault-free engine's; with abort it ends
+with a kv_integrity error and every token that reached the caller is one the fault-free engine
+would have produced; with the check off, the same faults visibly corrupt the output.
 """
 
 from __future__ import annotations
@@ -91,9 +92,10 @@ def test_fp8_stays_close_to_fp32_kv_on_a_fixed_text(fp8, llm):
     assert agree >= 0.85, agree
 
 
-def _run_with_faults(monkeypatch, faults: str, integrity: bool):
+def _run_with_faults(monkeypatch, faults: str, integrity: bool, action: str = "abort"):
     monkeypatch.setenv("KVMESH_FAULTS", faults)
-    faulty = LLM(dtype="fp32", kv_cache_bytes=32 << 20, kv_integrity=integrity)
+    faulty = LLM(dtype="fp32", kv_cache_bytes=32 << 20, kv_integrity=integrity,
+                 kv_integrity_action=action)  # fmt: skip
     outs = faulty.generate_ids(_prompts(faulty), GREEDY)
     faulty.engine.block_manager.check_integrity()
     assert faulty.engine.block_manager.num_used_pages == 0
@@ -114,6 +116,16 @@ def test_every_injected_fault_is_caught_and_no_corrupt_token_escapes(monkeypatch
             assert out.error.startswith("kv_integrity: ")
             assert out.finish_reason == "abort"
             assert out.token_ids == ref[: len(out.token_ids)]  # nothing after the fault
+
+
+@pytest.mark.parametrize("fault", ["reassign@9", "overwrite@7"])
+def test_recompute_gives_every_request_the_fault_free_output(monkeypatch, reference, fault):
+    engine, outs = _run_with_faults(monkeypatch, fault, integrity=True, action="recompute")
+    injected = sum(engine.faults.injected.values())
+    assert injected >= 2
+    assert engine.page_tags.failures == injected  # each caught, each recomputed
+    assert [o.error for o in outs] == [None] * len(outs)
+    assert [o.token_ids for o in outs] == reference
 
 
 @pytest.mark.parametrize("fault", ["reassign@9", "overwrite@7"])

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.timeout(900)
 # (prefill ranks, decode ranks, decode workers)
 SETUPS = {"prefill-tp2/decode-tp1": (2, 1, 1), "prefill-tp1/decode-tp2": (1, 2, 2)}
 FAULTS = "drop_transfer@5,overwrite@90"
-WORKER_ARGS = ("--kv-cache-memory", "48MiB", "--max-num-seqs", "8")
+WORKER_ARGS = ("--kv-cache-memory", "48MiB", "--max-num-seqs", "8",
+               "--kv-integrity-action", "abort")  # a dropped page shows as an error here  # fmt: skip
 TOPICS = ["tides", "volcanoes", "bees", "comets", "glaciers", "owls", "deserts"]
 LONG = " ".join(f"Note {i}: lighthouses guide ships past rocks at night." for i in range(12))
 MAX_TOKENS = 20

@@ -101,13 +101,25 @@ def test_fp8_latent_pages(model):
 @pytest.mark.parametrize("fault", ["reassign@5", "overwrite@4"])
 def test_injected_page_faults_are_caught(model, reference, monkeypatch, fault):
     monkeypatch.setenv("KVMESH_FAULTS", fault)
-    llm = LLM(model, dtype="fp32", num_pages=64, enable_prefix_caching=False)
+    llm = LLM(model, dtype="fp32", num_pages=64, enable_prefix_caching=False,
+              kv_integrity_action="abort")  # fmt: skip
     outs = llm.generate_ids(_prompts(), GREEDY)
     failed = [o for o in outs if o.error is not None]
     assert len(failed) == sum(llm.engine.faults.injected.values()) >= 1
     for out, ref in zip(outs, reference, strict=True):
         assert out.token_ids == ref[: len(out.token_ids)]
         assert out.error is None or out.error.startswith("kv_integrity: ")
+
+
+@pytest.mark.parametrize("fault", ["reassign@5", "overwrite@4"])
+def test_injected_page_faults_are_recomputed_latent_pages_too(model, reference, monkeypatch,
+                                                              fault):  # fmt: skip
+    monkeypatch.setenv("KVMESH_FAULTS", fault)
+    llm = LLM(model, dtype="fp32", num_pages=64, enable_prefix_caching=False)  # recompute
+    outs = llm.generate_ids(_prompts(), GREEDY)
+    assert llm.engine.page_tags.failures == sum(llm.engine.faults.injected.values()) >= 1
+    assert [o.error for o in outs] == [None] * len(outs)
+    assert [o.token_ids for o in outs] == reference
 
 
 def test_bench_kv_prints_the_latent_page_spec(model):
