@@ -127,6 +127,7 @@ def _up(args: argparse.Namespace) -> int:
             ),
             kvstore=args.kvstore,
             decode_lead_cpu=args.decode_lead_cpu,
+            tls=args.tls,
             kvstore_args=(
                 "--ram-mib",
                 str(args.kvstore_ram_mib),
@@ -141,17 +142,21 @@ def _gateway_front(args: argparse.Namespace) -> list[str]:
     """`up`'s gateway_front_args as the gateway's flags."""
     flags: list[str] = []
     for name in GATEWAY_FRONT:
-        value = getattr(args, name)
-        if value is not None and value is not False:
-            flags += ["--" + name.replace("_", "-")] + ([] if value is True else [str(value)])
+        value, flag = getattr(args, name), "--" + name.replace("_", "-")
+        for one in value if isinstance(value, list) else [value]:
+            if one is not None and one is not False:
+                flags += [flag] + ([] if one is True else [str(one)])
     return flags
 
 
 def _serve(args: argparse.Namespace) -> int:
     from kvmesh import event_loop
     from kvmesh.log import configure_logging
+    from kvmesh.mesh import tls, tracing
 
     configure_logging(args.service, "INFO")
+    tls.configure_from(args)
+    tracing.setup(args.service)
     serve, options = _service(args)
     _log_imports_done()
     return event_loop.run(serve(options)) or 0

@@ -105,9 +105,12 @@ def _kv_args(p: argparse.ArgumentParser) -> None:
 
 
 def _mesh_args(p: argparse.ArgumentParser) -> None:
+    from kvmesh.mesh import tls
+
     p.add_argument("--etcd", required=True, help="etcd endpoint host:port")
     p.add_argument("--cluster", default="default")
     p.add_argument("--host", default="127.0.0.1")
+    tls.add_arguments(p)
 
 
 # `kvmesh up`: prompts up to this many tokens are prefilled by the decode worker itself (Dynamo's
@@ -241,6 +244,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     up.add_argument("--kvstore-ram-mib", type=int, default=256)
     up.add_argument("--kvstore-disk-mib", type=int, default=1024)
     up.add_argument("--session-ttl", type=int, default=600)
+    up.add_argument("--tls", action="store_true",
+                    help="TLS everywhere with a throwaway CA made for this run: clients reach the "
+                    "gateway over https, services use mutual TLS")  # fmt: skip
     gateway_front_args(up)
     _worker_args(up, local_prefill=None)
     _spec_args(up, worker=True)
@@ -414,10 +420,16 @@ def gateway_front_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-output-tokens", type=int, default=0,
                         help="a larger max_tokens gets 400 (0: only the context length)")  # fmt: skip
     parser.add_argument("--max-n", type=int, default=16, help="choices per request (n)")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help="a key clients must send (Authorization: Bearer KEY, or x-api-key); "
+                        "repeatable (default: no keys)")  # fmt: skip
+    parser.add_argument("--api-keys-file", default=None, metavar="PATH",
+                        help="keys, one per line (# comments)")  # fmt: skip
 
 
 GATEWAY_FRONT = ("migration_limit", "max_inflight_requests", "max_request_body_bytes",
-                 "max_prompt_tokens", "max_output_tokens", "max_n")  # fmt: skip
+                 "max_prompt_tokens", "max_output_tokens", "max_n", "api_key",
+                 "api_keys_file")  # fmt: skip
 # gateway_front_args' destinations, passed on by `up`
 
 

@@ -39,6 +39,14 @@ class CapacityError(KvmeshError):
     user_error = True
 
 
+class AuthenticationError(KvmeshError):
+    """No API key, or one the gateway does not know (HTTP 401, gRPC UNAUTHENTICATED)."""
+
+    code = "invalid_api_key"
+    expose = True
+    user_error = True
+
+
 class OverloadedError(KvmeshError):
     """Over capacity right now (a queue bound reached): retry later (HTTP 429, gRPC
     RESOURCE_EXHAUSTED). Unlike CapacityError the request itself is fine."""

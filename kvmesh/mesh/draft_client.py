@@ -17,7 +17,7 @@ import structlog
 import torch
 
 from kvmesh.engine.sequence import Sequence
-from kvmesh.mesh import convert
+from kvmesh.mesh import convert, tls
 from kvmesh.mesh.grpc_server import CHANNEL_OPTIONS
 from kvmesh.proto.v1 import draft_pb2, draft_pb2_grpc
 
@@ -29,7 +29,11 @@ class RemoteProposer:
     def __init__(self, address: str, timeout_s: float = 2.0) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        files = tls.current()
+        self._channel = (
+            grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if files is None
+            else grpc.secure_channel(address, files.channel_credentials(), options=CHANNEL_OPTIONS)
+        )  # fmt: skip
         self._stub = draft_pb2_grpc.DraftStub(self._channel)
         self._pending: dict[str, list[draft_pb2.FeatureRows]] = {}  # sent with the next call
         # Seconds per Propose call, the latest ROUND_TRIPS_KEPT (bench: the remote cost).

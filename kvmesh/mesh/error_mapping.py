@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from kvmesh.errors import (
+    AuthenticationError,
     CapacityError,
     DeadlineExceededError,
     InvalidRequestError,
@@ -44,6 +45,8 @@ def http_status(exc: BaseException) -> int:
         return 413
     if isinstance(exc, OverloadedError):
         return 429
+    if isinstance(exc, AuthenticationError):
+        return 401
     if isinstance(exc, InvalidRequestError | CapacityError):
         return 400  # CapacityError: this request can never fit, so it is the request's fault
     if isinstance(exc, ModelNotFoundError):
@@ -70,7 +73,7 @@ def openai_error_body(exc: BaseException) -> dict[str, Any]:
     return error_body(str(exc), type_, code)
 
 
-_OPENAI_TYPES = {401: "authentication_error", 429: "rate_limit_error"}  # others: 4xx / 5xx
+_OPENAI_TYPES = {429: "rate_limit_error"}  # others: 4xx / 5xx (401: invalid_request_error)
 
 
 def http_headers(exc: BaseException) -> dict[str, str]:
@@ -99,6 +102,8 @@ def grpc_status(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status a server aborts with for `exc`."""
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, AuthenticationError):
+        return grpc.StatusCode.UNAUTHENTICATED
     if isinstance(exc, ModelNotFoundError):
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, CapacityError | OverloadedError):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from kvmesh.mesh import tls
 
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
@@ -60,10 +62,14 @@ async def start_server(
     host: str,
     port: int,
     serving: bool = True,
+    client_certs: bool = True,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, int, HealthStatus]:
     """Each callable registers one servicer and returns its full service name. `serving`: the
-    first health status (False: NOT_SERVING until the caller's `set_serving(True)`)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    first health status (False: NOT_SERVING until the caller's `set_serving(True)`). With TLS
+    configured (mesh/tls.py) it listens with TLS, asking callers for a certificate of the mesh's
+    CA unless `client_certs` is False (a front for clients)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
     names = [add(server) for add in add_servicers]
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -72,13 +78,21 @@ async def start_server(
     reflection.enable_server_reflection(
         [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    files = tls.current()
+    if files is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", files.server_credentials(client_certs))
     await server.start()
     return server, bound, status
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """A channel to another service (TLS with this process's certificate when configured)."""
+    files = tls.current()
+    if files is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, files.channel_credentials(), options=CHANNEL_OPTIONS)
 
 
 def deadline_of(context: grpc.aio.ServicerContext) -> float | None:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import ssl
 import sys
 import time
 import urllib.request
@@ -29,6 +30,7 @@ from kvmesh.mesh.etcd_server import EtcdServer
 from kvmesh.mesh.ports import free_port
 from kvmesh.mesh.processes import StopSignal, StopSignals
 from kvmesh.mesh.supervisor import Supervisor
+from kvmesh.mesh.tls import TlsFiles
 
 CRITICAL = frozenset({"gateway"})  # with etcd: the mesh stops when one of them dies
 STOP_GRACE_S = 6.0  # SIGTERM, then SIGKILL: a stop signal leaves nothing behind within 10 s
@@ -53,6 +55,7 @@ class UpOptions:
     kvstore_args: tuple[str, ...] = ()
     ready_timeout: float = 180.0
     decode_lead_cpu: str = "auto"  # auto | off | a CPU number: see affinity.decode_lead_cpu
+    tls: bool = False  # TLS everywhere, with a throwaway CA made in the run's directory
 
 
 def state_file() -> Path:
@@ -71,6 +74,7 @@ class Mesh:
     http_port: int = 0
     grpc_port: int = 0
     supervisor: Supervisor = field(init=False)
+    tls: TlsFiles | None = field(default=None, init=False)  # every service's certificate
     lead: int | None = field(default=None, init=False)  # the decode engine thread's own CPU
     cpus: frozenset[int] | None = field(default=None, init=False)  # the gateway's: all but lead
     _stopped: bool = field(default=False, init=False)
@@ -94,6 +98,11 @@ class Mesh:
 
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.options.tls:
+            from kvmesh.mesh.certs import make_ca, make_leaf
+
+            ca = make_ca(self.run_dir / "tls")
+            self.tls = make_leaf(self.run_dir / "tls", "mesh", ca)
         self.etcd = EtcdServer()
         self.etcd.start()
         self.http_port = self.options.http_port or free_port()
@@ -177,7 +186,8 @@ class Mesh:
                cpus: frozenset[int] | None = None) -> None:  # fmt: skip
         assert self.etcd is not None
         cmd = [sys.executable, "-m", "kvmesh.cli", *args,
-               "--etcd", self.etcd.endpoint, "--cluster", self.options.cluster]  # fmt: skip
+               "--etcd", self.etcd.endpoint, "--cluster", self.options.cluster,
+               *(self.tls.as_flags() if self.tls else ())]  # fmt: skip
         self.supervisor.spawn(name, cmd, self.run_dir / f"{name}.log", env, cpus)
 
     def _deferred(self) -> AbstractContextManager[None]:
@@ -192,7 +202,7 @@ class Mesh:
             dead = self.supervisor.first_exited()
             if dead is not None:
                 raise LaunchError(f"{dead.exited()} during start-up")
-            if gateway_ready(self.http_port) and self._live_counts() == want:
+            if gateway_ready(self.url, self.tls) and self._live_counts() == want:
                 return
             time.sleep(0.5)
         raise LaunchError(
@@ -213,6 +223,11 @@ class Mesh:
             for role in ("prefill", "decode", "kvstore", "draft")
         )
 
+    @property
+    def url(self) -> str:
+        """Where clients send REST requests."""
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.http_port}"
+
     def pids(self) -> dict[str, int]:
         """The pid of every process the mesh runs (none before etcd starts)."""
         if self.etcd is None:
@@ -231,6 +246,8 @@ class Mesh:
             "cluster": self.options.cluster,
             "pid": os.getpid(),
             "http": f"127.0.0.1:{self.http_port}",
+            "url": self.url,
+            "tls": None if self.tls is None else {k: str(v) for k, v in vars(self.tls).items()},
             "grpc": f"127.0.0.1:{self.grpc_port}",
             "logs": str(self.run_dir),
             "pids": self.pids(),
@@ -289,10 +306,15 @@ async def list_workers(etcd: str, cluster: str) -> list[WorkerInfo]:
         return await registry.list_workers()
 
 
-def gateway_ready(http_port: int) -> bool:
+def gateway_ready(url: str, tls: TlsFiles | None = None) -> bool:
     """The gateway's /health is 200: it sees the workers a chat request needs."""
+    opener = _OPENER
+    if tls is not None:
+        context = ssl.create_default_context(cafile=str(tls.ca))
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                             urllib.request.HTTPSHandler(context=context))  # fmt: skip
     try:
-        with _OPENER.open(f"http://127.0.0.1:{http_port}/health", timeout=2) as response:
+        with opener.open(f"{url}/health", timeout=2) as response:
             return response.status == 200
     except OSError:  # not listening yet, or 503 (urllib's HTTPError is an OSError)
         return False
@@ -325,12 +347,13 @@ def run_up(options: UpOptions) -> int:
 
 def _print_ready(mesh: Mesh, options: UpOptions) -> None:
     assert mesh.etcd is not None
-    url = f"http://127.0.0.1:{mesh.http_port}"
+    url = mesh.url
+    cacert = f"--cacert {mesh.tls.ca} " if mesh.tls else ""
     say(
         f"""kvmesh is up: model {options.model}
   REST (OpenAI): {url}/v1    gRPC Gateway: 127.0.0.1:{mesh.grpc_port}    etcd: {mesh.etcd.endpoint}
   try:
-    curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    curl -s {cacert}{url}/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{{"model": "{options.model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
   Ctrl-C stops everything."""
     )

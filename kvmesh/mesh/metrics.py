@@ -46,6 +46,11 @@ KV_FETCH_DIGEST_MISMATCHES = Counter(
     "kvmesh_kvstore_fetch_digest_mismatches_total",
     "Pages read from the KV store whose bytes did not match their committed digest (misses)",
 )
+REQUESTS_IN_FLIGHT = Gauge(
+    "kvmesh_requests_in_flight",
+    "Requests held now: streams at a gateway, requests admitted by a worker (its queue depth)",
+    ["service"],
+)
 REQUEST_MIGRATIONS = Counter(
     "kvmesh_request_migrations_total",
     "Streams moved to another decode worker after theirs died or broke mid-stream",
@@ -108,12 +113,13 @@ _ROUTING_REASONS = ("least_tokens", "prefix_hit", "affinity", "affinity_worker_g
                     "affinity_yield_load")  # services/gateway/router.py policies  # fmt: skip
 _PREFIX_TIERS = ("prefill_local", "decode", "kvstore")
 _BY_SERVICE = {
-    "gateway": (REQUEST_TTFT, REQUEST_TPOT, PROMPT_TOKENS, PROMPT_CACHED_TOKENS, GENERATION_TOKENS),
+    "gateway": (REQUEST_TTFT, REQUEST_TPOT, PROMPT_TOKENS, PROMPT_CACHED_TOKENS, GENERATION_TOKENS,
+                REQUESTS_IN_FLIGHT),
     "prefill": (KV_TRANSFER_BYTES, KV_INTEGRITY_FAILURES, GRPC_MESSAGE_BYTES_MAX,
-                KV_STORE_OFFERS_IN_FLIGHT),
+                KV_STORE_OFFERS_IN_FLIGHT, REQUESTS_IN_FLIGHT),
     "decode": (GENERATION_TOKENS, KV_INTEGRITY_FAILURES, KV_PAGES_USED, GRPC_MESSAGE_BYTES_MAX,
                SPEC_DRAFT_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_ACCEPT_LENGTH,
-               KV_STORE_OFFERS_IN_FLIGHT),
+               KV_STORE_OFFERS_IN_FLIGHT, REQUESTS_IN_FLIGHT),
 }  # fmt: skip
 
 

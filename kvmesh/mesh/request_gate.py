@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import structlog
 
@@ -18,8 +18,10 @@ log = structlog.get_logger(__name__)
 
 
 class RequestGate:
-    def __init__(self, max_requests: int = 0) -> None:
+    def __init__(self, max_requests: int = 0, on_change: Callable[[int], None] | None = None,
+                 ) -> None:  # fmt: skip
         self.max_requests = max_requests  # 0: no bound
+        self._on_change = on_change or (lambda _: None)  # told the count at each change
         self.in_flight = 0
         self.draining = False
         self._idle = asyncio.Event()
@@ -35,11 +37,13 @@ class RequestGate:
                 f"the worker holds {self.in_flight} requests, its limit (--max-queued-requests)"
             )
         self.in_flight += 1
+        self._on_change(self.in_flight)
         self._idle.clear()
         try:
             yield
         finally:
             self.in_flight -= 1
+            self._on_change(self.in_flight)
             if self.in_flight == 0:
                 self._idle.set()
 

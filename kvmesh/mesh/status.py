@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
 from kvmesh.errors import NoMeshError
+from kvmesh.mesh import tls
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import channel
 from kvmesh.mesh.launcher import state_file
+from kvmesh.mesh.tls import TlsFiles
 from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 
@@ -45,6 +48,8 @@ def _locate(etcd: str | None, cluster: str | None) -> tuple[str, str]:
             "no running mesh found (start one with `kvmesh up`, or pass --etcd host:port)"
         )
     state = json.loads(state_file().read_text())
+    if state.get("tls"):  # `kvmesh up --tls`: the workers answer only the mesh's certificate
+        tls.configure(TlsFiles(**{k: Path(v) for k, v in state["tls"].items()}))
     return state["etcd"], cluster or state.get("cluster", "default")
 
 

@@ -151,7 +151,8 @@ async def serve_worker(
         store = StoreLink(StoreLinkOptions(options.etcd, options.cluster), async_engine, transfer,
                           options.role)  # fmt: skip
     store_task = asyncio.create_task(store.run()) if store else None
-    gate = RequestGate(options.max_queued_requests)
+    gate = RequestGate(options.max_queued_requests,
+                       metrics.REQUESTS_IN_FLIGHT.labels(options.role).set)  # fmt: skip
     parts = WorkerParts(options, worker_id, async_engine, transfer, engine.kv_dtype, store, gate)
     metrics_port = options.metrics_port or free_port()
     metrics.serve_metrics(metrics_port, options.host)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+from kvmesh.mesh import tls
 from kvmesh.mesh.affinity import apply_worker_cpus
 from kvmesh.mesh.worker_runtime import WorkerOptions, WorkerParts, serve_worker
 from services.decode.delivery import Deliveries, DeliverySocket
@@ -27,4 +28,6 @@ async def serve_decode(options: WorkerOptions) -> int:
     apply_worker_cpus()  # KVMESH_CPUS / --cpus, before the engine sizes its torch pool
     deliveries = Deliveries()  # served on the delivery socket and as Decode.Deliver
     make = functools.partial(servicers, deliveries=deliveries)
-    return await serve_worker(options, make, DeliverySocket(deliveries))
+    # the delivery socket is plain TCP: with TLS every chunk goes on the (TLS) Generate call
+    socket = DeliverySocket(deliveries) if tls.current() is None else None
+    return await serve_worker(options, make, socket)

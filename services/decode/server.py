@@ -7,12 +7,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 import structlog
+from opentelemetry.trace import Span
 
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import TokenOutput
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import KvmeshError
-from kvmesh.mesh import convert, metrics
+from kvmesh.mesh import convert, metrics, tracing
 from kvmesh.mesh.error_mapping import grpc_details, grpc_status
 from kvmesh.mesh.grpc_server import deadline_of
 from kvmesh.mesh.kv_events import stream_kv_events
@@ -44,9 +45,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except KvmeshError as exc:
             await context.abort(grpc_status(exc), grpc_details(exc))
         tap = _DeliveryTap(self.deliveries, request.delivery_id, self.engine)
+        span = tracing.start_span("decode.generate",
+                                  tracing.incoming_context(context.invocation_metadata()),
+                                  request_id=request.request_id,
+                                  resumed=len(request.resume_token_ids))  # fmt: skip
         try:
             with self.gate.admit():  # bounded; refused while draining
-                async for response in self._generate(request, params, tap, context):
+                async for response in self._generate(request, params, tap, context, span):
                     yield response
         except KvmeshError as exc:
             log.warning("decode.request_failed", code=exc.code, error=str(exc))
@@ -56,16 +61,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 first_index=tap.generated,
             )
         finally:
+            span.set_attribute("generated", tap.generated)
+            span.end()
             _PAGES_USED.set(self.engine.num_used_pages)
 
     async def _generate(self, request: decode_pb2.DecodeRequest, params: SamplingParams,
-                        tap: _DeliveryTap, context: grpc.aio.ServicerContext,
+                        tap: _DeliveryTap, context: grpc.aio.ServicerContext, span: Span,
                         ) -> AsyncIterator[decode_pb2.DecodeResponse]:  # fmt: skip
         """The chunks to send on the Generate call (the others go on the delivery stream)."""
         stream = self.worker.generate(DecodeJob(
             request.request_id, list(request.prompt_token_ids), params,
             request.prefill_address, request.cache_salt, tuple(request.resume_token_ids),
-            deadline_of(context),
+            deadline_of(context), span,
         ), tap if request.delivery_id else None)  # fmt: skip
         async with contextlib.aclosing(stream):  # an abort reaches the engine before we return
             async for out in stream:

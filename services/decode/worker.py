@@ -7,6 +7,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import structlog
@@ -22,7 +23,7 @@ from kvmesh.errors import (
     PrefillOverloadedError,
     PrefillUnavailable,
 )
-from kvmesh.mesh import convert
+from kvmesh.mesh import convert, tracing
 from kvmesh.mesh.error_mapping import error_from_grpc
 from kvmesh.mesh.grpc_server import channel
 from kvmesh.proto.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
@@ -52,6 +53,7 @@ class DecodeJob:
     cache_salt: str = ""
     resumed: tuple[int, ...] = ()  # a migrated request: output the client already has
     deadline: float | None = None  # time.monotonic() by which it must end (the call's deadline)
+    span: Any = None  # its trace span here (mesh/tracing.py): the prefill call's parent
 
     def time_left(self, bound_s: float) -> float:
         """Seconds a wait of this job may take: `bound_s`, or less when its deadline is closer;
@@ -163,9 +165,15 @@ class DecodeWorker:
         None: aborted while the prefill worker was at it (told to abort, pages freed)."""
         address = job.prefill_address
         request = self._prefill_request(job, reservation)
+        span = tracing.start_span("decode.prefill_call", job.span, prefill=address)
         call = asyncio.ensure_future(
-            self._stub(address).Prefill(request, timeout=job.time_left(PREFILL_TIMEOUT_S))
+            self._stub(address).Prefill(
+                request,
+                timeout=job.time_left(PREFILL_TIMEOUT_S),
+                metadata=tracing.outgoing_metadata(span),
+            )  # fmt: skip
         )
+        call.add_done_callback(lambda _: span.end())
         abort_wait = asyncio.ensure_future(aborted.wait())
         try:
             await asyncio.wait({call, abort_wait}, return_when=asyncio.FIRST_COMPLETED)

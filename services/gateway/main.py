@@ -12,11 +12,12 @@ import uvicorn
 from kvmesh import event_loop
 from kvmesh.engine.loader import read_config, resolve_model
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.mesh import metrics
+from kvmesh.mesh import metrics, tls
 from kvmesh.mesh.discovery import Registry, WorkerWatcher
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.kv_events import PrefixIndex
 from services.gateway import grpc_api
+from services.gateway.auth import ApiKeyInterceptor, ApiKeys
 from services.gateway.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, RequestLimits
 from services.gateway.mesh_backend import (
     DEFAULT_MAX_INFLIGHT,
@@ -30,6 +31,7 @@ from services.gateway.router import AffinityPolicy, LeastTokensPolicy, Router
 from services.gateway.sessions import SessionStore
 
 log = structlog.get_logger(__name__)
+GATEWAY_SERVICE = "kvmesh.v1.Gateway"
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class GatewayOptions:
     max_prompt_tokens: int = 0
     max_output_tokens: int = 0
     max_n: int = DEFAULT_MAX_N
+    api_key: tuple[str, ...] | list[str] = ()  # --api-key (repeatable)
+    api_keys_file: str | None = None
 
     @property
     def limits(self) -> RequestLimits:
@@ -61,6 +65,8 @@ class GatewayOptions:
 async def serve_gateway(options: GatewayOptions) -> None:
     structlog.contextvars.bind_contextvars(service="gateway")
     metrics.init_series("gateway")
+    keys = ApiKeys.of(options.api_key, options.api_keys_file)
+    guards = [ApiKeyInterceptor(keys, GATEWAY_SERVICE)] if keys is not None else []
     source = resolve_model(options.model)
     tokenizer = Tokenizer.from_source(source)
     config = read_config(source)
@@ -90,14 +96,19 @@ async def serve_gateway(options: GatewayOptions) -> None:
             options.host,
             options.grpc_port,
             serving=False,  # until `follow` sees the workers a request needs
+            client_certs=False,  # a front for clients: TLS (when on) without their certificates
+            interceptors=guards,
         )
         http = uvicorn.Server(
             uvicorn.Config(
-                create_app(backend, tokenizer, options.limits, readiness, options.tool_call_parser),
+                create_app(
+                    backend, tokenizer, options.limits, readiness, options.tool_call_parser, keys
+                ),  # fmt: skip
                 host=options.host,
                 port=options.http_port,
                 log_level="warning",
                 lifespan="off",
+                **_https(),
             )
         )
         http.install_signal_handlers = lambda: None  # we own SIGTERM/SIGINT
@@ -122,6 +133,14 @@ async def serve_gateway(options: GatewayOptions) -> None:
             backend.close()
             await grpc_server.stop(grace=2)
             await watcher.stop()
+
+
+def _https() -> dict[str, str]:
+    """uvicorn's TLS settings when this process has a certificate (--tls-cert ...)."""
+    files = tls.current()
+    if files is None:
+        return {}
+    return {"ssl_certfile": str(files.cert), "ssl_keyfile": str(files.key)}
 
 
 async def _wait_for_signal_or(task: asyncio.Task) -> None:

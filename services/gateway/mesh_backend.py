@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import structlog
+from opentelemetry.trace import Span
 
 from kvmesh.errors import (
     DeadlineExceededError,
@@ -20,7 +21,7 @@ from kvmesh.errors import (
     PrefillOverloadedError,
     PrefillUnavailable,
 )
-from kvmesh.mesh import convert, metrics
+from kvmesh.mesh import convert, metrics, tracing
 from kvmesh.mesh.discovery import WorkerInfo
 from kvmesh.mesh.error_mapping import error_from_code, error_from_grpc
 from kvmesh.mesh.grpc_server import channel
@@ -82,13 +83,18 @@ class MeshBackend:
                 f"the gateway streams {self.inflight} requests, its limit (--max-inflight-requests)"
             )
         self.inflight += 1
+        metrics.REQUESTS_IN_FLIGHT.labels("gateway").inc()
+        root = tracing.start_span("gateway.generate", request_id=request.request_id,
+                                  prompt_tokens=len(request.prompt_token_ids))  # fmt: skip
         try:
-            async for chunk in self._generate(request):
+            async for chunk in self._generate(request, root):
                 yield chunk
         finally:
             self.inflight -= 1
+            metrics.REQUESTS_IN_FLIGHT.labels("gateway").dec()
+            root.end()
 
-    async def _generate(self, request: GenerateInput) -> AsyncIterator[GenerateChunk]:
+    async def _generate(self, request: GenerateInput, root: Span) -> AsyncIterator[GenerateChunk]:
         pin = await self._lookup(request.session_id)
         bad_decode: set[str] = set()
         bad_prefill: set[str] = set()
@@ -107,7 +113,7 @@ class MeshBackend:
             prefill = self._pick_prefill(leg, decode, bad_prefill, pin and pin.prefill)
             started = False
             try:
-                async for chunk in self._stream(request, leg, decode, prefill):
+                async for chunk in self._stream(request, leg, decode, prefill, root):
                     if not started and request.session_id and self.sessions:
                         pinned = Pin(prefill.worker_id if prefill else "", decode.worker_id)
                         await self.sessions.pin(request.session_id, pinned)
@@ -174,7 +180,7 @@ class MeshBackend:
         return len(request.prompt_token_ids) + request.params.max_tokens
 
     async def _stream(self, request: GenerateInput, leg: Leg, decode: WorkerInfo,
-                      prefill: WorkerInfo | None) -> AsyncIterator[GenerateChunk]:  # fmt: skip
+                      prefill: WorkerInfo | None, root: Span) -> AsyncIterator[GenerateChunk]:  # fmt: skip
         stub = decode_pb2_grpc.DecodeStub(self._channel(decode.grpc_address))
         timeout = None
         if request.deadline is not None:
@@ -200,7 +206,10 @@ class MeshBackend:
         try:
             with self.router.holding(decode.worker_id, held), contextlib.ExitStack() as prefilling:
                 prefilling.enter_context(self._holding_prefill(prefill, len(prompt.token_ids)))
-                call = stub.Generate(message, timeout=timeout)
+                call_span = tracing.start_span("gateway.decode_call", root, decode=decode.worker_id,
+                                               resumed=len(leg.resumed))  # fmt: skip
+                call = stub.Generate(message, timeout=timeout,
+                                     metadata=tracing.outgoing_metadata(call_span))  # fmt: skip
                 responses = call if delivery is None else delivery.chunks(leg.request_id, call)
                 first = True
                 try:
@@ -215,6 +224,7 @@ class MeshBackend:
                     if delivery is not None:
                         await responses.aclose()
                     call.cancel()  # no-op when finished; cancels decode when the client left
+                    call_span.end()
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise DeadlineExceededError(

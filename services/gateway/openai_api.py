@@ -14,6 +14,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from importlib.metadata import version
 from typing import Any
 
 import anyio
@@ -43,11 +44,13 @@ from kvmesh.mesh.error_mapping import (
 from services.gateway import openai_protocol as proto
 from services.gateway import openai_responses as resp
 from services.gateway.anthropic_api import AnthropicApi
+from services.gateway.auth import ApiKeyMiddleware, ApiKeys
 from services.gateway.backend import GenerateBackend
 from services.gateway.choices import Choice, choice_requests, delta_events, merged, total_usage
 from services.gateway.generation import SERVICE, Delta, Generation, Routing
 from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
 from services.gateway.openai_responses import LogprobFormatter, ResponseMeta
+from services.gateway.openapi import openapi_document
 from services.gateway.readiness import AlwaysReady, Readiness
 from services.gateway.responses_api import ResponsesApi
 from services.gateway.tool_output import ToolReply
@@ -63,11 +66,13 @@ def create_app(
     limits: RequestLimits = DEFAULT_LIMITS,
     readiness: Readiness | None = None,
     tool_parser: str | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> Starlette:
     """POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages (+ /count_tokens: Anthropic's
     API); GET /v1/models, /health (readiness: 503
     until a request would succeed), /live (liveness), /metrics. `tool_parser`: the format of
-    the model's tool calls (None: chosen from its chat template)."""
+    the model's tool calls (None: chosen from its chat template). With `api_keys` every /v1/
+    request needs one (auth.py); GET /openapi.json describes it all."""
     api = _OpenAIApi(backend, tokenizer, limits, tool_parser)
     read = lambda request: _read_json(request, limits.max_body_bytes)  # noqa: E731
     anthropic = AnthropicApi(backend, tokenizer, api.served, read)
@@ -82,10 +87,14 @@ def create_app(
         Route("/health", _health_endpoint(readiness or AlwaysReady()), methods=["GET"]),
         Route("/live", _live, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
+        Route("/openapi.json", _openapi(api.served), methods=["GET"]),
     ]
+    middleware = [Middleware(RequestIdMiddleware)]
+    if api_keys is not None:
+        middleware.append(Middleware(ApiKeyMiddleware, keys=api_keys))
     return Starlette(
         routes=routes,
-        middleware=[Middleware(RequestIdMiddleware)],
+        middleware=middleware,
         exception_handlers={HTTPException: _http_exception},
     )
 
@@ -289,6 +298,15 @@ def _health_endpoint(readiness: Readiness):
 
 async def _live(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
+
+
+def _openapi(served: proto.ServedModel):
+    document = openapi_document(served.name, served.limits, version("kvmesh"))
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(document)
+
+    return openapi
 
 
 async def _metrics(request: Request) -> Response:

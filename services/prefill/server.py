@@ -6,7 +6,7 @@ import grpc
 import structlog
 
 from kvmesh.errors import KvmeshError
-from kvmesh.mesh import convert, metrics
+from kvmesh.mesh import convert, metrics, tracing
 from kvmesh.mesh.error_mapping import grpc_details, grpc_status
 from kvmesh.mesh.grpc_server import deadline_of
 from kvmesh.mesh.kv_events import stream_kv_events
@@ -32,7 +32,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         metrics.observe_message("prefill", request.ByteSize())
         try:
             params = convert.sampling_from_pb(request.sampling)
-            with self.gate.admit():  # bounded; refused while draining
+            parent = tracing.incoming_context(context.invocation_metadata())
+            with (self.gate.admit(),  # bounded; refused while draining
+                  tracing.span("prefill.prefill", parent, request_id=request.request_id)):  # fmt: skip
                 result = await self.worker.prefill(
                     request.request_id,
                     list(request.prompt_token_ids),

@@ -18,7 +18,7 @@ from kvmesh.engine.kv.pool_layout import copy_ranges
 from kvmesh.engine.page_io import ImportPlan
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import DeadlineExceededError, InvalidRequestError, RequestAbortedError
-from kvmesh.mesh import metrics
+from kvmesh.mesh import metrics, tracing
 from kvmesh.mesh.convert import check_shards, destination_side
 from kvmesh.mesh.store_link import StoreLink
 from kvmesh.mesh.transfer import KvTransferEngine, TransferError
@@ -80,7 +80,9 @@ class PrefillWorker:
                 raise DeadlineExceededError(f"prefill of {request_id}: its deadline passed")
             src_pages = (await self.engine.pages_of(request_id))[destination.skip_pages : num_pages]
             dst_pages = list(destination.page_ids)[destination.skip_pages : num_pages]
-            written = await asyncio.to_thread(self._write, destination, src_pages, dst_pages)
+            with tracing.span("prefill.transfer", pages=len(src_pages)) as moved:
+                written = await asyncio.to_thread(self._write, destination, src_pages, dst_pages)
+                moved.set_attribute("bytes", written)
         finally:
             await self._release(request_id)
         metrics.KV_TRANSFER_BYTES.labels("prefill").inc(written)

@@ -56,10 +56,17 @@ def module_mesh(options: UpOptions) -> Iterator[Mesh]:
 
 @contextlib.contextmanager
 def mesh_with_faults(options: UpOptions, faults: str) -> Iterator[Mesh]:
-    """A running mesh whose processes inherit KVMESH_FAULTS (the test's own environment is
-    restored as soon as they are started); stopped on exit."""
+    """A running mesh whose processes inherit KVMESH_FAULTS; stopped on exit."""
+    with mesh_with_env(options, KVMESH_FAULTS=faults) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def mesh_with_env(options: UpOptions, **env: str) -> Iterator[Mesh]:
+    """A running mesh whose processes inherit `env` (the test's own environment is restored as
+    soon as they are started); stopped on exit."""
     saved = dict(os.environ)
-    os.environ.update(MC_TCP_BIND_ADDRESS="127.0.0.1", KVMESH_FAULTS=faults)
+    os.environ.update(MC_TCP_BIND_ADDRESS="127.0.0.1", **env)
     running = Mesh(options)
     try:
         running.start()

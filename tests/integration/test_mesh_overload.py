@@ -6,8 +6,10 @@ limits get 400 / 413 naming the limit."""
 
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import httpx
@@ -16,7 +18,7 @@ import pytest
 from kvmesh import LLM, SamplingParams
 from kvmesh.mesh.launcher import UpOptions
 from kvmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.integration.mesh_probes import module_mesh, pages_in_use, wait_for
+from tests.integration.mesh_probes import mesh_with_env, pages_in_use, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "smollm2-135m"
@@ -24,7 +26,12 @@ CAPACITY = 4  # --max-queued-requests of each worker
 
 
 @pytest.fixture(scope="module")
-def mesh():
+def traces(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("otel") / "spans.jsonl"
+
+
+@pytest.fixture(scope="module")
+def mesh(traces):
     options = UpOptions(
         prefill=1, decode=1, kvstore="none",
         worker_args=("--kv-cache-mib", "64", "--max-num-seqs", str(CAPACITY),
@@ -32,7 +39,7 @@ def mesh():
         gateway_args=("--max-prompt-tokens", "200", "--max-output-tokens", "100", "--max-n", "2",
                       "--max-request-body-bytes", "20000"),
     )  # fmt: skip
-    with module_mesh(options) as running:
+    with mesh_with_env(options, KVMESH_OTEL_FILE=str(traces)) as running:  # traces on, to a file
         yield running
 
 
@@ -136,3 +143,29 @@ def test_requests_above_the_configured_limits_name_the_limit(http):
     assert anthropic.status_code == 400
     assert anthropic.json()["error"]["type"] == "invalid_request_error"
     assert "--max-output-tokens" in anthropic.json()["error"]["message"]
+
+
+def test_one_trace_runs_gateway_decode_prefill_transfer(http, traces):
+    """W3C trace context through gRPC metadata: one request, one trace, each hop the child of
+    the one before (a prompt above the decode worker's local-prefill threshold goes to the
+    prefill worker)."""
+    long = "Tell me about " + ", ".join(f"city {i}" for i in range(25))
+    reply = http.post("/v1/chat/completions", json=_chat(long, 4))
+    assert reply.status_code == 200, reply.text
+
+    def spans() -> list[dict]:
+        lines = traces.read_text().splitlines() if traces.exists() else []
+        return [json.loads(line) for line in lines]
+
+    wait_for(lambda: any(s["name"] == "gateway.generate" for s in spans()), 10, "spans exported")
+    transfer = next(s for s in reversed(spans()) if s["name"] == "prefill.transfer")
+    trace_id = transfer["context"]["trace_id"]
+    chain = {s["name"]: s for s in spans() if s["context"]["trace_id"] == trace_id}
+    hops = ["gateway.generate", "gateway.decode_call", "decode.generate", "decode.prefill_call",
+            "prefill.prefill", "prefill.transfer"]  # fmt: skip
+    assert set(hops) <= set(chain), sorted(chain)
+    for parent, child in zip(hops, hops[1:], strict=False):
+        assert chain[child]["parent_id"] == chain[parent]["context"]["span_id"], (parent, child)
+    services = {chain[h]["resource"]["attributes"]["service.name"] for h in hops}
+    assert services == {"kvmesh-gateway", "kvmesh-decode", "kvmesh-prefill"}
+    assert chain["prefill.transfer"]["attributes"]["bytes"] > 0

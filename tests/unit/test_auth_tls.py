@@ -1,0 +1,51 @@
+"""API keys and TLS settings: keys from flags and a file (comments, blanks), checked in constant
+time against digests; TLS files all or none; the throwaway CA's certificates chain to it."""
+
+from __future__ import annotations
+
+import pytest
+from cryptography import x509
+
+from kvmesh.errors import AuthenticationError, InvalidRequestError
+from kvmesh.mesh.certs import make_ca, make_leaf
+from kvmesh.mesh.tls import TlsFiles
+from services.gateway.auth import ApiKeys, presented_key
+
+
+def test_keys_from_flags_and_file(tmp_path):
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# team a\nsk-a\n\n  sk-b  \n")
+    keys = ApiKeys.of(["sk-flag"], str(keys_file))
+    assert keys is not None
+    for key in ("sk-flag", "sk-a", "sk-b"):
+        keys.check({"authorization": f"Bearer {key}"})
+    keys.check({"x-api-key": "sk-a"})
+    with pytest.raises(AuthenticationError, match="incorrect"):
+        keys.check({"authorization": "Bearer sk-c"})
+    with pytest.raises(AuthenticationError, match="missing"):
+        keys.check({})
+    assert ApiKeys.of([], None) is None
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing\n")
+    with pytest.raises(InvalidRequestError, match="no API key"):
+        ApiKeys.of([], str(empty))
+    with pytest.raises(InvalidRequestError, match="does not exist"):
+        ApiKeys.of([], str(tmp_path / "missing"))
+    assert presented_key({"authorization": "bearer  sk-x "}) == "sk-x"
+
+
+def test_tls_files_all_or_none_and_the_ca_signs_them(tmp_path):
+    assert TlsFiles.of(None, None, None) is None
+    with pytest.raises(InvalidRequestError, match="go together"):
+        TlsFiles.of("cert.pem", None, None)
+    ca = make_ca(tmp_path)
+    files = make_leaf(tmp_path, "svc", ca, ("127.0.0.1", "decode.local"))
+    assert TlsFiles.of(str(files.cert), str(files.key), str(files.ca)) == files
+    cert = x509.load_pem_x509_certificate(files.cert.read_bytes())
+    issuer = x509.load_pem_x509_certificate(ca[0].read_bytes())
+    cert.verify_directly_issued_by(issuer)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "decode.local" in names.get_values_for_type(x509.DNSName)
+    assert (files.key.stat().st_mode & 0o077) == 0  # the key is not readable by others
+    with pytest.raises(InvalidRequestError, match="does not exist"):
+        TlsFiles.of(str(files.cert), str(tmp_path / "nope.key"), str(files.ca))
