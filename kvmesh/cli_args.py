@@ -362,6 +362,14 @@ _BENCHES = {  # name: (help, module whose add_arguments defines its flags)
                   "kvmesh.benchmarks.agent_api"),
     "parallel": ("one model on 1 rank vs split over N (tensor parallel): memory per rank, tok/s",
                  "kvmesh.benchmarks.parallel"),
+    "fuzz": ("schemathesis over the gateway's OpenAPI document + hypothesis over every gRPC "
+             "service, on a live mesh", "kvmesh.benchmarks.fuzz"),
+    "chaos": ("streams under load while workers, etcd and the KV store are killed / stopped and "
+              "pages dropped or corrupted", "kvmesh.benchmarks.chaos"),
+    "overload": ("a mesh at its capacity, then 4x: 429s with Retry-After, TPOT of the accepted, RSS",
+                 "kvmesh.benchmarks.overload"),
+    "soak": ("many streams for a long time: errors, and the slopes of RSS, file descriptors and "
+             "pages after warm-up", "kvmesh.benchmarks.soak"),
 }  # fmt: skip
 
 

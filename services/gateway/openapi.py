@@ -33,7 +33,8 @@ _TOOL = {"type": "object", "required": ["type", "function"], "properties": {
         "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}}}  # fmt: skip
 
 
-def _sampling(limits: RequestLimits, max_tokens_names: tuple[str, ...]) -> dict[str, Any]:
+def _sampling(model: str, limits: RequestLimits,
+              max_tokens_names: tuple[str, ...]) -> dict[str, Any]:  # fmt: skip
     """The sampling fields shared by the OpenAI endpoints."""
     tokens = {"type": "integer", "minimum": 1}
     if limits.max_output_tokens:
@@ -45,25 +46,25 @@ def _sampling(limits: RequestLimits, max_tokens_names: tuple[str, ...]) -> dict[
                "stream": {"type": "boolean"}, "stream_options": {"type": "object"},
                "n": {"type": "integer", "minimum": 1, "maximum": limits.max_n},
                "logit_bias": {"type": "object", "additionalProperties": _NUMBER},
-               "user": {"type": "string"}, "model": {"type": "string"}}  # fmt: skip
+               "user": {"type": "string"}, "model": {"enum": [model]}}  # fmt: skip
     return fields
 
 
-def _schemas(limits: RequestLimits) -> dict[str, Any]:
-    chat = _sampling(limits, ("max_tokens", "max_completion_tokens"))
+def _schemas(model: str, limits: RequestLimits) -> dict[str, Any]:
+    chat = _sampling(model, limits, ("max_tokens", "max_completion_tokens"))
     chat |= {"messages": {"type": "array", "items": _CHAT_MESSAGE, "minItems": 1},
              "tools": {"type": "array", "items": _TOOL}, "tool_choice": {},
              "parallel_tool_calls": {"type": "boolean"}, "response_format": {"type": "object"},
              "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer"}}  # fmt: skip
-    completion = _sampling(limits, ("max_tokens",))
+    completion = _sampling(model, limits, ("max_tokens",))
     completion |= {"prompt": {"oneOf": [{"type": "string"}, {"type": "array"}]},
                    "echo": {"type": "boolean"}, "logprobs": {"type": "integer"}}  # fmt: skip
-    responses = _sampling(limits, ("max_output_tokens",))
+    responses = _sampling(model, limits, ("max_output_tokens",))
     responses |= {"input": {"oneOf": [{"type": "string"}, {"type": "array"}]},
                   "instructions": {"type": "string"}, "tools": {"type": "array"},
                   "text": {"type": "object"}}  # fmt: skip
-    messages = {"model": {"type": "string"}, "messages": {"type": "array", "minItems": 1},
-                "system": {}, "max_tokens": _sampling(limits, ("max_tokens",))["max_tokens"],
+    messages = {"model": {"enum": [model]}, "messages": {"type": "array", "minItems": 1},
+                "system": {}, "max_tokens": _sampling(model, limits, ("max_tokens",))["max_tokens"],
                 "temperature": _NUMBER, "top_p": _NUMBER, "top_k": _INT,
                 "stop_sequences": {"type": "array", "items": {"type": "string"}},
                 "stream": {"type": "boolean"}, "tools": {"type": "array"}, "tool_choice": {}}  # fmt: skip
@@ -151,7 +152,7 @@ def openapi_document(model: str, limits: RequestLimits, version: str) -> dict[st
             "/live": _get("liveness", "live"),
         },
         "components": {
-            "schemas": _schemas(limits),
+            "schemas": _schemas(model, limits),
             "securitySchemes": {
                 "bearer": {"type": "http", "scheme": "bearer"},
                 "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},

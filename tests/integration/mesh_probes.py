@@ -6,31 +6,13 @@ import asyncio
 import contextlib
 import os
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
+from kvmesh.mesh.metrics_probe import metric_sum, samples  # noqa: F401 - the tests take them from here
 from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
-
-
-def samples(address: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    """Every sample of metric `name` at http://address/metrics, by its sorted labels."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    return {
-        tuple(sorted(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name
-    }
-
-
-def metric_sum(address: str, name: str) -> float:
-    """The sum of metric `name` over all its labels at http://address/metrics."""
-    return sum(samples(address, name).values())
 
 
 @contextlib.contextmanager

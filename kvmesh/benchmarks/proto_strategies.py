@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message_factory import GetMessageClass
 from hypothesis import strategies as st
 
 _ADDRESS_WORDS = ("address", "session", "endpoint")
@@ -34,7 +35,7 @@ def message(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy[dict[st
         value = _value(field, depth)
         if value is None:
             continue
-        if field.label == FieldDescriptor.LABEL_REPEATED:
+        if field.is_repeated:
             value = st.lists(value, max_size=3 if field.message_type else 40)
         fields[field.name] = value
     return st.fixed_dictionaries({}, optional=fields)
@@ -44,7 +45,8 @@ def _value(field: FieldDescriptor, depth: int) -> st.SearchStrategy | None:
     if field.message_type is not None:
         if field.message_type.GetOptions().map_entry or depth > 3:
             return None
-        return message(field.message_type, depth + 1).map(field.message_type._concrete_class)  # noqa: SLF001
+        cls = GetMessageClass(field.message_type)
+        return message(field.message_type, depth + 1).map(lambda fields: cls(**fields))
     if field.type == FieldDescriptor.TYPE_ENUM:
         return st.sampled_from([v.number for v in field.enum_type.values])
     if field.type == FieldDescriptor.TYPE_STRING:
