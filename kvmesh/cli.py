@@ -7,11 +7,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvmesh.cli_args import GATEWAY_FRONT, UP_LOCAL_PREFILL_TOKENS, build_parser
+from kvmesh.env import API_KEYS_ENV
 from kvmesh.errors import KvmeshError
 
 
@@ -141,7 +143,11 @@ def _up(args: argparse.Namespace) -> int:
 def _gateway_front(args: argparse.Namespace) -> list[str]:
     """`up`'s gateway_front_args as the gateway's flags."""
     flags: list[str] = []
+    if args.api_key:  # in the gateway's environment, not its argv (which `ps` shows anyone)
+        os.environ[API_KEYS_ENV] = "\n".join(args.api_key)
     for name in GATEWAY_FRONT:
+        if name == "api_key":
+            continue
         value, flag = getattr(args, name), "--" + name.replace("_", "-")
         for one in value if isinstance(value, list) else [value]:
             if one is not None and one is not False:

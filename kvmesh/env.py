@@ -110,3 +110,11 @@ def event_loop() -> str:
     if value not in ("uvloop", "asyncio"):
         raise ValueError(f"KVMESH_EVENT_LOOP must be uvloop or asyncio, got {value!r}")
     return value
+
+
+API_KEYS_ENV = "KVMESH_API_KEYS"  # the gateway's keys, one per line (how `kvmesh up` passes them)
+
+
+def api_keys() -> list[str]:
+    """Keys from `$KVMESH_API_KEYS` (one per line; blank lines skipped)."""
+    return [line.strip() for line in os.environ.get(API_KEYS_ENV, "").splitlines() if line.strip()]

@@ -136,6 +136,7 @@ class HandOver:
         if not self.constraints.commit(request_id, [first_token]):  # replayed: one grammar state
             self.block_manager.free(seq)
             self.constraints.release(request_id)
+            self.sampler.release(request_id)
             raise InvalidRequestError(
                 f"request {request_id}: the prefilled first token {first_token} does not follow "
                 "the request's grammar (prefill and decode disagree on it)"
@@ -159,5 +160,6 @@ class HandOver:
         """Free reserved pages; only once no transfer into them can still land."""
         seq = self._reserved.pop(request_id, None)
         self.constraints.release(request_id)
+        self.sampler.release(request_id)
         if seq is not None:
             self.block_manager.free(seq)

@@ -5,6 +5,7 @@ lease revoked, new requests refused, those in flight given --drain-timeout to fi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import uuid
@@ -192,7 +193,8 @@ async def serve_worker(
             event_loop.freeze_heap()
             lost = await _until_stopped_or_lost(async_engine)
             await health.shutdown()  # NOT_SERVING from now on
-            await registration.close()  # the lease revoked: routers drop this worker now
+            with contextlib.suppress(TimeoutError):  # a hung etcd: the lease expires instead
+                await asyncio.wait_for(registration.close(), 2.0)  # routers drop us now
             if not lost:
                 await gate.drain(options.drain_timeout)  # the rest migrate when the server stops
     finally:

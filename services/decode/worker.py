@@ -32,6 +32,7 @@ log = structlog.get_logger(__name__)
 RESERVE_TIMEOUT_S = 30.0
 RESERVE_POLL_S = 0.05  # retry a reservation this often while pages are short
 PREFILL_TIMEOUT_S = 120.0
+LATE_WRITE_S = 10.0  # a timed-out prefill's pages stay out of use this long (see below)
 
 
 _PREFILL_GONE = (
@@ -84,6 +85,8 @@ class DecodeWorker:
         self.local_prefill_tokens = local_prefill_tokens  # prompts this short are prefilled here
         self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
         self._aborts: dict[str, asyncio.Event] = {}  # requests the engine may not hold yet
+        self._quarantined: set[str] = set()  # reservations held while a late write may land
+        self._late: set[asyncio.Task] = set()
 
     async def generate(self, job: DecodeJob, tap: Tap | None = None) -> AsyncIterator[TokenOutput]:
         """Stream the job's outputs (those `tap` does not take: output_streams.py); `abort`
@@ -122,10 +125,17 @@ class DecodeWorker:
         if not job.prefill_address or job.num_tokens <= self.local_prefill_tokens:
             return self.engine.generate(job.request_id, job.prompt, job.params,
                                         cache_salt=job.cache_salt, tap=tap, resumed=job.resumed)  # fmt: skip
-        reservation = await self._reserve(job, aborted)
-        if reservation is None:
-            return None
-        response = await self._remote_prefill(job, reservation, aborted)
+        try:
+            reservation = await self._reserve(job, aborted)
+            if reservation is None:
+                return None
+            response = await self._remote_prefill(job, reservation, aborted)
+        except BaseException:
+            # whatever ended it (a deadline, a cancel while a reserve was queued, a failed
+            # call), no reservation outlives it; idempotent, and queued after a late reserve
+            if job.request_id not in self._quarantined:
+                await asyncio.shield(self.engine.cancel_reservation(job.request_id))
+            raise
         if response is None:
             return None
         first_lp = None
@@ -165,13 +175,12 @@ class DecodeWorker:
         None: aborted while the prefill worker was at it (told to abort, pages freed)."""
         address = job.prefill_address
         request = self._prefill_request(job, reservation)
+        timeout = job.time_left(PREFILL_TIMEOUT_S)  # past the deadline: no call (pages freed)
         span = tracing.start_span("decode.prefill_call", job.span, prefill=address)
         call = asyncio.ensure_future(
             self._stub(address).Prefill(
-                request,
-                timeout=job.time_left(PREFILL_TIMEOUT_S),
-                metadata=tracing.outgoing_metadata(span),
-            )  # fmt: skip
+                request, timeout=timeout, metadata=tracing.outgoing_metadata(span)
+            )
         )
         call.add_done_callback(lambda _: span.end())
         abort_wait = asyncio.ensure_future(aborted.wait())
@@ -185,7 +194,7 @@ class DecodeWorker:
             await self._abort_prefill(address, job.request_id, call)
             raise
         except grpc.aio.AioRpcError as exc:
-            await self.engine.cancel_reservation(job.request_id)
+            await self._free_after_failed_prefill(job.request_id, exc.code())
             log.warning("decode.prefill_failed", prefill=address, code=exc.code().name)
             failed = error_from_grpc(exc.code(), f"prefill worker {address}: {exc.details()}")
             if isinstance(failed, OverloadedError):
@@ -197,6 +206,24 @@ class DecodeWorker:
             raise failed from exc
         finally:
             abort_wait.cancel()
+
+    async def _free_after_failed_prefill(self, request_id: str, code: grpc.StatusCode) -> None:
+        """Free the reserved pages of a Prefill call that failed. A call that timed out or was
+        cancelled on our side may still be writing into them on the prefill worker: those pages
+        stay out of use (the reservation held) for LATE_WRITE_S first, so no late byte lands in
+        another request's page."""
+        if code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            await self.engine.cancel_reservation(request_id)
+            return
+        self._quarantined.add(request_id)
+
+        def release() -> None:
+            self._quarantined.discard(request_id)
+            task = asyncio.ensure_future(self.engine.cancel_reservation(request_id))
+            self._late.add(task)
+            task.add_done_callback(self._late.discard)
+
+        asyncio.get_running_loop().call_later(LATE_WRITE_S, release)
 
     async def _abort_prefill(self, address: str, request_id: str, call: asyncio.Future) -> None:
         """Tell the prefill worker to stop, wait until its call ended, then free the pages."""

@@ -17,6 +17,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvmesh import env
 from kvmesh.errors import AuthenticationError, InvalidRequestError
 from kvmesh.mesh.error_mapping import anthropic_error_body, grpc_details, openai_error_body
 
@@ -31,9 +32,12 @@ class ApiKeys:
 
     @classmethod
     def of(cls, keys: Iterable[str], keys_file: str | None) -> ApiKeys | None:
-        """From --api-key (repeatable) and --api-keys-file (a key per line; blank lines and
-        `#` comments skipped); None when neither is given (no authentication)."""
-        given = [key for key in keys if key]
+        """From --api-key (repeatable), the environment's KVMESH_API_KEYS (one per line: how
+        `kvmesh up` passes them, out of `ps`) and --api-keys-file (a key per line; blank lines
+        and `#` comments skipped); None when none is given (no authentication)."""
+        given = [*keys, *env.api_keys()]
+        if any(not key.strip() for key in given):
+            raise InvalidRequestError("--api-key is empty (an unset variable?)")
         if keys_file:
             path = Path(keys_file)
             if not path.is_file():
@@ -62,6 +66,13 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip() or None
     return headers.get("x-api-key") or None
+
+
+def tenant_salt(headers: Mapping[str, str]) -> str:
+    """The prompt-cache salt of the caller's key (Bearer or x-api-key; "" without one): each
+    key's prompts share cached pages only among themselves."""
+    key = presented_key(headers)
+    return "" if key is None else "key:" + hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def _digest(key: str) -> bytes:

@@ -3,7 +3,6 @@ incremental detokenization with stop strings, token counts and latency metrics."
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidRequestError, KvmeshError
 from kvmesh.mesh import metrics
 from services.gateway import openai_responses as resp
+from services.gateway.auth import tenant_salt
 from services.gateway.backend import GenerateBackend, GenerateChunk, GenerateInput
 from services.gateway.openai_protocol import ParsedRequest
 
@@ -49,10 +49,7 @@ class Routing:
     def from_headers(cls, headers: Mapping[str, str]) -> Routing:
         timeout = _timeout(headers.get("x-request-timeout"))
         session = headers.get("x-session-affinity") or None
-        salt = headers.get("x-kvmesh-cache-salt", "")
-        auth = headers.get("authorization", "")
-        if not salt and auth.lower().startswith("bearer "):
-            salt = "key:" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:32]
+        salt = headers.get("x-kvmesh-cache-salt", "") or tenant_salt(headers)
         if session is not None and len(session) > 256:
             raise InvalidRequestError("x-session-affinity must be at most 256 characters")
         return cls(session, salt, timeout)

@@ -22,6 +22,7 @@ from kvmesh.mesh import convert
 from kvmesh.mesh.error_mapping import grpc_details, grpc_status
 from kvmesh.mesh.grpc_server import deadline_of
 from kvmesh.proto.v1 import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc
+from services.gateway.auth import tenant_salt
 from services.gateway.backend import GenerateBackend, GenerateInput
 from services.gateway.generation import ReplyDetokenizer
 from services.gateway.grpc_chat import conversation_of
@@ -140,7 +141,7 @@ def _routing(request: gateway_pb2.GenerateRequest, context) -> tuple[str | None,
     """Session id and cache salt: the message fields, else the same names as metadata."""
     metadata = dict(context.invocation_metadata() or ())
     session = request.session_id or metadata.get("x-session-affinity") or None
-    salt = request.cache_salt or metadata.get("x-kvmesh-cache-salt", "")
+    salt = request.cache_salt or metadata.get("x-kvmesh-cache-salt", "") or tenant_salt(metadata)
     return session, salt
 
 

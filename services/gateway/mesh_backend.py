@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -21,7 +22,7 @@ from kvmesh.errors import (
     PrefillOverloadedError,
     PrefillUnavailable,
 )
-from kvmesh.mesh import convert, metrics, tracing
+from kvmesh.mesh import convert, metrics, tls, tracing
 from kvmesh.mesh.discovery import WorkerInfo
 from kvmesh.mesh.error_mapping import error_from_code, error_from_grpc
 from kvmesh.mesh.grpc_server import channel
@@ -68,7 +69,7 @@ class MeshBackend:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._where: dict[str, tuple[str, str]] = {}  # request id -> (decode, its id there)
+        self._where: dict[str, dict[str, str]] = {}  # request id -> {its id on a worker: address}
         self._deliveries: dict[str, Delivery] = {}  # delivery socket -> its open stream
         self._refused: dict[str, float] = {}  # delivery socket -> when to try it again
 
@@ -101,8 +102,9 @@ class MeshBackend:
         sent: list[int] = []  # tokens the caller has
         attempts = migrations = 0
         full: OverloadedError | None = None  # the last worker found at its limit
+        nonce = uuid.uuid4().hex[:8]  # two requests under one client-chosen id stay apart
         while True:
-            leg = self._leg(request, sent, migrations)
+            leg = self._leg(request, sent, migrations, nonce)
             try:
                 decode = self.router.pick("decode", self._decode_cost(request), bad_decode,
                                           pin and pin.decode, leg.prompt).worker  # fmt: skip
@@ -125,13 +127,8 @@ class MeshBackend:
                     yield chunk
                 return
             except OverloadedError as exc:
-                if sent:
-                    raise
-                full = exc  # another worker may have room (each tried once)
-                if isinstance(exc, PrefillOverloadedError) and prefill is not None:
-                    bad_prefill.add(prefill.worker_id)  # none left: decode prefills itself
-                else:
-                    bad_decode.add(decode.worker_id)
+                full = exc  # another worker may have room: each is tried once
+                _exclude(exc, decode, prefill, bad_decode, bad_prefill)
             except (WorkerUnavailable, EngineFailure) as exc:
                 if sent:
                     outcome = "migrated" if migrations < self.migration_limit else "exhausted"
@@ -141,20 +138,18 @@ class MeshBackend:
                     if outcome == "exhausted":
                         raise
                     migrations += 1
-                    bad_decode.add(decode.worker_id)
-                    continue
-                attempts += 1
-                if attempts == MAX_ATTEMPTS:
-                    raise
-                log.warning("gateway.retry", decode=decode.worker_id, error=str(exc))
-                if isinstance(exc, PrefillUnavailable) and prefill is not None:
-                    bad_prefill.add(prefill.worker_id)
                 else:
-                    bad_decode.add(decode.worker_id)
+                    attempts += 1
+                    if attempts == MAX_ATTEMPTS:
+                        raise
+                    log.warning("gateway.retry", decode=decode.worker_id, error=str(exc))
+                _exclude(exc, decode, prefill, bad_decode, bad_prefill)
 
-    def _leg(self, request: GenerateInput, sent: list[int], migrations: int) -> Leg:
+    def _leg(self, request: GenerateInput, sent: list[int], migrations: int, nonce: str) -> Leg:
         """The next worker call of `request`: after `migrations` moves, `sent` tokens sent."""
-        worker_request_id = request.request_id + (f"~m{migrations}" if migrations else "")
+        worker_request_id = f"{request.request_id}~{nonce}" + (
+            f"m{migrations}" if migrations else ""
+        )
         tokens = [*request.prompt_token_ids, *sent]
         prompt = PromptKey(self.model_name, tokens, request.cache_salt)
         return Leg(worker_request_id, tuple(sent), prompt)
@@ -195,7 +190,7 @@ class MeshBackend:
             cache_salt=request.cache_salt,
             resume_token_ids=leg.resumed,
         )
-        self._where[request.request_id] = (decode.grpc_address, leg.request_id)
+        self._where.setdefault(request.request_id, {})[leg.request_id] = decode.grpc_address
         held = self._decode_cost(request)
         prompt = leg.prompt
         delivery = self._delivery(decode.delivery_address)
@@ -236,7 +231,10 @@ class MeshBackend:
                 ) from exc
             raise error_from_grpc(exc.code(), exc.details()) from exc
         finally:
-            self._where.pop(request.request_id, None)
+            legs = self._where.get(request.request_id, {})
+            legs.pop(leg.request_id, None)
+            if not legs:
+                self._where.pop(request.request_id, None)
 
     def _holding_prefill(self, prefill: WorkerInfo | None, tokens: int):
         if prefill is None:
@@ -244,22 +242,19 @@ class MeshBackend:
         return self.router.holding(prefill.worker_id, tokens)
 
     async def abort(self, request_id: str) -> None:
-        where = self._where.get(request_id)
-        if where is None:
-            return
-        address, worker_request_id = where
-        stub = decode_pb2_grpc.DecodeStub(self._channel(address))
-        try:
-            await stub.Abort(decode_pb2.AbortRequest(request_id=worker_request_id), timeout=5)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("gateway.abort_failed", request_id=request_id, code=exc.code().name)
+        for worker_request_id, address in list(self._where.get(request_id, {}).items()):
+            stub = decode_pb2_grpc.DecodeStub(self._channel(address))
+            try:
+                await stub.Abort(decode_pb2.AbortRequest(request_id=worker_request_id), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("gateway.abort_failed", request_id=request_id, code=exc.code().name)
 
     def _delivery(self, address: str) -> Delivery | None:
         """The open delivery stream to the delivery socket `address` (opened now if there is
         none: an ended one is forgotten as it ends); None where the worker advertises none or
         its socket refused the last try (then the chunks come on Generate)."""
-        if not address or self._refused.get(address, 0.0) > _now():
-            return None
+        if not address or self._refused.get(address, 0.0) > _now() or tls.current() is not None:
+            return None  # (a plain socket: under TLS every chunk comes on the Generate call)
         delivery = self._deliveries.get(address)
         if delivery is None:
             delivery = self._deliveries[address] = Delivery(address, self._delivery_ended)
@@ -282,6 +277,16 @@ class MeshBackend:
         if address not in self._channels:
             self._channels[address] = channel(address)
         return self._channels[address]
+
+
+def _exclude(exc: Exception, decode: WorkerInfo, prefill: WorkerInfo | None,
+             bad_decode: set[str], bad_prefill: set[str]) -> None:  # fmt: skip
+    """Leave the worker at fault out of the request's next tries: the prefill worker when it
+    failed or was full (none left: the decode worker prefills itself), else the decode one."""
+    if isinstance(exc, PrefillUnavailable | PrefillOverloadedError) and prefill is not None:
+        bad_prefill.add(prefill.worker_id)
+    else:
+        bad_decode.add(decode.worker_id)
 
 
 def _chunk(response: decode_pb2.DecodeResponse) -> GenerateChunk:

@@ -227,7 +227,8 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
 
 def default_max_tokens(prompt_len: int, served: ServedModel) -> int:
     # At least 1, so a prompt that fills the context fails the context check below.
-    return max(1, min(served.max_model_len - prompt_len, DEFAULT_MAX_TOKENS))
+    cap = served.limits.max_output_tokens or DEFAULT_MAX_TOKENS  # --max-output-tokens
+    return max(1, min(served.max_model_len - prompt_len, DEFAULT_MAX_TOKENS, cap))
 
 
 def _sampling(body: dict[str, Any], max_tokens: int, logprobs: int | None, grammar: str | None,

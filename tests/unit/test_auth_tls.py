@@ -49,3 +49,28 @@ def test_tls_files_all_or_none_and_the_ca_signs_them(tmp_path):
     assert (files.key.stat().st_mode & 0o077) == 0  # the key is not readable by others
     with pytest.raises(InvalidRequestError, match="does not exist"):
         TlsFiles.of(str(files.cert), str(tmp_path / "nope.key"), str(files.ca))
+
+
+def test_an_empty_key_is_refused_and_keys_come_from_the_environment(monkeypatch):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        ApiKeys.of([""], None)
+    monkeypatch.setenv("KVMESH_API_KEYS", "sk-env-1\n\nsk-env-2\n")
+    keys = ApiKeys.of([], None)
+    assert keys is not None and keys.allows("sk-env-2") and not keys.allows("sk-other")
+
+
+def test_every_way_of_sending_a_key_salts_the_cache_per_key():
+    from services.gateway.auth import tenant_salt
+
+    bearer = tenant_salt({"authorization": "Bearer sk-a"})
+    assert bearer == tenant_salt({"x-api-key": "sk-a"}) != tenant_salt({"x-api-key": "sk-b"})
+    assert bearer.startswith("key:") and "sk-a" not in bearer and tenant_salt({}) == ""
+
+
+def test_the_default_max_tokens_stays_within_the_configured_limit():
+    from services.gateway.limits import RequestLimits
+    from services.gateway.openai_protocol import ServedModel, default_max_tokens
+
+    served = ServedModel("m", 8192, limits=RequestLimits(max_output_tokens=64))
+    assert default_max_tokens(10, served) == 64
+    assert default_max_tokens(8190, served) == 2
