@@ -19,8 +19,9 @@ log = structlog.get_logger(__name__)
 
 class RequestGate:
     def __init__(self, max_requests: int = 0, on_change: Callable[[int], None] | None = None,
-                 ) -> None:  # fmt: skip
+                 holder: str = "the worker", flag: str = "--max-queued-requests") -> None:  # fmt: skip
         self.max_requests = max_requests  # 0: no bound
+        self._limit = (holder, flag)  # named in the refusal
         self._on_change = on_change or (lambda _: None)  # told the count at each change
         self.in_flight = 0
         self.draining = False
@@ -33,9 +34,8 @@ class RequestGate:
         if self.draining:
             raise WorkerUnavailableError("the worker is draining (shutting down): retry elsewhere")
         if self.max_requests and self.in_flight >= self.max_requests:
-            raise OverloadedError(
-                f"the worker holds {self.in_flight} requests, its limit (--max-queued-requests)"
-            )
+            holder, flag = self._limit
+            raise OverloadedError(f"{holder} holds {self.in_flight} requests, its limit ({flag})")
         self.in_flight += 1
         self._on_change(self.in_flight)
         self._idle.clear()

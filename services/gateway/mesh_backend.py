@@ -26,6 +26,7 @@ from kvmesh.mesh import convert, metrics, tls, tracing
 from kvmesh.mesh.discovery import WorkerInfo
 from kvmesh.mesh.error_mapping import error_from_code, error_from_grpc
 from kvmesh.mesh.grpc_server import channel
+from kvmesh.mesh.request_gate import RequestGate
 from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc
 from services.gateway.backend import GenerateChunk, GenerateInput
 from services.gateway.delivery import Delivery
@@ -63,8 +64,9 @@ class MeshBackend:
     ) -> None:
         self.router = router
         self.migration_limit = migration_limit
-        self.max_inflight = max_inflight  # sequences streaming through this gateway at once
-        self.inflight = 0
+        # sequences streaming through this gateway at once
+        self.gate = RequestGate(max_inflight, metrics.REQUESTS_IN_FLIGHT.labels("gateway").set,
+                                "the gateway", "--max-inflight-requests")  # fmt: skip
         self.sessions = sessions
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -79,21 +81,14 @@ class MeshBackend:
         429). A decode worker that dies or breaks mid-stream: the request migrates (at most
         `migration_limit` times) -- another worker goes on after the tokens already sent
         (`resume_token_ids`), so the stream continues without a repeat or a gap."""
-        if self.max_inflight and self.inflight >= self.max_inflight:
-            raise OverloadedError(
-                f"the gateway streams {self.inflight} requests, its limit (--max-inflight-requests)"
-            )
-        self.inflight += 1
-        metrics.REQUESTS_IN_FLIGHT.labels("gateway").inc()
-        root = tracing.start_span("gateway.generate", request_id=request.request_id,
-                                  prompt_tokens=len(request.prompt_token_ids))  # fmt: skip
-        try:
-            async for chunk in self._generate(request, root):
-                yield chunk
-        finally:
-            self.inflight -= 1
-            metrics.REQUESTS_IN_FLIGHT.labels("gateway").dec()
-            root.end()
+        with self.gate.admit():
+            root = tracing.start_span("gateway.generate", request_id=request.request_id,
+                                      prompt_tokens=len(request.prompt_token_ids))  # fmt: skip
+            try:
+                async for chunk in self._generate(request, root):
+                    yield chunk
+            finally:
+                root.end()
 
     async def _generate(self, request: GenerateInput, root: Span) -> AsyncIterator[GenerateChunk]:
         pin = await self._lookup(request.session_id)
