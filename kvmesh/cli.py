@@ -48,8 +48,11 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_make_tiny_model(args)
     if args.command == "status":
+        from kvmesh.mesh import etcd_access, tls
         from kvmesh.mesh.status import run_status
 
+        tls.configure_from(args)
+        etcd_access.configure_from(args)
         return run_status(args.etcd, args.cluster, args.json)
     if args.command == "bench":
         # `kvmesh bench NAME` runs kvmesh.benchmarks.NAME.run_NAME_bench (serve's agent workload
@@ -158,10 +161,11 @@ def _gateway_front(args: argparse.Namespace) -> list[str]:
 def _serve(args: argparse.Namespace) -> int:
     from kvmesh import event_loop
     from kvmesh.log import configure_logging
-    from kvmesh.mesh import tls, tracing
+    from kvmesh.mesh import etcd_access, tls, tracing
 
     configure_logging(args.service, "INFO")
     tls.configure_from(args)
+    etcd_access.configure_from(args)
     tracing.setup(args.service)
     serve, options = _service(args)
     _log_imports_done()

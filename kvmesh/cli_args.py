@@ -105,12 +105,13 @@ def _kv_args(p: argparse.ArgumentParser) -> None:
 
 
 def _mesh_args(p: argparse.ArgumentParser) -> None:
-    from kvmesh.mesh import tls
+    from kvmesh.mesh import etcd_access, tls
 
-    p.add_argument("--etcd", required=True, help="etcd endpoint host:port")
+    p.add_argument("--etcd", required=True, help="etcd endpoint host:port or https://host:port")
     p.add_argument("--cluster", default="default")
     p.add_argument("--host", default="127.0.0.1")
     tls.add_arguments(p)
+    etcd_access.add_arguments(p)
 
 
 # `kvmesh up`: prompts up to this many tokens are prefilled by the decode worker itself (Dynamo's
@@ -322,6 +323,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     )
     status.add_argument("--cluster", default=None)
     status.add_argument("--json", action="store_true")
+    from kvmesh.mesh import etcd_access, tls
+
+    tls.add_arguments(status)
+    etcd_access.add_arguments(status)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     off = bench_sub.add_parser("offline", help="kvmesh vs transformers tokens/s, same weights")

@@ -118,3 +118,10 @@ API_KEYS_ENV = "KVMESH_API_KEYS"  # the gateway's keys, one per line (how `kvmes
 def api_keys() -> list[str]:
     """Keys from `$KVMESH_API_KEYS` (one per line; blank lines skipped)."""
     return [line.strip() for line in os.environ.get(API_KEYS_ENV, "").splitlines() if line.strip()]
+
+
+ETCD_PASSWORD_ENV = "KVMESH_ETCD_PASSWORD"  # the password of --etcd-user (kept off argv)
+
+
+def etcd_password() -> str | None:
+    return os.environ.get(ETCD_PASSWORD_ENV) or None

@@ -19,6 +19,8 @@ import aetcd
 import structlog
 
 from kvmesh.errors import DiscoveryError, WorkerInfoError
+from kvmesh.mesh import etcd_access
+from kvmesh.mesh.etcd_access import EtcdAccess
 
 log = structlog.get_logger(__name__)
 
@@ -99,17 +101,21 @@ def _unavailable(what: str) -> Iterator[None]:
 class Registry:
     """An etcd connection scoped to one cluster's key space."""
 
-    def __init__(self, endpoint: str, cluster: str = "default") -> None:
-        host, _, port = endpoint.rpartition(":")
+    def __init__(
+        self, endpoint: str, cluster: str = "default", access: EtcdAccess | None = None
+    ) -> None:
+        """`endpoint`: `host:port`, or `https://host:port` (TLS); `access`: how to reach it
+        (default: this process's flags, etcd_access.configure)."""
         self.endpoint, self.cluster = endpoint, cluster
         self.prefix = f"/kvmesh/{cluster}/".encode()
         self.workers_prefix = self.prefix + b"workers/"
-        self.client = aetcd.Client(
-            host=host, port=int(port), timeout=_RPC_TIMEOUT_S, options=_CHANNEL_OPTIONS
+        self.client = (access or etcd_access.current()).client(
+            endpoint, timeout=_RPC_TIMEOUT_S, options=_CHANNEL_OPTIONS
         )
 
     async def connect(self) -> None:
-        await self.client.connect()
+        with _unavailable("connect"):
+            await self.client.connect()
 
     async def close(self) -> None:
         await self.client.close()

@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib.resources
 import json
 import os
+import secrets
 import shutil
+import ssl
 import subprocess
 import tempfile
 import time
@@ -21,8 +23,10 @@ from typing import IO
 import structlog
 
 from kvmesh.errors import EtcdError
+from kvmesh.mesh.etcd_access import EtcdAccess
 from kvmesh.mesh.ports import free_ports
 from kvmesh.mesh.processes import spawn, terminate_group
+from kvmesh.mesh.tls import TlsFiles
 
 log = structlog.get_logger(__name__)
 
@@ -43,9 +47,16 @@ def etcd_binary() -> Path:
     return path
 
 
-def _healthy(port: int) -> bool:
+def _healthy(url: str, tls: TlsFiles | None) -> bool:
+    opener = _OPENER
+    if tls is not None:  # etcd asks for a client certificate (--client-cert-auth)
+        context = ssl.create_default_context(cafile=str(tls.ca))
+        context.load_cert_chain(str(tls.cert), str(tls.key))
+        opener = urllib.request.build_opener(
+            urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context)
+        )
     try:
-        with _OPENER.open(f"http://127.0.0.1:{port}/health", timeout=0.5) as resp:
+        with opener.open(f"{url}/health", timeout=0.5) as resp:
             return json.loads(resp.read()).get("health") == "true"
     except (OSError, ValueError):
         return False
@@ -60,7 +71,9 @@ def _tail(path: Path, n: int = 20) -> str:
 
 class EtcdServer:
     """One etcd process in its own process group, dying with this process (PR_SET_PDEATHSIG);
-    ports and data dir survive `restart()`."""
+    ports and data dir survive `restart()`. With `tls` (its certificate, also the one its own
+    health checks and etcdctl calls present) it serves only TLS clients whose certificate chains
+    to `tls.ca`; `enable_auth` turns on etcd's user / password authentication."""
 
     def __init__(
         self,
@@ -68,6 +81,7 @@ class EtcdServer:
         client_port: int | None = None,
         peer_port: int | None = None,
         name: str = "kvmesh-etcd",
+        tls: TlsFiles | None = None,
     ) -> None:
         self._owns_dir = data_dir is None
         self._data_dir = Path(data_dir) if data_dir is not None else None
@@ -76,16 +90,27 @@ class EtcdServer:
         self._client_port = client_port or picked[0]
         self._peer_port = peer_port or picked[1]
         self._name = name
+        self.tls = tls
+        self._user: tuple[str, str] | None = None  # (name, password) once enable_auth ran
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
 
     @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self._client_port}"
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self._client_port}"
 
     @property
-    def url(self) -> str:
-        return f"http://{self.endpoint}"
+    def endpoint(self) -> str:
+        """What a client passes as --etcd: `host:port`, or the https:// URL under TLS."""
+        return self.url if self.tls else self.url.removeprefix("http://")
+
+    @property
+    def access(self) -> EtcdAccess:
+        """How a client reaches this etcd: its certificate, and the user of `enable_auth`."""
+        user, password = self._user or (None, None)
+        if self.tls is None:
+            return EtcdAccess(user=user, password=password)
+        return EtcdAccess.of_mesh(self.tls, user, password)
 
     @property
     def pid(self) -> int | None:
@@ -126,9 +151,14 @@ class EtcdServer:
         raise EtcdError(f"etcd did not become healthy on {self.endpoint}:\n{tail}")
 
     def _command(self) -> list[str]:
-        peer = f"http://127.0.0.1:{self._peer_port}"
+        peer = f"http://127.0.0.1:{self._peer_port}"  # one member: no peer traffic
+        tls = []
+        if self.tls is not None:
+            tls = [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}",
+                   f"--trusted-ca-file={self.tls.ca}", "--client-cert-auth"]  # fmt: skip
         return [
             str(etcd_binary()),
+            *tls,
             f"--name={self._name}",
             f"--data-dir={self._data_dir}",
             f"--listen-client-urls={self.url}",
@@ -152,7 +182,7 @@ class EtcdServer:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 return False
-            if _healthy(self._client_port):
+            if _healthy(self.url, self.tls):
                 return self._proc.poll() is None  # guards against a stale etcd on our port
             time.sleep(0.05)
         return False
@@ -168,6 +198,32 @@ class EtcdServer:
             self._log_file = None
         if not keep_data:
             self._cleanup_dir()
+
+    def enable_auth(self, user: str, password: str | None = None, prefix: str = "/kvmesh/") -> None:
+        """Turn on etcd's authentication: `user` may read and write keys under `prefix` only,
+        logging in with `password`, or (None) by a client certificate whose common name is
+        `user` (TLS); root gets a random password that nobody keeps."""
+        root = secrets.token_urlsafe(24)
+        self._etcdctl(["user", "add", "root", "--interactive=false"], stdin=root)  # (off argv)
+        self._etcdctl(["role", "add", "kvmesh"])
+        self._etcdctl(["role", "grant-permission", "kvmesh", "readwrite", prefix, "--prefix=true"])
+        if password is None:
+            self._etcdctl(["user", "add", user, "--no-password"])
+        else:
+            self._etcdctl(["user", "add", user, "--interactive=false"], stdin=password)
+        self._etcdctl(["user", "grant-role", user, "kvmesh"])
+        self._etcdctl(["auth", "enable"])
+        self._user = None if password is None else (user, password)
+
+    def _etcdctl(self, command: list[str], stdin: str = "") -> None:
+        files = []
+        if self.tls is not None:
+            files = [f"--cacert={self.tls.ca}", f"--cert={self.tls.cert}", f"--key={self.tls.key}"]
+        ctl = etcd_binary().with_name("etcdctl")
+        done = subprocess.run([str(ctl), f"--endpoints={self.url}", *files, *command],
+                              input=stdin, capture_output=True, text=True, timeout=15)  # fmt: skip
+        if done.returncode != 0:
+            raise EtcdError(f"etcdctl {command[:2]} failed: {done.stderr.strip()}")
 
     def restart(self, timeout: float = 15.0) -> None:
         """Stop and start again on the same ports and data dir (the data survives)."""

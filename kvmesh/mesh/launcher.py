@@ -26,12 +26,14 @@ from kvmesh.env import kvmesh_home, num_threads, role_cpus
 from kvmesh.errors import LaunchError
 from kvmesh.mesh.affinity import decode_lead_cpu, worker_env
 from kvmesh.mesh.discovery import Registry, WorkerInfo
+from kvmesh.mesh.etcd_access import EtcdAccess
 from kvmesh.mesh.etcd_server import EtcdServer
 from kvmesh.mesh.ports import free_port
 from kvmesh.mesh.processes import StopSignal, StopSignals
 from kvmesh.mesh.supervisor import Supervisor
 from kvmesh.mesh.tls import TlsFiles
 
+MESH_CERT_NAME = "mesh"  # `up --tls`: the common name of every service's certificate
 CRITICAL = frozenset({"gateway"})  # with etcd: the mesh stops when one of them dies
 STOP_GRACE_S = 6.0  # SIGTERM, then SIGKILL: a stop signal leaves nothing behind within 10 s
 # No proxy for loopback health checks, whatever http_proxy says.
@@ -102,9 +104,11 @@ class Mesh:
             from kvmesh.mesh.certs import make_ca, make_leaf
 
             ca = make_ca(self.run_dir / "tls")
-            self.tls = make_leaf(self.run_dir / "tls", "mesh", ca)
-        self.etcd = EtcdServer()
+            self.tls = make_leaf(self.run_dir / "tls", MESH_CERT_NAME, ca)
+        self.etcd = EtcdServer(tls=self.tls)
         self.etcd.start()
+        if self.tls is not None:  # etcd over TLS, its users the certificates' common names
+            self.etcd.enable_auth(MESH_CERT_NAME)
         self.http_port = self.options.http_port or free_port()
         self.grpc_port = self.options.grpc_port or free_port()
         self._write_state()
@@ -217,7 +221,9 @@ class Mesh:
         """Workers registered in etcd, by role."""
         assert self.etcd is not None
         with self._deferred():  # a signal inside asyncio.run would end up in some task
-            workers = asyncio.run(list_workers(self.etcd.endpoint, self.options.cluster))
+            workers = asyncio.run(
+                list_workers(self.etcd.endpoint, self.options.cluster, self.etcd.access)
+            )
         return tuple(
             sum(w.role == role for w in workers)
             for role in ("prefill", "decode", "kvstore", "draft")
@@ -301,8 +307,10 @@ class Mesh:
                 state_file().unlink()
 
 
-async def list_workers(etcd: str, cluster: str) -> list[WorkerInfo]:
-    async with Registry(etcd, cluster) as registry:
+async def list_workers(
+    etcd: str, cluster: str, access: EtcdAccess | None = None
+) -> list[WorkerInfo]:
+    async with Registry(etcd, cluster, access) as registry:
         return await registry.list_workers()
 
 

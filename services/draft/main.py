@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import structlog
 
 from kvmesh.engine.engine_thread import build_engine
-from kvmesh.mesh import metrics, tls
+from kvmesh.mesh import etcd_access, metrics, tls
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.ports import free_port
@@ -73,6 +73,7 @@ async def serve_draft(options: DraftOptions) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--etcd", default="", help="etcd endpoint host:port (empty: not registered)")
     tls.add_arguments(p)
+    etcd_access.add_arguments(p)
     p.add_argument("--cluster", default="default")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)

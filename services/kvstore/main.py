@@ -16,7 +16,7 @@ import structlog
 from prometheus_client import REGISTRY, start_http_server
 
 from kvmesh.engine.kv.layout import KV_DTYPES
-from kvmesh.mesh import tls
+from kvmesh.mesh import etcd_access, tls
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.kvstore_client import layout_key
@@ -178,6 +178,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `kvmesh serve kvstore` (dest names match KVStoreOptions fields)."""
     p.add_argument("--etcd", default="", help="etcd host:port (empty: do not register)")
     tls.add_arguments(p)
+    etcd_access.add_arguments(p)
     p.add_argument("--cluster", default="default")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--worker-id", default="")

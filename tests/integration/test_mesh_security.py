@@ -2,17 +2,23 @@
 throwaway CA's certificates, services check each other's (mutual TLS), clients reach the gateway
 over TLS with an API key. Wrong or missing keys get 401 in the API's own shape; a plaintext
 client, a client without a certificate and one whose certificate comes from another CA are
-refused; keys never reach the logs."""
+refused, by the workers and by etcd (TLS, users by certificate name); keys never reach the
+logs."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 
 import grpc
 import httpx
 import pytest
 
+from kvmesh.errors import DiscoveryError
 from kvmesh.mesh.certs import make_ca, make_leaf
+from kvmesh.mesh.etcd_access import EtcdAccess
 from kvmesh.mesh.launcher import UpOptions, list_workers
 from kvmesh.proto.v1 import (
     common_pb2,
@@ -103,8 +109,8 @@ def test_plaintext_rest_is_refused(mesh):
 
 
 def test_workers_accept_only_certificates_of_the_mesh_ca(mesh, tmp_path):
-    decode = next(w for w in asyncio.run(list_workers(mesh.etcd.endpoint, "default"))
-                  if w.role == "decode")  # fmt: skip
+    workers = asyncio.run(list_workers(mesh.etcd.endpoint, "default", mesh.etcd.access))
+    decode = next(w for w in workers if w.role == "decode")
     other_ca = make_ca(tmp_path / "other", "another CA")
     stranger = make_leaf(tmp_path / "other", "stranger", other_ca)
     ca = mesh.tls.ca.read_bytes()
@@ -129,6 +135,30 @@ def test_workers_accept_only_certificates_of_the_mesh_ca(mesh, tmp_path):
           pytest.raises(grpc.RpcError) as refused):  # fmt: skip
         decode_pb2_grpc.DecodeStub(plain).GetLoads(decode_pb2.GetLoadsRequest(), timeout=10)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_etcd_takes_only_the_mesh_certificate(mesh, tmp_path):
+    assert mesh.etcd.endpoint.startswith("https://")
+    plain = mesh.etcd.endpoint.removeprefix("https://")
+    stranger = make_leaf(tmp_path / "other", "mesh", make_ca(tmp_path / "other", "another CA"))
+    for endpoint, access in (
+        (plain, EtcdAccess()),  # plaintext
+        (mesh.etcd.endpoint, EtcdAccess(ca=mesh.tls.ca)),  # no client certificate
+        (mesh.etcd.endpoint, EtcdAccess(mesh.tls.ca, stranger.cert, stranger.key)),  # other CA
+    ):
+        with pytest.raises(DiscoveryError):
+            asyncio.run(asyncio.wait_for(list_workers(endpoint, "default", access), 20))
+
+
+def test_kvmesh_status_reaches_etcd_with_the_mesh_certificate(mesh):
+    command = [sys.executable, "-m", "kvmesh.cli", "status", "--etcd", mesh.etcd.endpoint,
+               *mesh.tls.as_flags(), "--json"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    roles = sorted(w["role"] for w in json.loads(done.stdout)["workers"])
+    assert roles == ["decode", "prefill"]
+    bare = subprocess.run(command[:6] + ["--json"], capture_output=True, text=True, timeout=60)
+    assert bare.returncode != 0 and "--etcd-ca" in bare.stderr
 
 
 def test_keys_and_prompts_never_reach_the_logs(mesh, base_url):

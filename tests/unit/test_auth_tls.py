@@ -74,3 +74,36 @@ def test_the_default_max_tokens_stays_within_the_configured_limit():
     served = ServedModel("m", 8192, limits=RequestLimits(max_output_tokens=64))
     assert default_max_tokens(10, served) == 64
     assert default_max_tokens(8190, served) == 2
+
+
+def test_etcd_access_settings(tmp_path, monkeypatch):
+    from kvmesh.cli_args import build_parser
+    from kvmesh.mesh import etcd_access, tls
+    from kvmesh.mesh.etcd_access import EtcdAccess
+
+    files = make_leaf(tmp_path, "mesh", make_ca(tmp_path))
+    plain = EtcdAccess().client("127.0.0.1:2379")
+    assert (plain._host, plain._port, plain._credentials) == ("127.0.0.1", 2379, None)
+    assert EtcdAccess().client("http://etcd.local:23790/")._port == 23790
+    secure = EtcdAccess.of_mesh(files).client("https://10.0.0.5:2379")
+    assert secure._host == "10.0.0.5" and secure._credentials is not None
+    with pytest.raises(InvalidRequestError, match="not https"):
+        EtcdAccess(ca=files.ca).client("127.0.0.1:2379")
+    with pytest.raises(InvalidRequestError, match="expected host:port"):
+        EtcdAccess().client("https://:x")
+    with pytest.raises(InvalidRequestError, match="go together"):
+        EtcdAccess(ca=files.ca, cert=files.cert)
+    with pytest.raises(InvalidRequestError, match="KVMESH_ETCD_PASSWORD"):
+        EtcdAccess(user="kvmesh")
+    assert "secret" not in repr(EtcdAccess(user="kvmesh", password="secret"))
+    monkeypatch.setenv("KVMESH_ETCD_PASSWORD", "pw")
+    args = build_parser().parse_args(["status", "--etcd-user", "kvmesh", "--etcd-ca",
+                                      str(files.ca)])  # fmt: skip
+    etcd_access.configure_from(args)
+    try:
+        assert etcd_access.current() == EtcdAccess(ca=files.ca, user="kvmesh", password="pw")
+        tls.configure(files)  # without --etcd-ca an https endpoint uses the mesh's files
+        assert EtcdAccess().client("https://127.0.0.1:1")._credentials is not None
+    finally:
+        etcd_access.configure(EtcdAccess())
+        tls.configure(None)
