@@ -59,7 +59,7 @@ def run_chaos_bench(args: argparse.Namespace) -> int:
     from kvmesh.mesh.launcher import Mesh, UpOptions
     from kvmesh.mesh.supervisor import RestartPolicy
 
-    expected = _expected(args)
+    expected = expected_texts(args)
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     saved = dict(os.environ)
     os.environ["KVMESH_FAULTS"] = args.page_faults
@@ -75,7 +75,7 @@ def run_chaos_bench(args: argparse.Namespace) -> int:
         tally, faults = Tally(), []
         stop = threading.Event()
         with ThreadPoolExecutor(args.streams) as pool:
-            loops = [pool.submit(_load, mesh.url, args, expected, tally, stop, k)
+            loops = [pool.submit(load_loop, mesh.url, args, expected, tally, stop, k)
                      for k in range(args.streams)]  # fmt: skip
             faults = _break_things(mesh, args, tally, seen)
             stop.set()
@@ -101,7 +101,7 @@ def run_chaos_bench(args: argparse.Namespace) -> int:
     return 0 if clean else 1
 
 
-def _expected(args: argparse.Namespace) -> dict[str, str]:
+def expected_texts(args: argparse.Namespace) -> dict[str, str]:
     from kvmesh import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -110,7 +110,7 @@ def _expected(args: argparse.Namespace) -> dict[str, str]:
     return {topic: out.text for topic, out in zip(TOPICS, outs, strict=True)}
 
 
-def _load(url: str, args, expected: dict[str, str], tally: Tally, stop: threading.Event,
+def load_loop(url: str, args, expected: dict[str, str], tally: Tally, stop: threading.Event,
           offset: int) -> None:  # fmt: skip
     import openai
 

@@ -12,7 +12,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from kvmesh.benchmarks.chaos import Tally, _load
+from kvmesh.benchmarks.chaos import Tally, expected_texts, load_loop
 from kvmesh.benchmarks.report import BenchRun, write_report
 
 
@@ -28,10 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_soak_bench(args: argparse.Namespace) -> int:
-    from kvmesh.benchmarks.chaos import _expected
     from kvmesh.mesh.launcher import Mesh, UpOptions
 
-    expected = _expected(args)
+    expected = expected_texts(args)
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     run = BenchRun()
     mesh = Mesh(UpOptions(model=args.model, prefill=1, decode=1, kvstore="builtin",
@@ -41,7 +40,7 @@ def run_soak_bench(args: argparse.Namespace) -> int:
         mesh.start()
         tally, stop = Tally(), threading.Event()
         with ThreadPoolExecutor(args.streams) as pool:
-            loops = [pool.submit(_load, mesh.url, args, expected, tally, stop, k)
+            loops = [pool.submit(load_loop, mesh.url, args, expected, tally, stop, k)
                      for k in range(args.streams)]  # fmt: skip
             begun = time.monotonic()
             while (elapsed := time.monotonic() - begun) < args.minutes * 60:

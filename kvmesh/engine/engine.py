@@ -186,12 +186,17 @@ class Engine(HandOver):
             self.block_manager.free(seq)
 
     def abort(self, request_id: str) -> bool:
+        """Stop a request and free its pages, also those it keeps after finishing (keep_pages:
+        a prefill whose caller went away before handing them over)."""
         seq = self.scheduler.abort(request_id)
+        kept = request_id in self._kept or self.scheduler.holds(request_id)
         self.sampler.release(request_id)
         self.constraints.release(request_id)
-        if self.speculator is not None:
+        if kept:
+            self.release(request_id)
+        elif self.speculator is not None:
             self.speculator.release([request_id])
-        return seq is not None
+        return seq is not None or kept
 
     def finish(self, request_id: str, reason: FinishReason) -> None:
         """End a request early (e.g. a stop string found by the detokenizer)."""

@@ -92,6 +92,10 @@ class Scheduler:
             self.waiting.appendleft(seq)
         return None
 
+    def holds(self, seq_id: str) -> bool:
+        """A finished `keep_pages` sequence still holds its pages."""
+        return seq_id in self._held
+
     def release(self, seq_id: str) -> bool:
         """Free the pages of a finished `keep_pages` sequence (e.g. after its KV was sent)."""
         seq = self._held.pop(seq_id, None)

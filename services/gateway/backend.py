@@ -6,6 +6,7 @@ Token ids in, token ids out: tokenization, chat templates and detokenization sta
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -24,6 +25,12 @@ class GenerateInput:
     session_id: str | None = None  # x-session-affinity (used by the router later)
     cache_salt: str = ""
     deadline: float | None = None  # time.monotonic() by which it must end (x-request-timeout)
+
+
+def unique_request_id(request_id: str) -> str:
+    """The id a request goes by inside the mesh: the client's id, which two clients may share,
+    plus a random part, so that ending one request never ends another."""
+    return f"{request_id}.{secrets.token_hex(4)}"
 
 
 @dataclass(frozen=True)

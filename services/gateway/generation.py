@@ -19,7 +19,12 @@ from kvmesh.errors import InvalidRequestError, KvmeshError
 from kvmesh.mesh import metrics
 from services.gateway import openai_responses as resp
 from services.gateway.auth import tenant_salt
-from services.gateway.backend import GenerateBackend, GenerateChunk, GenerateInput
+from services.gateway.backend import (
+    GenerateBackend,
+    GenerateChunk,
+    GenerateInput,
+    unique_request_id,
+)
 from services.gateway.openai_protocol import ParsedRequest
 
 log = structlog.get_logger(__name__)
@@ -99,7 +104,7 @@ class Generation:
         self._backend = backend
         self._routing = routing
         self._parsed = parsed
-        self._request_id = request_id
+        self._request_id = unique_request_id(request_id)  # what its abort names
         self._started = started
         params = parsed.params
         tools = parsed.tools.parser_object() if parsed.tools is not None else None

@@ -23,7 +23,7 @@ from kvmesh.mesh.error_mapping import grpc_details, grpc_status
 from kvmesh.mesh.grpc_server import deadline_of
 from kvmesh.proto.v1 import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.auth import tenant_salt
-from services.gateway.backend import GenerateBackend, GenerateInput
+from services.gateway.backend import GenerateBackend, GenerateInput, unique_request_id
 from services.gateway.generation import ReplyDetokenizer
 from services.gateway.grpc_chat import conversation_of
 from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
@@ -41,12 +41,29 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.tokenizer = tokenizer
         self._live_counts = live_counts  # () -> (prefill workers, decode workers)
         self._tool_parser = tool_parser or parser_for(tokenizer.hf.chat_template)
+        # (tenant, the client's request id) -> the mesh ids of its calls in flight: an Abort
+        # reaches only the requests of the tenant (API key) that sends it
+        self._running: dict[tuple[str, str], set[str]] = {}
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ):
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
+        owner = (_tenant(context), request_id)
+        mesh_id = unique_request_id(request_id)
+        self._running.setdefault(owner, set()).add(mesh_id)
+        try:
+            async for message in self._generate(request, request_id, mesh_id, context):
+                yield message
+        finally:
+            running = self._running.get(owner, set())
+            running.discard(mesh_id)
+            if not running:
+                self._running.pop(owner, None)
+
+    async def _generate(self, request: gateway_pb2.GenerateRequest, request_id: str,
+                        mesh_id: str, context: grpc.aio.ServicerContext):  # fmt: skip
         try:
             prompt, params, tools = self._parse(request)
         except KvmeshError as exc:
@@ -59,7 +76,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             async for chunk in self.backend.generate(
                 GenerateInput(
-                    request_id,
+                    mesh_id,
                     prompt,
                     params,
                     *_routing(request, context),
@@ -70,7 +87,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 result = detok.push(chunk.token_ids, final=chunk.finish_reason is not None)
                 finish = chunk.finish_reason
                 if result.stopped_on is not None and finish is None:
-                    await self.backend.abort(request_id)
+                    await self.backend.abort(mesh_id)
                     finish = "stop"
                 message = _response(request_id, chunk, result.delta, finish, len(prompt),
                                     completion)  # fmt: skip
@@ -123,8 +140,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return prompt, params, tools
 
     async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:
-        await self.backend.abort(request.request_id)
-        return decode_pb2.AbortResponse(aborted=True)
+        """Abort the caller's own requests of that id (aborted: there was one)."""
+        mesh_ids = list(self._running.get((_tenant(context), request.request_id), ()))
+        for mesh_id in mesh_ids:
+            await self.backend.abort(mesh_id)
+        return decode_pb2.AbortResponse(aborted=bool(mesh_ids))
 
     async def GetModelInfo(self, request, context) -> gateway_pb2.GetModelInfoResponse:
         prefill, decode = self._live_counts()
@@ -135,6 +155,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             prefill_workers=prefill,
             decode_workers=decode,
         )
+
+
+def _tenant(context) -> str:
+    return tenant_salt(dict(context.invocation_metadata() or ()))
 
 
 def _routing(request: gateway_pb2.GenerateRequest, context) -> tuple[str | None, str]:

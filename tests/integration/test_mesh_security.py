@@ -33,12 +33,13 @@ pytestmark = pytest.mark.timeout(600)
 MODEL = "smollm2-135m"
 KEY = "sk-test-4d1f0c9e7b"
 OTHER_KEY = "sk-test-not-known"
+SECOND_KEY = "sk-test-second-tenant"
 
 
 @pytest.fixture(scope="module")
 def mesh():
     options = UpOptions(prefill=1, decode=1, kvstore="none", tls=True,
-                        gateway_args=("--api-key", KEY))  # fmt: skip
+                        gateway_args=("--api-key", KEY, "--api-key", SECOND_KEY))  # fmt: skip
     with module_mesh(options) as running:
         yield running
 
@@ -101,6 +102,32 @@ def test_grpc_gateway_needs_tls_and_a_key(mesh):
     with grpc.insecure_channel(address) as plain, pytest.raises(grpc.RpcError) as refused:
         list(gateway_pb2_grpc.GatewayStub(plain).Generate(request, timeout=10))
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_an_abort_reaches_only_the_callers_own_request(mesh):
+    """Two tenants may pick the same request id: the other tenant's Abort finds nothing, the
+    stream runs to its end; the owner's Abort ends it."""
+    request = gateway_pb2.GenerateRequest(
+        prompt="Count", request_id="shared-id",
+        sampling=common_pb2.SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+    )  # fmt: skip
+    credentials = grpc.ssl_channel_credentials(mesh.tls.ca.read_bytes())
+    with grpc.secure_channel(f"127.0.0.1:{mesh.grpc_port}", credentials) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        def as_(key: str) -> list[tuple[str, str]]:
+            return [("authorization", f"Bearer {key}")]
+
+        for aborter, expect in ((SECOND_KEY, "length"), (KEY, "abort")):
+            stream = stub.Generate(request, timeout=120, metadata=as_(KEY))
+            first = next(stream)  # the request is running
+            assert first.request_id == "shared-id"
+            aborted = stub.Abort(decode_pb2.AbortRequest(request_id="shared-id"), timeout=10,
+                                 metadata=as_(aborter)).aborted  # fmt: skip
+            assert aborted == (aborter == KEY)
+            replies = [first, *stream]
+            finish = common_pb2.FinishReason.Name(replies[-1].finish_reason)
+            assert finish == f"FINISH_REASON_{expect.upper()}", (aborter, finish)
 
 
 def test_plaintext_rest_is_refused(mesh):
