@@ -123,5 +123,7 @@ def api_keys() -> list[str]:
 ETCD_PASSWORD_ENV = "KVMESH_ETCD_PASSWORD"  # the password of --etcd-user (kept off argv)
 
 
-def etcd_password() -> str | None:
-    return os.environ.get(ETCD_PASSWORD_ENV) or None
+def take_etcd_password() -> str | None:
+    """The password of --etcd-user, removed from the environment (child processes have no use
+    for it)."""
+    return os.environ.pop(ETCD_PASSWORD_ENV, None) or None

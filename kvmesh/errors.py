@@ -126,6 +126,13 @@ class DiscoveryError(KvmeshError):
     code = "discovery_unavailable"
 
 
+class EtcdAuthError(DiscoveryError):
+    """etcd refused this process's login or its certificate's user: a setting to fix."""
+
+    code = "etcd_auth_failed"
+    user_error = True
+
+
 class WorkerInfoError(DiscoveryError):
     code = "invalid_worker_info"
 

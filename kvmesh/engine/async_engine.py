@@ -271,8 +271,8 @@ class AsyncEngine:
                 yield out
         finally:
             self._streams.pop(request_id, None)
-            if not stream.ended:  # the consumer went away: abort so the pages are freed
-                await self.call(self._engine.abort, request_id)
+            if not stream.ended:  # the consumer went away: its pages, kept ones too, are freed
+                await self.call(self._engine.drop, request_id)
 
     def _open(self, request_id: str, tap: Tap | None) -> OutputStream:
         stream = self._streams[request_id] = OutputStream(asyncio.get_running_loop(), tap)

@@ -186,17 +186,14 @@ class Engine(HandOver):
             self.block_manager.free(seq)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its pages, also those it keeps after finishing (keep_pages:
-        a prefill whose caller went away before handing them over)."""
+        """Stop a waiting or running request and free its pages. Pages a finished keep_pages
+        request holds stay: a transfer or a store offer may still read them (see `drop`)."""
         seq = self.scheduler.abort(request_id)
-        kept = request_id in self._kept or self.scheduler.holds(request_id)
         self.sampler.release(request_id)
         self.constraints.release(request_id)
-        if kept:
-            self.release(request_id)
-        elif self.speculator is not None:
+        if self.speculator is not None:
             self.speculator.release([request_id])
-        return seq is not None or kept
+        return seq is not None
 
     def finish(self, request_id: str, reason: FinishReason) -> None:
         """End a request early (e.g. a stop string found by the detokenizer)."""

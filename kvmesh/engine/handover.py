@@ -97,6 +97,15 @@ class HandOver:
         if self.speculator is not None:
             self.speculator.release([request_id], force=True)
 
+    def drop(self: Engine, request_id: str) -> bool:
+        """Abort, and free the pages it keeps after finishing: for a consumer that went away
+        before it read them (nobody else holds a keep_pages request's pages)."""
+        aborted = self.abort(request_id)
+        kept = request_id in self._kept or self.scheduler.holds(request_id)
+        if kept:
+            self.release(request_id)
+        return aborted or kept
+
     def reserve(
         self: Engine,
         request_id: str,

@@ -17,8 +17,9 @@ from typing import Any
 
 import aetcd
 import structlog
+from aetcd.exceptions import UnauthenticatedError
 
-from kvmesh.errors import DiscoveryError, WorkerInfoError
+from kvmesh.errors import DiscoveryError, EtcdAuthError, WorkerInfoError
 from kvmesh.mesh import etcd_access
 from kvmesh.mesh.etcd_access import EtcdAccess
 
@@ -94,6 +95,8 @@ class WorkerInfo:
 def _unavailable(what: str) -> Iterator[None]:
     try:
         yield
+    except UnauthenticatedError as e:
+        raise EtcdAuthError(f"etcd {what}: {e}") from e
     except aetcd.ClientError as e:
         raise DiscoveryError(f"etcd {what} failed: {e!r}") from e
 

@@ -15,9 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from kvmesh import env
 from kvmesh.errors import InvalidRequestError
 from kvmesh.mesh import tls
+
+log = structlog.get_logger(__name__)
 
 if TYPE_CHECKING:  # grpc and aetcd are imported where a client is made: flag parsing stays light
     import grpc
@@ -51,17 +55,16 @@ class EtcdAccess:
         return cls(files.ca, files.cert, files.key, user, password)
 
     def credentials(self) -> grpc.ChannelCredentials:
-        """TLS credentials for an https endpoint: these files, else the mesh's."""
+        """TLS credentials for an https endpoint: these files, each else the mesh's."""
         import grpc
 
-        ca, cert, key = self.ca, self.cert, self.key
-        if ca is None:
-            mesh = tls.current()
-            if mesh is None:
-                raise InvalidRequestError(
-                    "an https etcd endpoint needs --etcd-ca (or --tls-* files)"
-                )
-            ca, cert, key = mesh.ca, mesh.cert, mesh.key
+        ca, cert, key, mesh = self.ca, self.cert, self.key, tls.current()
+        if ca is None and mesh is None:
+            raise InvalidRequestError("an https etcd endpoint needs --etcd-ca (or --tls-* files)")
+        if mesh is not None:
+            ca = ca or mesh.ca
+            cert, key = (cert, key) if cert is not None else (mesh.cert, mesh.key)
+        assert ca is not None
         return grpc.ssl_channel_credentials(
             root_certificates=ca.read_bytes(),
             private_key=key.read_bytes() if key else None,
@@ -85,6 +88,8 @@ class EtcdAccess:
         from kvmesh.mesh.etcd_client import EtcdClient
 
         credentials = self.credentials() if scheme == "https" else None
+        if credentials is None and self.user is not None:
+            log.warning("etcd.password_in_clear", endpoint=endpoint, hint="use https://")
         return EtcdClient(host, int(port), credentials, self.user, self.password, **kwargs)
 
 
@@ -106,7 +111,7 @@ def configure_from(args: argparse.Namespace) -> None:
 
     user = getattr(args, "etcd_user", None)
     configure(EtcdAccess(path("etcd_ca"), path("etcd_cert"), path("etcd_key"), user,
-                         env.etcd_password() if user else None))  # fmt: skip
+                         env.take_etcd_password() if user else None))  # fmt: skip
 
 
 _current = EtcdAccess()

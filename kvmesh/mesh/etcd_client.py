@@ -1,7 +1,8 @@
 """aetcd's client over TLS: aetcd 1.0 dials only plaintext, so `EtcdClient.connect` opens the
 channel itself (secure where credentials are given) and logs in with etcd's user / password
 where one is set. etcd keeps auth tokens in memory: after a restart it rejects ours; the calls
-discovery makes then log in again and are retried once (a watch breaks and is made again)."""
+discovery makes then log in again and are retried once (a watch breaks and is made again).
+EtcdClient relies on internals of aetcd 1.0 (pinned in pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,31 @@ from typing import Any
 import aetcd
 import grpc
 from aetcd import rpc, watcher
-from aetcd.exceptions import UnauthenticatedError
+from aetcd.exceptions import InvalidArgumentError, UnauthenticatedError
+
+
+def _token_stale(error: aetcd.ClientError) -> bool:
+    """etcd no longer takes our token: it forgot it (a restart, UNAUTHENTICATED), or its users
+    and roles changed since we logged in ("auth store is old", INVALID_ARGUMENT)."""
+    return isinstance(error, UnauthenticatedError) or (
+        isinstance(error, InvalidArgumentError) and "auth store is old" in str(error)
+    )
+
+
+class _Watcher(watcher.Watcher):
+    """aetcd's watcher, except that a watch etcd creates already cancelled (what it answers to a
+    stale token or a missing permission, in the reply rather than as an error) fails instead of
+    waiting for events that never come."""
+
+    async def _handle_response(self, response: Any) -> None:
+        if not (response.created and response.canceled):
+            await super()._handle_response(response)
+            return
+        async with self._lock:
+            if self._new_callback is not None:
+                reason = response.cancel_reason or "etcd refused the watch"
+                self._new_callback.error = UnauthenticatedError(reason)
+                self._new_callback_ready.notify_all()
 
 
 def _logged_in(name: str) -> Callable[..., Awaitable[Any]]:
@@ -24,8 +49,8 @@ def _logged_in(name: str) -> Callable[..., Awaitable[Any]]:
         generation = self._generation
         try:
             return await method(self, *args, **kwargs)
-        except UnauthenticatedError:
-            if self._username is None:
+        except aetcd.ClientError as error:
+            if self._username is None or not _token_stale(error):
                 raise
         async with self._login_lock:
             if generation == self._generation:  # nobody logged in again since that call began
@@ -61,7 +86,7 @@ class EtcdClient(aetcd.Client):
             if self._username is not None:
                 try:
                     self.metadata = (("token", await self._authenticate()),)
-                except aetcd.ClientError:
+                except BaseException:  # (a cancelled login too: no channel left open)
                     await self.channel.close()
                     self._init_channel_attrs()
                     raise
@@ -69,7 +94,7 @@ class EtcdClient(aetcd.Client):
             self.clusterstub = rpc.ClusterStub(self.channel)
             self.leasestub = rpc.LeaseStub(self.channel)
             self.maintenancestub = rpc.MaintenanceStub(self.channel)
-            self._watcher = watcher.Watcher(
+            self._watcher = _Watcher(
                 rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
             )
             self._connected.set()
@@ -84,6 +109,8 @@ class EtcdClient(aetcd.Client):
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 raise aetcd.ConnectionFailedError(e.details()) from e
+            if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                raise aetcd.ConnectionTimeoutError(e.details()) from e
             raise UnauthenticatedError(f"etcd authentication failed: {e.details()}") from e
         return reply.token
 
@@ -96,9 +123,7 @@ class EtcdClient(aetcd.Client):
         self._generation += 1
         old, self._watcher = (
             self._watcher,
-            watcher.Watcher(
-                rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
-            ),
+            _Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata),
         )
         if old is not None:
             await old.shutdown()

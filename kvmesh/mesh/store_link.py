@@ -47,13 +47,17 @@ class StoreLink:
         self._offers = metrics.KV_STORE_OFFERS_IN_FLIGHT.labels(service)
 
     async def run(self) -> None:
-        """Follow the store's registration (it may come, go or move)."""
-        async with Registry(self.options.etcd, self.options.cluster) as registry:
+        """Follow the store's registration (it may come, go or move); an etcd that is not
+        there yet only delays it (the registry connects, and logs in, on the first read)."""
+        registry = Registry(self.options.etcd, self.options.cluster)
+        try:
             while True:
                 with contextlib.suppress(Exception):
                     stores = await registry.list_workers("kvstore")
                     self._use(stores[0].grpc_address if stores else "")
                 await asyncio.sleep(self.options.refresh_s)
+        finally:
+            await registry.close()
 
     def _use(self, address: str) -> None:
         if address != self._address:

@@ -70,8 +70,10 @@ class PrefillWorker:
         num_pages = -(-len(tokens) // self.spec.page_size)
         self._check(destination, num_pages)
         imported = await self._import_prefix(request_id, tokens, cache_salt, destination)
-        try:  # a call cancelled anywhere from here on still frees the pages it kept
-            first = await self.engine.prefill(request_id, prompt, params, cache_salt, resumed)
+        # Cancelled inside engine.prefill, the engine drops the request (pages included); from
+        # its return on (no await in between) this call releases them.
+        first = await self.engine.prefill(request_id, prompt, params, cache_salt, resumed)
+        try:
             self._count_hits(len(tokens), first.num_cached_tokens, imported)
             window = await self.engine.hand_over_draft(request_id)
             if first.finish_reason is not None and first.finish_reason.value == "abort":

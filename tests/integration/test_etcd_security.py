@@ -13,9 +13,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import aetcd
 import pytest
 
-from kvmesh.errors import DiscoveryError, InvalidRequestError
+from kvmesh.errors import DiscoveryError, EtcdAuthError, InvalidRequestError
 from kvmesh.mesh.certs import make_ca, make_leaf
 from kvmesh.mesh.discovery import Registry, WorkerInfo, WorkerWatcher
 from kvmesh.mesh.etcd_access import EtcdAccess
@@ -91,12 +92,27 @@ def test_etcd_refuses_every_other_way_in(etcd, certs, tmp_path):
     foreign = EtcdAccess(certs["client"].ca, stranger.cert, stranger.key, USER, PASSWORD)
     with pytest.raises(DiscoveryError):  # a certificate of another CA
         _listing(etcd.endpoint, foreign)
-    with pytest.raises(DiscoveryError, match="invalid user ID or password"):
+    with pytest.raises(EtcdAuthError, match="invalid user ID or password"):
         _listing(etcd.endpoint, EtcdAccess.of_mesh(certs["client"], USER, "wrong"))
     with pytest.raises(DiscoveryError, match="permission denied"):  # its name is no etcd user
         _listing(etcd.endpoint, EtcdAccess.of_mesh(certs["cn-user"]))
     with pytest.raises(InvalidRequestError, match="https"):  # no CA to check etcd's certificate
         _listing(etcd.endpoint, EtcdAccess())
+
+
+def test_a_refused_watch_fails_instead_of_waiting_for_ever(etcd, certs):
+    """etcd answers a watch it refuses (here: outside the user's /kvmesh/ permission; also a
+    stale token) with a reply created already cancelled, not an error."""
+    access = EtcdAccess.of_mesh(certs["client"], USER, PASSWORD)
+
+    async def scenario() -> None:
+        async with Registry(etcd.endpoint, "sec", access) as registry:
+            with pytest.raises(aetcd.ClientError, match="permission denied"):
+                await asyncio.wait_for(registry.client.watch(b"/elsewhere/"), 20)
+            watch = await registry.client.watch_prefix(registry.workers_prefix)  # permitted
+            await watch.cancel()
+
+    run(scenario())
 
 
 def _serve_kvstore(etcd: EtcdServer, files: TlsFiles, log: Path, password: str | None):

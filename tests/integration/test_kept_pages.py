@@ -1,6 +1,7 @@
 """A prefill keeps its pages after finishing (keep_pages) until they are handed over and
-released; when its caller goes away first -- the stream closed before the last output was taken,
-an Abort -- the pages are freed too (a chaos run found 24 pages held on a prefill worker)."""
+released; when its caller goes away first (the stream closed before the last output was taken)
+they are freed too -- a chaos run found 24 pages held on a prefill worker. An Abort leaves them:
+the worker's transfer or KV-store offer may still be reading them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from kvmesh.engine.async_engine import AsyncEngine
 ASK = [{"role": "user", "content": "Name three rivers of Europe."}]
 
 
-def test_abort_frees_the_pages_a_finished_prefill_keeps(llm):
+def test_drop_frees_the_pages_a_finished_prefill_keeps_abort_does_not(llm):
     engine = llm.engine
     prompt = llm.tokenizer.encode_chat(ASK)
     before = engine.block_manager.num_used_pages
@@ -20,10 +21,13 @@ def test_abort_frees_the_pages_a_finished_prefill_keeps(llm):
     while engine.has_unfinished():
         engine.step()
     assert engine.scheduler.holds("kept-abort")
-    assert engine.block_manager.num_used_pages > before
-    assert engine.abort("kept-abort")
+    held = engine.block_manager.num_used_pages
+    assert held > before
+    assert not engine.abort("kept-abort")  # an Abort: a transfer may still read the pages
+    assert engine.block_manager.num_used_pages == held
+    assert engine.drop("kept-abort")  # the consumer is gone: nobody reads them
     assert engine.block_manager.num_used_pages == before
-    assert not engine.abort("kept-abort")  # nothing left
+    assert not engine.drop("kept-abort")  # nothing left
 
 
 def test_a_prefill_stream_closed_before_its_last_output_frees_its_pages(llm):

@@ -3,6 +3,8 @@ time against digests; TLS files all or none; the throwaway CA's certificates cha
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from cryptography import x509
 
@@ -102,6 +104,7 @@ def test_etcd_access_settings(tmp_path, monkeypatch):
     etcd_access.configure_from(args)
     try:
         assert etcd_access.current() == EtcdAccess(ca=files.ca, user="kvmesh", password="pw")
+        assert "KVMESH_ETCD_PASSWORD" not in os.environ  # children do not inherit it
         tls.configure(files)  # without --etcd-ca an https endpoint uses the mesh's files
         assert EtcdAccess().client("https://127.0.0.1:1")._credentials is not None
     finally:
