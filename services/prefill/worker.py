@@ -27,6 +27,16 @@ from kvmesh.proto.v1 import prefill_pb2
 log = structlog.get_logger(__name__)
 
 
+def read_tags(transfer: KvTransferEngine, session: str, tags_address: int, pages: list[int],
+              staging: torch.Tensor) -> list[int]:  # fmt: skip
+    """A peer's integrity tags of `pages` (int32 bit patterns), read from its tag array at
+    `tags_address` into `staging` (registered int32s, at least len(pages))."""
+    base = staging.data_ptr()
+    transfer.read_pages(session, [tags_address + 4 * p for p in pages],
+                        [base + 4 * i for i in range(len(pages))], 4)  # fmt: skip
+    return staging[: len(pages)].tolist()
+
+
 @dataclass(frozen=True)
 class PrefillResult:
     first: TokenOutput
@@ -126,16 +136,27 @@ class PrefillWorker:
         """Read the decode worker's pages into local pages (ids), each layout as it is."""
         if not local:
             return 0
-        held = list(dest.page_ids[plan.start_page : plan.start_page + len(local)])
+        span = slice(plan.start_page, plan.start_page + len(local))
+        held, expected = list(dest.page_ids[span]), list(dest.page_tags[span])
 
-        def read() -> None:  # (the copy plan off the event loop too)
+        def read() -> bool:  # (the copy plan off the event loop too)
             ranges = copy_ranges(destination_side(dest, held), self.pages.side(local))
             self.transfer.read_pages(dest.te_session, *ranges)
+            if not dest.tags_address or len(expected) != len(held):
+                return True  # (a decode worker that does not tag its pages)
+            with self._tag_lock:  # read after the bytes: a page rewritten meanwhile shows
+                got = read_tags(self.transfer, dest.te_session, dest.tags_address, held,
+                                self._tag_staging)  # fmt: skip
+            return got == as_int32(expected).tolist()
 
         try:
-            await asyncio.to_thread(read)
+            intact = await asyncio.to_thread(read)
         except TransferError as exc:
             log.warning("prefill.read_from_decode_failed", error=str(exc))
+            return 0
+        if not intact:  # a page of the decode worker's cache changed under us: compute it here
+            log.warning("prefill.read_from_decode_rejected", pages=len(held))
+            metrics.KV_INTEGRITY_FAILURES.labels("prefill").inc()
             return 0
         metrics.KV_TRANSFER_BYTES.labels("prefill:from_decode").inc(
             len(local) * self.spec.page_bytes

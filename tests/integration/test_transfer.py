@@ -165,3 +165,24 @@ def test_large_batches_are_chunked(fresh: Pair) -> None:
     dst_bytes = fresh.dst_pool.view(-1).view(torch.uint8)[: 600 * 32].view(600, 32)
     assert torch.equal(dst_bytes[:, :16], src_bytes[:, :16])
     assert not dst_bytes[:, 16:].any()
+
+
+def test_read_tags_sees_a_page_rewritten_after_its_reservation(pair: Pair) -> None:
+    """What a prefill worker does after importing pages the decode worker holds: read their
+    tags back (after the bytes) and compare with the tags they were reserved with."""
+    from kvmesh.engine.integrity import as_int32
+    from services.prefill.worker import read_tags
+
+    decode_tags = as_int32([7, 0xFFFFFFF0, 42, 9]).clone()  # int32 bit patterns, as in a pool
+    staging = torch.zeros(4, dtype=torch.int32)
+    pair.decode.register(decode_tags.data_ptr(), 16)
+    pair.prefill.register(staging.data_ptr(), 16)
+    try:
+        session, address = pair.decode.session, decode_tags.data_ptr()
+        reserved = as_int32([0xFFFFFFF0, 9]).tolist()
+        assert read_tags(pair.prefill, session, address, [1, 3], staging) == reserved
+        decode_tags[3] = 10  # a stale writer's tag landed on page 3
+        assert read_tags(pair.prefill, session, address, [1, 3], staging) != reserved
+    finally:
+        pair.decode.unregister(decode_tags.data_ptr())
+        pair.prefill.unregister(staging.data_ptr())
