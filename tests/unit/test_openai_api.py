@@ -52,6 +52,13 @@ def client(backend: FakeBackend, tok: Tokenizer) -> Iterator[TestClient]:
         yield test_client
 
 
+def _client_id(mesh_id: str) -> str:
+    """The client's request id inside the mesh id (`unique_request_id`: id + "." + 8 hex)."""
+    client_id, dot, suffix = mesh_id.rpartition(".")
+    assert dot and len(suffix) == 8, mesh_id
+    return client_id
+
+
 def chat(client: TestClient, **fields: Any) -> Any:
     return client.post(CHAT, json={"model": MODEL, "messages": MESSAGES, **fields})
 
@@ -96,7 +103,7 @@ def test_chat_completion(client: TestClient, backend: FakeBackend, tok: Tokenize
         "prompt_tokens_details": {"cached_tokens": cached_tokens_for(len(prompt))},
     }
     sent = backend.requests[0]
-    assert sent.request_id == "req-1" and sent.prompt_token_ids == prompt
+    assert _client_id(sent.request_id) == "req-1" and sent.prompt_token_ids == prompt
     assert sent.params.max_tokens == 1024  # the default cap; the context has room for more
     assert backend.aborted == []
 
@@ -181,7 +188,7 @@ def test_stop_string_truncates_and_aborts(
         text = response.json()["choices"][0]["message"]["content"]
         finish = response.json()["choices"][0]["finish_reason"]
     assert (text, finish) == ("The capital of France is ", "stop")
-    assert backend.aborted == ["stop-1"]
+    assert [_client_id(r) for r in backend.aborted] == ["stop-1"]
     assert backend.requests[0].params.stop == ()  # the gateway, not the mesh, applies them
 
 
@@ -330,7 +337,7 @@ def test_error_after_stream_started(client: TestClient, backend: FakeBackend) ->
     assert data[-1] == "[DONE]"
     assert data[-2]["error"]["code"] == "worker_unavailable"
     assert data[-3]["choices"][0]["delta"]["content"]  # some output got through first
-    assert backend.aborted == ["mid-1"]
+    assert [_client_id(r) for r in backend.aborted] == ["mid-1"]
 
 
 def test_client_disconnect_aborts_backend(tok: Tokenizer, backend: FakeBackend) -> None:
@@ -364,7 +371,7 @@ def test_client_disconnect_aborts_backend(tok: Tokenizer, backend: FakeBackend) 
 
     anyio.run(run)
     assert sent[0]["status"] == 200
-    assert backend.cancelled == ["gone-1"] and backend.aborted == ["gone-1"]
+    assert backend.aborted == backend.cancelled and _client_id(backend.aborted[0]) == "gone-1"
 
 
 # ---- other endpoints ----
