@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 export MC_TCP_BIND_ADDRESS ?= 127.0.0.1
 
-.PHONY: install sysdeps kernels model up test lint bench protos clean
+.PHONY: install sysdeps kernels model up test lint bench protos deploy clean
 
 # Mooncake's engine links libibverbs/librdmacm even for TCP: install them when missing (root).
 sysdeps:
@@ -57,6 +57,10 @@ bench: model
 
 protos: install
 	$(BIN)/python scripts/gen_protos.py
+
+# The rendered parts of deploy/ (Containerfiles, Kubernetes base) from kvmesh/deploy/services.py.
+deploy: install
+	$(BIN)/python scripts/gen_deploy.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

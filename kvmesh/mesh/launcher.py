@@ -171,20 +171,12 @@ class Mesh:
 
     def _kvstore_layout(self) -> list[str]:
         """The store must hold pages of exactly the workers' layout (model, page, dtype)."""
-        from kvmesh.engine.config import compute_dtype_of
-        from kvmesh.engine.kv.layout import resolve_kv_dtype, spec_for_model
-        from kvmesh.engine.loader import read_config, resolve_model
+        from kvmesh.mesh.kvstore_layout import store_layout
 
         args = list(self.options.worker_args)
-        compute = compute_dtype_of(
-            _flag(args, "--dtype") or "auto", _flag(args, "--weights") or "auto"
-        )
-        kv_dtype = resolve_kv_dtype(_flag(args, "--kv-dtype") or "auto", compute)
-        config = read_config(resolve_model(self.options.model))
-        spec = spec_for_model(config, 16, kv_dtype)
-        model = resolve_model(self.options.model).name
-        return ["--model", model, "--page-size", "16", "--kv-dtype", kv_dtype,
-                "--page-bytes", str(spec.page_bytes), "--kv-spec", spec.layout_key]  # fmt: skip
+        return store_layout(self.options.model, _flag(args, "--dtype") or "auto",
+                            _flag(args, "--weights") or "auto",
+                            _flag(args, "--kv-dtype") or "auto").as_flags()  # fmt: skip
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
                cpus: frozenset[int] | None = None) -> None:  # fmt: skip

@@ -126,9 +126,10 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(devnull)
 
 
-def _prepare_env() -> None:
-    # Read by the engine at initialize(); loopback unless the operator says otherwise.
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+def _prepare_env(hostname: str) -> None:
+    # Read by the engine at initialize(): the address it advertises (a worker's --host), unless
+    # the operator says otherwise.
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", hostname)
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 
@@ -137,7 +138,7 @@ def _new_engine(config: TransferConfig) -> Any:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
         raise TransferError("mooncake-transfer-engine is not installed") from exc
-    _prepare_env()
+    _prepare_env(config.hostname)
     engine = TransferEngine()
     with _quiet_stderr():
         rc = engine.initialize(

@@ -143,7 +143,7 @@ async def serve_worker(
         engine.speculator.stats.listener = _spec_metrics(options.role)
     async_engine = AsyncEngine(engine, lead_cpu_setup())  # a lead CPU, where set
     async_engine.start()
-    transfer = KvTransferEngine(TransferConfig(protocol=options.protocol))
+    transfer = KvTransferEngine(TransferConfig(protocol=options.protocol, hostname=options.host))
     region = engine.kv_pages.region  # every rank's pages (tensor parallelism: shared memory)
     transfer.register(region.data_ptr(), region.numel())
     transfer.register(engine.kv_cache.tags.data_ptr(), engine.kv_cache.tags.numel() * 4)

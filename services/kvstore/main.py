@@ -16,10 +16,12 @@ import structlog
 from prometheus_client import REGISTRY, start_http_server
 
 from kvmesh.engine.kv.layout import KV_DTYPES
+from kvmesh.errors import InvalidRequestError
 from kvmesh.mesh import etcd_access, tls
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.kvstore_client import layout_key
+from kvmesh.mesh.kvstore_layout import store_layout
 from kvmesh.mesh.ports import free_port
 from kvmesh.mesh.transfer import KvTransferEngine, TransferConfig
 from services.kvstore.server import KVStoreServicer, StoreMetrics, add_to
@@ -87,7 +89,7 @@ async def serve_kvstore(options: KVStoreOptions, stop: asyncio.Event | None = No
     worker_id = options.worker_id or f"kvstore-{uuid.uuid4().hex[:8]}"
     structlog.contextvars.bind_contextvars(service="kvstore", worker_id=worker_id)
     stop = stop or asyncio.Event()
-    transfer = KvTransferEngine(TransferConfig(protocol=options.protocol))
+    transfer = KvTransferEngine(TransferConfig(protocol=options.protocol, hostname=options.host))
     store = KVStore(options.store_config(), transfer)
     collector = StoreMetrics(store)
     metrics_port = options.metrics_port or free_port()
@@ -188,11 +190,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per page")
     p.add_argument(
         "--kv-dtype",
-        default="fp32",
-        choices=list(KV_DTYPES),
-        help="KV dtype of the pages (part of the layout key)",
+        default="auto",
+        choices=["auto", *KV_DTYPES],
+        help="KV dtype of the pages (part of the layout key; auto: what the model's workers "
+        "store with their default flags)",
     )
-    p.add_argument("--page-bytes", type=int, required=True, help="bytes per KV page")
+    p.add_argument("--page-bytes", type=int, default=None,
+                   help="bytes per KV page (default: derived from --model and --kv-dtype, as "
+                   "the workers lay their pages out)")  # fmt: skip
     p.add_argument("--kv-spec", default="", help="the workers' KV spec key (layout key part)")
     p.add_argument("--ram-mib", type=int, default=256, help="RAM tier capacity")
     p.add_argument("--disk-mib", type=int, default=1024, help="disk tier capacity (0: none)")
@@ -209,7 +214,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> KVStoreOptions:
     names = KVStoreOptions.__dataclass_fields__
-    return KVStoreOptions(**{k: v for k, v in vars(args).items() if k in names})
+    values = {k: v for k, v in vars(args).items() if k in names}
+    if values["page_bytes"] is None:  # the layout of the model's workers
+        layout = store_layout(args.model, kv_dtype=args.kv_dtype, page_size=args.page_size)
+        values.update(model=layout.model, kv_dtype=layout.kv_dtype, kv_spec=layout.kv_spec,
+                      page_bytes=layout.page_bytes)  # fmt: skip
+    elif values["kv_dtype"] == "auto":
+        raise InvalidRequestError("--kv-dtype auto derives the page layout from --model: leave "
+                                  "out --page-bytes, or name the KV dtype")  # fmt: skip
+    return KVStoreOptions(**values)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

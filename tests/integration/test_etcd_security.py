@@ -121,7 +121,7 @@ def _serve_kvstore(etcd: EtcdServer, files: TlsFiles, log: Path, password: str |
     if password is not None:
         env["KVMESH_ETCD_PASSWORD"] = password
     command = [sys.executable, "-m", "kvmesh.cli", "serve", "kvstore", "--etcd", etcd.endpoint,
-               "--cluster", "sec", "--etcd-user", USER, *files.as_flags(), "--page-bytes", "4096",
+               "--cluster", "sec", "--etcd-user", USER, *files.as_flags(), "--page-bytes", "4096", "--kv-dtype", "fp32",
                "--model", "tiny", "--ram-mib", "1", "--disk-mib", "1"]  # fmt: skip
     return spawn(command, log.open("ab"), env=env)
 
