@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 export MC_TCP_BIND_ADDRESS ?= 127.0.0.1
 
-.PHONY: install sysdeps kernels model up test lint bench protos deploy clean
+.PHONY: install sysdeps imagedeps kernels model up test lint bench protos deploy images clean
 
 # Mooncake's engine links libibverbs/librdmacm even for TCP: install them when missing (root).
 sysdeps:
@@ -13,6 +13,16 @@ sysdeps:
 	  echo "installing libibverbs1 librdmacm1 libnuma1"; \
 	  apt-get install -y -q libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1 || \
 	  { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 librdmacm1 libnuma1 >/dev/null; }; \
+	fi
+
+# podman + runc (crun cannot run on these hosts' hybrid cgroups) and debootstrap (the images' base
+# OS without a registry): for `make images` and the image test; missing tools make it skip.
+imagedeps:
+	@if ! command -v podman >/dev/null || ! command -v runc >/dev/null || ! command -v debootstrap >/dev/null; then \
+	  echo "installing podman runc debootstrap"; \
+	  apt-get install -y -q podman runc fuse-overlayfs uidmap debootstrap >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null && apt-get install -y -q podman runc fuse-overlayfs uidmap debootstrap >/dev/null; } || \
+	  echo "could not install them: the image tests will skip"; \
 	fi
 
 $(STAMP): pyproject.toml | sysdeps
@@ -41,7 +51,7 @@ lint: install
 	$(BIN)/ruff format --check kvmesh services tests scripts
 
 # pytest exits 5 when it collects nothing: that is a failure here, as is any other non-zero code.
-test: model lint
+test: model lint imagedeps
 	$(BIN)/python -m pytest -q -p no:cacheprovider; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
 
@@ -61,6 +71,10 @@ protos: install
 # The rendered parts of deploy/ (Containerfiles, Kubernetes base) from kvmesh/deploy/services.py.
 deploy: install
 	$(BIN)/python scripts/gen_deploy.py
+
+# One image per service (deploy/images), built here with podman: see kvmesh/deploy/build.py.
+images: install imagedeps
+	$(BIN)/python -m kvmesh.deploy.build
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,6 +1,7 @@
 """A container's health check: `python -m kvmesh.deploy.probe grpc|http|tcp PORT` exits 0 when
 the service on PORT is ready -- gRPC: `grpc.health.v1` says SERVING; http: /health is 200; tcp:
-it accepts. The host is $KVMESH_PROBE_HOST, else $POD_IP, else 127.0.0.1 (where it binds)."""
+it accepts. The host is $KVMESH_PROBE_HOST, else $POD_IP, else 127.0.0.1 (where it binds); the
+port $KVMESH_PROBE_PORT when set (a container given other ports by its flags)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in ("grpc", "http", "tcp") or not argv[1].isdigit():
         print("usage: python -m kvmesh.deploy.probe grpc|http|tcp PORT", file=sys.stderr)
         return 2
-    return 0 if ready(argv[0], int(argv[1])) else 1
+    port = int(os.environ.get("KVMESH_PROBE_PORT") or argv[1])
+    return 0 if ready(argv[0], port) else 1
 
 
 if __name__ == "__main__":
