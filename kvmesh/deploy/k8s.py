@@ -69,12 +69,15 @@ def _container(svc: Service, args: list[str] | None = None) -> Manifest:
     }
 
 
+def _scrape(svc: Service) -> dict[str, str]:
+    """Prometheus annotations where the service exports metrics (workers, gateway)."""
+    port = svc.ports.get("metrics", svc.ports.get("http"))
+    return {} if port is None else {"prometheus.io/scrape": "true", "prometheus.io/port": str(port)}
+
+
 def _pod(svc: Service, container: Manifest) -> Manifest:
     return {
-        "metadata": {"labels": {LABEL: svc.name, **PART_OF},
-                     "annotations": {"prometheus.io/scrape": "true",
-                                     "prometheus.io/port": str(svc.ports.get("metrics",
-                                                                svc.ports.get("http", 0)))}},
+        "metadata": {"labels": {LABEL: svc.name, **PART_OF}, "annotations": _scrape(svc)},
         "spec": {
             "securityContext": _POD_SECURITY,
             # a worker drains on SIGTERM (NOT_SERVING, lease revoked, in-flight requests end)

@@ -27,6 +27,9 @@ class Service:
     ports: dict[str, int] = field(default_factory=dict)  # name -> container port
     probe: str = "grpc"  # grpc (grpc.health.v1 on the grpc port) | http (/health) | tcp
     kvmesh_cli: bool = True  # command is `kvmesh ...` (its flags are checked against the CLI)
+    # flags the image's entrypoint carries after the command, so that a plain `podman run`
+    # listens where its HEALTHCHECK looks (a later flag of the same name wins)
+    image_flags: tuple[str, ...] = ()
 
 
 def _serve(role: str, *args: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -38,7 +41,13 @@ def _worker(role: str) -> Service:
     command, args = _serve(role, "--model", MODEL, "--port", str(GRPC_PORT),
                            "--metrics-port", str(METRICS_PORT),
                            "--drain-timeout", str(DRAIN_TIMEOUT_S))  # fmt: skip
-    return Service(role, command, args, {"grpc": GRPC_PORT, "metrics": METRICS_PORT})
+    return Service(
+        role,
+        command,
+        args,
+        {"grpc": GRPC_PORT, "metrics": METRICS_PORT},
+        image_flags=("--port", str(GRPC_PORT), "--metrics-port", str(METRICS_PORT)),
+    )
 
 
 _gateway_command, _gateway_args = _serve(
@@ -51,35 +60,25 @@ _draft_command, _draft_args = _serve(
     "draft", "--model", MODEL, "--port", str(GRPC_PORT), "--metrics-port", str(METRICS_PORT)
 )
 
+_PORT_FLAGS = ("--port", str(GRPC_PORT), "--metrics-port", str(METRICS_PORT))
+_ETCD_FLAGS = ("--data-dir=/var/lib/etcd/data",
+               f"--listen-client-urls=http://0.0.0.0:{ETCD_CLIENT_PORT}",
+               f"--advertise-client-urls=http://127.0.0.1:{ETCD_CLIENT_PORT}")  # fmt: skip
+_METRICS = {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
+
 SERVICES: tuple[Service, ...] = (
-    Service(
-        "gateway",
-        _gateway_command,
-        _gateway_args,
-        {"http": HTTP_PORT, "grpc": GRPC_PORT},
-        probe="http",
-    ),  # fmt: skip
+    Service("gateway", _gateway_command, _gateway_args, {"http": HTTP_PORT, "grpc": GRPC_PORT},
+            probe="http",
+            image_flags=("--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT))),
     _worker("prefill"),
     _worker("decode"),
-    Service("kvstore", _store_command, _store_args, {"grpc": GRPC_PORT, "metrics": METRICS_PORT}),
-    Service("draft", _draft_command, _draft_args, {"grpc": GRPC_PORT, "metrics": METRICS_PORT}),
-    Service(
-        "etcd",
-        ("etcd",),
-        (),
-        {"client": ETCD_CLIENT_PORT, "peer": ETCD_PEER_PORT},
-        probe="tcp",
-        kvmesh_cli=False,
-    ),  # fmt: skip
-    Service(
-        "mooncake-master",
-        ("mooncake_master",),
-        (),
-        {"rpc": MASTER_PORT},
-        probe="tcp",
-        kvmesh_cli=False,
-    ),  # fmt: skip
-)
+    Service("kvstore", _store_command, _store_args, _METRICS, image_flags=_PORT_FLAGS),
+    Service("draft", _draft_command, _draft_args, _METRICS, image_flags=_PORT_FLAGS),
+    Service("etcd", ("etcd",), (), {"client": ETCD_CLIENT_PORT, "peer": ETCD_PEER_PORT},
+            probe="tcp", kvmesh_cli=False, image_flags=_ETCD_FLAGS),
+    Service("mooncake-master", ("mooncake_master",), (), {"rpc": MASTER_PORT}, probe="tcp",
+            kvmesh_cli=False, image_flags=(f"--rpc_port={MASTER_PORT}",)),
+)  # fmt: skip
 
 
 def service(name: str) -> Service:

@@ -16,7 +16,6 @@ import structlog
 from prometheus_client import REGISTRY, start_http_server
 
 from kvmesh.engine.kv.layout import KV_DTYPES
-from kvmesh.errors import InvalidRequestError
 from kvmesh.mesh import etcd_access, tls
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
@@ -193,8 +192,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", *KV_DTYPES],
         help="KV dtype of the pages (part of the layout key; auto: what the model's workers "
-        "store with their default flags)",
+        "store given --dtype / --weights; fp32 with an explicit --page-bytes)",
     )
+    p.add_argument("--dtype", default="auto", help="the workers' --dtype (for the derived layout)")
+    p.add_argument("--weights", default="auto",
+                   help="the workers' --weights (for the derived layout)")  # fmt: skip
     p.add_argument("--page-bytes", type=int, default=None,
                    help="bytes per KV page (default: derived from --model and --kv-dtype, as "
                    "the workers lay their pages out)")  # fmt: skip
@@ -216,12 +218,11 @@ def options_from_args(args: argparse.Namespace) -> KVStoreOptions:
     names = KVStoreOptions.__dataclass_fields__
     values = {k: v for k, v in vars(args).items() if k in names}
     if values["page_bytes"] is None:  # the layout of the model's workers
-        layout = store_layout(args.model, kv_dtype=args.kv_dtype, page_size=args.page_size)
+        layout = store_layout(args.model, args.dtype, args.weights, args.kv_dtype, args.page_size)
         values.update(model=layout.model, kv_dtype=layout.kv_dtype, kv_spec=layout.kv_spec,
                       page_bytes=layout.page_bytes)  # fmt: skip
-    elif values["kv_dtype"] == "auto":
-        raise InvalidRequestError("--kv-dtype auto derives the page layout from --model: leave "
-                                  "out --page-bytes, or name the KV dtype")  # fmt: skip
+    elif values["kv_dtype"] == "auto":  # an explicit layout: the dtype as before (fp32)
+        values["kv_dtype"] = "fp32"
     return KVStoreOptions(**values)
 
 

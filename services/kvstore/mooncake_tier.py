@@ -128,7 +128,9 @@ def _connect(master: str, capacity_pages: int, page_bytes: int):
     store = MooncakeDistributedStore()
     segment = segment_bytes(capacity_pages, page_bytes)
     buffer = max(_MIN_BYTES, 2 * (page_bytes + DIGEST_BYTES))
-    rc = store.setup("127.0.0.1", "P2PHANDSHAKE", segment, buffer, "tcp", "", master)
+    # the address this process's transfer engine advertises (the store's --host), not loopback
+    host = os.environ.get("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    rc = store.setup(host, "P2PHANDSHAKE", segment, buffer, "tcp", "", master)
     if rc != 0:
         raise MooncakeTierError(f"Mooncake Store setup against master {master} failed: rc {rc}")
     log.info("kvstore.mooncake_connected", master=master, segment_bytes=segment)

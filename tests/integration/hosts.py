@@ -11,7 +11,6 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-SUBNET = "10.231.{}.0/24"  # private; the third octet is picked per run
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,8 @@ def _ip(*args: str) -> None:
 
 @contextlib.contextmanager
 def simulated_hosts(names: list[str], octet: int = 77) -> Iterator[Hosts]:
-    """One namespace per host plus one holding the bridge; host i gets 10.231.<octet>.(i+1).
+    """One namespace per host plus one holding the bridge; host i gets 10.231.<octet>.(i+1)
+    (private: 10.231.<octet>.0/24 exists only inside these namespaces).
     Everything is deleted on exit, whatever happened."""
     prefix = f"kvm{uuid.uuid4().hex[:5]}"
     bridge_ns = f"{prefix}-br"

@@ -68,7 +68,7 @@ def test_production_pools_are_spread_with_gpus_budgets_and_autoscaling():
         (container,) = pod["containers"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert "hugepages-2Mi" in container["resources"]["limits"]
-        assert pod["affinity"]["podAntiAffinity"]
+        assert pod["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
         assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "kvmesh-models"
         assert container["args"][-2:] == ["--protocol", "rdma"]
         assert container["readinessProbe"]["grpc"]["port"] == 50051
@@ -76,3 +76,7 @@ def test_production_pools_are_spread_with_gpus_budgets_and_autoscaling():
     assert docs[("StatefulSet", "etcd")]["spec"]["replicas"] == 3
     store = docs[("Deployment", "kvstore")]["spec"]["template"]["spec"]["containers"][0]
     assert "--mooncake-master" in store["args"] and ("Deployment", "mooncake-master") in docs
+    assert store["args"][-2:] == ["--protocol", "rdma"]  # the same transport as the workers
+    for name in ("gateway", "kvstore"):
+        pod = docs[("Deployment", name)]["spec"]["template"]["spec"]
+        assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "kvmesh-models"
