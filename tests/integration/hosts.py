@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 
-
 @dataclass(frozen=True)
 class Hosts:
     prefix: str  # namespace names start with it
