@@ -54,6 +54,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         tls.configure_from(args)
         etcd_access.configure_from(args)
         return run_status(args.etcd, args.cluster, args.json)
+    if args.command == "sim":
+        from kvmesh.sim.command import run_sim
+
+        return run_sim(args)
     if args.command == "bench":
         # `kvmesh bench NAME` runs kvmesh.benchmarks.NAME.run_NAME_bench (serve's agent workload
         # is the agent bench)

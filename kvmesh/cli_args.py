@@ -7,6 +7,7 @@ import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvmesh.mesh.routings import ROUTING_HELP, ROUTINGS
 from kvmesh.tools import tiny_cli  # imports no torch
 
 
@@ -233,7 +234,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     up.add_argument(
         "--demo", action="store_true", help="run the offline engine on a demo chat instead"
     )
-    up.add_argument("--routing", default="cache-aware", choices=["cache-aware", "least-load"])
+    up.add_argument("--routing", default="cache-aware", choices=ROUTINGS, help=ROUTING_HELP)
     _tool_parser_arg(up)
     up.add_argument(
         "--kvstore",
@@ -312,8 +313,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     gateway.add_argument(
         "--routing",
         default="cache-aware",
-        choices=["cache-aware", "least-load"],
-        help="cache-aware: session affinity + prefix scores; least-load: baseline",
+        choices=ROUTINGS,
+        help=ROUTING_HELP,
     )
     _tool_parser_arg(gateway)
     gateway_front_args(gateway)
@@ -337,6 +338,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     off.add_argument("--no-transformers", action="store_true")
     off.add_argument("--output", default=None, help="also write the JSON results here")
     _bench_args(bench_sub, lazy)
+    sim = sub.add_parser("sim", help="the fleet on a simulated clock, on the gateway's router")
+    sim_sub = sim.add_subparsers(dest="sim", required=True)
+    for name, text in _SIMS.items():
+        lazy.add(sim_sub, ("sim", name), text, "kvmesh.sim.command", f"add_{name}_arguments")
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint for tests")
     tiny_cli.add_arguments(tiny)
     return parser
@@ -376,6 +381,16 @@ _BENCHES = {  # name: (help, module whose add_arguments defines its flags)
     "soak": ("many streams for a long time: errors, and the slopes of RSS, file descriptors and "
              "pages after warm-up", "kvmesh.benchmarks.soak"),
 }  # fmt: skip
+
+
+_SIMS = {
+    "run": "a fleet and a workload, routing policies side by side",
+    "claims": "the seeds' claims at peak load: hit ratio by routing, p90 TPOT colocated "
+    "round-robin vs disaggregated",
+    "sweep": "the same load per worker on 1 to 1,000 workers",
+    "calibrate": "fit the cost model to a mesh started on this machine",
+    "check": "the simulator against a mesh on this machine: same workload, figures compared",
+}
 
 
 def _bench_args(bench_sub, lazy: _Lazy) -> None:

@@ -378,14 +378,12 @@ class AsyncEngine:
 
     def _measure_load(self) -> EngineLoad:  # under the lock (or before the thread starts)
         scheduler, pool = self._engine.scheduler, self._engine.block_manager
-        seqs = list(scheduler.running) + list(scheduler.waiting)
+        queued, active = scheduler.token_loads()
         return EngineLoad(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
-            prefill_tokens_queued=sum(
-                max(s.num_prompt_tokens - s.num_computed_tokens, 0) for s in seqs
-            ),
-            kv_tokens_active=sum(s.num_tokens for s in scheduler.running),
+            prefill_tokens_queued=queued,
+            kv_tokens_active=active,
             kv_pages_used=pool.num_used_pages,
             kv_pages_total=pool.config.num_pages,
             kv_capacity_tokens=self._engine.kv_cache.capacity_tokens,

@@ -92,6 +92,13 @@ class Scheduler:
             self.waiting.appendleft(seq)
         return None
 
+    def token_loads(self) -> tuple[int, int]:
+        """(prompt tokens still to compute, tokens of the running sequences): what a worker
+        reports as its load (GetLoads) and the router balances on."""
+        seqs = [*self.running, *self.waiting]
+        queued = sum(max(s.num_prompt_tokens - s.num_computed_tokens, 0) for s in seqs)
+        return queued, sum(s.num_tokens for s in self.running)
+
     def holds(self, seq_id: str) -> bool:
         """A finished `keep_pages` sequence still holds its pages."""
         return seq_id in self._held

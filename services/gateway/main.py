@@ -27,7 +27,7 @@ from services.gateway.mesh_backend import (
 from services.gateway.openai_api import create_app
 from services.gateway.prefix_routing import KvEventFollower, PrefixLookup
 from services.gateway.readiness import MeshReadiness, follow
-from services.gateway.router import AffinityPolicy, LeastTokensPolicy, Router
+from services.gateway.router import AffinityPolicy, make_router
 from services.gateway.sessions import SessionStore
 
 log = structlog.get_logger(__name__)
@@ -45,7 +45,7 @@ class GatewayOptions:
     session_ttl: int = 600
     affinity_max_load_ratio: float = 2.0
     affinity_slack_tokens: int = 2048
-    routing: str = "cache-aware"  # or "least-load": no affinity, no prefix scores (a baseline)
+    routing: str = "cache-aware"  # one of router.ROUTINGS
     tool_call_parser: str | None = None  # None: chosen from the model's chat template
     migration_limit: int = DEFAULT_MIGRATION_LIMIT
     max_inflight_requests: int = DEFAULT_MAX_INFLIGHT
@@ -74,11 +74,8 @@ async def serve_gateway(options: GatewayOptions) -> None:
         watcher = WorkerWatcher(registry)
         await watcher.start()
         index = PrefixIndex()
-        if options.routing == "least-load":
-            router = Router(watcher.alive, LeastTokensPolicy())
-        else:
-            policy = AffinityPolicy(options.affinity_max_load_ratio, options.affinity_slack_tokens)
-            router = Router(watcher.alive, policy, PrefixLookup(index))
+        affinity = AffinityPolicy(options.affinity_max_load_ratio, options.affinity_slack_tokens)
+        router = make_router(watcher.alive, options.routing, PrefixLookup(index), affinity)
         follower = asyncio.create_task(KvEventFollower(index, watcher.alive).run())
         sessions = SessionStore(registry, options.session_ttl)
         backend = MeshBackend(router, source.name, config.max_position_embeddings, sessions,

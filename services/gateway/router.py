@@ -19,6 +19,7 @@ from kvmesh.mesh import metrics
 from kvmesh.mesh.discovery import WorkerInfo
 from kvmesh.mesh.error_mapping import WorkerUnavailableError as WorkerUnavailable
 from kvmesh.mesh.grpc_server import channel
+from kvmesh.mesh.routings import ROUTINGS
 from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 if TYPE_CHECKING:
@@ -93,6 +94,43 @@ class AffinityPolicy:
         if pinned.load_tokens > self.max_load_ratio * least_load + self.slack_tokens:
             return Decision(least.worker, "affinity_yield_load")
         return Decision(pinned.info, "affinity")
+
+
+class RoundRobinPolicy:
+    """Each worker of a role in turn, blind to load and cache (a baseline)."""
+
+    def __init__(self) -> None:
+        self._turn: dict[str, int] = {}
+
+    def choose(
+        self, role: str, candidates: list[Candidate], cost_tokens: int, preferred: str | None = None
+    ) -> Decision | None:
+        if not candidates:
+            return None
+        turn = self._turn.get(role, 0)
+        self._turn[role] = turn + 1
+        ordered = sorted(candidates, key=lambda c: c.info.worker_id)
+        return Decision(ordered[turn % len(ordered)].info, "round_robin")
+
+
+def make_router(
+    live: Callable[[str], list[WorkerInfo]],
+    routing: str,
+    prefix: PrefixLookup,
+    affinity: AffinityPolicy | None = None,
+) -> Router:
+    """The gateway's router for `--routing` (one of ROUTINGS): cache-aware = session affinity
+    over prefix scores (`affinity`), prefix-aware = prefix scores alone, least-load and
+    round-robin ignore prefixes. `kvmesh sim` builds its routers here too."""
+    if routing == "cache-aware":
+        return Router(live, affinity or AffinityPolicy(), prefix)
+    if routing == "prefix-aware":
+        return Router(live, PrefixAwarePolicy(), prefix)
+    if routing == "least-load":
+        return Router(live, LeastTokensPolicy())
+    if routing == "round-robin":
+        return Router(live, RoundRobinPolicy())
+    raise ValueError(f"unknown routing {routing!r}: one of {', '.join(ROUTINGS)}")
 
 
 class Router:
@@ -170,6 +208,11 @@ class Router:
         finally:
             self._inflight[worker_id] -= tokens
 
+    def report(self, worker_id: str, tokens: int) -> None:
+        """What a worker says it has in flight (its polled load)."""
+        self._reported[worker_id] = tokens
+        metrics.ROUTER_WORKER_LOAD.labels(worker_id).set(tokens)
+
     async def poll_loads(self, period: float = 1.0) -> None:
         """Refresh what workers report (requests from other gateways count too)."""
         channels: dict[str, grpc.aio.Channel] = {}
@@ -179,9 +222,7 @@ class Router:
                     if worker.grpc_address not in channels:
                         channels[worker.grpc_address] = channel(worker.grpc_address)
                     ch = channels[worker.grpc_address]
-                    reported = await _reported_tokens(ch, role)
-                    self._reported[worker.worker_id] = reported
-                    metrics.ROUTER_WORKER_LOAD.labels(worker.worker_id).set(reported)
+                    self.report(worker.worker_id, await _reported_tokens(ch, role))
             await asyncio.sleep(period)
 
 
@@ -194,4 +235,10 @@ async def _reported_tokens(ch: grpc.aio.Channel, role: str) -> int:
     load = response.loads[0] if response.loads else None
     if load is None:
         return 0
-    return load.prefill_tokens_queued if role == "prefill" else load.kv_tokens_active
+    return reported_load(role, load.prefill_tokens_queued, load.kv_tokens_active)
+
+
+def reported_load(role: str, prefill_tokens_queued: int, kv_tokens_active: int) -> int:
+    """The figure of a worker's load the router balances on: prompt tokens queued on a prefill
+    worker, tokens of running sequences on a decode worker."""
+    return prefill_tokens_queued if role == "prefill" else kv_tokens_active

@@ -1,4 +1,5 @@
-"""The KV bookkeeping and the scheduler import on a host without torch or numpy."""
+"""The KV bookkeeping, the scheduler and the simulator import on a host without torch or
+numpy."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ _SCRIPT = textwrap.dedent(
         "kvmesh.engine.kv.layout",
         "kvmesh.engine.models.registry",
         "kvmesh.engine.loader.hf_config",
+        "kvmesh.sim.fleet",  # the simulator: the router and the pool, no model
+        "kvmesh.sim.report",
     ):
         importlib.import_module(module)
     try:

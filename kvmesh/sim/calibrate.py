@@ -1,0 +1,165 @@
+"""Fit the linear cost model to a live mesh, and check the simulator against it.
+
+`calibrate` starts a mesh (1 prefill + 1 decode worker, every prompt through the prefill
+worker), times lone prompts of several lengths (TTFT) and concurrent streams at several batch
+sizes and prompt lengths (TPOT), and fits: decode TPOT = base + per_row' * rows + per_context *
+context (per_row' = per_row + per_token); TTFT = a + per_token * n + per_pair * n^2 / 2, with
+a = base + 4 hops (gateway -> decode -> prefill -> decode -> gateway). KV transfer time is
+folded into per_token (one loopback host). The workers share this machine's CPUs: a decode
+step beside a prefill step (and back) is slower, by factors timed with streams and prompts side
+by side (`shared_slowdown`). `check` sends a small agent workload to the mesh
+and to the simulator with the fitted model and the mesh's own pool size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import statistics
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
+from kvmesh.mesh.worker_info import WorkerInfo
+from kvmesh.sim.cost import LinearCost
+from kvmesh.sim.mesh_run import MeshClient
+from kvmesh.sim.presets import Preset, WorkerSpec
+
+PREFILL_LENGTHS = (32, 96, 256, 512, 1024)
+DECODE_BATCHES = (1, 4, 8)
+DECODE_LENGTHS = (64, 512)
+DECODE_TOKENS = 32
+CONTENDED = (4, 64, 48)  # streams, their prompt and output tokens
+BESIDE = (512, 96)  # prompts computed beside them: long ones (decode's slowdown), short ones
+MAX_NUM_BATCHED_TOKENS = 1024  # the engine's default (EngineConfig)
+
+
+@dataclass(frozen=True)
+class MeshSetup:
+    model: str = "smollm2-135m"
+    kv_cache_mib: int = 128
+    max_num_seqs: int = 16
+    routing: str = "cache-aware"
+    vocab: int = 30000
+
+    def options(self) -> UpOptions:
+        return UpOptions(
+            model=self.model, prefill=1, decode=1,
+            worker_args=("--kv-cache-mib", str(self.kv_cache_mib), "--max-num-seqs",
+                         str(self.max_num_seqs), "--local-prefill-tokens", "0"),
+            gateway_args=("--routing", self.routing),
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def mesh_for(setup: MeshSetup) -> Iterator[Mesh]:
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    mesh = Mesh(setup.options())
+    try:
+        mesh.start()
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+@dataclass(frozen=True)
+class Probes:
+    prefill: list[tuple[int, float]]  # (prompt tokens, TTFT s)
+    decode: list[tuple[int, int, float]]  # (streams, prompt tokens, TPOT s)
+    decode_beside_prefill: float  # TPOT of CONTENDED streams while BESIDE[0] prompts compute
+    prefill_beside_decode: float  # TTFT of BESIDE[1]-token prompts while such streams decode
+
+
+async def probe(address: str, vocab: int, reps: int = 2, seed: int = 1) -> Probes:
+    """Prompts of fresh random tokens (nothing cached), one at a time, then batches, then
+    streams and prompts side by side."""
+    rng = random.Random(seed)
+    fresh = lambda n: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
+    async with MeshClient(address) as client:
+        for _ in range(2):  # warm-up
+            await client.generate(fresh(64), 4)
+        prefill = []
+        for n in PREFILL_LENGTHS * reps:
+            record, _ = await client.generate(fresh(n), 1)
+            prefill.append((n, record.ttft_s))
+        decode = []
+        for batch in DECODE_BATCHES:
+            for length in DECODE_LENGTHS:
+                runs = await asyncio.gather(*(client.generate(fresh(length), DECODE_TOKENS)
+                                              for _ in range(batch)))  # fmt: skip
+                decode.append((batch, length, statistics.median(r.tpot_s for r, _ in runs)))
+        beside_prefill, beside_decode = await _contended(client, fresh)
+    return Probes(prefill, decode, beside_prefill, beside_decode)
+
+
+async def _contended(client: MeshClient, fresh) -> tuple[float, float]:
+    """(TPOT of streams while long prompts are computed back to back, median TTFT of short
+    prompts sent back to back while such streams decode)."""
+    tpot, _ = await _beside(client, fresh, BESIDE[0])
+    _, ttft = await _beside(client, fresh, BESIDE[1])
+    return tpot, ttft
+
+
+async def _beside(client: MeshClient, fresh, prompt: int) -> tuple[float, float]:
+    streams, length, tokens = CONTENDED
+    started = [asyncio.Event() for _ in range(streams)]
+    runs = [asyncio.ensure_future(client.generate(fresh(length), tokens, first=event))
+            for event in started]  # fmt: skip
+    for event in started:
+        await event.wait()
+    ttfts = []
+    while not all(run.done() for run in runs):
+        record, _ = await client.generate(fresh(prompt), 1)
+        ttfts.append(record.ttft_s)
+    return statistics.median([(await run)[0].tpot_s for run in runs]), statistics.median(ttfts)
+
+
+def fit(probes: Probes, source: str) -> LinearCost:
+    d = np.array([[1.0, b, b * (n + DECODE_TOKENS / 2)] for b, n, _ in probes.decode])
+    base, row, context = np.linalg.lstsq(d, np.array([t for *_, t in probes.decode]), None)[0]
+    # relative errors: short prompts (most of an agent's turns) fit as well as long ones
+    weight = np.array([1 / t for _, t in probes.prefill])
+    p = np.array([[1.0, n, n * n / 2] for n, _ in probes.prefill]) * weight[:, None]
+    a, token, pair = np.linalg.lstsq(p, np.array([t for _, t in probes.prefill]) * weight,
+                                     None)[0]  # fmt: skip
+    base, token, pair, context = (max(0.0, float(v)) for v in (base, token, pair, context))
+    row = max(0.0, float(row) - token)
+    streams, length, tokens = CONTENDED
+    alone_step = base + (token + row) * streams + context * streams * (length + tokens / 2)
+    prompt = BESIDE[1]
+    alone_prompt = base + token * prompt + pair * prompt * prompt / 2
+    return LinearCost(
+        name="fitted", base_s=base, per_token_s=token, per_row_s=row, per_context_s=context,
+        per_pair_s=pair, transfer_page_s=0.0, rpc_s=max(0.0, (float(a) - base) / 4),
+        decode_slowdown=max(0.0, probes.decode_beside_prefill / alone_step - 1),
+        prefill_slowdown=max(0.0, (probes.prefill_beside_decode - float(a) + base)
+                             / alone_prompt - 1),
+        source=source,
+    )  # fmt: skip
+
+
+async def worker_spec(mesh: Mesh, setup: MeshSetup) -> tuple[WorkerSpec, WorkerInfo]:
+    """The pool and limits of the mesh's decode worker (its pages from GetLoads)."""
+    from kvmesh.mesh.grpc_server import channel
+    from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc
+
+    workers = await list_workers(mesh.etcd.endpoint, mesh.options.cluster)
+    decode = next(w for w in workers if w.role == "decode")
+    async with channel(decode.grpc_address) as ch:
+        loads = await decode_pb2_grpc.DecodeStub(ch).GetLoads(decode_pb2.GetLoadsRequest())
+    spec = WorkerSpec(loads.loads[0].kv_pages_total, decode.page_size, setup.max_num_seqs,
+                      MAX_NUM_BATCHED_TOKENS, decode.extra.get("max_model_len", 8192))  # fmt: skip
+    return spec, decode
+
+
+def preset_json(cost: LinearCost, spec: WorkerSpec, info: WorkerInfo) -> dict:
+    return {"kind": "linear", **asdict(cost), "worker": asdict(spec),
+            "mesh": {"model": info.model, "kv_dtype": info.kv_dtype}}  # fmt: skip
+
+
+def fitted(cost: LinearCost, spec: WorkerSpec, info: WorkerInfo) -> Preset:
+    return Preset(cost, spec, info.model, info.kv_dtype, shared_host=True)
