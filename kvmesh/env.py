@@ -127,3 +127,12 @@ def take_etcd_password() -> str | None:
     """The password of --etcd-user, removed from the environment (child processes have no use
     for it)."""
     return os.environ.pop(ETCD_PASSWORD_ENV, None) or None
+
+
+TLS_ENV = ("KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_TLS_CA")  # defaults of --tls-cert/key/ca
+
+
+def tls_paths() -> tuple[str | None, str | None, str | None]:
+    """(cert, key, ca) from the environment: the --tls-* defaults, and what a container's health
+    check (kvmesh.deploy.probe) dials its service with."""
+    return tuple(os.environ.get(name) or None for name in TLS_ENV)  # type: ignore[return-value]

@@ -7,7 +7,9 @@ context (per_row' = per_row + per_token); TTFT = a + per_token * n + per_pair * 
 a = base + 4 hops (gateway -> decode -> prefill -> decode -> gateway). KV transfer time is
 folded into per_token (one loopback host). The workers share this machine's CPUs: a decode
 step beside a prefill step (and back) is slower, by factors timed with streams and prompts side
-by side (`shared_slowdown`). `check` sends a small agent workload to the mesh
+by side (`shared_slowdown`), and the last token's lateness (`finish_s`: every chunk but the
+last goes on the delivery stream right after its step, the last one on the Generate call,
+through the worker's event loop). `check` sends a small agent workload to the mesh
 and to the simulator with the fitted model and the mesh's own pool size.
 """
 
@@ -26,6 +28,7 @@ import numpy as np
 from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
 from kvmesh.mesh.worker_info import WorkerInfo
 from kvmesh.sim.cost import LinearCost
+from kvmesh.sim.gateway import Record
 from kvmesh.sim.mesh_run import MeshClient
 from kvmesh.sim.presets import Preset, WorkerSpec
 
@@ -72,6 +75,7 @@ class Probes:
     decode: list[tuple[int, int, float]]  # (streams, prompt tokens, TPOT s)
     decode_beside_prefill: float  # TPOT of CONTENDED streams while BESIDE[0] prompts compute
     prefill_beside_decode: float  # TTFT of BESIDE[1]-token prompts while such streams decode
+    finish_s: float = 0.0  # how much later than a step the last token arrives
 
 
 async def probe(address: str, vocab: int, reps: int = 2, seed: int = 1) -> Probes:
@@ -86,14 +90,25 @@ async def probe(address: str, vocab: int, reps: int = 2, seed: int = 1) -> Probe
         for n in PREFILL_LENGTHS * reps:
             record, _ = await client.generate(fresh(n), 1)
             prefill.append((n, record.ttft_s))
-        decode = []
+        decode, finish = [], []
         for batch in DECODE_BATCHES:
             for length in DECODE_LENGTHS:
                 runs = await asyncio.gather(*(client.generate(fresh(length), DECODE_TOKENS)
                                               for _ in range(batch)))  # fmt: skip
-                decode.append((batch, length, statistics.median(r.tpot_s for r, _ in runs)))
+                decode.append((batch, length, statistics.median(_steady(r) for r, _ in runs)))
+                finish += [_last_gap(r) - _steady(r) for r, _ in runs]
         beside_prefill, beside_decode = await _contended(client, fresh)
-    return Probes(prefill, decode, beside_prefill, beside_decode)
+    return Probes(prefill, decode, beside_prefill, beside_decode, statistics.median(finish))
+
+
+def _steady(record: Record) -> float:
+    """Time per token up to the last one (which takes the slower path: `finish_s`)."""
+    times = record.token_times
+    return (times[-2] - times[0]) / (len(times) - 2)
+
+
+def _last_gap(record: Record) -> float:
+    return record.token_times[-1] - record.token_times[-2]
 
 
 async def _contended(client: MeshClient, fresh) -> tuple[float, float]:
@@ -115,7 +130,7 @@ async def _beside(client: MeshClient, fresh, prompt: int) -> tuple[float, float]
     while not all(run.done() for run in runs):
         record, _ = await client.generate(fresh(prompt), 1)
         ttfts.append(record.ttft_s)
-    return statistics.median([(await run)[0].tpot_s for run in runs]), statistics.median(ttfts)
+    return statistics.median([_steady((await run)[0]) for run in runs]), statistics.median(ttfts)
 
 
 def fit(probes: Probes, source: str) -> LinearCost:
@@ -135,6 +150,7 @@ def fit(probes: Probes, source: str) -> LinearCost:
     return LinearCost(
         name="fitted", base_s=base, per_token_s=token, per_row_s=row, per_context_s=context,
         per_pair_s=pair, transfer_page_s=0.0, rpc_s=max(0.0, (float(a) - base) / 4),
+        finish_s=max(0.0, probes.finish_s),
         decode_slowdown=max(0.0, probes.decode_beside_prefill / alone_step - 1),
         prefill_slowdown=max(0.0, (probes.prefill_beside_decode - float(a) + base)
                              / alone_prompt - 1),

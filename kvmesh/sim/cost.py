@@ -42,6 +42,7 @@ class StepShape:
 class CostModel(Protocol):
     name: str
     rpc_s: float  # one hop between services (gateway -> decode -> prefill and back)
+    finish_s: float  # the last token's extra time to the gateway
 
     def step_s(self, shape: StepShape) -> float: ...
 
@@ -72,6 +73,7 @@ class LinearCost:
     # another worker of the host is in a step (decode's steps under prefill, and back).
     decode_slowdown: float = 0.0
     prefill_slowdown: float = 0.0
+    finish_s: float = 0.0  # the last token's extra way to the gateway (beyond rpc_s)
     source: str = ""  # how the figures were obtained (command, date, machine)
 
     def shared_slowdown(self, role: str) -> float:
@@ -130,6 +132,8 @@ class RooflineCost:
     @property
     def name(self) -> str:
         return f"{self.hardware.name}x{self.hardware.gpus}-{self.model.name}"
+
+    finish_s = 0.0
 
     @property
     def rpc_s(self) -> float:

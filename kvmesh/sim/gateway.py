@@ -85,6 +85,11 @@ class SimGateway:
         prompt, reply = session.prompt(), session.replies[session.turn]
         record = Record(session.session_id, session.turn + 1, self.clock.now, len(prompt))
         self.records.append(record)
+        refused = self._refused(len(prompt), len(reply))
+        if refused:  # what the worker would answer (ContextLengthError / CapacityError)
+            record.error = refused
+            done(None)
+            return
         key = self._key(session.session_id, prompt)
         pin = self.pins.get(session.affinity_id or "")
         try:
@@ -104,6 +109,14 @@ class SimGateway:
                          self.workers[prefill.worker_id] if prefill else None, done, holds,
                          prefilling, session.affinity_id)  # fmt: skip
         self.clock.after(self.rpc_s, self._at_decode, flight)
+
+    def _refused(self, prompt: int, reply: int) -> str:
+        spec = self.preset.worker
+        if prompt + 1 > spec.max_model_len:
+            return f"context length: {prompt} prompt tokens, max_model_len {spec.max_model_len}"
+        if -(-(prompt + 1) // spec.page_size) > spec.kv_pages:
+            return f"capacity: {prompt} prompt tokens need more than {spec.kv_pages} pages"
+        return ""
 
     def _key(self, session_id: str, prompt: list[int]) -> PromptKey:
         """The prompt's key, its page hashes extended from the session's previous prompt (a
@@ -186,7 +199,8 @@ class SimGateway:
     def _listener(self, f: _Flight):
         def on_token(seq: Sequence, token: int, ends: bool) -> None:
             cached = seq.num_cached_tokens
-            self.clock.after(self.rpc_s, self._arrive, f, token, ends, cached)
+            late = self.preset.cost.finish_s if ends else 0.0
+            self.clock.after(self.rpc_s + late, self._arrive, f, token, ends, cached)
 
         return on_token
 

@@ -172,7 +172,7 @@ def test_the_roofline_preset_is_memory_bound_in_decode_and_compute_bound_in_pref
 def test_fit_recovers_a_known_cost_model():
     truth = LinearCost("t", base_s=0.02, per_token_s=0.003, per_row_s=0.001, per_context_s=2e-6,
                        per_pair_s=1e-6, transfer_page_s=0.0, rpc_s=0.01, decode_slowdown=1.2,
-                       prefill_slowdown=0.5)  # fmt: skip
+                       prefill_slowdown=0.5, finish_s=0.03)  # fmt: skip
     ttft = lambda n: 4 * truth.rpc_s + truth.step_s(StepShape(n, 0, 0, n, n * n / 2))  # noqa: E731
     tpot = lambda b, n: truth.step_s(StepShape(b, b, b * (n + DECODE_TOKENS / 2), 0, 0))  # noqa: E731
     streams, length, tokens = CONTENDED
@@ -183,10 +183,11 @@ def test_fit_recovers_a_known_cost_model():
         tpot(streams, length + tokens / 2 - DECODE_TOKENS / 2) * (1 + truth.decode_slowdown),
         4 * truth.rpc_s + truth.step_s(StepShape(beside, 0, 0, beside, beside * beside / 2))
         * (1 + truth.prefill_slowdown),
+        truth.finish_s,
     )  # fmt: skip
     got = fit(probes, "synthetic")
     for name in ("base_s", "per_token_s", "per_row_s", "per_context_s", "per_pair_s", "rpc_s",
-                 "decode_slowdown", "prefill_slowdown"):  # fmt: skip
+                 "decode_slowdown", "prefill_slowdown", "finish_s"):  # fmt: skip
         assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-3, abs=1e-9), name
 
 
@@ -217,3 +218,13 @@ def _page_hashes(tokens: list[int]) -> list[int]:
     hashes: list[int] = []
     BlockHasher.salted(PRESET.model, SPEC.page_size, PRESET.kv_dtype).extend(tokens, hashes)
     return hashes
+
+
+def test_a_prompt_too_long_is_an_error_record_not_a_crash():
+    short = replace(PRESET, worker=replace(SPEC, max_model_len=300))
+    sessions = AgentWorkload(sessions=2, turns=3, system_tokens=200, message_tokens=40,
+                             reply_tokens=8).build()  # fmt: skip
+    run = simulate(Fleet(1, 1), short, sessions)
+    assert [r.turn for r in run.records if not r.error] == [1, 1, 2, 2]
+    failed = [r for r in run.records if r.error]
+    assert len(failed) == 2 and all("max_model_len 300" in r.error for r in failed)
