@@ -21,22 +21,25 @@ import os
 import random
 import statistics
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+import grpc
 import numpy as np
 
 from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
 from kvmesh.mesh.worker_info import WorkerInfo
+from kvmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.sim.cost import LinearCost
 from kvmesh.sim.gateway import Record
-from kvmesh.sim.mesh_run import MeshClient
+from kvmesh.sim.mesh_run import MeshClient, run_sessions
 from kvmesh.sim.presets import Preset, WorkerSpec
 
 PREFILL_LENGTHS = (32, 96, 256, 512, 1024)
 DECODE_BATCHES = (1, 4, 8)
 DECODE_LENGTHS = (64, 512)
 DECODE_TOKENS = 32
-CONTENDED = (4, 64, 48)  # streams, their prompt and output tokens
+SUFFIX = 8  # a batch's streams share a cached prefix: each has this many tokens of its own
+CONTENDED = (4, 64, 48)  # streams, their shared prefix and output tokens
 BESIDE = (512, 96)  # prompts computed beside them: long ones (decode's slowdown), short ones
 MAX_NUM_BATCHED_TOKENS = 1024  # the engine's default (EngineConfig)
 
@@ -47,11 +50,10 @@ class MeshSetup:
     kv_cache_mib: int = 128
     max_num_seqs: int = 16
     routing: str = "cache-aware"
-    vocab: int = 30000
 
-    def options(self) -> UpOptions:
+    def options(self, decode: int = 1) -> UpOptions:
         return UpOptions(
-            model=self.model, prefill=1, decode=1,
+            model=self.model, prefill=1, decode=decode,
             worker_args=("--kv-cache-mib", str(self.kv_cache_mib), "--max-num-seqs",
                          str(self.max_num_seqs), "--local-prefill-tokens", "0"),
             gateway_args=("--routing", self.routing),
@@ -59,9 +61,9 @@ class MeshSetup:
 
 
 @contextlib.contextmanager
-def mesh_for(setup: MeshSetup) -> Iterator[Mesh]:
+def mesh_for(setup: MeshSetup, decode: int = 1) -> Iterator[Mesh]:
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    mesh = Mesh(setup.options())
+    mesh = Mesh(setup.options(decode))
     try:
         mesh.start()
         yield mesh
@@ -78,9 +80,16 @@ class Probes:
     finish_s: float = 0.0  # how much later than a step the last token arrives
 
 
+async def model_info(address: str) -> gateway_pb2.GetModelInfoResponse:
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        return await stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=30)
+
+
 async def probe(address: str, vocab: int, reps: int = 2, seed: int = 1) -> Probes:
-    """Prompts of fresh random tokens (nothing cached), one at a time, then batches, then
-    streams and prompts side by side."""
+    """Prompts of fresh random tokens (nothing cached), one at a time; then streams in batches
+    (a shared, cached prefix and SUFFIX tokens of their own: they start together); then streams
+    and prompts side by side."""
     rng = random.Random(seed)
     fresh = lambda n: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
     async with MeshClient(address) as client:
@@ -93,12 +102,22 @@ async def probe(address: str, vocab: int, reps: int = 2, seed: int = 1) -> Probe
         decode, finish = [], []
         for batch in DECODE_BATCHES:
             for length in DECODE_LENGTHS:
-                runs = await asyncio.gather(*(client.generate(fresh(length), DECODE_TOKENS)
-                                              for _ in range(batch)))  # fmt: skip
+                runs = await asyncio.gather(*await _streams(client, fresh, batch, length,
+                                                            DECODE_TOKENS))  # fmt: skip
                 decode.append((batch, length, statistics.median(_steady(r) for r, _ in runs)))
                 finish += [_last_gap(r) - _steady(r) for r, _ in runs]
         beside_prefill, beside_decode = await _contended(client, fresh)
     return Probes(prefill, decode, beside_prefill, beside_decode, statistics.median(finish))
+
+
+async def _streams(client: MeshClient, fresh, batch: int, length: int, tokens: int,
+                   started: list[asyncio.Event] | None = None) -> list:  # fmt: skip
+    """`batch` stream calls (not awaited) whose prompts share a `length`-token prefix, computed
+    once first: each then has only SUFFIX tokens to prefill."""
+    prefix = fresh(length)
+    await client.generate([*prefix, *fresh(SUFFIX)], 1)
+    events = started or [None] * batch
+    return [client.generate([*prefix, *fresh(SUFFIX)], tokens, first=event) for event in events]
 
 
 def _steady(record: Record) -> float:
@@ -122,8 +141,8 @@ async def _contended(client: MeshClient, fresh) -> tuple[float, float]:
 async def _beside(client: MeshClient, fresh, prompt: int) -> tuple[float, float]:
     streams, length, tokens = CONTENDED
     started = [asyncio.Event() for _ in range(streams)]
-    runs = [asyncio.ensure_future(client.generate(fresh(length), tokens, first=event))
-            for event in started]  # fmt: skip
+    calls = await _streams(client, fresh, streams, length, tokens, started)
+    runs = [asyncio.ensure_future(call) for call in calls]
     for event in started:
         await event.wait()
     ttfts = []
@@ -134,27 +153,31 @@ async def _beside(client: MeshClient, fresh, prompt: int) -> tuple[float, float]
 
 
 def fit(probes: Probes, source: str) -> LinearCost:
-    d = np.array([[1.0, b, b * (n + DECODE_TOKENS / 2)] for b, n, _ in probes.decode])
+    d = np.array([[1.0, b, b * (n + SUFFIX + DECODE_TOKENS / 2)] for b, n, _ in probes.decode])
     base, row, context = np.linalg.lstsq(d, np.array([t for *_, t in probes.decode]), None)[0]
     # relative errors: short prompts (most of an agent's turns) fit as well as long ones
     weight = np.array([1 / t for _, t in probes.prefill])
     p = np.array([[1.0, n, n * n / 2] for n, _ in probes.prefill]) * weight[:, None]
     a, token, pair = np.linalg.lstsq(p, np.array([t for _, t in probes.prefill]) * weight,
                                      None)[0]  # fmt: skip
-    base, token, pair, context = (max(0.0, float(v)) for v in (base, token, pair, context))
-    row = max(0.0, float(row) - token)
+    base, row, token, pair, context = (max(0.0, float(v)) for v in (base, row, token, pair,
+                                                                      context))  # fmt: skip
+    finish = max(0.0, probes.finish_s)
+    rpc = max(0.0, (float(a) - base - finish) / 4)  # a 1-token reply's token is its last
     streams, length, tokens = CONTENDED
-    alone_step = base + (token + row) * streams + context * streams * (length + tokens / 2)
+    alone_step = base + row * streams + context * streams * (length + SUFFIX + tokens / 2)
+    decode_slowdown = max(0.0, probes.decode_beside_prefill / alone_step - 1)
     prompt = BESIDE[1]
     alone_prompt = base + token * prompt + pair * prompt * prompt / 2
+    # beside decoding streams, a prompt also waits for the decode engine twice (the reserve
+    # and the commit, each half a step on average): the simulator models those waits itself
+    waits = alone_step * (1 + decode_slowdown)
+    stepped = probes.prefill_beside_decode - 4 * rpc - finish - waits
     return LinearCost(
         name="fitted", base_s=base, per_token_s=token, per_row_s=row, per_context_s=context,
-        per_pair_s=pair, transfer_page_s=0.0, rpc_s=max(0.0, (float(a) - base) / 4),
-        finish_s=max(0.0, probes.finish_s),
-        decode_slowdown=max(0.0, probes.decode_beside_prefill / alone_step - 1),
-        prefill_slowdown=max(0.0, (probes.prefill_beside_decode - float(a) + base)
-                             / alone_prompt - 1),
-        source=source,
+        per_pair_s=pair, transfer_page_s=0.0, rpc_s=rpc, finish_s=finish,
+        decode_slowdown=decode_slowdown,
+        prefill_slowdown=max(0.0, stepped / alone_prompt - 1), source=source,
     )  # fmt: skip
 
 
@@ -167,15 +190,31 @@ async def worker_spec(mesh: Mesh, setup: MeshSetup) -> tuple[WorkerSpec, WorkerI
     decode = next(w for w in workers if w.role == "decode")
     async with channel(decode.grpc_address) as ch:
         loads = await decode_pb2_grpc.DecodeStub(ch).GetLoads(decode_pb2.GetLoadsRequest())
+    info = await model_info(f"127.0.0.1:{mesh.grpc_port}")
     spec = WorkerSpec(loads.loads[0].kv_pages_total, decode.page_size, setup.max_num_seqs,
-                      MAX_NUM_BATCHED_TOKENS, decode.extra.get("max_model_len", 8192))  # fmt: skip
+                      MAX_NUM_BATCHED_TOKENS, info.max_model_len)  # fmt: skip
     return spec, decode
 
 
-def preset_json(cost: LinearCost, spec: WorkerSpec, info: WorkerInfo) -> dict:
-    return {"kind": "linear", **asdict(cost), "worker": asdict(spec),
-            "mesh": {"model": info.model, "kv_dtype": info.kv_dtype}}  # fmt: skip
+def preset_json(preset: Preset) -> dict:
+    """What `load_preset(FILE)` reads back."""
+    return {"kind": "linear", **asdict(preset.cost), "worker": asdict(preset.worker),
+            "mesh": {"model": preset.model, "kv_dtype": preset.kv_dtype}}  # fmt: skip
 
 
 def fitted(cost: LinearCost, spec: WorkerSpec, info: WorkerInfo) -> Preset:
     return Preset(cost, spec, info.model, info.kv_dtype, shared_host=True)
+
+
+async def calibrate_on(mesh: Mesh, setup: MeshSetup, source: str) -> Preset:
+    """Probe the running mesh, fit, then tune the slowdowns on an agent workload run on it
+    (tune.py): its fitted preset (cost, the decode worker's pool)."""
+    from kvmesh.sim.tune import TUNE_WORKLOAD, tune
+
+    address = f"127.0.0.1:{mesh.grpc_port}"
+    info = await model_info(address)
+    probes = await probe(address, info.vocab_size)
+    spec, worker = await worker_spec(mesh, setup)
+    workload = replace(TUNE_WORKLOAD, vocab=info.vocab_size)
+    measured = await run_sessions(address, workload.build())
+    return tune(fitted(fit(probes, source), spec, worker), workload, measured)

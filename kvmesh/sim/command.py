@@ -8,6 +8,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from kvmesh.errors import InvalidRequestError
 from kvmesh.mesh.routings import ROUTINGS
 from kvmesh.sim.fleet import Fleet, simulate
 from kvmesh.sim.presets import Preset, load_preset, preset_names
@@ -64,6 +65,8 @@ def _common(p: argparse.ArgumentParser, preset: str = "h100-kimi-k2", sessions: 
     )
     p.add_argument("--kv-pages", type=int, default=None, help="pages per worker (default: preset)")
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--local-prefill-tokens", type=int, default=None,
+                   help="decode workers compute prompts up to this long themselves (default 0)")  # fmt: skip
     p.add_argument("--workload", default="agent", choices=["agent", "chat", "burst"])
     p.add_argument("--sessions", type=int, default=sessions, help="agent sessions")
     p.add_argument("--turns", type=int, default=turns)
@@ -92,7 +95,10 @@ def _workload(args: argparse.Namespace, scale: float = 1.0):
 
 
 def _preset(args: argparse.Namespace) -> Preset:
-    return load_preset(args.preset, args.kv_pages, args.max_num_seqs)
+    for routing in getattr(args, "routing", "").split(","):
+        if routing and routing not in ROUTINGS:
+            raise InvalidRequestError(f"--routing: {routing!r} is not one of {', '.join(ROUTINGS)}")
+    return load_preset(args.preset, args.kv_pages, args.max_num_seqs, args.local_prefill_tokens)
 
 
 def _side_by_side(fleets: list[Fleet], preset: Preset, workload) -> list[tuple[Summary, float]]:
@@ -134,6 +140,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _claims(args: argparse.Namespace) -> int:
     """The seeds' two fleet claims, on one workload at peak load."""
+    if args.workers < 2:
+        raise InvalidRequestError("--workers: at least 2 (colocated N vs N/2 prefill + N/2 decode)")
     preset, workload, n = _preset(args), _workload(args), args.workers
     fleets = [
         Fleet(0, n, "round-robin"),
@@ -176,17 +184,16 @@ def _sweep(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvmesh.sim.calibrate import MeshSetup, fit, mesh_for, preset_json, probe, worker_spec
+    from kvmesh.sim.calibrate import MeshSetup, calibrate_on, mesh_for, preset_json
     from kvmesh.sim.check import machine
 
     setup = MeshSetup(model=args.model, kv_cache_mib=args.kv_cache_mib)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with mesh_for(setup) as mesh:
-        probes = asyncio.run(probe(f"127.0.0.1:{mesh.grpc_port}", setup.vocab))
-        spec, info = asyncio.run(worker_spec(mesh, setup))
-    cost = fit(probes, f"kvmesh sim calibrate, {started}, {machine()}")
-    Path(args.output).write_text(json.dumps(preset_json(cost, spec, info), indent=1) + "\n")
-    print(json.dumps(asdict(cost), indent=1))
+        source = f"kvmesh sim calibrate, {started}, {machine()}"
+        preset = asyncio.run(calibrate_on(mesh, setup, source))
+    Path(args.output).write_text(json.dumps(preset_json(preset), indent=1) + "\n")
+    print(json.dumps(asdict(preset.cost), indent=1))
     return 0
 
 
@@ -205,6 +212,9 @@ def _check(args: argparse.Namespace) -> int:
         f"hit ratio {result['hit_ratio_points']:.1f} points apart, TTFT {result['ttft_rel']:.0%}, "
         f"TPOT {result['tpot_rel']:.0%}"
     )
+    real, sim = result["mesh_routing"], result["sim_routing"]
+    print(f"1 prefill + 2 decode: hit ratio mesh {real['hit_ratio']:.1%}, sim {sim['hit_ratio']:.1%} "
+          f"({result['routing_hit_ratio_points']:.1f} points apart)")  # fmt: skip
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -18,10 +18,14 @@ class StepShape:
     """What a step computes: decode rows (one new token each) and prefill chunks."""
 
     tokens: int  # tokens computed (every row)
-    decode_rows: int
+    decode_rows: int  # rows of one token: a decode each
     decode_context: int  # sum over decode rows of the KV tokens each attends to
     prefill_context: int  # sum over prefill chunks of the KV tokens each chunk reads
     prefill_pairs: float  # sum over prefill chunks of (query, key) pairs its attention computes
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.tokens - self.decode_rows
 
     @classmethod
     def of(cls, output: SchedulerOutput) -> StepShape:
@@ -58,8 +62,9 @@ class CostModel(Protocol):
 
 @dataclass(frozen=True)
 class LinearCost:
-    """step = base + per_token * tokens + per_row * decode rows + per_context * decode context
-    + per_pair * prefill attention pairs; KV transfer per page; a fixed time per service hop."""
+    """step = base + per_token * prompt tokens + per_row * decode rows + per_context * decode
+    context + per_pair * prefill attention pairs; KV transfer per page; a fixed time per
+    service hop."""
 
     name: str
     base_s: float
@@ -80,7 +85,8 @@ class LinearCost:
         return self.decode_slowdown if role == "decode" else self.prefill_slowdown
 
     def step_s(self, shape: StepShape) -> float:
-        return (self.base_s + self.per_token_s * shape.tokens + self.per_row_s * shape.decode_rows
+        return (self.base_s + self.per_token_s * shape.prefill_tokens
+                + self.per_row_s * shape.decode_rows
                 + self.per_context_s * shape.decode_context
                 + self.per_pair_s * shape.prefill_pairs)  # fmt: skip
 
@@ -114,14 +120,20 @@ class ModelShape:
     expert_params: float  # one routed expert over all its layers
     experts: int  # routed experts per MoE layer
     experts_per_token: int
-    weight_bytes: float  # per parameter (INT4 with group scales: ~0.53)
+    expert_weight_bytes: float  # per routed-expert parameter (INT4 with group scales: ~0.53)
+    dense_weight_bytes: float  # per other parameter (attention, shared experts: BF16 = 2)
     kv_bytes_per_token: float  # all layers
-    attn_flops_per_pair: float  # all layers, all heads
+    attn_flops_per_pair: float  # all layers, all heads: QK and PV of one (query, key) pair
 
     @property
     def always_read_params(self) -> float:
         """Parameters every step reads (attention, shared experts, embeddings, dense layers)."""
         return self.active_params - self.experts_per_token * self.expert_params
+
+    @property
+    def weight_bytes(self) -> float:
+        routed = self.total_params - self.always_read_params
+        return self.always_read_params * self.dense_weight_bytes + routed * self.expert_weight_bytes
 
 
 @dataclass(frozen=True)
@@ -139,17 +151,23 @@ class RooflineCost:
     def rpc_s(self) -> float:
         return self.hardware.rpc_s
 
-    def step_s(self, shape: StepShape) -> float:
+    def bounds(self, shape: StepShape) -> tuple[float, float]:
+        """(compute time, memory time) of a step: the FLOPs of the active parameters and of
+        attention; the bytes of the weights read (the routed experts the step's tokens touch:
+        E * (1 - (1 - k/E)^tokens)) and of the KV read."""
         hw, m = self.hardware, self.model
         compute = 2 * m.active_params * shape.tokens + m.attn_flops_per_pair * (
             shape.prefill_pairs + shape.decode_context
         )
         touched = m.experts * (1 - (1 - m.experts_per_token / m.experts) ** shape.tokens)
-        weights = (m.always_read_params + touched * m.expert_params) * m.weight_bytes
+        weights = (m.always_read_params * m.dense_weight_bytes
+                   + touched * m.expert_params * m.expert_weight_bytes)  # fmt: skip
         kv = (shape.decode_context + shape.prefill_context) * m.kv_bytes_per_token
-        compute_s = compute / (hw.gpus * hw.flops * hw.mfu)
-        memory_s = (weights + kv) / (hw.gpus * hw.hbm_bytes_s * hw.mbu)
-        return max(compute_s, memory_s) + hw.step_overhead_s
+        return (compute / (hw.gpus * hw.flops * hw.mfu),
+                (weights + kv) / (hw.gpus * hw.hbm_bytes_s * hw.mbu))  # fmt: skip
+
+    def step_s(self, shape: StepShape) -> float:
+        return max(self.bounds(shape)) + self.hardware.step_overhead_s
 
     def shared_slowdown(self, role: str) -> float:
         return 0.0  # one worker a node
@@ -160,7 +178,7 @@ class RooflineCost:
     def kv_pages(self, page_size: int, activation_reserve: float = 0.1) -> int:
         """Pages of the worker's HBM left after the weights and a share for activations."""
         hw, m = self.hardware, self.model
-        free = hw.gpus * hw.hbm_bytes * (1 - activation_reserve) - m.total_params * m.weight_bytes
+        free = hw.gpus * hw.hbm_bytes * (1 - activation_reserve) - m.weight_bytes
         if free <= 0:
             raise ValueError(f"{m.name} does not fit {hw.gpus} x {hw.name}")
         return int(free // (page_size * m.kv_bytes_per_token))

@@ -162,19 +162,20 @@ class SimGateway:
         self.clock.after(self.rpc_s, self._at_prefill, f)
 
     def _at_prefill(self, f: _Flight) -> None:
-        """The prefill worker imports the prefix pages the decode worker holds (read over the
-        transfer engine), then computes the rest and samples the first token."""
+        """The prefill worker registers the prefix pages the decode worker holds beyond its own
+        (read over the transfer engine: the time of those pages), then computes the rest and
+        samples the first token."""
         prefill = f.prefill
         params = SamplingParams(max_tokens=1, ignore_eos=True)
         seq = self._sequence(f.seq.seq_id + ":p", f, params, keep_pages=True)
-        page_size = prefill.spec.page_size
-        if f.skip_pages:
-            prefill.call(
-                lambda: prefill.import_prefix(seq.seq_id, f.prompt, seq.block_hashes, f.skip_pages)
-            )
-        read_s = self.preset.cost.transfer_s(f.skip_pages, page_size)
         add = lambda: prefill.add(seq, f.reply, lambda s, t, e: self._prefilled(f, s, t))  # noqa: E731
-        self.clock.after(read_s, prefill.call, add)
+
+        def read_then_add() -> None:
+            read = prefill.import_prefix(seq.seq_id, f.prompt, seq.block_hashes, f.skip_pages)
+            read_s = self.preset.cost.transfer_s(read, prefill.spec.page_size)
+            self.clock.after(read_s, prefill.call, add)
+
+        prefill.call(read_then_add if f.skip_pages else add)
 
     def _prefilled(self, f: _Flight, seq: Sequence, token: int) -> None:
         """The prompt's first token: the worker asks its engine for the pages (`pages_of`, an

@@ -74,9 +74,10 @@ class SimWorker:
         self.pool.take_stamps()
         return len(prefix.page_ids)
 
-    def import_prefix(self, seq_id: str, tokens: list[int], hashes: list[int], pages: int) -> None:
+    def import_prefix(self, seq_id: str, tokens: list[int], hashes: list[int], pages: int) -> int:
         """Register the first `pages` pages of `tokens` in this pool, as a prefill worker does
-        with the pages it reads from the decode worker (plan_import); skipped when full."""
+        with the pages it reads from the decode worker (plan_import); skipped when full.
+        Returns the pages read (those it did not hold already)."""
         page_size = self.spec.page_size
         # one token past the pages: match_prefix leaves a token to compute
         probe = Sequence(f"{seq_id}:import", tokens[: pages * page_size + 1], SamplingParams(),
@@ -84,12 +85,13 @@ class SimWorker:
         have = self.pool.match_prefix(probe)
         need = pages * page_size - have.num_tokens
         if need <= 0 or not self.pool.allocate(probe, need, have):
-            return
+            return 0
         probe.num_computed_tokens = pages * page_size
         self.pool.cache_full_pages(probe, probe.num_computed_tokens)
         self.pool.free(probe)
         self.pool.take_stamps()
         self._publish()
+        return need // page_size
 
     def release(self, seq_id: str) -> None:
         self.scheduler.release(seq_id)

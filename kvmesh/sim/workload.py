@@ -2,7 +2,7 @@
 
 Every workload is a set of sessions, each a closed loop of turns: a turn's prompt is the
 session's history (shared system prompt, then its messages and the replies so far) plus a new
-message; the next turn is sent `think_s` after the reply ended. Chat is sessions of one turn;
+message; the next turn is sent a pause (`think_s` on average) after the reply ended. Chat is sessions of one turn;
 bursts are chat whose arrivals come in waves. Replies in the simulator are the tokens drawn here;
 on a live mesh they are what the model generated (greedy, EOS ignored), so the next prompt holds
 the model's own output as an agent's history does.
@@ -21,7 +21,7 @@ class Session:
     system: list[int]
     messages: list[list[int]]  # one per turn
     replies: list[list[int]]  # the simulator's reply per turn (max_tokens long)
-    think_s: float
+    thinks: list[float]  # the pause after each turn's reply (an agent's tool time)
     affinity: bool
     history: list[int] = field(default_factory=list)
     turn: int = 0
@@ -39,6 +39,11 @@ class Session:
         return self.turn < len(self.messages)
 
     @property
+    def think_s(self) -> float:
+        """The pause before the next turn (after `replied`)."""
+        return self.thinks[self.turn - 1]
+
+    @property
     def affinity_id(self) -> str | None:
         return self.session_id if self.affinity else None
 
@@ -53,7 +58,7 @@ class AgentWorkload:
     systems: int = 1
     message_tokens: int = 200  # a tool result or user message: uniform in [0.5x, 1.5x]
     reply_tokens: int = 32
-    think_s: float = 1.0
+    think_s: float = 1.0  # mean pause between turns: uniform in [0.5x, 1.5x]
     start_s: float = 10.0  # sessions start uniformly over this window
     affinity: bool = True  # send x-session-affinity
     vocab: int = 32000
@@ -61,16 +66,18 @@ class AgentWorkload:
 
     def build(self) -> list[Session]:
         rng = random.Random(self.seed)
+        timing = random.Random(self.seed + 1_000_003)  # times do not depend on the vocabulary
         tokens = lambda n: [rng.randrange(16, self.vocab) for _ in range(n)]  # noqa: E731
         systems = [tokens(self.system_tokens) for _ in range(self.systems)]
         out = []
         for i in range(self.sessions):
             lengths = [rng.randint(self.message_tokens // 2, self.message_tokens * 3 // 2)
                        for _ in range(self.turns)]  # fmt: skip
+            thinks = [timing.uniform(0.5, 1.5) * self.think_s for _ in lengths]
             out.append(Session(
-                f"s{self.seed}-{i}", rng.uniform(0, self.start_s), systems[i % self.systems],
+                f"s{self.seed}-{i}", timing.uniform(0, self.start_s), systems[i % self.systems],
                 [tokens(n) for n in lengths], [tokens(self.reply_tokens) for _ in lengths],
-                self.think_s, self.affinity,
+                thinks, self.affinity,
             ))  # fmt: skip
         return sorted(out, key=lambda s: s.start_s)
 
@@ -105,4 +112,4 @@ class ChatWorkload:
                 return out
             n = rng.randint(self.prompt_tokens // 2, self.prompt_tokens * 3 // 2)
             out.append(Session(f"c{self.seed}-{len(out)}", start, rng.choice(prefixes), [tokens(n)],
-                               [tokens(self.reply_tokens)], 0.0, False))  # fmt: skip
+                               [tokens(self.reply_tokens)], [0.0], False))  # fmt: skip

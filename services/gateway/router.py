@@ -96,6 +96,9 @@ class AffinityPolicy:
         return Decision(pinned.info, "affinity")
 
 
+LOGGED_CANDIDATES = 16
+
+
 class RoundRobinPolicy:
     """Each worker of a role in turn, blind to load and cache (a baseline)."""
 
@@ -173,7 +176,12 @@ class Router:
             role=role,
             worker=decision.worker.worker_id,
             reason=decision.reason,
-            load=[(c.info.worker_id, c.load_tokens, c.cached_tokens) for c in candidates],
+            candidates=len(candidates),
+            # every candidate's (load, cached) on a small mesh; on a large one a line per
+            # request would grow with the fleet (kvmesh sim: 500 workers)
+            load=[(c.info.worker_id, c.load_tokens, c.cached_tokens) for c in candidates]
+            if len(candidates) <= LOGGED_CANDIDATES
+            else None,
         )
         return decision
 

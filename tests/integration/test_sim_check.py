@@ -1,7 +1,7 @@
 """`kvmesh sim` against a real mesh on this machine: the same small agent workload through a
 1 prefill + 1 decode mesh and through the simulator with a cost model fitted to that mesh
-(and its pool size). The issue's bounds: hit ratio within 5 points, TTFT and TPOT p50 within
-30 %."""
+(and its pool size), then another through 1 prefill + 2 decode workers (the router chooses).
+The issue's bounds: hit ratio within 5 points, TTFT and TPOT p50 within 30 %."""
 
 from __future__ import annotations
 
@@ -21,3 +21,9 @@ def test_the_simulator_reproduces_a_mesh_run(tmp_path):
     assert result["hit_ratio_points"] <= 5, summary
     assert result["ttft_rel"] <= 0.30, summary
     assert result["tpot_rel"] <= 0.30, summary
+    # 1 prefill + 2 decode workers: the router chooses, the same way in both
+    real, sim = result["mesh_routing"], result["sim_routing"]
+    assert real["errors"] == 0 and sim["errors"] == 0 and real["hit_ratio"] > 0.5, summary
+    assert result["routing_hit_ratio_points"] <= 5, json.dumps({"mesh": real, "sim": sim})
+    used = {row[-1] for row in result["records"]["mesh_routing"]}
+    assert len(used) == 2, used  # both decode workers served
