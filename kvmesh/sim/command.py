@@ -205,8 +205,8 @@ def _check(args: argparse.Namespace) -> int:
     for side in ("mesh", "sim"):
         f = result[side]
         print(
-            f"{side}: hit ratio {f['hit_ratio']:.1%}, TTFT p50 {f['ttft_p50_s'] * 1000:,.0f} ms, "
-            f"TPOT p50 {f['tpot_p50_s'] * 1000:,.1f} ms ({f['requests']} requests)"
+            f"{side}: hit ratio {f['hit_ratio']:.1%}, mean TTFT {f['ttft_mean_s'] * 1000:,.0f} ms, "
+            f"mean TPOT {f['tpot_mean_s'] * 1000:,.1f} ms ({f['requests']} requests)"
         )
     print(
         f"hit ratio {result['hit_ratio_points']:.1f} points apart, TTFT {result['ttft_rel']:.0%}, "

@@ -79,13 +79,15 @@ class LinearCost:
     decode_slowdown: float = 0.0
     prefill_slowdown: float = 0.0
     finish_s: float = 0.0  # the last token's extra way to the gateway (beyond rpc_s)
+    decode_scale: float = 1.0  # pure decode steps in a workload vs in the probes (tune.py)
     source: str = ""  # how the figures were obtained (command, date, machine)
 
     def shared_slowdown(self, role: str) -> float:
         return self.decode_slowdown if role == "decode" else self.prefill_slowdown
 
     def step_s(self, shape: StepShape) -> float:
-        return (self.base_s + self.per_token_s * shape.prefill_tokens
+        scale = self.decode_scale if shape.prefill_tokens == 0 else 1.0
+        return scale * (self.base_s + self.per_token_s * shape.prefill_tokens
                 + self.per_row_s * shape.decode_rows
                 + self.per_context_s * shape.decode_context
                 + self.per_pair_s * shape.prefill_pairs)  # fmt: skip

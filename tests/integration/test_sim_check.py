@@ -1,7 +1,7 @@
 """`kvmesh sim` against a real mesh on this machine: the same small agent workload through a
 1 prefill + 1 decode mesh and through the simulator with a cost model fitted to that mesh
 (and its pool size), then another through 1 prefill + 2 decode workers (the router chooses).
-The issue's bounds: hit ratio within 5 points, TTFT and TPOT p50 within 30 %."""
+The issue's bounds: hit ratio within 5 points, TTFT and TPOT within 30 % (means)."""
 
 from __future__ import annotations
 

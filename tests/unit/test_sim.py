@@ -256,16 +256,16 @@ def test_a_prompt_too_long_is_an_error_record_not_a_crash():
 
 
 def test_tune_finds_the_slowdowns_that_reproduce_a_measured_run():
-    from kvmesh.sim.tune import p50s, tune
+    from kvmesh.sim.tune import means, tune
 
-    truth = replace(PRESET, cost=replace(COST, decode_slowdown=1.0, prefill_slowdown=0.6),
-                    shared_host=True)  # fmt: skip
+    truth = replace(PRESET, cost=replace(COST, decode_slowdown=1.0, prefill_slowdown=0.6,
+                                         decode_scale=1.5), shared_host=True)  # fmt: skip
     workload = AgentWorkload(sessions=4, turns=4, system_tokens=200, message_tokens=40,
                              reply_tokens=12, think_s=0.2, start_s=0.5)  # fmt: skip
     measured = simulate(Fleet(1, 1), truth, workload.build()).records
-    blind = replace(truth, cost=replace(COST, decode_slowdown=0.0, prefill_slowdown=0.0))
-    assert p50s(simulate(Fleet(1, 1), blind, workload.build()).records) != pytest.approx(
-        p50s(measured), rel=0.05)  # fmt: skip
+    blind = replace(truth, cost=replace(truth.cost, prefill_slowdown=0.0, decode_scale=1.0))
+    assert means(simulate(Fleet(1, 1), blind, workload.build()).records) != pytest.approx(
+        means(measured), rel=0.05)  # fmt: skip
     tuned = tune(blind, workload, measured)
-    got = p50s(simulate(Fleet(1, 1), tuned, workload.build()).records)
-    assert got == pytest.approx(p50s(measured), rel=0.03)
+    got = means(simulate(Fleet(1, 1), tuned, workload.build()).records)
+    assert got == pytest.approx(means(measured), rel=0.03)
