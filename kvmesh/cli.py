@@ -14,7 +14,7 @@ from typing import Any
 
 from kvmesh.cli_args import GATEWAY_FRONT, UP_LOCAL_PREFILL_TOKENS, build_parser
 from kvmesh.env import API_KEYS_ENV
-from kvmesh.errors import KvmeshError
+from kvmesh.errors import KvmeshError, LaunchError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -69,13 +69,15 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 _WORKER_FLAGS = ("dtype", "weights", "int4_group_size", "int4_embeddings", "kv_dtype",
-                 "kv_cache_bytes", "kv_integrity", "kv_integrity_action", "max_num_seqs",
-                 "protocol",
+                 "kv_cache_bytes", "kv_hugepages", "kv_integrity", "kv_integrity_action",
+                 "max_num_seqs",
+                 "protocol", "rdma_devices",
                  "local_prefill_tokens", "speculative", "num_speculative_tokens",
                  "speculative_policy", "decode_step", "draft", "draft_model",
                  "tensor_parallel_size", "enable_expert_parallel",
                  "pipeline_parallel_size", "max_queued_requests", "drain_timeout")  # fmt: skip
-_ON_OFF = ("kv_integrity", "int4_embeddings")  # on|off flags, booleans in WorkerOptions
+# on|off flags, booleans in WorkerOptions
+_ON_OFF = ("kv_integrity", "int4_embeddings", "kv_hugepages")
 
 
 def _worker_passthrough(args: argparse.Namespace) -> list[str]:
@@ -85,6 +87,8 @@ def _worker_passthrough(args: argparse.Namespace) -> list[str]:
         args.kv_dtype = "bf16"  # per-role precisions: one KV format both roles can exchange
     if args.local_prefill_tokens is None:  # per-role precisions: every prompt on the prefill's
         args.local_prefill_tokens = 0 if per_role else UP_LOCAL_PREFILL_TOKENS
+    if args.rdma_devices and args.protocol != "rdma":  # checked once, not by every worker
+        raise LaunchError(f"--rdma-devices {args.rdma_devices} needs --protocol rdma")
     flags: list[str] = []
     for name in _WORKER_FLAGS:
         flag = "--kv-cache-memory" if name == "kv_cache_bytes" else f"--{name.replace('_', '-')}"
@@ -171,7 +175,11 @@ def _serve(args: argparse.Namespace) -> int:
     tls.configure_from(args)
     etcd_access.configure_from(args)
     tracing.setup(args.service)
-    serve, options = _service(args)
+    try:
+        serve, options = _service(args)
+    except ValueError as exc:  # flags that do not go together: argparse's exit, no traceback
+        print(f"kvmesh serve {args.service}: error: {exc}", file=sys.stderr)
+        return 2
     _log_imports_done()
     return event_loop.run(serve(options)) or 0
 
@@ -205,6 +213,7 @@ def _service(args: argparse.Namespace) -> tuple[Callable[[Any], Any], Any]:
         cluster=args.cluster,
         worker_id=args.worker_id,
         host=args.host,
+        advertise_host=args.advertise_host,
         port=args.port,
         metrics_port=args.metrics_port,
         delivery_port=getattr(args, "delivery_port", 0),

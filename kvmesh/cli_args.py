@@ -105,12 +105,16 @@ def _kv_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _mesh_args(p: argparse.ArgumentParser) -> None:
-    from kvmesh.mesh import etcd_access, tls
+def _mesh_args(p: argparse.ArgumentParser, registers: bool = True) -> None:
+    """`registers`: the service puts its address in etcd (--advertise-host too)."""
+    from kvmesh.mesh import addresses, etcd_access, tls
 
     p.add_argument("--etcd", required=True, help="etcd endpoint host:port or https://host:port")
     p.add_argument("--cluster", default="default")
-    p.add_argument("--host", default="127.0.0.1")
+    if registers:
+        addresses.add_arguments(p)
+    else:
+        p.add_argument("--host", default="127.0.0.1")
     tls.add_arguments(p)
     etcd_access.add_arguments(p)
 
@@ -143,6 +147,9 @@ def _worker_args(p: argparse.ArgumentParser, local_prefill: int | None = 0) -> N
     _weights_arg(p)
     _kv_args(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-hugepages", default="off", choices=["on", "off"],
+                   help="the KV page pool on 2 MiB hugepages (reserved beforehand: sysctl "
+                   "vm.nr_hugepages, a pod's hugepages-2Mi); fewer pages for an RDMA NIC to map")  # fmt: skip
     p.add_argument(
         "--max-queued-requests", type=int, default=256,
         help="requests a worker holds at once (running, waiting, prefilling); past it a request "
@@ -152,9 +159,9 @@ def _worker_args(p: argparse.ArgumentParser, local_prefill: int | None = 0) -> N
         "--drain-timeout", type=float, default=30.0,
         help="on SIGTERM: seconds the requests in flight get to finish (the rest migrate)",
     )  # fmt: skip
-    p.add_argument(
-        "--protocol", default="tcp", choices=["tcp", "rdma"], help="transfer engine protocol"
-    )
+    from kvmesh.mesh import transfer  # no torch, no mooncake (imported at the first engine)
+
+    transfer.add_arguments(p)
     auto = f"; default {UP_LOCAL_PREFILL_TOKENS}, 0 with --prefill-weights / --decode-weights"
     p.add_argument(
         "--local-prefill-tokens",
@@ -297,7 +304,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     train.add_argument("--draft-vocab", type=int, default=4096)
     train.add_argument("--limit-prompts", type=int, default=0, help="0: all training prompts")
     gateway = serve_sub.add_parser("gateway")
-    _mesh_args(gateway)
+    _mesh_args(gateway, registers=False)
     gateway.add_argument("--model", default="smollm2-135m")
     gateway.add_argument("--http-port", type=int, default=8000)
     gateway.add_argument("--grpc-port", type=int, default=0)

@@ -137,6 +137,21 @@ class WorkerInfoError(DiscoveryError):
     code = "invalid_worker_info"
 
 
+class HugePagesError(KvmeshError):
+    """--kv-hugepages: too few 2 MiB hugepages free for the KV page pool (an operator's
+    setting: the worker stops at start with this message)."""
+
+    code = "hugepages_unavailable"
+    user_error = True
+
+    @classmethod
+    def short_of(cls, needed: int, cause: OSError) -> HugePagesError:
+        return cls(
+            f"the KV page pool needs {needed} free 2 MiB hugepages ({cause.strerror}): reserve "
+            "them (sysctl vm.nr_hugepages; a pod's hugepages-2Mi resource) or drop --kv-hugepages"
+        )
+
+
 class PortError(KvmeshError):
     code = "no_free_port"
 

@@ -1,7 +1,8 @@
 """The Kubernetes base (deploy/k8s/base) and the Mooncake Store component, rendered from the
 service table: one Deployment per service (the etcd StatefulSet aside), readiness from gRPC
 health (`grpc.health.v1`) or the gateway's /health, SIGTERM drain within the grace period, the
-pod's own IP bound and advertised (gRPC, metrics, the transfer engine), the model fetched into a
+services listening on every interface of the pod and advertising its IP (gRPC, metrics, the
+transfer engine: --advertise-host from the downward API), the model fetched into a
 volume at start. Overlays (dev, production) are hand-written patches on top."""
 
 from __future__ import annotations

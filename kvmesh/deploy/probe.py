@@ -1,6 +1,6 @@
 """A container's health check: `python -m kvmesh.deploy.probe grpc|http|tcp PORT` exits 0 when
 the service on PORT is ready -- gRPC: `grpc.health.v1` says SERVING; http: /health is 200; tcp:
-it accepts. The host is $KVMESH_PROBE_HOST, else $POD_IP, else 127.0.0.1 (where it binds); the
+it accepts. The host is $KVMESH_PROBE_HOST, else $POD_IP, else 127.0.0.1 (where it listens); the
 port $KVMESH_PROBE_PORT when set (a container given other ports by its flags). With TLS
 ($KVMESH_TLS_CERT / _KEY / _CA, the defaults of the service's --tls-* flags) the probe speaks
 TLS with that certificate (mutual TLS for gRPC) and checks the service's against the CA;

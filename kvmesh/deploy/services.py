@@ -16,7 +16,8 @@ DRAIN_TIMEOUT_S = 30  # --drain-timeout; pods get this plus a margin to end on S
 MODEL = "smollm2-135m"
 MODEL_DIR = "/models"  # KVMESH_HOME: a volume the model is fetched into, never in the image
 ETCD = f"etcd:{ETCD_CLIENT_PORT}"  # the etcd Service's name in the namespace
-HOST = "$(POD_IP)"  # bind and advertise the pod's own address (downward API)
+ANY = "0.0.0.0"  # noqa: S104 - every interface of the pod (kubectl port-forward reaches it too)
+HOST = "$(POD_IP)"  # what a service advertises: the pod's own address (downward API)
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,9 @@ class Service:
 
 
 def _serve(role: str, *args: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    common = ("--etcd", ETCD, "--host", HOST)
-    return ("kvmesh", "serve", role), (*common, *args)
+    """Listens on every interface; a service peers find in etcd advertises the pod's address."""
+    where = ("--host", ANY) if role == "gateway" else ("--host", ANY, "--advertise-host", HOST)
+    return ("kvmesh", "serve", role), ("--etcd", ETCD, *where, *args)
 
 
 def _worker(role: str) -> Service:

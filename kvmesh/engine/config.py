@@ -205,6 +205,7 @@ class EngineConfig:
     weights: str = "auto"  # auto (= dtype), fp32, bf16 (also the compute dtype) or int4
     int4_group_size: int = 0  # with weights=int4: see Int4Scheme
     int4_embeddings: bool = False
+    kv_hugepages: bool = False  # the page pool on 2 MiB hugepages (reserved by the operator)
     kv_integrity: bool = True  # check every page's tag before each step
     # a request holding a page that fails its tag: its KV is recomputed from its tokens (the
     # page discarded) and it goes on, or it is aborted with a kv_integrity error

@@ -29,6 +29,7 @@ from kvmesh.engine.loader import load_weights
 from kvmesh.engine.outputs import Reservation, TokenOutput
 from kvmesh.engine.parallel.ranks import LeaderRunner, start_ranks
 from kvmesh.engine.parallel.shard import TensorShard
+from kvmesh.engine.parallel.shared_pages import new_pool
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.sample_step import sample_step
 from kvmesh.engine.sampler import Sampler
@@ -93,7 +94,8 @@ class Engine(HandOver):
         self.kv_spec = spec
         if self.ranks is None:
             num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
-            self.kv_cache = PagedKVCache(spec, num_pages, dtype)
+            pool = new_pool(spec, num_pages, hugepages=True) if config.kv_hugepages else None
+            self.kv_cache = PagedKVCache(spec, num_pages, dtype, pool=pool)
             self.kv_pages = KvPages.whole(self.kv_cache)  # what transfers see of the pool
         else:  # every rank's pages in memory rank 0 maps too
             self.kv_cache, self.kv_pages = self.ranks.kv_pool(loaded.config, config, dtype)

@@ -10,6 +10,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvmesh.mesh import tls
+from kvmesh.mesh.addresses import host_port
 
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
@@ -78,11 +79,11 @@ async def start_server(
     reflection.enable_server_reflection(
         [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
     )
-    files = tls.current()
+    files, address = tls.current(), host_port(host, port)
     if files is None:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_insecure_port(address)
     else:
-        bound = server.add_secure_port(f"{host}:{port}", files.server_credentials(client_certs))
+        bound = server.add_secure_port(address, files.server_credentials(client_certs))
     await server.start()
     return server, bound, status
 

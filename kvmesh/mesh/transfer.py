@@ -19,6 +19,7 @@ Measured behaviour of mooncake-transfer-engine 0.3.13 (TCP, loopback) that shape
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import threading
@@ -58,6 +59,19 @@ class TransferConfig:
             raise ValueError("metadata_server must not be empty")
         if not self.hostname:
             raise ValueError("hostname must not be empty")
+        if self.device and self.protocol != "rdma":
+            raise ValueError(
+                f"RDMA devices ({self.device}) need protocol rdma, not {self.protocol}"
+            )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The transfer engine's flags (dest names: TransferConfig's `protocol`, `rdma_devices` for
+    its `device`), for the workers and the KV store."""
+    p.add_argument("--protocol", default="tcp", choices=PROTOCOLS, help="transfer engine protocol")
+    p.add_argument("--rdma-devices", default="", metavar="NICS",
+                   help="--protocol rdma: the RDMA NICs to use, e.g. mlx5_0,mlx5_1 (default: "
+                   "the transfer engine finds them)")  # fmt: skip
 
 
 class Segments(NamedTuple):
@@ -127,8 +141,8 @@ def _quiet_stderr() -> Iterator[None]:
 
 
 def _prepare_env(hostname: str) -> None:
-    # Read by the engine at initialize(): the address it advertises (a worker's --host), unless
-    # the operator says otherwise.
+    # Read by the engine at initialize(): the address it advertises (a service's
+    # --advertise-host, else its --host), unless the operator says otherwise.
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", hostname)
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 

@@ -22,7 +22,7 @@ from kvmesh.engine.engine import Engine
 from kvmesh.engine.engine_thread import build_engine
 from kvmesh.engine.faults import KINDS as FAULT_KINDS
 from kvmesh.engine.loader.memory import process_memory_mib
-from kvmesh.mesh import metrics
+from kvmesh.mesh import addresses, metrics
 from kvmesh.mesh.affinity import lead_cpu_setup
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
@@ -41,7 +41,8 @@ class WorkerOptions:
     etcd: str  # host:port
     cluster: str = "default"
     worker_id: str = ""
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where it listens (0.0.0.0: every interface)
+    advertise_host: str = ""  # what peers dial (etcd, the transfer engine); "": host
     port: int = 0
     metrics_port: int = 0
     delivery_port: int = 0  # decode: its delivery socket (0: a free port)
@@ -52,6 +53,7 @@ class WorkerOptions:
     int4_embeddings: bool = False
     kv_dtype: str = "auto"
     kv_cache_bytes: int = 512 << 20
+    kv_hugepages: bool = False  # the page pool on 2 MiB hugepages
     kv_integrity: bool = True
     kv_integrity_action: str = "recompute"
     max_num_seqs: int = 64
@@ -59,6 +61,7 @@ class WorkerOptions:
     enable_expert_parallel: bool = False
     pipeline_parallel_size: int = 1
     protocol: str = "tcp"
+    rdma_devices: str = ""  # protocol rdma: NIC names ("": the transfer engine finds them)
     ttl: int = 5
     local_prefill_tokens: int = 0
     speculative: str = "none"  # decode: none | ngram | eagle (prefill: eagle hands the window)
@@ -74,6 +77,11 @@ class WorkerOptions:
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+        self.transfer_config()  # the addresses and the NICs checked now, not once loaded
+
+    def transfer_config(self) -> TransferConfig:
+        return TransferConfig(protocol=self.protocol, device=self.rdma_devices,
+                              hostname=addresses.advertised(self.host, self.advertise_host, True))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,7 @@ ServicerFactory = Callable[[WorkerParts], list[Callable]]
 class Listener(Protocol):
     """A server beside gRPC (decode's delivery socket), advertised in the etcd registration."""
 
-    async def start(self, host: str, port: int = 0) -> str: ...  # the address it listens on
+    async def start(self, host: str, port: int = 0) -> int: ...  # the port it listens on
 
     def close(self) -> None: ...
 
@@ -118,6 +126,7 @@ async def serve_worker(
                 int4_embeddings=options.int4_embeddings,
                 kv_cache_bytes=options.kv_cache_bytes,
                 kv_dtype=options.kv_dtype,
+                kv_hugepages=options.kv_hugepages,
                 kv_integrity=options.kv_integrity,
                 kv_integrity_action=options.kv_integrity_action,
                 speculative=options.speculative,
@@ -143,7 +152,8 @@ async def serve_worker(
         engine.speculator.stats.listener = _spec_metrics(options.role)
     async_engine = AsyncEngine(engine, lead_cpu_setup())  # a lead CPU, where set
     async_engine.start()
-    transfer = KvTransferEngine(TransferConfig(protocol=options.protocol, hostname=options.host))
+    transfer = KvTransferEngine(options.transfer_config())
+    public = transfer.config.hostname  # what peers dial (--advertise-host, else --host)
     region = engine.kv_pages.region  # every rank's pages (tensor parallelism: shared memory)
     transfer.register(region.data_ptr(), region.numel())
     transfer.register(engine.kv_cache.tags.data_ptr(), engine.kv_cache.tags.numel() * 4)
@@ -162,14 +172,15 @@ async def serve_worker(
     # gRPC is served only once the engine above is loaded, so SERVING from its first answer is
     # true. Serving earlier (a faster cold start) must pass serving=False and set it when loaded.
     server, port, health = await start_server(make_servicers(parts), options.host, options.port)
-    delivery_address = (
-        "" if delivery is None else await delivery.start(options.host, options.delivery_port)
-    )
+    delivery_address = ""
+    if delivery is not None:
+        delivery_port = await delivery.start(options.host, options.delivery_port)
+        delivery_address = addresses.host_port(public, delivery_port)
     info = WorkerInfo(
         role=options.role,
         worker_id=worker_id,
-        grpc_address=f"{options.host}:{port}",
-        metrics_address=f"{options.host}:{metrics_port}",
+        grpc_address=addresses.host_port(public, port),
+        metrics_address=addresses.host_port(public, metrics_port),
         te_session=transfer.session,
         delivery_address=delivery_address,
         model=engine.model_name,

@@ -124,11 +124,10 @@ class DeliverySocket:
         self.deliveries = deliveries
         self._server: asyncio.Server | None = None
 
-    async def start(self, host: str, port: int = 0) -> str:
-        """Listen on `host:port` (0: a free port); returns the address to advertise."""
+    async def start(self, host: str, port: int = 0) -> int:
+        """Listen on `host:port` (0: a free port); returns the port."""
         self._server = await asyncio.start_server(self._serve, host, port)
-        bound = self._server.sockets[0].getsockname()[1]
-        return f"{host}:{bound}"
+        return self._server.sockets[0].getsockname()[1]
 
     def close(self) -> None:
         if self._server is not None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import structlog
 
 from kvmesh.engine.engine_thread import build_engine
-from kvmesh.mesh import etcd_access, metrics, tls
+from kvmesh.mesh import addresses, etcd_access, metrics, tls
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.ports import free_port
@@ -25,10 +25,14 @@ class DraftOptions:
     cluster: str = "default"
     model: str = "smollm2-135m"
     draft_model: str = ""  # EAGLE head file; empty: the one shipped for the model
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where it listens (0.0.0.0: every interface)
+    advertise_host: str = ""  # what peers dial (its etcd registration); "": host
     port: int = 0
     metrics_port: int = 0
     ttl: int = 5
+
+    def __post_init__(self) -> None:
+        addresses.advertised(self.host, self.advertise_host)  # a wildcard needs advertise_host
 
 
 def build_proposer(model: str, draft_model: str):
@@ -53,8 +57,10 @@ async def serve_draft(options: DraftOptions) -> None:
     metrics.serve_metrics(metrics_port, options.host)
     server, port, _ = await start_server([add_to(DraftServicer(proposer))], options.host,
                                          options.port)  # fmt: skip
-    info = WorkerInfo(role="draft", worker_id=worker_id, grpc_address=f"{options.host}:{port}",
-                      metrics_address=f"{options.host}:{metrics_port}", model=model_name,
+    public = addresses.advertised(options.host, options.advertise_host)
+    info = WorkerInfo(role="draft", worker_id=worker_id,
+                      grpc_address=addresses.host_port(public, port),
+                      metrics_address=addresses.host_port(public, metrics_port), model=model_name,
                       extra={"window": proposer.head.config.window})  # fmt: skip
     try:
         if not options.etcd:
@@ -75,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     tls.add_arguments(p)
     etcd_access.add_arguments(p)
     p.add_argument("--cluster", default="default")
-    p.add_argument("--host", default="127.0.0.1")
+    addresses.add_arguments(p)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=0)
     p.add_argument("--model", default="smollm2-135m")
@@ -84,5 +90,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def options_from(args: argparse.Namespace) -> DraftOptions:
     return DraftOptions(etcd=args.etcd, cluster=args.cluster, model=args.model,
-                        draft_model=args.draft_model, host=args.host, port=args.port,
+                        draft_model=args.draft_model, host=args.host,
+                        advertise_host=args.advertise_host, port=args.port,
                         metrics_port=args.metrics_port)  # fmt: skip

@@ -101,6 +101,7 @@ class Delivery(asyncio.Protocol):
 
     async def _open(self) -> None:
         host, _, port = self.address.rpartition(":")
+        host = host.strip("[]")  # an IPv6 literal comes in brackets
         try:
             loop = asyncio.get_running_loop()
             await loop.create_connection(lambda: self, host, int(port))

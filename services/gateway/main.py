@@ -13,6 +13,7 @@ from kvmesh import event_loop
 from kvmesh.engine.loader import read_config, resolve_model
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.mesh import metrics, tls
+from kvmesh.mesh.addresses import host_port
 from kvmesh.mesh.discovery import Registry, WorkerWatcher
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.kv_events import PrefixIndex
@@ -114,8 +115,8 @@ async def serve_gateway(options: GatewayOptions) -> None:
         serving = asyncio.create_task(http.serve())
         log.info(
             "gateway.listening",
-            http=f"{options.host}:{options.http_port}",
-            grpc=f"{options.host}:{grpc_port}",
+            http=host_port(options.host, options.http_port),
+            grpc=host_port(options.host, grpc_port),
         )
         event_loop.freeze_heap()
         try:

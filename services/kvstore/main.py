@@ -16,13 +16,14 @@ import structlog
 from prometheus_client import REGISTRY, start_http_server
 
 from kvmesh.engine.kv.layout import KV_DTYPES
-from kvmesh.mesh import etcd_access, tls
+from kvmesh.mesh import addresses, etcd_access, tls
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.kvstore_client import layout_key
 from kvmesh.mesh.kvstore_layout import store_layout
 from kvmesh.mesh.ports import free_port
 from kvmesh.mesh.transfer import KvTransferEngine, TransferConfig
+from kvmesh.mesh.transfer import add_arguments as add_transfer_arguments
 from services.kvstore.server import KVStoreServicer, StoreMetrics, add_to
 from services.kvstore.store import KVStore, StoreConfig
 
@@ -43,7 +44,8 @@ class KVStoreOptions:
     page_bytes: int
     cluster: str = "default"
     worker_id: str = ""
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where it listens (0.0.0.0: every interface)
+    advertise_host: str = ""  # what peers dial (etcd, the transfer engine); "": host
     port: int = 0
     metrics_port: int = 0
     model: str = "smollm2-135m"
@@ -54,6 +56,7 @@ class KVStoreOptions:
     disk_mib: int = 1024
     disk_dir: str = ""
     protocol: str = "tcp"
+    rdma_devices: str = ""  # protocol rdma: NIC names ("": the transfer engine finds them)
     ttl: int = 5
     lease_s: float = 30.0
     reservation_s: float = 60.0
@@ -64,6 +67,11 @@ class KVStoreOptions:
         if self.ram_mib <= 0 or self.disk_mib < 0 or self.page_size <= 0:
             raise ValueError("ram_mib and page_size must be > 0, disk_mib >= 0")
         self.store_config()  # validates the rest
+        self.transfer_config()
+
+    def transfer_config(self) -> TransferConfig:
+        return TransferConfig(protocol=self.protocol, device=self.rdma_devices,
+                              hostname=addresses.advertised(self.host, self.advertise_host, True))  # fmt: skip
 
     @property
     def layout_key(self) -> str:
@@ -88,7 +96,8 @@ async def serve_kvstore(options: KVStoreOptions, stop: asyncio.Event | None = No
     worker_id = options.worker_id or f"kvstore-{uuid.uuid4().hex[:8]}"
     structlog.contextvars.bind_contextvars(service="kvstore", worker_id=worker_id)
     stop = stop or asyncio.Event()
-    transfer = KvTransferEngine(TransferConfig(protocol=options.protocol, hostname=options.host))
+    transfer = KvTransferEngine(options.transfer_config())
+    public = transfer.config.hostname  # what peers dial
     store = KVStore(options.store_config(), transfer)
     collector = StoreMetrics(store)
     metrics_port = options.metrics_port or free_port()
@@ -98,7 +107,7 @@ async def serve_kvstore(options: KVStoreOptions, stop: asyncio.Event | None = No
         server, port, _ = await start_server(
             [add_to(KVStoreServicer(store))], options.host, options.port
         )
-        info = _worker_info(options, worker_id, f"{options.host}:{port}", metrics_port, store)
+        info = _worker_info(options, worker_id, (public, port, metrics_port), store)
         try:
             await _run(options, info, store, stop)
         finally:
@@ -134,14 +143,15 @@ async def _run(options: KVStoreOptions, info: WorkerInfo, store: KVStore, stop: 
 
 
 def _worker_info(
-    options: KVStoreOptions, worker_id: str, grpc_address: str, metrics_port: int, store: KVStore
+    options: KVStoreOptions, worker_id: str, at: tuple[str, int, int], store: KVStore
 ) -> WorkerInfo:
-    config = store.config
+    """`at`: the advertised host, the gRPC port and the metrics port."""
+    config, (host, port, metrics_port) = store.config, at
     return WorkerInfo(
         role="kvstore",
         worker_id=worker_id,
-        grpc_address=grpc_address,
-        metrics_address=f"{options.host}:{metrics_port}",
+        grpc_address=addresses.host_port(host, port),
+        metrics_address=addresses.host_port(host, metrics_port),
         te_session=store.te_session,
         model=options.model,
         page_size=options.page_size,
@@ -181,7 +191,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     tls.add_arguments(p)
     etcd_access.add_arguments(p)
     p.add_argument("--cluster", default="default")
-    p.add_argument("--host", default="127.0.0.1")
+    addresses.add_arguments(p)
     p.add_argument("--worker-id", default="")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=0)
@@ -210,7 +220,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mooncake-master", default="", help="Mooncake master host:port (backend mooncake)"
     )
-    p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
+    add_transfer_arguments(p)
     p.add_argument("--ttl", type=int, default=5, help="etcd lease TTL (s)")
 
 
@@ -233,7 +243,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="kvmesh-kvstore")
     add_arguments(parser)
-    options = options_from_args(parser.parse_args(argv))
+    try:
+        options = options_from_args(parser.parse_args(argv))
+    except ValueError as exc:
+        parser.error(str(exc))
     configure_logging("kvstore", "INFO")
     event_loop.run(serve_kvstore(options))
     return 0

@@ -20,6 +20,7 @@ import structlog
 import xxhash
 
 from kvmesh.errors import MooncakeTierError
+from kvmesh.mesh.transfer import TransferConfig
 from services.kvstore.tiers import DIGEST_BYTES, page_digest
 
 log = structlog.get_logger(__name__)
@@ -40,7 +41,9 @@ def segment_bytes(capacity_pages: int, page_bytes: int) -> int:
 class MooncakeTier:
     """`capacity_pages` pages of `page_bytes` in Mooncake Store behind the master at `master`."""
 
-    def __init__(self, master: str, layout_key: str, capacity_pages: int, page_bytes: int) -> None:
+    def __init__(self, master: str, layout_key: str, capacity_pages: int, page_bytes: int,
+                 transport: TransferConfig | None = None) -> None:  # fmt: skip
+        """`transport`: the store's own transfer engine's (its address, protocol and NICs)."""
         if capacity_pages <= 0:
             raise ValueError(f"capacity_pages must be positive, got {capacity_pages}")
         if not master:
@@ -49,7 +52,7 @@ class MooncakeTier:
         self._prefix = f"kv/{xxhash.xxh3_64_hexdigest(layout_key.encode())}/"
         self._lru: OrderedDict[int, int] = OrderedDict()  # hash -> digest, oldest first
         self._stale: set[str] = set()  # keys no longer indexed, not yet removed from Mooncake
-        self._store = _connect(master, capacity_pages, page_bytes)
+        self._store = _connect(master, capacity_pages, page_bytes, transport)
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._lru
@@ -121,16 +124,18 @@ class MooncakeTier:
                 return  # the master is unreachable: do not wait ~4 s per key
 
 
-def _connect(master: str, capacity_pages: int, page_bytes: int):
+def _connect(master: str, capacity_pages: int, page_bytes: int, transport: TransferConfig | None):
     from mooncake.store import MooncakeDistributedStore
 
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", _SETUP_RETRIES)
     store = MooncakeDistributedStore()
     segment = segment_bytes(capacity_pages, page_bytes)
     buffer = max(_MIN_BYTES, 2 * (page_bytes + DIGEST_BYTES))
-    # the address this process's transfer engine advertises (the store's --host), not loopback
-    host = os.environ.get("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    rc = store.setup(host, "P2PHANDSHAKE", segment, buffer, "tcp", "", master)
+    # as this process's transfer engine: its advertised address (not loopback), protocol, NICs
+    if transport is None:
+        transport = TransferConfig(hostname=os.environ.get("MC_TCP_BIND_ADDRESS", "127.0.0.1"))
+    rc = store.setup(transport.hostname, "P2PHANDSHAKE", segment, buffer, transport.protocol,
+                     transport.device, master)  # fmt: skip
     if rc != 0:
         raise MooncakeTierError(f"Mooncake Store setup against master {master} failed: rc {rc}")
     log.info("kvstore.mooncake_connected", master=master, segment_bytes=segment)

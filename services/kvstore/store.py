@@ -150,6 +150,7 @@ class KVStore:
                 self.config.layout_key,
                 self.config.disk_pages,
                 self.config.page_bytes,
+                None if self.transfer is None else self.transfer.config,
             )
         directory = self.config.disk_dir
         if directory is None:

@@ -3,7 +3,8 @@ by the test) stand for the hosts "gateway", "prefill", "decode-a", "decode-b" an
 KV store); every service binds and advertises its host's address (gRPC, metrics, the transfer
 engine). Greedy answers equal the single-process engine, KV pages cross hosts through the
 transfer engine, a repeated prompt hits the cache across hosts, and killing one decode host's
-worker in the middle of streams is survived (migration). Skipped without root or `ip netns`."""
+worker in the middle of streams is survived (migration). One decode host binds 0.0.0.0 and
+advertises its address (--advertise-host), as in a pod. Skipped without root or `ip netns`."""
 
 from __future__ import annotations
 
@@ -70,11 +71,14 @@ class HostMesh:
         log = open(os.path.join(self.run_dir, f"{name}.log"), "ab")  # noqa: SIM115
         self.procs[name] = spawn(self.hosts.command(host, argv), log, env=env)
 
-    def serve(self, role: str, host: str, *flags: str, name: str | None = None) -> None:
-        etcd = f"{self.hosts.addresses['store']}:{ETCD_PORT}"
+    def serve(self, role: str, host: str, *flags: str, name: str | None = None,
+              every_interface: bool = False) -> None:  # fmt: skip
+        """`every_interface`: bind 0.0.0.0 and advertise the host's address (as in a pod)."""
+        etcd, address = f"{self.hosts.addresses['store']}:{ETCD_PORT}", self.hosts.addresses[host]
+        where = ["--host", "0.0.0.0", "--advertise-host", address] if every_interface else [
+            "--host", address]  # fmt: skip
         self.start(name or role, host, [sys.executable, "-m", "kvmesh.cli", "serve", role,
-                                        "--etcd", etcd, "--host", self.hosts.addresses[host],
-                                        "--model", MODEL, *flags])  # fmt: skip
+                                        "--etcd", etcd, *where, "--model", MODEL, *flags])  # fmt: skip
 
     def run(self, host: str, code: str, *args: str, timeout: float = 600) -> str:
         """Python `code` run on `host`; its stdout (AssertionError with the output if it fails)."""
@@ -133,8 +137,9 @@ def mesh() -> Iterator[HostMesh]:
             worker = ("--port", str(GRPC_PORT), "--metrics-port", str(METRICS_PORT))
             mesh.serve("kvstore", "store", *worker)  # its page layout derived from --model
             mesh.serve("prefill", "prefill", *worker)
-            for host in ("decode-a", "decode-b"):
-                mesh.serve("decode", host, *worker, "--worker-id", host, name=host)
+            for host in ("decode-a", "decode-b"):  # decode-b listens on every interface
+                mesh.serve("decode", host, *worker, "--worker-id", host, name=host,
+                           every_interface=host == "decode-b")  # fmt: skip
             mesh.serve("gateway", "gateway", "--http-port", str(HTTP_PORT))
             for host in ("store", "prefill", "decode-a", "decode-b"):
                 mesh.wait(host, "gateway", "grpc", hosts.addresses[host], GRPC_PORT)
@@ -181,6 +186,22 @@ def test_answers_equal_the_engine_and_pages_cross_hosts(mesh, reference):
     again = _ask(mesh)  # the shared system prompt's pages are cached somewhere now
     assert [text for text, _ in again] == [reference[q, 40] for q in QUESTIONS]
     assert all(cached >= 16 for _, cached in again), again
+
+
+def test_a_worker_bound_to_every_interface_is_registered_at_its_address(mesh):
+    """decode-b listens on 0.0.0.0: etcd holds its host's address for every endpoint peers
+    dial, and `kvmesh status` on another host reaches it there (GetLoads). Runs before the
+    test below kills a decode host (the order of this file)."""
+    etcd = f"{mesh.hosts.addresses['store']}:{ETCD_PORT}"
+    argv = [sys.executable, "-m", "kvmesh.cli", "status", "--etcd", etcd, "--json"]
+    done = subprocess.run(mesh.hosts.command("gateway", argv), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    worker = next(w for w in json.loads(done.stdout)["workers"] if w["id"] == "decode-b")
+    address = mesh.hosts.addresses["decode-b"]
+    for endpoint in ("grpc", "metrics", "te_session", "delivery"):
+        assert worker[endpoint].rpartition(":")[0] == address, (endpoint, worker)
+    assert worker["load"] is not None, worker
 
 
 def test_losing_a_decode_host_mid_stream_is_survived(mesh, reference):

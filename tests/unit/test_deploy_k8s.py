@@ -31,7 +31,9 @@ def test_rendered_files_are_committed():
 def test_every_service_command_parses(svc):
     args = [a.replace("$(POD_IP)", "10.0.0.7") for a in (*svc.command[1:], *svc.args)]
     parsed = build_parser(args).parse_args(args)
-    assert parsed.service == svc.name and parsed.host == "10.0.0.7"
+    assert parsed.service == svc.name and parsed.host == "0.0.0.0"
+    if svc.name != "gateway":  # registered in etcd: peers dial the pod's address
+        assert parsed.advertise_host == "10.0.0.7"
 
 
 def _render(overlay: str) -> list[dict]:
@@ -70,8 +72,9 @@ def test_production_pools_are_spread_with_gpus_budgets_and_autoscaling():
         assert "hugepages-2Mi" in container["resources"]["limits"]
         assert pod["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
         assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "kvmesh-models"
-        assert container["args"][-2:] == ["--protocol", "rdma"]
+        assert container["args"][-4:] == ["--kv-hugepages", "on", "--protocol", "rdma"]
         assert container["readinessProbe"]["grpc"]["port"] == 50051
+        assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
         assert ("PodDisruptionBudget", pool) in docs and ("HorizontalPodAutoscaler", pool) in docs
     assert docs[("StatefulSet", "etcd")]["spec"]["replicas"] == 3
     store = docs[("Deployment", "kvstore")]["spec"]["template"]["spec"]["containers"][0]
@@ -80,3 +83,10 @@ def test_production_pools_are_spread_with_gpus_budgets_and_autoscaling():
     for name in ("gateway", "kvstore"):
         pod = docs[("Deployment", name)]["spec"]["template"]["spec"]
         assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "kvmesh-models"
+    for (kind, name), doc in docs.items():  # every kvmesh command the overlay runs parses
+        if kind in ("Deployment", "StatefulSet"):
+            (container,) = doc["spec"]["template"]["spec"]["containers"]
+            if container.get("command", [""])[0] == "kvmesh":
+                args = [a.replace("$(POD_IP)", "10.0.0.7")
+                        for a in (*container["command"][1:], *container["args"])]  # fmt: skip
+                assert build_parser(args).parse_args(args).service == name

@@ -258,9 +258,9 @@ def test_the_workers_delivery_socket_streams_a_steps_chunks_and_forgets_a_client
     async def run() -> tuple[list[int], bool, bool, bool]:
         deliveries = Deliveries()
         server = DeliverySocket(deliveries)
-        address = await server.start("127.0.0.1")
-        host, port = address.rsplit(":", 1)
-        stranger_reader, stranger = await asyncio.open_connection(host, int(port))
+        port = await server.start("127.0.0.1")
+        address = f"127.0.0.1:{port}"
+        stranger_reader, stranger = await asyncio.open_connection("127.0.0.1", port)
         stranger.write(frames.HEADER.pack(1 << 20))  # a hello far over its limit
         stranger_turned_away = await asyncio.wait_for(stranger_reader.read(), 5) == b""
         delivery = Delivery(address)

@@ -100,14 +100,16 @@ class Ranks:
         for rank in range(1, self.world):
             self._send_to(rank, message)
 
-    def share_pages(self, specs: list[KVCacheSpec], num_pages: int) -> tuple[torch.Tensor, list]:
+    def share_pages(self, specs: list[KVCacheSpec], num_pages: int,
+                    hugepages: bool = False) -> tuple[torch.Tensor, list]:  # fmt: skip
         """Every rank's page pool (specs[r]: its heads) in one block of shared memory, which
-        each rank maps: the block and each rank's pool in it (shared_pages.py)."""
+        each rank maps: the block and each rank's pool in it (shared_pages.py; on hugepages
+        with `hugepages`)."""
         offsets, nbytes = pool_offsets(specs, num_pages)
-        fd, region = new_region(nbytes)
+        fd, region = new_region(nbytes, hugepages)
         try:
             for rank in range(1, self.world):  # each its own offset: one message per rank
-                self._send_to(rank, ("pages", num_pages, nbytes, offsets[rank]), fd)
+                self._send_to(rank, ("pages", num_pages, region.numel(), offsets[rank]), fd)
         finally:
             os.close(fd)
         pools = [pool_of(region, o, s, num_pages) for o, s in zip(offsets, specs, strict=True)]
@@ -122,7 +124,7 @@ class Ranks:
         specs = [spec_for_model(s.local_config(model), config.page_size, kv_dtype) for s in shards]
         num_pages = config.num_pages or min(s.pages_for_budget(config.kv_cache_bytes)
                                             for s in specs)  # fmt: skip
-        region, pools = self.share_pages(specs, num_pages)
+        region, pools = self.share_pages(specs, num_pages, config.kv_hugepages)
         self._await_ready()
         cache = PagedKVCache(specs[0], num_pages, dtype, pool=pools[0])
         whole = spec_for_model(model, config.page_size, kv_dtype)

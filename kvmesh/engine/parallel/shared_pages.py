@@ -2,7 +2,8 @@
 rank 0 makes it and hands its descriptor to the other ranks over their sockets, each rank uses
 its own part as its pool, and rank 0 sees every part, so its transfer engine moves any rank's
 pages (kv_pages.py). Nothing is named in /dev/shm: the memory goes with the last process that
-maps it, however the ranks end."""
+maps it, however the ranks end. With --kv-hugepages the block is a hugetlb memfd of 2 MiB pages
+(also for a worker of one process: `new_pool`)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from multiprocessing.connection import Connection
 import torch
 
 from kvmesh.engine.kv.layout import KVCacheSpec
+from kvmesh.errors import HugePagesError
 
 _ALIGN = 4096  # each rank's pool starts on a memory page
+HUGEPAGE = 2 << 20
 
 
 def pool_offsets(specs: Sequence[KVCacheSpec], num_pages: int) -> tuple[list[int], int]:
@@ -26,16 +29,35 @@ def pool_offsets(specs: Sequence[KVCacheSpec], num_pages: int) -> tuple[list[int
     return list(itertools.accumulate([0, *sizes[:-1]])), sum(sizes)
 
 
-def new_region(nbytes: int) -> tuple[int, torch.Tensor]:
-    """A zeroed block of `nbytes` (committed now, not at first touch) and its descriptor."""
-    fd = os.memfd_create("kvmesh-kv-pages", os.MFD_CLOEXEC)
+def new_region(nbytes: int, hugepages: bool = False) -> tuple[int, torch.Tensor]:
+    """A zeroed block of `nbytes` (committed now, not at first touch) and its descriptor; on
+    2 MiB hugepages with `hugepages` (the block rounded up to whole ones: map all of it)."""
+    if not hugepages:
+        return _committed(os.memfd_create("kvmesh-kv-pages", os.MFD_CLOEXEC), nbytes)
+    size = -(-nbytes // HUGEPAGE) * HUGEPAGE
     try:
-        os.ftruncate(fd, nbytes)
-        os.posix_fallocate(fd, 0, nbytes)
-        return fd, map_region(fd, nbytes)
+        fd = os.memfd_create("kvmesh-kv-pages", os.MFD_CLOEXEC | os.MFD_HUGETLB | os.MFD_HUGE_2MB)
+        return _committed(fd, size)
+    except OSError as exc:  # none reserved or free (ENOSPC / ENOMEM), or no hugetlbfs
+        raise HugePagesError.short_of(size // HUGEPAGE, exc) from exc
+
+
+def _committed(fd: int, size: int) -> tuple[int, torch.Tensor]:
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+        return fd, map_region(fd, size)
     except BaseException:
         os.close(fd)
         raise
+
+
+def new_pool(spec: KVCacheSpec, num_pages: int, hugepages: bool) -> torch.Tensor:
+    """One process's zeroed page pool (with its 2 spare rows) in a block of its own."""
+    _, nbytes = pool_offsets([spec], num_pages)
+    fd, region = new_region(nbytes, hugepages)
+    os.close(fd)  # the mapping keeps the memory
+    return pool_of(region, 0, spec, num_pages)
 
 
 def map_region(fd: int, nbytes: int) -> torch.Tensor:
