@@ -17,12 +17,14 @@ FROM $BASE_OS
 ARG TORCH_SPEC=torch==2.13.0+cpu
 ARG PIP_FIND_LINKS
 ENV PATH=/opt/kvmesh/bin:$PATH PYTHONDONTWRITEBYTECODE=1 KVMESH_HOME={MODEL_DIR}
-# torch in its own layer: a new kvmesh wheel does not install it again
+# torch in its own layer: a new kvmesh wheel does not install it again. pip compiles what it
+# installs to bytecode here: a service (non-root, read-only site-packages) would otherwise
+# compile every module it imports at each start (docs/benchmarks.md, "Images")
 RUN python3 -m venv /opt/kvmesh \\
  && /opt/kvmesh/bin/pip install -q -U pip \\
- && /opt/kvmesh/bin/pip install -q --no-compile "$TORCH_SPEC" && rm -rf /root/.cache
+ && /opt/kvmesh/bin/pip install -q "$TORCH_SPEC" && rm -rf /root/.cache
 COPY dist/ /tmp/dist/
-RUN /opt/kvmesh/bin/pip install -q --no-compile /tmp/dist/kvmesh-*.whl \\
+RUN /opt/kvmesh/bin/pip install -q /tmp/dist/kvmesh-*.whl \\
  && ln -s "$(/opt/kvmesh/bin/python -c 'from kvmesh.mesh.etcd_server import etcd_binary; print(etcd_binary())')" /usr/local/bin/etcd \\
  && ln -s "$(/opt/kvmesh/bin/python -c 'from kvmesh.mesh.mooncake_master import master_binary; print(master_binary())')" /usr/local/bin/mooncake_master \\
  && rm -rf /tmp/dist /root/.cache \\
