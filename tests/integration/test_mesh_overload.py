@@ -149,26 +149,30 @@ def test_one_trace_runs_gateway_decode_prefill_transfer(http, traces):
     """W3C trace context through gRPC metadata: one request, one trace, each hop the child of
     the one before (a prompt above the decode worker's local-prefill threshold goes to the
     prefill worker)."""
-    long = "Tell me about " + ", ".join(f"city {i}" for i in range(25))
-    reply = http.post("/v1/chat/completions", json=_chat(long, 4))
-    assert reply.status_code == 200, reply.text
 
     def spans() -> list[dict]:
         text = traces.read_text() if traces.exists() else ""
         whole = text[: text.rfind("\n") + 1]  # a line being written is read next time
         return [json.loads(line) for line in whole.splitlines()]
 
+    earlier = len(spans())  # this request's spans come after these
+    long = "Tell me about " + ", ".join(f"city {i}" for i in range(25))
+    reply = http.post("/v1/chat/completions", json=_chat(long, 4))
+    assert reply.status_code == 200, reply.text
+
     hops = ["gateway.generate", "gateway.decode_call", "decode.generate", "decode.prefill_call",
             "prefill.prefill", "prefill.transfer"]  # fmt: skip
 
     def last_trace() -> dict[str, dict]:
-        """The spans of the trace of the last transfer, by name: each process exports its own
-        spans when they end (the decode worker's Generate may end after the gateway's reply)."""
-        transfer = next((s for s in reversed(spans()) if s["name"] == "prefill.transfer"), None)
+        """The spans of this request's trace (that of its transfer), by name: each process
+        exports its own spans when they end (the decode worker's Generate may end after the
+        gateway's reply)."""
+        ours = spans()[earlier:]
+        transfer = next((s for s in ours if s["name"] == "prefill.transfer"), None)
         if transfer is None:
             return {}
         trace_id = transfer["context"]["trace_id"]
-        return {s["name"]: s for s in spans() if s["context"]["trace_id"] == trace_id}
+        return {s["name"]: s for s in ours if s["context"]["trace_id"] == trace_id}
 
     wait_for(lambda: set(hops) <= set(last_trace()), 10, "every hop's span exported")
     chain = last_trace()

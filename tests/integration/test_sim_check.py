@@ -29,7 +29,9 @@ def test_the_simulator_reproduces_a_mesh_run(tmp_path):
         summary = _check_untimed(result)
         if result["ttft_rel"] <= 0.30 and result["tpot_rel"] <= 0.30:
             return
-        misses.append(summary)
+        misses.append(
+            f"TTFT {result['ttft_rel']:.0%}, TPOT {result['tpot_rel']:.0%} off: {summary}"
+        )
     raise AssertionError("TTFT or TPOT off by more than 30 % on every attempt:\n" +
                          "\n".join(misses))  # fmt: skip
 
