@@ -151,6 +151,13 @@ class HugePagesError(KvmeshError):
             "them (sysctl vm.nr_hugepages; a pod's hugepages-2Mi resource) or drop --kv-hugepages"
         )
 
+    @classmethod
+    def none_free(cls) -> HugePagesError:
+        return cls(
+            "--kv-hugepages: this machine has no free 2 MiB hugepages: reserve them (sysctl "
+            "vm.nr_hugepages; a pod's hugepages-2Mi resource) or drop --kv-hugepages"
+        )
+
 
 class PortError(KvmeshError):
     code = "no_free_port"

@@ -16,6 +16,7 @@ from kvmesh.engine.loader.memory import current_rss_bytes, peak_rss_bytes
 from kvmesh.engine.models import CausalLM, build_model
 from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.parallel.sharded_state import ShardedState
+from kvmesh.engine.parallel.shared_pages import require_hugepages
 from kvmesh.engine.parallel.stage_state import StageState
 from kvmesh.engine.tokenizer import Tokenizer
 
@@ -38,6 +39,8 @@ def load_engine_model(config: EngineConfig, load_weights: Any,
     """`load_weights` is the weight-format registry (a bench may substitute it); `shard`: this
     rank's part of a tensor-parallel model (whose layers the caller joins to its ranks:
     parallel/group.py all_reduced_layers)."""
+    if config.kv_hugepages:
+        require_hugepages()  # none to give: say so before a long load
     source = resolve_model(config.model)
     loaded = load_model(source, config.int4 is not None, config.compute_dtype, load_weights)
     log.info("engine.weights_loaded", cache=loaded.cache, seconds=round(loaded.seconds, 3))

@@ -8,25 +8,23 @@ from __future__ import annotations
 import mmap
 from pathlib import Path
 
+import pytest
+
 import kvmesh.engine.engine as engine_module
+import kvmesh.engine.engine_setup as engine_setup
 from kvmesh import LLM, SamplingParams
 from kvmesh.engine.kv.layout import KVCacheSpec
-from kvmesh.engine.parallel.shared_pages import HUGEPAGE, new_pool, pool_offsets
+from kvmesh.engine.parallel.shared_pages import (
+    HUGEPAGE,
+    new_pool,
+    obtainable_hugepages,
+    pool_offsets,
+    require_hugepages,
+)
 from kvmesh.errors import HugePagesError
 
 SPEC = KVCacheSpec.gqa(2, 2, 8, 16, "fp32")
 PAGES = 64
-_SYSFS = Path("/sys/kernel/mm/hugepages/hugepages-2048kB")
-
-
-def _obtainable_2mib_pages() -> int:
-    """2 MiB pages a new mapping could get: free and unreserved, plus surplus the kernel may
-    still make (vm.nr_overcommit_hugepages)."""
-    if not _SYSFS.is_dir():
-        return 0
-    read = {name: int((_SYSFS / f"{name}_hugepages").read_text()) for name in
-            ("free", "resv", "nr_overcommit", "surplus")}  # fmt: skip
-    return read["free"] - read["resv"] + max(0, read["nr_overcommit"] - read["surplus"])
 
 
 def _kernel_page_kb(address: int) -> int:
@@ -56,7 +54,7 @@ def test_a_hugepage_pool_is_on_2mib_pages_or_refused_with_what_to_reserve():
     try:
         pool = new_pool(SPEC, PAGES, hugepages=True)
     except HugePagesError as exc:
-        assert _obtainable_2mib_pages() < needed, exc  # refused only when truly short
+        assert (obtainable_hugepages() or 0) < needed, exc  # refused only when truly short
         assert f"needs {needed} free 2 MiB hugepages" in str(exc)
         assert "vm.nr_hugepages" in str(exc) and exc.user_error
         return
@@ -77,6 +75,7 @@ def test_an_engine_asked_for_hugepages_builds_its_pool_there_and_answers_alike(m
         return new_pool(spec, num_pages, hugepages=False)
 
     monkeypatch.setattr(engine_module, "new_pool", pool_on_any_pages)
+    monkeypatch.setattr(engine_setup, "require_hugepages", lambda: None)  # any machine
     params = SamplingParams(max_tokens=12, temperature=0.0)
     with LLM(dtype="fp32", num_pages=48, kv_hugepages=True) as llm:
         assert asked == [True]
@@ -86,3 +85,23 @@ def test_an_engine_asked_for_hugepages_builds_its_pool_there_and_answers_alike(m
     with LLM(dtype="fp32", num_pages=48) as llm:
         assert asked == [True]  # not asked without the option
         assert llm.generate("The capital of France is", params)[0].token_ids == hugepaged
+
+
+def _sysfs(root: Path, free: int, resv: int = 0, overcommit: int = 0, surplus: int = 0) -> Path:
+    for name, value in (("free", free), ("resv", resv), ("nr_overcommit", overcommit),
+                        ("surplus", surplus)):  # fmt: skip
+        (root / f"{name}_hugepages").write_text(f"{value}\n")
+    return root
+
+
+def test_none_to_give_is_said_before_the_model_loads(tmp_path, monkeypatch):
+    assert obtainable_hugepages(_sysfs(tmp_path, free=8, resv=3, overcommit=4, surplus=1)) == 8
+    assert obtainable_hugepages(tmp_path / "absent") is None  # the kernel does not say: go on
+    require_hugepages(tmp_path / "absent")
+    none = _sysfs(tmp_path, free=2, resv=2)
+    with pytest.raises(HugePagesError, match="no free 2 MiB hugepages"):
+        require_hugepages(none)
+    monkeypatch.setattr(engine_setup, "require_hugepages", lambda: require_hugepages(none))
+    monkeypatch.setattr(engine_setup, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(HugePagesError, match="no free 2 MiB hugepages"):
+        LLM(dtype="fp32", num_pages=48, kv_hugepages=True)

@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,7 @@ from kvmesh.errors import HugePagesError
 
 _ALIGN = 4096  # each rank's pool starts on a memory page
 HUGEPAGE = 2 << 20
+SYSFS_2MB = Path("/sys/kernel/mm/hugepages/hugepages-2048kB")
 
 
 def pool_offsets(specs: Sequence[KVCacheSpec], num_pages: int) -> tuple[list[int], int]:
@@ -40,6 +42,25 @@ def new_region(nbytes: int, hugepages: bool = False) -> tuple[int, torch.Tensor]
         return _committed(fd, size)
     except OSError as exc:  # none reserved or free (ENOSPC / ENOMEM), or no hugetlbfs
         raise HugePagesError.short_of(size // HUGEPAGE, exc) from exc
+
+
+def obtainable_hugepages(root: Path = SYSFS_2MB) -> int | None:
+    """2 MiB pages a new mapping could get on this machine: free and unreserved, plus surplus
+    the kernel may still make (vm.nr_overcommit_hugepages); None where the kernel does not say.
+    A container's hugetlb limit may allow fewer."""
+    try:
+        read = {name: int((root / f"{name}_hugepages").read_text())
+                for name in ("free", "resv", "nr_overcommit", "surplus")}  # fmt: skip
+    except (OSError, ValueError):
+        return None
+    return read["free"] - read["resv"] + max(0, read["nr_overcommit"] - read["surplus"])
+
+
+def require_hugepages(root: Path = SYSFS_2MB) -> None:
+    """Fail before a long model load where the machine has no 2 MiB hugepage to give at all
+    (the pool's own allocation says when there are too few)."""
+    if obtainable_hugepages(root) == 0:
+        raise HugePagesError.none_free()
 
 
 def _committed(fd: int, size: int) -> tuple[int, torch.Tensor]:
