@@ -137,6 +137,11 @@ class WorkerInfoError(DiscoveryError):
     code = "invalid_worker_info"
 
 
+_RESERVE_HUGEPAGES = (
+    "reserve them (sysctl vm.nr_hugepages; a pod's hugepages-2Mi resource) or drop --kv-hugepages"
+)
+
+
 class HugePagesError(KvmeshError):
     """--kv-hugepages: too few 2 MiB hugepages free for the KV page pool (an operator's
     setting: the worker stops at start with this message)."""
@@ -147,15 +152,14 @@ class HugePagesError(KvmeshError):
     @classmethod
     def short_of(cls, needed: int, cause: OSError) -> HugePagesError:
         return cls(
-            f"the KV page pool needs {needed} free 2 MiB hugepages ({cause.strerror}): reserve "
-            "them (sysctl vm.nr_hugepages; a pod's hugepages-2Mi resource) or drop --kv-hugepages"
+            f"the KV page pool needs {needed} free 2 MiB hugepages ({cause.strerror}): "
+            + _RESERVE_HUGEPAGES
         )
 
     @classmethod
     def none_free(cls) -> HugePagesError:
         return cls(
-            "--kv-hugepages: this machine has no free 2 MiB hugepages: reserve them (sysctl "
-            "vm.nr_hugepages; a pod's hugepages-2Mi resource) or drop --kv-hugepages"
+            "--kv-hugepages: this machine has no free 2 MiB hugepages: " + _RESERVE_HUGEPAGES
         )
 
 

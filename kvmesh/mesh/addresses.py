@@ -28,8 +28,9 @@ def advertised(host: str, advertise_host: str = "", transfer: bool = False) -> s
     advertised address; with a transfer engine it must not be IPv6 (Mooncake's handshake
     resolves peers by IPv4 only: "use IPv4 address instead", measured with 0.3.13). ValueError
     with the flag to change otherwise."""
+    host, advertise_host = host.strip("[]"), advertise_host.strip("[]")
     public = advertise_host or host
-    if advertise_host and advertise_host in WILDCARD_HOSTS:
+    if advertise_host in WILDCARD_HOSTS - {""}:
         raise ValueError(f"--advertise-host {advertise_host} is no address a peer can dial")
     if public in WILDCARD_HOSTS:
         raise ValueError(
@@ -41,7 +42,7 @@ def advertised(host: str, advertise_host: str = "", transfer: bool = False) -> s
             f"{public} is IPv6, and the transfer engine (Mooncake) reaches peers by IPv4 only: "
             "give an IPv4 --advertise-host (or --host)"
         )
-    return public.strip("[]")
+    return public
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

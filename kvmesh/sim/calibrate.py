@@ -181,8 +181,10 @@ def fit(probes: Probes, source: str) -> LinearCost:
     )  # fmt: skip
 
 
-async def worker_spec(mesh: Mesh, setup: MeshSetup) -> tuple[WorkerSpec, WorkerInfo]:
-    """The pool and limits of the mesh's decode worker (its pages from GetLoads)."""
+async def worker_spec(mesh: Mesh, setup: MeshSetup,
+                      max_model_len: int) -> tuple[WorkerSpec, WorkerInfo]:  # fmt: skip
+    """The pool and limits of the mesh's decode worker (its pages from GetLoads; the context
+    length from the gateway's GetModelInfo, which the caller has)."""
     from kvmesh.mesh.grpc_server import channel
     from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc
 
@@ -190,9 +192,8 @@ async def worker_spec(mesh: Mesh, setup: MeshSetup) -> tuple[WorkerSpec, WorkerI
     decode = next(w for w in workers if w.role == "decode")
     async with channel(decode.grpc_address) as ch:
         loads = await decode_pb2_grpc.DecodeStub(ch).GetLoads(decode_pb2.GetLoadsRequest())
-    info = await model_info(f"127.0.0.1:{mesh.grpc_port}")
     spec = WorkerSpec(loads.loads[0].kv_pages_total, decode.page_size, setup.max_num_seqs,
-                      MAX_NUM_BATCHED_TOKENS, info.max_model_len)  # fmt: skip
+                      MAX_NUM_BATCHED_TOKENS, max_model_len)  # fmt: skip
     return spec, decode
 
 
@@ -214,7 +215,7 @@ async def calibrate_on(mesh: Mesh, setup: MeshSetup, source: str) -> Preset:
     address = f"127.0.0.1:{mesh.grpc_port}"
     info = await model_info(address)
     probes = await probe(address, info.vocab_size)
-    spec, worker = await worker_spec(mesh, setup)
+    spec, worker = await worker_spec(mesh, setup, info.max_model_len)
     workload = replace(TUNE_WORKLOAD, vocab=info.vocab_size)
     measured = await run_sessions(address, workload.build())
     return tune(fitted(fit(probes, source), spec, worker), workload, measured)

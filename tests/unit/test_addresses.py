@@ -27,10 +27,12 @@ def test_host_port_puts_ipv6_literals_in_brackets():
     assert addresses.host_port("decode-0.kvmesh", 9) == "decode-0.kvmesh:9"
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", ""])
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", ""])
 def test_a_wildcard_bind_needs_an_advertised_host(host):
     with pytest.raises(ValueError, match="--advertise-host"):
         addresses.advertised(host)
+    with pytest.raises(ValueError, match="--advertise-host .* no address a peer can dial"):
+        addresses.advertised("10.0.0.2", host or "::")
     assert addresses.advertised(host, "10.0.0.2", transfer=True) == "10.0.0.2"
 
 
