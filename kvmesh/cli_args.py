@@ -460,11 +460,21 @@ def gateway_front_args(parser: argparse.ArgumentParser) -> None:
                         "repeatable (default: no keys)")  # fmt: skip
     parser.add_argument("--api-keys-file", default=None, metavar="PATH",
                         help="keys, one per line (# comments)")  # fmt: skip
+    parser.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                        help="a model id clients may ask for; repeatable, the first is listed "
+                        "first (default: the model's own name)")  # fmt: skip
+    parser.add_argument("--any-model", action="store_true",
+                        help="answer any model id with the served model (a single-model mesh: "
+                        "agents that name their own models work unchanged)")  # fmt: skip
+    parser.add_argument("--max-tokens-policy", choices=("clamp", "refuse"), default="clamp",
+                        help="a max_tokens beyond what the context leaves: clamped to it "
+                        "(x-kvmesh-max-tokens-clamped says so) or refused with 400")  # fmt: skip
 
 
 GATEWAY_FRONT = ("migration_limit", "max_inflight_requests", "max_request_body_bytes",
                  "max_prompt_tokens", "max_output_tokens", "max_n", "api_key",
-                 "api_keys_file")  # fmt: skip
+                 "api_keys_file", "served_model_name", "any_model",
+                 "max_tokens_policy")  # fmt: skip
 # gateway_front_args' destinations, passed on by `up`
 
 

@@ -12,7 +12,29 @@ from kvmesh.errors import InvalidRequestError
 # JSON in json.dumps' style (", " and ": ", no other whitespace): what models write and what the
 # tool template shows them, so drafts (EAGLE, n-gram) still match; flexible whitespace would
 # let a small model spend every token on it
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+              # oneOf held as anyOf (as xgrammar and Outlines do): exclusivity cannot be
+              # enforced token by token, and draft-06/07 schemas use oneOf for plain unions
+              "coerce_one_of": True}  # fmt: skip
+_DEFINITIONS = ("$defs", "definitions")
+
+
+def rooted(schema: dict[str, Any], name: str) -> dict[str, Any]:
+    """`schema` (a tool's arguments) placed inside a larger schema (a call's) with its `$ref`s
+    still resolving against itself, not the larger one: given its own `$id` (a ref resolves
+    against the nearest enclosing `$id`). Pydantic writes every nested model as a `$ref`."""
+    if "$id" in schema or "$ref" not in json.dumps(schema):
+        return schema
+    return {"$id": f"urn:kvmesh:tool:{name}", **schema}
+
+
+def within(part: Any, root: dict[str, Any]) -> dict[str, Any]:
+    """`part` of `root` made to stand alone: root's `$defs` / `definitions` carried, so the refs
+    into them resolve (a tool format that writes each argument's value on its own: glm45)."""
+    if not isinstance(part, dict):
+        return {}
+    carried = {key: root[key] for key in _DEFINITIONS if key in root and key not in part}
+    return {**part, **carried} if carried and "$ref" in json.dumps(part) else part
 
 
 def json_schema(schema: dict[str, Any], field: str) -> str:

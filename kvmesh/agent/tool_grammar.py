@@ -33,7 +33,8 @@ def call_schema(conversation: Conversation) -> dict[str, Any] | None:
     options = [
         {"type": "object",
          "properties": {"name": {"const": t.name},
-                        "arguments": t.parameters if forced or t.strict else {"type": "object"}},
+                        "arguments": grammars.rooted(t.parameters, t.name)
+                        if forced or t.strict else {"type": "object"}},
          "required": ["name", "arguments"], "additionalProperties": False}
         for t in conversation.tools if choice.name in (None, t.name)
     ]  # fmt: skip

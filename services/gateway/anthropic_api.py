@@ -63,13 +63,13 @@ class AnthropicApi:
             reply = _Reply(parsed, "msg_" + request_id)
             deltas = generation.deltas()
             if not parsed.stream:
-                return JSONResponse(await _whole(reply, generation, deltas))
+                return JSONResponse(await _whole(reply, generation, deltas), headers=parsed.headers)
             first = await anext(deltas)
         except Exception as exc:
             return _error(exc)
         events = _events(reply, generation, first, deltas)
         return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"})  # fmt: skip
+                                 headers={"cache-control": "no-cache", **parsed.headers})  # fmt: skip
 
 
 class _Reply:

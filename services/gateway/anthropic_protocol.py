@@ -9,6 +9,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from kvmesh.agent import grammars
 from kvmesh.agent.conversation import Conversation, Message, Tool, ToolCall, ToolChoice
 from kvmesh.agent.tool_grammar import reply_grammar
 from kvmesh.engine.sampling_params import SamplingParams
@@ -18,6 +19,7 @@ from services.gateway import openai_protocol as common
 from services.gateway.openai_protocol import ParsedRequest, ServedModel, ToolSetup
 
 _IGNORED_BLOCKS = ("thinking", "redacted_thinking")  # history an agent sends back: not rendered
+_ROLES = ("user", "assistant", "system")
 _NUMBERS = (("temperature", 0.0, 1.0), ("top_p", 0.0, 1.0))
 
 
@@ -28,13 +30,14 @@ def parse_messages(body: Any, tokenizer: Tokenizer, served: ServedModel) -> Pars
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise InvalidRequestError("'max_tokens' is required and must be an integer >= 1")
     prompt = common.chat_prompt(conversation, tokenizer)
-    common.check_context("chat", len(prompt), max_tokens, served)
+    budget = common.output_budget("chat", len(prompt), max_tokens, served)
     stop = body.get("stop_sequences") or []
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise InvalidRequestError("'stop_sequences' must be an array of non-empty strings")
-    grammar = reply_grammar(conversation, served.tool_parser, tokenizer.hf, None, "")
+    fmt, where = _output_format(body)
+    grammar = reply_grammar(conversation, served.tool_parser, tokenizer.hf, fmt, where)
     params = SamplingParams(
-        max_tokens=max_tokens, stop=tuple(stop), grammar=grammar, **_sampling_fields(body)
+        max_tokens=budget.max_tokens, stop=tuple(stop), grammar=grammar, **_sampling_fields(body)
     )
     tools = ToolSetup.of(conversation, served.tool_parser)
     stream = body.get("stream") or False
@@ -42,7 +45,7 @@ def parse_messages(body: Any, tokenizer: Tokenizer, served: ServedModel) -> Pars
         raise InvalidRequestError("'stream' must be a boolean")
     model = common.check_model(body, served)
     return ParsedRequest("chat", model, tuple(prompt), replace(params, stop=()), params.stop,
-                         stream, tools=tools)  # fmt: skip
+                         stream, tools=tools, clamped_from=budget.clamped_from)  # fmt: skip
 
 
 def count_tokens(body: Any, tokenizer: Tokenizer, served: ServedModel) -> int:
@@ -68,20 +71,24 @@ def parse_conversation(body: Any) -> Conversation:
 def _system(system: Any) -> list[Message]:
     if system is None or system == "":
         return []
-    if isinstance(system, str):
-        return [Message("system", system)]
-    if isinstance(system, list):
-        return [
-            Message("system", "\n".join(_text(f"system[{j}]", b) for j, b in enumerate(system)))
-        ]
-    raise InvalidRequestError("'system' must be a string or an array of text blocks")
+    return [Message("system", _system_text("system", system))]
+
+
+def _system_text(where: str, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(_text(f"{where}[{j}]", b) for j, b in enumerate(content))
+    raise InvalidRequestError(f"'{where}' must be a string or an array of text blocks")
 
 
 def _turn(i: int, message: Any) -> list[Message]:
     where = f"messages[{i}]"
-    if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-        raise InvalidRequestError(f'\'{where}.role\' must be "user" or "assistant"')
+    if not isinstance(message, dict) or message.get("role") not in _ROLES:
+        raise InvalidRequestError(f'\'{where}.role\' must be "user", "assistant" or "system"')
     content = message.get("content")
+    if message["role"] == "system":  # mid-conversation instructions: rendered where they stand
+        return [Message("system", _system_text(f"{where}.content", content), source=where)]
     if isinstance(content, str):
         return [Message(message["role"], content)]
     if not isinstance(content, list):
@@ -166,6 +173,25 @@ def _tool_choice(value: Any, has_tools: bool) -> tuple[ToolChoice, bool]:
     raise InvalidRequestError(
         '\'tool_choice\' must be {"type": "auto" | "any" | "none"} or {"type": "tool", "name": ...}'
     )
+
+
+def _output_format(body: dict) -> tuple[str | None, str]:
+    """Structured outputs: `output_config.format` (or the older `output_format`) as a grammar.
+    `output_config.effort`, `thinking`, `context_management` and `metadata` are accepted and
+    have no effect here (no reasoning budget; thinking is never rendered back)."""
+    config = body.get("output_config") or {}
+    if not isinstance(config, dict):
+        raise InvalidRequestError("'output_config' must be an object")
+    where = "output_config.format" if config.get("format") is not None else "output_format"
+    fmt = config.get("format") if where == "output_config.format" else body.get("output_format")
+    if fmt is None:
+        return None, where
+    schema = fmt.get("schema") if isinstance(fmt, dict) else None
+    if fmt.get("type") != "json_schema" or not isinstance(schema, dict):  # type: ignore[union-attr]
+        raise InvalidRequestError(
+            f'\'{where}\' must be {{"type": "json_schema", "schema": {{...}}}}'
+        )
+    return grammars.json_schema(schema, f"{where}.schema"), where
 
 
 def _list(body: dict, name: str) -> list:

@@ -75,6 +75,14 @@ def tenant_salt(headers: Mapping[str, str]) -> str:
     return "" if key is None else "key:" + hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
+def request_salt(headers: Mapping[str, str], client_salt: str = "") -> str:
+    """A request's prompt-cache salt: its tenant's (tenant_salt), partitioned further by the
+    client's own salt (x-kvmesh-cache-salt) inside that tenant, never across tenants: a salt a
+    client sends can never equal another key's salt, nor another key's salt with that text."""
+    tenant = tenant_salt(headers)
+    return f"{tenant}/client:{client_salt}" if client_salt else tenant
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 

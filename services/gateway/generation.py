@@ -18,7 +18,7 @@ from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidRequestError, KvmeshError
 from kvmesh.mesh import metrics
 from services.gateway import openai_responses as resp
-from services.gateway.auth import tenant_salt
+from services.gateway.auth import request_salt
 from services.gateway.backend import (
     GenerateBackend,
     GenerateChunk,
@@ -47,14 +47,14 @@ class Routing:
     """What the headers say about where a request should run and whose cache it may use."""
 
     session_id: str | None = None  # x-session-affinity
-    cache_salt: str = ""  # x-kvmesh-cache-salt, else derived from the API key
+    cache_salt: str = ""  # the API key's, partitioned by x-kvmesh-cache-salt (auth.request_salt)
     timeout_s: float | None = None  # x-request-timeout: seconds the request may take in all
 
     @classmethod
     def from_headers(cls, headers: Mapping[str, str]) -> Routing:
         timeout = _timeout(headers.get("x-request-timeout"))
         session = headers.get("x-session-affinity") or None
-        salt = headers.get("x-kvmesh-cache-salt", "") or tenant_salt(headers)
+        salt = request_salt(headers, headers.get("x-kvmesh-cache-salt", ""))
         if session is not None and len(session) > 256:
             raise InvalidRequestError("x-session-affinity must be at most 256 characters")
         return cls(session, salt, timeout)

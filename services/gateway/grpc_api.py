@@ -14,33 +14,35 @@ from kvmesh.agent.tool_parsers import (
     CallStart,
     ContentDelta,
     ToolCallStream,
-    parser_for,
 )
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.errors import ContextLengthError, InvalidRequestError, KvmeshError, ModelNotFoundError
+from kvmesh.errors import InvalidRequestError, KvmeshError
 from kvmesh.mesh import convert
 from kvmesh.mesh.error_mapping import grpc_details, grpc_status
 from kvmesh.mesh.grpc_server import deadline_of
 from kvmesh.proto.v1 import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc
-from services.gateway.auth import tenant_salt
+from services.gateway.auth import request_salt, tenant_salt
 from services.gateway.backend import GenerateBackend, GenerateInput, unique_request_id
 from services.gateway.generation import ReplyDetokenizer
 from services.gateway.grpc_chat import conversation_of
-from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
-from services.gateway.openai_protocol import ToolSetup, chat_prompt
+from services.gateway.openai_protocol import (
+    ServedModel,
+    ToolSetup,
+    chat_prompt,
+    check_model,
+    output_budget,
+)
 
 log = structlog.get_logger(__name__)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, live_counts,
-                 tool_parser: str | None = None,
-                 limits: RequestLimits = DEFAULT_LIMITS) -> None:  # fmt: skip
+                 served: ServedModel) -> None:  # fmt: skip
         self.backend = backend
-        self.limits = limits
+        self.served = served  # names, limits, tool-call format: as the REST front's
         self.tokenizer = tokenizer
         self._live_counts = live_counts  # () -> (prefill workers, decode workers)
-        self._tool_parser = tool_parser or parser_for(tokenizer.hf.chat_template)
         # (tenant, the client's request id) -> the mesh ids of its calls in flight: an Abort
         # reaches only the requests of the tenant (API key) that sends it
         self._running: dict[tuple[str, str], set[str]] = {}
@@ -106,10 +108,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )
 
     def _parse(self, request: gateway_pb2.GenerateRequest):
-        if request.model and request.model != self.backend.model_name:
-            raise ModelNotFoundError(
-                f"model {request.model!r} is not served here ({self.backend.model_name})"
-            )
+        check_model({"model": request.model or None}, self.served)
         kind = request.WhichOneof("input")
         conversation = None
         if kind == "prompt":
@@ -125,18 +124,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise InvalidRequestError("the prompt is empty")
         params = convert.sampling_from_pb(request.sampling, tuple(request.stop))
         if conversation is not None:
-            grammar = reply_grammar(conversation, self._tool_parser, self.tokenizer.hf,
+            grammar = reply_grammar(conversation, self.served.tool_parser, self.tokenizer.hf,
                                     params.grammar, "sampling.grammar")  # fmt: skip
             params = replace(params, grammar=grammar)
         if request.include_stop_str_in_output:
             params = replace(params, include_stop_str_in_output=True)
-        self.limits.check(len(prompt), params.max_tokens)
-        if len(prompt) + params.max_tokens > self.backend.max_model_len:
-            raise ContextLengthError(
-                f"this model's maximum context length is {self.backend.max_model_len} tokens; the "
-                f"request has {len(prompt)} prompt tokens and max_tokens {params.max_tokens}"
-            )
-        tools = ToolSetup.of(conversation, self._tool_parser) if conversation else None
+        budget = output_budget("chat", len(prompt), params.max_tokens, self.served)
+        params = replace(params, max_tokens=budget.max_tokens)
+        tools = ToolSetup.of(conversation, self.served.tool_parser) if conversation else None
         return prompt, params, tools
 
     async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:
@@ -165,7 +160,7 @@ def _routing(request: gateway_pb2.GenerateRequest, context) -> tuple[str | None,
     """Session id and cache salt: the message fields, else the same names as metadata."""
     metadata = dict(context.invocation_metadata() or ())
     session = request.session_id or metadata.get("x-session-affinity") or None
-    salt = request.cache_salt or metadata.get("x-kvmesh-cache-salt", "") or tenant_salt(metadata)
+    salt = request_salt(metadata, request.cache_salt or metadata.get("x-kvmesh-cache-salt", ""))
     return session, salt
 
 

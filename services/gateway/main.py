@@ -19,13 +19,19 @@ from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.kv_events import PrefixIndex
 from services.gateway import grpc_api
 from services.gateway.auth import ApiKeyInterceptor, ApiKeys
-from services.gateway.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, RequestLimits
+from services.gateway.limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_N,
+    MaxTokensPolicy,
+    RequestLimits,
+)
 from services.gateway.mesh_backend import (
     DEFAULT_MAX_INFLIGHT,
     DEFAULT_MIGRATION_LIMIT,
     MeshBackend,
 )
 from services.gateway.openai_api import create_app
+from services.gateway.openai_protocol import ModelNames, served_model
 from services.gateway.prefix_routing import KvEventFollower, PrefixLookup
 from services.gateway.readiness import MeshReadiness, follow
 from services.gateway.router import AffinityPolicy, make_router
@@ -56,11 +62,18 @@ class GatewayOptions:
     max_n: int = DEFAULT_MAX_N
     api_key: tuple[str, ...] | list[str] = ()  # --api-key (repeatable)
     api_keys_file: str | None = None
+    served_model_name: tuple[str, ...] | list[str] = ()  # --served-model-name (repeatable)
+    any_model: bool = False
+    max_tokens_policy: MaxTokensPolicy = "clamp"
 
     @property
     def limits(self) -> RequestLimits:
         return RequestLimits(self.max_request_body_bytes, self.max_prompt_tokens,
-                             self.max_output_tokens, self.max_n)  # fmt: skip
+                             self.max_output_tokens, self.max_n, self.max_tokens_policy)  # fmt: skip
+
+    @property
+    def names(self) -> ModelNames:
+        return ModelNames(tuple(self.served_model_name), self.any_model)
 
 
 async def serve_gateway(options: GatewayOptions) -> None:
@@ -83,14 +96,10 @@ async def serve_gateway(options: GatewayOptions) -> None:
                               options.migration_limit, options.max_inflight_requests)  # fmt: skip
         counts = lambda: (len(watcher.alive("prefill")), len(watcher.alive("decode")))  # noqa: E731
         readiness = MeshReadiness(watcher.alive)
+        served = served_model(backend.model_name, backend.max_model_len, tokenizer,
+                              options.limits, options.tool_call_parser, options.names)  # fmt: skip
         grpc_server, grpc_port, health = await start_server(
-            [
-                grpc_api.add_to(
-                    grpc_api.GatewayServicer(
-                        backend, tokenizer, counts, options.tool_call_parser, options.limits
-                    )  # fmt: skip
-                )
-            ],  # fmt: skip
+            [grpc_api.add_to(grpc_api.GatewayServicer(backend, tokenizer, counts, served))],
             options.host,
             options.grpc_port,
             serving=False,  # until `follow` sees the workers a request needs
@@ -100,7 +109,13 @@ async def serve_gateway(options: GatewayOptions) -> None:
         http = uvicorn.Server(
             uvicorn.Config(
                 create_app(
-                    backend, tokenizer, options.limits, readiness, options.tool_call_parser, keys
+                    backend,
+                    tokenizer,
+                    options.limits,
+                    readiness,
+                    options.tool_call_parser,
+                    keys,
+                    options.names,
                 ),  # fmt: skip
                 host=options.host,
                 port=options.http_port,

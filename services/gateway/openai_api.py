@@ -30,7 +30,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvmesh.agent.tool_parsers import parser_for
 from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidRequestError, KvmeshError, WorkerUnavailableError
@@ -67,13 +66,16 @@ def create_app(
     readiness: Readiness | None = None,
     tool_parser: str | None = None,
     api_keys: ApiKeys | None = None,
+    names: proto.ModelNames = proto.DEFAULT_NAMES,
 ) -> Starlette:
     """POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages (+ /count_tokens: Anthropic's
     API); GET /v1/models, /health (readiness: 503
     until a request would succeed), /live (liveness), /metrics. `tool_parser`: the format of
     the model's tool calls (None: chosen from its chat template). With `api_keys` every /v1/
     request needs one (auth.py); GET /openapi.json describes it all."""
-    api = _OpenAIApi(backend, tokenizer, limits, tool_parser)
+    served = proto.served_model(backend.model_name, backend.max_model_len, tokenizer, limits,
+                                tool_parser, names)  # fmt: skip
+    api = _OpenAIApi(backend, tokenizer, served)
     read = lambda request: _read_json(request, limits.max_body_bytes)  # noqa: E731
     anthropic = AnthropicApi(backend, tokenizer, api.served, read)
     responses = ResponsesApi(backend, tokenizer, api.served, read)
@@ -86,6 +88,7 @@ def create_app(
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/health", _health_endpoint(readiness or AlwaysReady()), methods=["GET"]),
         Route("/live", _live, methods=["GET"]),
+        Route("/", _live, methods=["GET", "HEAD"]),  # Claude Code's HEAD / before its first call
         Route("/metrics", _metrics, methods=["GET"]),
         Route("/openapi.json", _openapi(api.served), methods=["GET"]),
     ]
@@ -124,13 +127,12 @@ class RequestIdMiddleware:
 
 
 class _OpenAIApi:
-    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, limits: RequestLimits,
-                 tool_parser: str | None) -> None:  # fmt: skip
+    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer,
+                 served: proto.ServedModel) -> None:  # fmt: skip
         self._backend = backend
         self._tokenizer = tokenizer
-        self._max_body_bytes = limits.max_body_bytes
-        parser = tool_parser or parser_for(tokenizer.hf.chat_template)
-        self.served = proto.ServedModel(backend.model_name, backend.max_model_len, parser, limits)
+        self._max_body_bytes = served.limits.max_body_bytes
+        self.served = served
         self._created = int(time.time())
 
     async def chat(self, request: Request) -> Response:
@@ -140,9 +142,12 @@ class _OpenAIApi:
         return await self._generate(request, "completion")
 
     async def models(self, request: Request) -> Response:
-        card = {"id": self.served.name, "object": "model", "created": self._created}
-        card |= {"owned_by": "kvmesh", "max_model_len": self.served.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [
+            {"id": name, "object": "model", "created": self._created, "owned_by": "kvmesh",
+             "max_model_len": self.served.max_model_len}
+            for name in self.served.names
+        ]  # fmt: skip
+        return JSONResponse({"object": "list", "data": cards})
 
     async def _generate(self, request: Request, kind: proto.Kind) -> Response:
         request_id: str = request.state.request_id
@@ -163,12 +168,12 @@ class _OpenAIApi:
             ]  # fmt: skip
             meta = ResponseMeta.for_request(parsed, request_id)
             if parsed.stream:
-                return await _stream(meta, choices)
+                return await _stream(meta, choices, parsed.headers)
             result = await _complete(meta, choices)
         except Exception as exc:
             return _error_response(exc)
         _count("ok")
-        return JSONResponse(result)
+        return JSONResponse(result, headers=parsed.headers)
 
 
 async def _complete(meta: ResponseMeta, choices: list[Choice]) -> dict[str, Any]:
@@ -194,7 +199,9 @@ async def _complete(meta: ResponseMeta, choices: list[Choice]) -> dict[str, Any]
     return body
 
 
-async def _stream(meta: ResponseMeta, choices: list[Choice]) -> StreamingResponse:
+async def _stream(
+    meta: ResponseMeta, choices: list[Choice], extra: dict[str, str]
+) -> StreamingResponse:
     """Waits for the first delta, so an error before any output is a plain HTTP error."""
     deltas = merged([c.generation.deltas() for c in choices])
     try:
@@ -203,7 +210,7 @@ async def _stream(meta: ResponseMeta, choices: list[Choice]) -> StreamingRespons
         await deltas.aclose()
         raise
     events = _sse_events(meta, choices, first, deltas)
-    headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+    headers = {"cache-control": "no-cache", "x-accel-buffering": "no", **extra}
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 

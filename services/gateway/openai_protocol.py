@@ -14,7 +14,7 @@ import jinja2
 from kvmesh.agent.conversation import Conversation, Tool
 from kvmesh.agent.templates import template_messages
 from kvmesh.agent.tool_grammar import reply_grammar
-from kvmesh.agent.tool_parsers import ToolParser, get_parser
+from kvmesh.agent.tool_parsers import ToolParser, get_parser, parser_for
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
@@ -39,13 +39,48 @@ _JSON_NAMES.update({list: "array", dict: "object"})
 
 
 @dataclass(frozen=True)
+class ModelNames:
+    """The names clients may ask for the one model by (`kvmesh serve gateway` flags)."""
+
+    served: tuple[str, ...] = ()  # --served-model-name, repeatable (none: the model's own name)
+    any_model: bool = False  # --any-model: answer every model id with this model
+
+    def of(self, model_name: str) -> tuple[str, ...]:
+        return self.served or (model_name,)
+
+
+DEFAULT_NAMES = ModelNames()
+
+
+@dataclass(frozen=True)
 class ServedModel:
-    """The one model this gateway serves, under the name clients must use."""
+    """The one model this gateway serves, under the names clients may use (the first is the
+    one /v1/models lists first and a request without a model gets)."""
 
     name: str
     max_model_len: int
     tool_parser: str = "hermes"  # the format of the model's tool calls (agent/tool_parsers)
     limits: RequestLimits = DEFAULT_LIMITS
+    aliases: tuple[str, ...] = ()  # further names for it
+    any_model: bool = False  # every other name too (a single-model mesh, as llama.cpp does)
+
+    @classmethod
+    def named(cls, model_name: str, names: ModelNames, max_model_len: int, tool_parser: str,
+              limits: RequestLimits) -> ServedModel:  # fmt: skip
+        first, *aliases = names.of(model_name)
+        return cls(first, max_model_len, tool_parser, limits, tuple(aliases), names.any_model)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+
+def served_model(model_name: str, max_model_len: int, tokenizer: Tokenizer,
+                 limits: RequestLimits = DEFAULT_LIMITS, tool_parser: str | None = None,
+                 names: ModelNames = DEFAULT_NAMES) -> ServedModel:  # fmt: skip
+    """What the REST and gRPC fronts serve: `tool_parser` None: chosen from the chat template."""
+    parser = tool_parser or parser_for(tokenizer.hf.chat_template)
+    return ServedModel.named(model_name, names, max_model_len, parser, limits)
 
 
 @dataclass(frozen=True)
@@ -79,6 +114,14 @@ class ParsedRequest:
     tools: ToolSetup | None = None  # chat with tools offered: the reply is parsed for calls
     echo: str = ""  # completions with echo: the prompt's text, sent before the completion
     n: int = 1  # choices, generated at once (choices.py)
+    clamped_from: int | None = None  # the max_tokens asked for, where the context clamped it
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Response headers that say what the server changed: a clamped max_tokens."""
+        if self.clamped_from is None:
+            return {}
+        return {"x-kvmesh-max-tokens-clamped": f"{self.clamped_from}->{self.params.max_tokens}"}
 
     @property
     def logprobs(self) -> int | None:
@@ -110,18 +153,16 @@ def parse_request(
         requested = _get(body, "max_tokens", int)
         logprobs = _get(body, "logprobs", int)
         echo = _echo(body, prompt, tokenizer, logprobs)
-    max_tokens = default_max_tokens(len(prompt), served) if requested is None else requested
+    budget = output_budget(kind, len(prompt), requested, served, _n(body))
     grammar = output_grammar(body)
     if conversation is not None:
         grammar = reply_grammar(conversation, served.tool_parser, tokenizer.hf, grammar,
                                 "response_format")  # fmt: skip
     bias = _logit_bias(body, tokenizer.vocab_size)
-    params = _sampling(body, max_tokens, logprobs, grammar, bias)
-    n = _n(body)
-    check_context(kind, len(prompt), max_tokens, served, n)
+    params = _sampling(body, budget.max_tokens, logprobs, grammar, bias)
     return ParsedRequest(
         kind, model, tuple(prompt), replace(params, stop=()), params.stop,
-        stream, include_usage, _get(body, "user", str), tools, echo, n,
+        stream, include_usage, _get(body, "user", str), tools, echo, _n(body), budget.clamped_from,
     )  # fmt: skip
 
 
@@ -140,13 +181,15 @@ def _get(body: dict[str, Any], name: str, kind: type[T]) -> T | None:
 
 
 def check_model(body: dict[str, Any], served: ServedModel) -> str:
-    """A missing model means the served one; any other name is unknown."""
+    """The name the reply carries: the one asked for if served (or --any-model), the first
+    served name when none was asked for; any other name is unknown (404)."""
     model = _get(body, "model", str)
     if model is None:
         return served.name
-    if model != served.name:
+    if model not in served.names and not served.any_model:
+        names = ", ".join(f"`{name}`" for name in served.names)
         raise ModelNotFoundError(
-            f"The model `{model}` does not exist (this server serves `{served.name}`)."
+            f"The model `{model}` does not exist (this server serves {names})."
         )
     return model
 
@@ -261,6 +304,28 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         return tuple(stop)
     raise InvalidRequestError("'stop' must be a string or an array of strings")
+
+
+@dataclass(frozen=True)
+class OutputBudget:
+    max_tokens: int
+    clamped_from: int | None = None  # what the client asked for, where it was clamped
+
+
+def output_budget(kind: Kind, prompt_len: int, requested: int | None, served: ServedModel,
+                  n: int = 1) -> OutputBudget:  # fmt: skip
+    """The completion's max_tokens: the default where none was asked; one beyond what the
+    context leaves the prompt clamped to it (--max-tokens-policy clamp: the reply ends with
+    finish reason `length` there) or refused (refuse). A prompt that fills the context alone
+    is refused either way."""
+    if requested is None:
+        requested = default_max_tokens(prompt_len, served)
+    left = served.max_model_len - prompt_len
+    if requested > left >= 1 and served.limits.max_tokens_policy == "clamp":
+        served.limits.check(prompt_len, requested, n)  # an operator's own bound still refuses
+        return OutputBudget(left, requested)
+    check_context(kind, prompt_len, requested, served, n)
+    return OutputBudget(requested)
 
 
 def check_context(kind: Kind, prompt_len: int, max_tokens: int, served: ServedModel,

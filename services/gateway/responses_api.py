@@ -54,7 +54,7 @@ class ResponsesApi:
             reply = _Reply(parsed, request_id, body)
             deltas = generation.deltas()
             if not parsed.stream:
-                return JSONResponse(await _whole(reply, generation, deltas))
+                return JSONResponse(await _whole(reply, generation, deltas), headers=parsed.headers)
             first = await anext(deltas)
         except Exception as exc:
             status = http_status(exc)
@@ -62,7 +62,7 @@ class ResponsesApi:
             return JSONResponse(openai_error_body(exc), status_code=status,
                                 headers=http_headers(exc))  # fmt: skip
         return StreamingResponse(_events(reply, generation, first, deltas),
-                                 media_type="text/event-stream")  # fmt: skip
+                                 media_type="text/event-stream", headers=parsed.headers)  # fmt: skip
 
 
 class _Reply:

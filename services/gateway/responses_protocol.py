@@ -34,19 +34,18 @@ def parse_response_request(body: Any, tokenizer: Tokenizer, served: ServedModel)
     requested = body.get("max_output_tokens")
     if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool)):
         raise InvalidRequestError("'max_output_tokens' must be an integer")
-    max_tokens = requested or common.default_max_tokens(len(prompt), served)
-    common.check_context("chat", len(prompt), max_tokens, served)
+    budget = common.output_budget("chat", len(prompt), requested, served)
     grammar = reply_grammar(conversation, served.tool_parser, tokenizer.hf, _text_format(body),
                             "text.format")  # fmt: skip
     fields = {n: float(body[n]) for n in ("temperature", "top_p") if _number(body, n)}
-    params = SamplingParams(max_tokens=max_tokens, grammar=grammar, **fields)
+    params = SamplingParams(max_tokens=budget.max_tokens, grammar=grammar, **fields)
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise InvalidRequestError("'stream' must be a boolean")
     tools = ToolSetup.of(conversation, served.tool_parser)
     model = common.check_model(body, served)
     return ParsedRequest("chat", model, tuple(prompt), replace(params, stop=()), (), stream,
-                         tools=tools)  # fmt: skip
+                         tools=tools, clamped_from=budget.clamped_from)  # fmt: skip
 
 
 def parse_conversation(body: dict[str, Any]) -> Conversation:

@@ -8,9 +8,11 @@ from collections.abc import Iterator
 
 import anthropic
 import pytest
+from starlette.testclient import TestClient
 
 from kvmesh.engine.tokenizer import Tokenizer
 from services.gateway.openai_api import create_app
+from services.gateway.openai_protocol import ModelNames
 from tests.unit.fake_backend import ANSWER, FakeBackend, cached_tokens_for, serve_app
 
 MODEL = "smollm2-135m"
@@ -120,7 +122,7 @@ BAD = [
     ({"max_tokens": None}, "'max_tokens' is required"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "'messages[0].content[0].type' 'image' is not supported"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "'messages[0].role'"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "'messages[0].role' must be"),
     ({"tools": [{"name": "t"}]}, "'tools[0].input_schema'"),
     ({"tool_choice": {"type": "sometimes"}}, "'tool_choice' must be"),
     ({"temperature": 1.5}, "'temperature' must be a number in [0.0, 1.0]"),
@@ -144,3 +146,68 @@ def test_bad_requests_get_anthropic_errors(served, fields, message) -> None:
     error = info.value.body
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert message in error["error"]["message"]
+
+
+# Claude Code 2.1.197's first request, its shape kept and its texts our own: a system message
+# inside `messages`, `thinking`, `context_management`, `output_config`, `metadata`, cache_control
+# on blocks, max_tokens far past the context, beta features the server does not know, a model id
+# of its own, and HEAD / before it all.
+CLAUDE_CODE_HEADERS = {
+    "anthropic-version": "2023-06-01",
+    "anthropic-beta": "claude-code-20250219,context-management-2025-06-27,"
+    "mid-conversation-system-2026-04-07,effort-2025-11-24,some-future-beta-2031-01-01",
+    "x-app": "cli",
+}
+CLAUDE_CODE_BODY = {
+    "model": "claude-opus-4-8",
+    "max_tokens": 64000,
+    "stream": True,
+    "system": [
+        {"type": "text", "text": "x-billing: cc_version=2.1.197;"},
+        {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}},
+    ],
+    "messages": [
+        {"role": "user", "content": [
+            {"type": "text", "text": "<system-reminder>Today is 2026-12-07.</system-reminder>"},
+            {"type": "text", "text": "say hi", "cache_control": {"type": "ephemeral"}}]},
+        {"role": "system", "content": "Agent types available: claude, Explore."},
+    ],
+    "tools": [{"name": "Bash", "description": "Runs a shell command.", "input_schema": {
+        "type": "object", "properties": {"command": {"type": "string"}},
+        "required": ["command"], "additionalProperties": False,
+        "$schema": "https://json-schema.org/draft/2020-12/schema"}}],
+    "metadata": {"user_id": '{"device_id":"d","session_id":"s"}'},
+    "thinking": {"type": "adaptive"},
+    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    "output_config": {"effort": "high"},
+}  # fmt: skip
+
+
+def test_claude_codes_first_request_streams_to_the_end(tok) -> None:
+    backend = FakeBackend(tok, tokens_per_chunk=3)
+    app = create_app(backend, tok, names=ModelNames(any_model=True))
+    with TestClient(app) as client:
+        assert client.head("/").status_code == 200
+        response = client.post("/v1/messages?beta=true", json=CLAUDE_CODE_BODY,
+                               headers=CLAUDE_CODE_HEADERS)  # fmt: skip
+        assert response.status_code == 200, response.text
+        kinds = [line[7:] for line in response.text.splitlines() if line.startswith("event: ")]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert "error" not in kinds
+    left = backend.max_model_len - len(backend.requests[-1].prompt_token_ids)
+    assert response.headers["x-kvmesh-max-tokens-clamped"] == f"64000->{left}"
+    prompt = tok.decode(backend.requests[-1].prompt_token_ids, skip_special_tokens=False)
+    # the system message stands where it was sent: after the user's turn, in a system turn
+    said, mid = prompt.index("say hi"), prompt.index("Agent types available")
+    assert said < mid and prompt.rindex("<|im_start|>system", 0, mid) > said
+
+
+def test_output_config_format_is_the_reply_schema(served) -> None:
+    """output_config.format (structured outputs): the reply is held to the schema."""
+    client, backend = served
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    _create(client, extra_body={"output_config": {"format": {"type": "json_schema",
+                                                             "schema": schema}}})  # fmt: skip
+    assert backend.requests[-1].params.grammar is not None
+    _create(client, extra_body={"output_config": {"effort": "low"}})
+    assert backend.requests[-1].params.grammar is None

@@ -110,3 +110,20 @@ def test_etcd_access_settings(tmp_path, monkeypatch):
     finally:
         etcd_access.configure(EtcdAccess())
         tls.configure(None)
+
+
+def test_a_client_salt_partitions_only_inside_its_own_key():
+    """x-kvmesh-cache-salt scoped under the tenant: B sending A's salt (or A's derived salt)
+    never reaches A's pages; one key's two client salts are apart; no key: the client's salt."""
+    from services.gateway.auth import request_salt, tenant_salt
+    from services.gateway.generation import Routing
+
+    a, b = {"authorization": "Bearer sk-a"}, {"authorization": "Bearer sk-b"}
+    salt = {"x-kvmesh-cache-salt": "s"}
+    a_s, b_s = Routing.from_headers(a | salt).cache_salt, Routing.from_headers(b | salt).cache_salt
+    assert a_s != b_s and a_s == Routing.from_headers(a | salt).cache_salt
+    assert a_s != Routing.from_headers(a | {"x-kvmesh-cache-salt": "t"}).cache_salt
+    forged = Routing.from_headers(b | {"x-kvmesh-cache-salt": tenant_salt(a)}).cache_salt
+    assert forged not in (tenant_salt(a), Routing.from_headers(a).cache_salt)
+    assert Routing.from_headers(a).cache_salt == tenant_salt(a)
+    assert request_salt({}, "s") != request_salt({}, "") == ""

@@ -33,6 +33,7 @@ from kvmesh.mesh.error_mapping import (
 from services.gateway import openai_responses as resp
 from services.gateway.limits import RequestLimits
 from services.gateway.openai_api import create_app
+from services.gateway.openai_protocol import ModelNames
 from tests.unit.fake_backend import ANSWER, FakeBackend, cached_tokens_for, serve_app
 
 MODEL = "smollm2-135m"
@@ -223,7 +224,7 @@ def test_completion_logprobs_stream(client: TestClient) -> None:
 
 # ---- errors ----
 
-TOO_LONG = {"messages": MESSAGES, "max_tokens": 5000}
+TOO_LONG = {"messages": [{"role": "user", "content": "Paris " * 2100}], "max_tokens": 5}
 BAD_CHAT: list[tuple[Any, int, str, str]] = [
     (b"{not json", 400, "invalid_request_error", "not valid JSON"),
     ([1, 2], 400, "invalid_request_error", "JSON object"),
@@ -269,8 +270,28 @@ def test_bad_chat_request(
     assert backend.requests == []
 
 
-def test_context_length_message(client: TestClient, tok: Tokenizer) -> None:
-    message = chat(client, max_tokens=5000).json()["error"]["message"]
+def test_max_tokens_beyond_the_context_is_clamped(
+    client: TestClient, backend: FakeBackend, tok: Tokenizer
+) -> None:
+    """Agents send max_tokens 32k-64k whatever the model: clamped to what the context leaves
+    the prompt, and said in a header; the reply ends with `length` where it is reached."""
+    prompt_len = len(tok.encode_chat(MESSAGES))
+    response = chat(client, max_tokens=5000, ignore_eos=True)
+    assert response.status_code == 200
+    left = 2048 - prompt_len
+    assert response.headers["x-kvmesh-max-tokens-clamped"] == f"5000->{left}"
+    assert backend.requests[-1].params.max_tokens == left
+    body = response.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == left
+    assert "x-kvmesh-max-tokens-clamped" not in chat(client, max_tokens=5).headers
+
+
+def test_context_length_message(backend: FakeBackend, tok: Tokenizer) -> None:
+    """--max-tokens-policy refuse: vLLM's answer, word for word."""
+    app = create_app(backend, tok, RequestLimits(max_tokens_policy="refuse"))
+    with TestClient(app) as client:
+        message = chat(client, max_tokens=5000).json()["error"]["message"]
     prompt_len = len(tok.encode_chat(MESSAGES))
     assert message == (
         "This model's maximum context length is 2048 tokens. However, you requested "
@@ -395,6 +416,22 @@ def test_models_health_metrics_and_unknown_route(client: TestClient) -> None:
         assert f"{name}" in text and 'service="gateway"' in text
     missing = client.get("/v1/nope")
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_served_model_names_and_any_model(backend: FakeBackend, tok: Tokenizer) -> None:
+    """--served-model-name (several): each answers, the first is listed first and echoed when
+    no model is named; the model's own name then is not served. --any-model: every name is."""
+    names = ModelNames(("kimi", "kimi-fast"))
+    with TestClient(create_app(backend, tok, names=names)) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["kimi", "kimi-fast"]
+        assert chat(client, model="kimi-fast").json()["model"] == "kimi-fast"
+        missing = chat(client, model=MODEL)
+        assert missing.status_code == 404
+        assert "this server serves `kimi`, `kimi-fast`" in missing.json()["error"]["message"]
+        assert client.post(CHAT, json={"messages": MESSAGES}).json()["model"] == "kimi"
+    with TestClient(create_app(backend, tok, names=ModelNames(any_model=True))) as client:
+        assert chat(client, model="claude-haiku-4-5").json()["model"] == "claude-haiku-4-5"
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [MODEL]
 
 
 # ---- the official openai client against a real server ----

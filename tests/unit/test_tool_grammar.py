@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 
+import pydantic
 import pytest
 
 from kvmesh.agent import grammars
@@ -169,3 +170,75 @@ def test_delimiters_that_are_added_tokens_are_matched_by_id(tok, walk):
     auto = reply_grammar(conversation(STRICT), "kimi_k2", hf, None, "")
     assert "lead:" in auto and "lead[lazy]" not in auto
     assert walk(auto, "Checking. " + CANONICAL["kimi_k2"], hf) == (True, True)
+
+
+class _City(pydantic.BaseModel):
+    name: str
+    country: str
+
+
+class _Trip(pydantic.BaseModel):  # nested models: `$defs` + `$ref`, as pydantic writes them
+    origin: _City
+    stops: list[_City]
+
+
+class _Node(pydantic.BaseModel):  # recursive
+    label: str
+    children: list[_Node] = []
+
+
+TRIP_CALLS = {  # plan_trip(origin=Paris, stops=[Lyon]) in each format
+    "hermes": '<tool_call>\n{"name": "plan_trip", "arguments": ARGS}\n</tool_call>',
+    "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.plan_trip:0"
+    "<|tool_call_argument_begin|>ARGS<|tool_call_end|><|tool_calls_section_end|>",
+    "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>plan_trip\n"
+    "```json\nARGS\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "llama3_json": '{"name": "plan_trip", "parameters": ARGS}',
+}
+TRIP = {"origin": {"name": "Paris", "country": "FR"}, "stops": [{"name": "Lyon", "country": "FR"}]}
+
+
+@pytest.mark.parametrize("name", sorted(TRIP_CALLS))
+@pytest.mark.parametrize("mode", ["required", "named", "strict"])
+def test_refs_resolve_against_each_tools_own_schema(name, mode, tok, walk):
+    """Pydantic's `$defs` / `$ref` under every choice that enforces a schema, in every format
+    (the call's schema holds the tool's: its refs must not resolve against the call's root)."""
+    trip = Tool("plan_trip", "", _Trip.model_json_schema(), strict=mode == "strict")
+    choice = {"required": ToolChoice("required"), "named": ToolChoice("named", "plan_trip"),
+              "strict": AUTO}[mode]  # fmt: skip
+    grammar = reply_grammar(conversation(trip, TIME, choice=choice), name, tok.hf, None, "")
+    call = TRIP_CALLS[name].replace("ARGS", json.dumps(TRIP))
+    assert walk(grammar, call) == (True, True)
+    wrong = TRIP_CALLS[name].replace("ARGS", json.dumps({**TRIP, "origin": {"name": "Paris"}}))
+    assert walk(grammar, wrong)[0] is False  # the nested model's required field is held
+
+
+def test_recursive_and_glm45_refs(tok, walk):
+    tree = Tool("make_tree", "", _Node.model_json_schema())
+    grammar = reply_grammar(conversation(tree, choice=ToolChoice("required")), "hermes", tok.hf,
+                            None, "")  # fmt: skip
+    args = {"label": "a", "children": [{"label": "b", "children": [{"label": "c"}]}]}
+    call = '<tool_call>\n{"name": "make_tree", "arguments": ' + json.dumps(args) + "}\n</tool_call>"
+    assert walk(grammar, call) == (True, True)
+    assert walk(grammar, call.replace('"c"', "3"))[0] is False
+    trip = Tool("plan_trip", "", _Trip.model_json_schema())
+    glm = reply_grammar(conversation(trip, choice=ToolChoice("required")), "glm45", tok.hf, None,
+                        "")  # fmt: skip
+    text = ("<tool_call>plan_trip\n<arg_key>origin</arg_key>\n<arg_value>"
+            + json.dumps(TRIP["origin"]) + "</arg_value>\n<arg_key>stops</arg_key>\n<arg_value>"
+            + json.dumps(TRIP["stops"]) + "</arg_value>\n</tool_call>")  # fmt: skip
+    assert walk(glm, text) == (True, True)
+
+
+def test_draft06_definitions_and_one_of_as_a_response_format(tok, walk):
+    schema = {"$schema": "http://json-schema.org/draft-06/schema#",
+              "definitions": {"cat": {"type": "object", "properties": {"meow": {"type": "boolean"}},
+                                      "required": ["meow"], "additionalProperties": False},
+                              "dog": {"type": "object", "properties": {"bark": {"type": "integer"}},
+                                      "required": ["bark"], "additionalProperties": False}},
+              "type": "object", "required": ["pet"], "additionalProperties": False,
+              "properties": {"pet": {"oneOf": [{"$ref": "#/definitions/cat"},
+                                               {"$ref": "#/definitions/dog"}]}}}  # fmt: skip
+    grammar = grammars.json_schema(schema, "response_format")
+    assert walk(grammar, '{"pet": {"bark": 2}}') == (True, True)
+    assert walk(grammar, '{"pet": {"purr": 2}}')[0] is False

@@ -9,6 +9,7 @@ import json
 from collections.abc import Sequence
 
 from kvmesh.agent.conversation import Tool
+from kvmesh.agent.grammars import within
 from kvmesh.agent.tool_parsers.base import CallState, ScanState, TaggedFormat
 from kvmesh.agent.tool_parsers.tagged import (
     Literal,
@@ -108,12 +109,13 @@ def _pairs(arguments: dict, literal: Literal) -> str:
     required = set(arguments.get("required") or ())
     lines = []
     for key, schema in properties.items():
-        line = f'{literal(KEY)} {json.dumps(key)} {between} {_value(schema, literal)} "\\n"'
+        value = _value(within(schema, arguments), literal)
+        line = f'{literal(KEY)} {json.dumps(key)} {between} {value} "\\n"'
         lines.append(line if key in required else f"({line})?")
     return " ".join(lines)
 
 
-def _value(schema: object, literal: Literal) -> str:
+def _value(schema: dict, literal: Literal) -> str:
     """A string argument as raw text (one of its enum values where it has one); any other as
     JSON per its schema."""
     if _is_text(schema):
@@ -122,4 +124,4 @@ def _value(schema: object, literal: Literal) -> str:
             choices = " | ".join(json.dumps(str(v)) for v in schema["enum"])
             return f"({choices}) {literal(VALUE_END)}"
         return "value_text"
-    return f"{json_rule(schema if isinstance(schema, dict) else {})} {literal(VALUE_END)}"
+    return f"{json_rule(schema)} {literal(VALUE_END)}"
