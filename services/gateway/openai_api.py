@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvmesh.engine.outputs import TokenLogprob
@@ -83,6 +83,7 @@ def create_app(
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/responses", responses.create, methods=["POST"]),
+        WebSocketRoute("/v1/responses", responses.refuse_websocket),
         Route("/v1/messages", anthropic.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),

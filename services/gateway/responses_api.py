@@ -16,6 +16,7 @@ import structlog
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.websockets import WebSocket
 
 from kvmesh.agent.tool_parsers import (
     ArgumentsDelta,
@@ -29,7 +30,8 @@ from kvmesh.mesh.error_mapping import http_headers, http_status, openai_error_bo
 from services.gateway.backend import GenerateBackend
 from services.gateway.generation import Delta, Generation, Routing
 from services.gateway.openai_protocol import ParsedRequest, ServedModel
-from services.gateway.responses_protocol import parse_response_request
+from services.gateway.responses_protocol import ResponsesRequest, parse_response_request
+from services.gateway.responses_tools import ResponsesTools, custom_input
 
 log = structlog.get_logger(__name__)
 
@@ -47,14 +49,15 @@ class ResponsesApi:
         started = time.monotonic()
         try:
             body = await self._read_json(request)
-            parsed = await run_in_threadpool(parse_response_request, body, self._tokenizer,
-                                             self._served)  # fmt: skip
+            asked = await run_in_threadpool(parse_response_request, body, self._tokenizer,
+                                            self._served)  # fmt: skip
+            parsed, headers = asked.parsed, _headers(asked)
             generation = Generation(self._backend, self._tokenizer, parsed, request_id, started,
                                     Routing.from_headers(request.headers))  # fmt: skip
-            reply = _Reply(parsed, request_id, body)
+            reply = _Reply(parsed, request_id, body, asked.tools)
             deltas = generation.deltas()
             if not parsed.stream:
-                return JSONResponse(await _whole(reply, generation, deltas), headers=parsed.headers)
+                return JSONResponse(await _whole(reply, generation, deltas), headers=headers)
             first = await anext(deltas)
         except Exception as exc:
             status = http_status(exc)
@@ -62,15 +65,34 @@ class ResponsesApi:
             return JSONResponse(openai_error_body(exc), status_code=status,
                                 headers=http_headers(exc))  # fmt: skip
         return StreamingResponse(_events(reply, generation, first, deltas),
-                                 media_type="text/event-stream", headers=parsed.headers)  # fmt: skip
+                                 media_type="text/event-stream", headers=headers)  # fmt: skip
+
+    async def refuse_websocket(self, websocket: WebSocket) -> None:
+        """Codex tries a WebSocket to /v1/responses first: 426 sends it to HTTP at once (any
+        other answer costs it seconds of retries, a 400 ends its run)."""
+        body = {"error": {"message": "WebSocket is not supported: POST /v1/responses",
+                          "type": "invalid_request_error", "param": None, "code": None}}  # fmt: skip
+        await websocket.send_denial_response(JSONResponse(body, status_code=426))
+
+
+def _headers(asked: ResponsesRequest) -> dict[str, str]:
+    """What the server changed: a clamped max_tokens, hosted tools it cannot run."""
+    headers = dict(asked.parsed.headers)
+    if asked.tools.not_offered:
+        log.info("request.tools_not_offered", tools=list(asked.tools.not_offered))
+        headers["x-kvmesh-tools-not-offered"] = ",".join(asked.tools.not_offered)
+    return headers
 
 
 class _Reply:
     """The response object and its output items, built as the text arrives."""
 
-    def __init__(self, parsed: ParsedRequest, request_id: str, body: dict[str, Any]) -> None:
+    def __init__(self, parsed: ParsedRequest, request_id: str, body: dict[str, Any],
+                 tools: ResponsesTools) -> None:  # fmt: skip
         parser = parsed.tools.parser_object() if parsed.tools else get_parser("hermes")
         self.stream = ToolCallStream(parser) if parsed.tools else None
+        self.tools = tools
+        self.arguments = ""  # of the open call, as the model writes them
         self.request_id = request_id
         self.items: list[dict[str, Any]] = []
         self.sequence = 0
@@ -114,15 +136,20 @@ class _Reply:
                                       delta=part.text, logprobs=[]))  # fmt: skip
             elif isinstance(part, CallStart):
                 out += self._close()
-                self.items.append({"type": "function_call", "id": f"fc_{part.id[5:]}",
-                                   "call_id": part.id, "name": part.name, "arguments": "",
-                                   "status": "in_progress"})  # fmt: skip
+                item = self.tools.call_item(part.name, part.id, "")
+                prefix = "ctc" if item["type"] == "custom_tool_call" else "fc"
+                self.items.append(
+                    {**item, "id": f"{prefix}_{part.id[5:]}", "status": "in_progress"}
+                )
+                self.arguments = ""
                 out.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
                                       item=dict(self.items[-1])))  # fmt: skip
             elif isinstance(part, ArgumentsDelta):
-                self.items[-1]["arguments"] += part.text
-                out.append(self.event("response.function_call_arguments.delta", **self._at(),
-                                      delta=part.text))  # fmt: skip
+                self.arguments += part.text
+                if self.items[-1]["type"] == "function_call":  # a custom call's text: at its end
+                    self.items[-1]["arguments"] = self.arguments
+                    out.append(self.event("response.function_call_arguments.delta", **self._at(),
+                                          delta=part.text))  # fmt: skip
         return out + (self._close() if final else [])
 
     def _at(self) -> dict[str, Any]:
@@ -159,6 +186,10 @@ class _Reply:
                                   text=part["text"], logprobs=[]))  # fmt: skip
             out.append(self.event("response.content_part.done", **self._at(), content_index=0,
                                   part=part))  # fmt: skip
+        elif item["type"] == "custom_tool_call":
+            item["input"] = custom_input(self.arguments)
+            out.append(self.event("response.custom_tool_call_input.done", **self._at(),
+                                  input=item["input"]))  # fmt: skip
         else:
             out.append(self.event("response.function_call_arguments.done", **self._at(),
                                   name=item["name"], arguments=item["arguments"]))  # fmt: skip
@@ -198,6 +229,9 @@ async def _events(reply: _Reply, generation: Generation, first: Delta,
         log.info("request.failed_in_stream", error=str(exc))
         error = openai_error_body(exc)["error"]
         yield reply.event("error", code=error["code"], message=error["message"], param=None)
+        failed = {**reply.response("failed"), "error": {"code": error["code"] or error["type"],
+                                                        "message": error["message"]}}  # fmt: skip
+        yield reply.event("response.failed", response=failed)
     finally:
         with anyio.CancelScope(shield=True):
             await deltas.aclose()

@@ -5,7 +5,8 @@ function `tools`, `tool_choice`, `parallel_tool_calls`, `max_output_tokens`, `te
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvmesh.agent.conversation import ROLES, Conversation
@@ -17,11 +18,23 @@ from services.gateway import openai_protocol as common
 from services.gateway.openai_chat import parse_conversation as parse_chat
 from services.gateway.openai_protocol import ParsedRequest, ServedModel, ToolSetup
 from services.gateway.output_format import output_grammar
+from services.gateway.responses_tools import ResponsesTools, model_name
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# accepted, nothing to render: reasoning the model cannot read back, tools (collected by
+# ResponsesTools), Codex's per-turn settings
+_NOT_RENDERED = ("reasoning", "additional_tools", "configuration_update")
 
 
-def parse_response_request(body: Any, tokenizer: Tokenizer, served: ServedModel) -> ParsedRequest:
+@dataclass(frozen=True)
+class ResponsesRequest:
+    parsed: ParsedRequest
+    tools: ResponsesTools  # how the model's calls go back (namespaces, custom tools)
+
+
+def parse_response_request(
+    body: Any, tokenizer: Tokenizer, served: ServedModel
+) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
     if body.get("previous_response_id") is not None:
@@ -29,7 +42,8 @@ def parse_response_request(body: Any, tokenizer: Tokenizer, served: ServedModel)
             "'previous_response_id' is not supported: this server is stateless; send the "
             "whole conversation in 'input'"
         )
-    conversation = parse_conversation(body)
+    tools = ResponsesTools.of(body)
+    conversation = parse_conversation(body, tools)
     prompt = common.chat_prompt(conversation, tokenizer)
     requested = body.get("max_output_tokens")
     if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool)):
@@ -42,14 +56,16 @@ def parse_response_request(body: Any, tokenizer: Tokenizer, served: ServedModel)
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise InvalidRequestError("'stream' must be a boolean")
-    tools = ToolSetup.of(conversation, served.tool_parser)
     model = common.check_model(body, served)
-    return ParsedRequest("chat", model, tuple(prompt), replace(params, stop=()), (), stream,
-                         tools=tools, clamped_from=budget.clamped_from)  # fmt: skip
+    parsed = ParsedRequest("chat", model, tuple(prompt), replace(params, stop=()), (), stream,
+                           tools=ToolSetup.of(conversation, served.tool_parser),
+                           clamped_from=budget.clamped_from)  # fmt: skip
+    return ResponsesRequest(parsed, tools)
 
 
-def parse_conversation(body: dict[str, Any]) -> Conversation:
+def parse_conversation(body: dict[str, Any], tools: ResponsesTools | None = None) -> Conversation:
     """The Responses body as chat messages, then the chat translator's rules (one place)."""
+    tools = ResponsesTools.of(body) if tools is None else tools
     items = body.get("input")
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
@@ -64,7 +80,7 @@ def parse_conversation(body: dict[str, Any]) -> Conversation:
         made = _item(i, item, messages)
         messages.extend(made)
         sources.extend([f"input[{i}]"] * len(made))
-    chat = {"messages": messages, "tools": [_tool(i, t) for i, t in enumerate(body.get("tools") or [])],
+    chat = {"messages": messages, "tools": list(tools.functions),
             "tool_choice": _choice(body.get("tool_choice")),
             "parallel_tool_calls": body.get("parallel_tool_calls")}  # fmt: skip
     return parse_chat({k: v for k, v in chat.items() if v not in (None, [])}, sources)
@@ -79,23 +95,46 @@ def _item(i: int, item: Any, messages: list[dict[str, Any]]) -> list[dict[str, A
         if item.get("role") not in ROLES or item.get("role") == "tool":
             raise InvalidRequestError(f"'{at}.role' must be system, developer, user or assistant")
         return [{"role": item["role"], "content": _content(at, item.get("content"))}]
-    if kind == "function_call":
-        call = {"id": item.get("call_id"), "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}  # fmt: skip
-        if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("content"):
-            messages[-1].setdefault("tool_calls", []).append(call)  # parallel calls: one turn
-            return []
-        return [{"role": "assistant", "content": None, "tool_calls": [call]}]
-    if kind == "function_call_output":
-        output = item.get("output")
-        if not isinstance(output, str):
-            raise InvalidRequestError(f"'{at}.output' must be a string")
-        return [{"role": "tool", "tool_call_id": item.get("call_id"), "content": output}]
-    if kind == "reasoning":
+    if kind in ("function_call", "custom_tool_call"):
+        return _call(item, kind, messages)
+    if kind in ("function_call_output", "custom_tool_call_output"):
+        content = _output(at, item.get("output"))
+        return [{"role": "tool", "tool_call_id": item.get("call_id"), "content": content}]
+    if kind in _NOT_RENDERED:
         return []
     raise InvalidRequestError(
-        f"'{at}.type' {kind!r} is not supported (message, function_call, function_call_output)"
+        f"'{at}.type' {kind!r} is not supported (message, function_call, function_call_output, "
+        "custom_tool_call, custom_tool_call_output, reasoning, additional_tools)"
     )
+
+
+def _call(item: dict[str, Any], kind: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A past call, named as the model saw it; a custom tool's text as its `input` argument."""
+    if kind == "custom_tool_call":
+        arguments = json.dumps({"input": item.get("input", "")}, ensure_ascii=False)
+    else:
+        arguments = item.get("arguments", "{}")
+    name = model_name(item.get("name"), item.get("namespace"))
+    call = {"id": item.get("call_id"), "type": "function",
+            "function": {"name": name, "arguments": arguments}}  # fmt: skip
+    if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("content"):
+        messages[-1].setdefault("tool_calls", []).append(call)  # parallel calls: one turn
+        return []
+    return [{"role": "assistant", "content": None, "tool_calls": [call]}]
+
+
+def _output(at: str, output: Any) -> str:
+    """A tool's output: a string, or content parts (Codex sends input_text parts)."""
+    if isinstance(output, str):
+        return output
+    if not isinstance(output, list):
+        raise InvalidRequestError(f"'{at}.output' must be a string or an array of content parts")
+    texts = []
+    for part in output:
+        kind = part.get("type") if isinstance(part, dict) else None
+        text = part.get("text") if kind in _TEXT_PARTS else f"[{kind}: not shown to this model]"
+        texts.append(text if isinstance(text, str) else "")
+    return "\n".join(texts)
 
 
 def _content(at: str, content: Any) -> Any:
@@ -107,16 +146,10 @@ def _content(at: str, content: Any) -> Any:
     raise InvalidRequestError(f"'{at}.content' must be a string or an array of text parts")
 
 
-def _tool(i: int, tool: Any) -> dict[str, Any]:
-    if not isinstance(tool, dict) or tool.get("type") != "function":
-        raise InvalidRequestError(f"'tools[{i}]' must be a function tool (type \"function\")")
-    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
-    return {"type": "function", "function": function}
-
-
 def _choice(choice: Any) -> Any:
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
+        name = model_name(choice.get("name"), choice.get("namespace"))
+        return {"type": "function", "function": {"name": name}}
     return choice
 
 
