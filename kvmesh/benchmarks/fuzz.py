@@ -143,6 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_fuzz_bench(args: argparse.Namespace) -> int:
     """A mesh (1 prefill, 1 decode, KV store; outputs capped at 4 tokens so thousands of requests
     fit in minutes), fuzzed over REST then gRPC, then asked one plain question."""
+    from kvmesh.benchmarks.fuzz_edges import fuzz_edges
     from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
     from kvmesh.proto.v1 import decode_pb2, gateway_pb2, kvstore_pb2, prefill_pb2
 
@@ -154,6 +155,8 @@ def run_fuzz_bench(args: argparse.Namespace) -> int:
         mesh.start()
         rest = fuzz_rest(mesh.url, args.rest_examples)
         print(f"REST: {_summary(rest)}", flush=True)
+        edges = fuzz_edges(mesh.url, args.model)
+        print(f"REST edges: {_summary(edges)}", flush=True)
         workers = {w.role: w for w in asyncio.run(list_workers(mesh.etcd.endpoint, "default"))}
         targets = [(f"127.0.0.1:{mesh.grpc_port}", gateway_pb2.DESCRIPTOR.services_by_name["Gateway"]),
                    (workers["decode"].grpc_address, decode_pb2.DESCRIPTOR.services_by_name["Decode"]),
@@ -164,10 +167,10 @@ def run_fuzz_bench(args: argparse.Namespace) -> int:
         alive = all(proc.poll() is None for proc in mesh.procs.values())
     finally:
         mesh.stop()
-    report = {**run.header(), "rest": _as_dict(rest), "grpc": _as_dict(rpc),
-              "services_alive_after": alive} | run.footer()  # fmt: skip
+    report = {**run.header(), "rest": _as_dict(rest), "rest_edges": _as_dict(edges),
+              "grpc": _as_dict(rpc), "services_alive_after": alive} | run.footer()  # fmt: skip
     write_report(report, args.output)
-    return 0 if alive and not rest.failures and not rpc.failures else 1
+    return 0 if alive and not (rest.failures or edges.failures or rpc.failures) else 1
 
 
 def _summary(report: FuzzReport) -> str:

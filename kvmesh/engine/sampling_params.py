@@ -15,6 +15,9 @@ _INT_RANGES = {  # the proto field types: uint32 max_tokens, int32 top_k, int64 
 }
 
 
+MAX_REPETITION_PENALTY = 100.0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token and when to stop, as in vLLM / OpenAI."""
@@ -61,9 +64,9 @@ class SamplingParams:
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(
-            self.repetition_penalty > 0.0,
-            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+        _check(  # bounded: a logit divided by 1e308 is no longer a number in fp32
+            0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}",
         )
         _check(
             -2.0 <= self.presence_penalty <= 2.0,

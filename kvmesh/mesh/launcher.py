@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvmesh.engine.loader.resolve import served_name
 from kvmesh.env import kvmesh_home, num_threads, role_cpus
 from kvmesh.errors import LaunchError
 from kvmesh.mesh.affinity import decode_lead_cpu, worker_env
@@ -349,12 +350,13 @@ def _print_ready(mesh: Mesh, options: UpOptions) -> None:
     assert mesh.etcd is not None
     url = mesh.url
     cacert = f"--cacert {mesh.tls.ca} " if mesh.tls else ""
+    name = _flag(options.gateway_args, "--served-model-name") or served_name(options.model)
     say(
         f"""kvmesh is up: model {options.model}
   REST (OpenAI): {url}/v1    gRPC Gateway: 127.0.0.1:{mesh.grpc_port}    etcd: {mesh.etcd.endpoint}
   try:
     curl -s {cacert}{url}/v1/chat/completions -H 'Content-Type: application/json' \\
-      -d '{{"model": "{options.model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+      -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
   Ctrl-C stops everything."""
     )
 

@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--qk-norm", default="on", choices=["on", "off"], help="glm4_moe use_qk_norm")
     p.add_argument("--index-topk", type=int, default=16, help="glm_moe_dsa: keys kept per query")
+    p.add_argument("--max-position-embeddings", type=int, default=1024,
+                   help="the context length (default 1024; agents' prompts need 32768 or more)")  # fmt: skip
 
 
 def spec_from_args(args: argparse.Namespace) -> TinySpec:
@@ -36,7 +38,8 @@ def spec_from_args(args: argparse.Namespace) -> TinySpec:
         num_layers=args.num_layers, **{name: getattr(args, name) for name in SIZE_FLAGS}
     )
     return TinySpec(arch=args.arch, seed=args.seed, size=size, quantize=args.quantize,
-                    dtype=args.dtype, qk_norm=args.qk_norm == "on", index_topk=args.index_topk)  # fmt: skip
+                    dtype=args.dtype, qk_norm=args.qk_norm == "on", index_topk=args.index_topk,
+                    max_position_embeddings=args.max_position_embeddings)  # fmt: skip
 
 
 def run_make_tiny_model(args: argparse.Namespace) -> int:

@@ -57,6 +57,7 @@ class TinySpec:
     dtype: str = "fp32"
     qk_norm: bool = True  # glm4_moe's use_qk_norm
     index_topk: int = 16  # glm_moe_dsa: keys each query attends to (see GLM_DSA below)
+    max_position_embeddings: int = 1024  # the context (agents' prompts need 32k-64k)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -67,6 +68,8 @@ class TinySpec:
             self._check_int4()
         if self.index_topk < 1:
             raise InvalidRequestError("--index-topk must be positive")
+        if self.max_position_embeddings < KIMI_K2_YARN["original_max_position_embeddings"]:
+            raise InvalidRequestError("--max-position-embeddings must be at least 256")
 
     def _check_int4(self) -> None:
         if self.arch not in MOE_ARCHS:
@@ -107,7 +110,7 @@ def _common(spec: TinySpec, ids: TokenIds) -> dict[str, Any]:
         "num_hidden_layers": spec.num_layers,
         "num_attention_heads": s.num_heads,
         "num_key_value_heads": s.num_heads // 2,  # GQA (MLA archs override: one per head)
-        "max_position_embeddings": 1024,
+        "max_position_embeddings": spec.max_position_embeddings,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
         "bos_token_id": ids.bos,
@@ -168,10 +171,16 @@ KIMI_K2_YARN = {  # Kimi K2's rope_scaling (beta 1/1, mscale 1/1) on a 256-token
 }
 
 
+def _kimi_yarn(spec: TinySpec) -> dict[str, Any]:
+    """Kimi K2's yarn stretched to the checkpoint's context (Kimi: 4k x 32 = 128k)."""
+    factor = spec.max_position_embeddings / KIMI_K2_YARN["original_max_position_embeddings"]
+    return {**KIMI_K2_YARN, "factor": factor}
+
+
 def _deepseek_v3(spec: TinySpec) -> dict[str, Any]:
     """Kimi K2's shape: noaux_tc sigmoid routing scaled by 2.827, yarn, interleaved rope."""
     return {**_routed(spec, 2.827), **_mla(spec, 32), "first_k_dense_replace": 1,
-            "rope_parameters": KIMI_K2_YARN, "rope_interleave": True, "num_mtp_layers": 0,
+            "rope_parameters": _kimi_yarn(spec), "rope_interleave": True, "num_mtp_layers": 0,
             "topk_method": "noaux_tc", "scoring_func": "sigmoid"}  # fmt: skip
 
 

@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kvmesh.agent.partial_json import partial_json
 from kvmesh.agent.tool_parsers import (
     ArgumentsDelta,
     CallStart,
@@ -197,11 +198,9 @@ def _tool_id(call_id: str) -> str:
 
 
 def _input(arguments: str) -> dict[str, Any]:
-    """A call's arguments as the object Anthropic's tool_use.input is ({} if cut short)."""
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return {}
+    """A call's arguments as the object Anthropic's tool_use.input is: what was written of them
+    where max_tokens cut the call (stop_reason max_tokens says so), never a silent {}."""
+    value = partial_json(arguments)
     return value if isinstance(value, dict) else {}
 
 

@@ -75,16 +75,20 @@ def _timeout(value: str | None) -> float | None:
 
 
 class ReplyDetokenizer:
-    """Incremental text with stop strings. A reply read for tool calls keeps special tokens
-    (several formats delimit calls with them) but never the ones that end it (EOS, stop ids),
-    and its stop strings apply to its content only: a call's arguments are never cut."""
+    """Incremental text with stop strings. A reply read for tool calls keeps the special tokens
+    its format delimits calls with, and no other (a chat template's <|im_start|> is not
+    content), never the ones that end it (EOS, stop ids); its stop strings apply to its
+    content only: a call's arguments are never cut."""
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, stop: tuple[str, ...],
                  prompt: Sequence[int], tools: ToolParser | None) -> None:  # fmt: skip
         skip_special = params.skip_special_tokens and tools is None
-        self._hidden = (
+        hidden = (
             frozenset() if skip_special else tokenizer.eos_token_ids | set(params.stop_token_ids)
         )
+        if tools is not None and params.skip_special_tokens:
+            hidden |= tokenizer.all_special_ids - _token_ids(tokenizer, tools.delimiters)
+        self._hidden = hidden
         self._inner = IncrementalDetokenizer(
             tokenizer, stop, params.include_stop_str_in_output, skip_special, prompt,
             tools.call_start if tools is not None else None,
@@ -94,6 +98,16 @@ class ReplyDetokenizer:
         if self._hidden:
             token_ids = [t for t in token_ids if t not in self._hidden]
         return self._inner.push(token_ids, final=final)
+
+
+def _token_ids(tokenizer: Tokenizer, texts: Sequence[str]) -> frozenset[int]:
+    """The ids of the texts that are one token each in this tokenizer."""
+    ids = {text: tokenizer.hf.convert_tokens_to_ids(text) for text in texts}
+    return frozenset(
+        i
+        for text, i in ids.items()
+        if i is not None and tokenizer.hf.convert_ids_to_tokens(i) == text
+    )
 
 
 class Generation:

@@ -9,7 +9,6 @@ aborted down the chain with backend.abort(request_id).
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import time
 import uuid
@@ -32,10 +31,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvmesh.engine.outputs import TokenLogprob
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.errors import InvalidRequestError, KvmeshError, WorkerUnavailableError
+from kvmesh.errors import KvmeshError, WorkerUnavailableError
 from kvmesh.mesh import error_mapping, metrics
 from kvmesh.mesh.error_mapping import (
-    PayloadTooLargeError,
     http_headers,
     http_status,
     openai_error_body,
@@ -47,6 +45,7 @@ from services.gateway.auth import ApiKeyMiddleware, ApiKeys
 from services.gateway.backend import GenerateBackend
 from services.gateway.choices import Choice, choice_requests, delta_events, merged, total_usage
 from services.gateway.generation import SERVICE, Delta, Generation, Routing
+from services.gateway.json_body import read_json
 from services.gateway.limits import DEFAULT_LIMITS, RequestLimits
 from services.gateway.openai_responses import LogprobFormatter, ResponseMeta
 from services.gateway.openapi import openapi_document
@@ -76,7 +75,7 @@ def create_app(
     served = proto.served_model(backend.model_name, backend.max_model_len, tokenizer, limits,
                                 tool_parser, names)  # fmt: skip
     api = _OpenAIApi(backend, tokenizer, served)
-    read = lambda request: _read_json(request, limits.max_body_bytes)  # noqa: E731
+    read = lambda request: read_json(request, limits.max_body_bytes)  # noqa: E731
     anthropic = AnthropicApi(backend, tokenizer, api.served, read)
     responses = ResponsesApi(backend, tokenizer, api.served, read)
     routes = [
@@ -154,7 +153,7 @@ class _OpenAIApi:
         request_id: str = request.state.request_id
         started = time.monotonic()
         try:
-            body = await _read_json(request, self._max_body_bytes)
+            body = await read_json(request, self._max_body_bytes)
             parsed = await run_in_threadpool(
                 proto.parse_request, kind, body, self._tokenizer, self.served
             )
@@ -241,26 +240,6 @@ async def _sse_events(meta: ResponseMeta, choices: list[Choice], first: tuple[in
             await deltas.aclose()
         _count(outcome)
     yield b"data: [DONE]\n\n"
-
-
-async def _read_json(request: Request, limit: int) -> Any:
-    """The body as JSON; 413 past `limit` bytes (declared or actual), 400 when not JSON."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLargeError(
-            f"the request body exceeds {limit} bytes (--max-request-body-bytes)"
-        )
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise PayloadTooLargeError(
-                f"the request body exceeds {limit} bytes (--max-request-body-bytes)"
-            )
-    try:
-        return json.loads(body)
-    except ValueError as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
 
 
 def _error_response(exc: Exception) -> JSONResponse:

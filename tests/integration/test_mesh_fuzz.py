@@ -12,6 +12,7 @@ import pytest
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.benchmarks.fuzz import fuzz_grpc, fuzz_rest
+from kvmesh.benchmarks.fuzz_edges import fuzz_edges
 from kvmesh.mesh.launcher import UpOptions, list_workers
 from kvmesh.proto.v1 import decode_pb2, gateway_pb2, kvstore_pb2, prefill_pb2
 from tests.integration.mesh_probes import module_mesh, pages_in_use, wait_for
@@ -49,6 +50,14 @@ def test_generated_grpc_messages_crash_no_service(mesh):
     assert report.requests >= 100  # a method without fields is tried once
     assert report.failures == [], report.failures[:5]
     assert "INVALID_ARGUMENT" in report.outcomes and "OK" in report.outcomes
+
+
+def test_hostile_bodies_and_pydantic_tool_schemas_get_no_5xx(mesh):
+    """Nesting thousands deep, NaN / Infinity / 1e308 in numeric fields, pydantic's schemas
+    under forced and strict tool choices, on every endpoint (a sample; the bench runs all)."""
+    report = fuzz_edges(f"http://127.0.0.1:{mesh.http_port}", MODEL, quick=True)
+    assert report.failures == [], report.failures[:5]
+    assert report.outcomes[400] > 0 and report.outcomes[200] > 0, report.outcomes
 
 
 def test_the_mesh_still_answers_exactly_after_the_fuzzing(mesh):

@@ -211,3 +211,16 @@ def test_output_config_format_is_the_reply_schema(served) -> None:
     assert backend.requests[-1].params.grammar is not None
     _create(client, extra_body={"output_config": {"effort": "low"}})
     assert backend.requests[-1].params.grammar is None
+
+
+def test_a_tool_use_cut_by_max_tokens_keeps_what_was_written(served, tok) -> None:
+    client, backend = served
+    backend.script(
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "units": "celsius"}}\n</tool_call>'
+    )
+    cut = len(tok.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "un',
+                         add_special_tokens=False))  # fmt: skip
+    reply = _create(client, tools=[WEATHER], max_tokens=cut)
+    assert reply.stop_reason == "max_tokens"
+    (block,) = reply.content
+    assert block.type == "tool_use" and block.input == {"city": "Paris"}

@@ -433,3 +433,21 @@ def test_quantized_gguf_tensors_dequantize_exactly(tmp_path: Path, qtype: str) -
     assert loaded.shape == (16, 64)
     torch.testing.assert_close(loaded, torch.from_numpy(expected), rtol=0, atol=0)
     assert float((loaded - torch.from_numpy(original)).abs().max()) < 0.5  # close to the source
+
+
+def test_the_banner_names_the_served_id_not_the_path(capsys, tmp_path):
+    """`kvmesh up --model DIR` printed a curl whose model was the whole path (404)."""
+    from types import SimpleNamespace
+
+    from kvmesh.engine.loader.resolve import served_name
+    from kvmesh.mesh import launcher
+
+    assert served_name("smollm2-135m") == "smollm2-135m"
+    assert served_name(str(tmp_path / "tiny-llama")) == "tiny-llama"
+    assert served_name("/models/SmolLM2.Q4_1.gguf") == "SmolLM2.Q4_1"
+    mesh = SimpleNamespace(etcd=SimpleNamespace(endpoint="127.0.0.1:1"), url="http://x",
+                           tls=None, grpc_port=1)  # fmt: skip
+    for args, want in (((), "tiny-llama"), (("--served-model-name", "kimi"), "kimi")):
+        options = launcher.UpOptions(model=str(tmp_path / "tiny-llama"), gateway_args=args)
+        launcher._print_ready(mesh, options)
+        assert f'"model": "{want}"' in capsys.readouterr().out

@@ -252,6 +252,12 @@ BAD_CHAT: list[tuple[Any, int, str, str]] = [
     ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400,
      "invalid_request_error", "stream_options"),
     (TOO_LONG, 400, "context_length_exceeded", "maximum context length is 2048 tokens"),
+    ({"messages": MESSAGES, "repetition_penalty": 1e308}, 400, "invalid_request_error",
+     "repetition_penalty must be in (0, 100]"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400,
+     "invalid_request_error", "NaN is not a JSON number"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": Infinity}', 400,
+     "invalid_request_error", "Infinity is not a JSON number"),
 ]  # fmt: skip
 
 
@@ -393,6 +399,16 @@ def test_client_disconnect_aborts_backend(tok: Tokenizer, backend: FakeBackend) 
     anyio.run(run)
     assert sent[0]["status"] == 200
     assert backend.aborted == backend.cancelled and _client_id(backend.aborted[0]) == "gone-1"
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS, "/v1/responses", "/v1/messages"])
+@pytest.mark.parametrize("depth", [129, 3000])
+def test_deep_nesting_is_a_400_on_every_endpoint(client: TestClient, path: str, depth: int) -> None:
+    """RecursionError is not a ValueError: a body nested 3,000 deep was a 500."""
+    body = b'{"messages": ' + b"[" * depth + b"]" * depth + b"}"
+    response = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert "nests objects and arrays deeper than 128" in response.text
 
 
 # ---- other endpoints ----

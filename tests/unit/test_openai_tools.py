@@ -313,3 +313,15 @@ def test_a_failing_choice_ends_the_request_whole_and_streamed(served) -> None:
         client.chat.completions.create(model=MODEL, messages=ASK, n=2)
     with pytest.raises(openai.APIError, match="decode worker went away"):  # in band, not a hang
         list(client.chat.completions.create(model=MODEL, messages=ASK, n=2, stream=True))
+
+
+def test_template_special_tokens_are_not_content_beside_tools(served) -> None:
+    """With tools offered the reply keeps its format's tags, never a chat template's own
+    special tokens (<|im_start|>, <|endoftext|>) as text."""
+    client, backend = served
+    backend.script(
+        "<|im_start|>assistant\nChecking.<|endoftext|>" + TWO_CALLS[len("Let me look that up.") :]
+    )
+    reply = _create(client, tools=[WEATHER_TOOL, TIME_TOOL]).choices[0]
+    assert reply.message.content == "assistant\nChecking."
+    assert [c.function.name for c in reply.message.tool_calls] == ["get_weather", "get_time"]

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from kvmesh.errors import InvalidRequestError
 from kvmesh.tools.tiny_configs import ARCHS, TinySize, TinySpec
 from kvmesh.tools.tiny_models import build_model, make_tiny_model
 
@@ -166,6 +167,24 @@ def test_cli_writes_and_prints_where(written, tmp_path):
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["path"] == str(out) and result["architecture"] == "DeepseekV3ForCausalLM"
     assert _sha(out / "model.safetensors") == _sha(written["deepseek_v3"] / "model.safetensors")
+
+
+def test_a_long_context_checkpoint(tmp_path):
+    """--max-position-embeddings: agents' prompts (32k-64k tokens) need a longer context;
+    Kimi's yarn factor stretches with it."""
+    from kvmesh.engine.loader import read_config, resolve_model
+
+    out = tmp_path / "long"
+    argv = ["make-tiny-model", "--arch", "deepseek_v3", "--output", str(out),
+            "--max-position-embeddings", "65536"]  # fmt: skip
+    subprocess.run([sys.executable, "-m", "kvmesh.cli", *argv], cwd=REPO, check=True,
+                   capture_output=True)  # fmt: skip
+    config = _config(out)
+    assert config["max_position_embeddings"] == 65536
+    assert config["rope_parameters"]["factor"] == 65536 / 256
+    assert read_config(resolve_model(str(out))).max_position_embeddings == 65536
+    with pytest.raises(InvalidRequestError, match="at least 256"):
+        TinySpec("llama", max_position_embeddings=100)
 
 
 def test_cli_help_imports_no_torch():

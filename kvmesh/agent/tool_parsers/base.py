@@ -31,6 +31,7 @@ class ScanState:
 class ToolParser(Protocol):
     name: str
     trigger: str  # the delimiter that begins a reply's calls
+    delimiters: tuple[str, ...]  # every tag of the format (special tokens kept in the reply)
     bare_calls: bool  # whether a reply may also start with its calls, without the trigger
 
     def scan(self, text: str, final: bool) -> ScanState: ...

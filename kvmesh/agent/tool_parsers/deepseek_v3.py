@@ -25,6 +25,7 @@ FENCE, FENCE_END = "```json\n", "\n```"
 class DeepSeekV3Parser(TaggedFormat):
     name = "deepseek_v3"
     trigger = SECTION
+    delimiters = (SECTION, SECTION_END, CALL, SEP, CALL_END)
 
     def scan(self, text: str, final: bool) -> ScanState:
         first = text.find(SECTION)

@@ -27,6 +27,7 @@ KEY, KEY_END, VALUE, VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</ar
 class Glm45Parser(TaggedFormat):
     name = "glm45"
     trigger = OPEN
+    delimiters = (OPEN, CLOSE, KEY, KEY_END, VALUE, VALUE_END)
 
     def __init__(self, tools: Sequence[Tool] = ()) -> None:
         super().__init__(tools)

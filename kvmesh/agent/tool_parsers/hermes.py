@@ -16,6 +16,7 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 class HermesParser(TaggedFormat):
     name = "hermes"
     trigger = OPEN
+    delimiters = (OPEN, CLOSE)
 
     def scan(self, text: str, final: bool) -> ScanState:
         first = text.find(OPEN)

@@ -24,6 +24,7 @@ CALL, ARGS, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<
 class KimiK2Parser(TaggedFormat):
     name = "kimi_k2"
     trigger = SECTION
+    delimiters = (SECTION, SECTION_END, CALL, ARGS, CALL_END)
 
     def scan(self, text: str, final: bool) -> ScanState:
         first = text.find(SECTION)

