@@ -199,12 +199,17 @@ class AsyncEngine:
         """Run a request here (prefill and decode) and stream its outputs (those `tap` does
         not take: output_streams.py); `resumed`: output another worker already sent."""
         stream = self._open(request_id, tap)
+
+        def add() -> None:  # not once aborted: an abort that came first found nothing to stop
+            if not stream.aborted:
+                self._engine.add_request(request_id, prompt, params, keep_pages, cache_salt,
+                                         resumed)  # fmt: skip
+
         try:
             await self._prepare(params)
-            await self.call(self._engine.add_request, request_id, prompt, params, keep_pages,
-                            cache_salt, resumed)  # fmt: skip
-        except BaseException:
-            self._streams.pop(request_id, None)
+            await self.call(add)
+        except BaseException as exc:
+            await self._forget(request_id, stream, exc)
             raise
         async with contextlib.aclosing(self._drain(request_id, stream)) as drain:
             async for out in drain:
@@ -248,6 +253,9 @@ class AsyncEngine:
         stream = self._open(request_id, tap)
 
         def commit_and_deliver() -> None:
+            if stream.aborted:  # before it joined the batch: its pages go back instead
+                self._engine.cancel_reservation(request_id)
+                return
             # the first output goes out from the engine thread, like every later one: the loop
             # then gets it before the next step's (a put after the call returned could land
             # behind them when the loop lags)
@@ -258,8 +266,8 @@ class AsyncEngine:
 
         try:
             await self.call(commit_and_deliver)
-        except BaseException:
-            self._streams.pop(request_id, None)
+        except BaseException as exc:
+            await self._forget(request_id, stream, exc)
             raise
         async with contextlib.aclosing(self._drain(request_id, stream)) as drain:
             async for out in drain:
@@ -278,11 +286,24 @@ class AsyncEngine:
         stream = self._streams[request_id] = OutputStream(asyncio.get_running_loop(), tap)
         return stream
 
+    async def _forget(self, request_id: str, stream: OutputStream, error: BaseException) -> None:
+        """The call that adds a request (generate, commit) did not answer. Cancelled -- its
+        caller left, e.g. a cancelled RPC -- the call still runs on the engine thread, maybe
+        already ran (its answer lost): it is told not to add the request, and a drop queued
+        behind it (calls run in order) ends the request if it was too late for that."""
+        self._streams.pop(request_id, None)
+        if isinstance(error, asyncio.CancelledError):
+            stream.aborted = True
+            await asyncio.shield(self.call(self._engine.drop, request_id))
+
     async def abort(self, request_id: str) -> bool:
         def abort_and_tell() -> bool:
             # told from the engine thread: a caller cancelled while it waited for the lock (an
             # Abort RPC past its deadline during a long step) must not leave the stream waiting
             aborted = self._engine.abort(request_id)
+            stream = self._streams.get(request_id)
+            if stream is not None:  # its request, if not added yet, never will be
+                stream.aborted = True
             self._deliver(
                 request_id, TokenOutput(request_id, [], [], True, FinishReason.ABORT, 0, 0)
             )

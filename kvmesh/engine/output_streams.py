@@ -41,6 +41,8 @@ class OutputStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tap = tap
         self.ended = False  # drain took the last output or an error: nothing more comes
+        # aborted (set on any thread): the request must not start if it has not (AsyncEngine)
+        self.aborted = False
 
     def offer(self, item: Any) -> Tap | None:
         """Engine thread: the tap that took `item`, or None (then `put` it on the loop)."""

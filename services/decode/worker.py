@@ -24,6 +24,7 @@ from kvmesh.errors import (
     PrefillUnavailable,
 )
 from kvmesh.mesh import convert, tracing
+from kvmesh.mesh.aborted_ids import AbortedIds
 from kvmesh.mesh.error_mapping import error_from_grpc
 from kvmesh.mesh.grpc_server import channel
 from kvmesh.proto.v1 import decode_pb2, prefill_pb2, prefill_pb2_grpc
@@ -85,22 +86,24 @@ class DecodeWorker:
         self.local_prefill_tokens = local_prefill_tokens  # prompts this short are prefilled here
         self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
         self._aborts: dict[str, asyncio.Event] = {}  # requests the engine may not hold yet
+        self._aborted_early = AbortedIds()  # aborted before their Generate came: refused then
         self._quarantined: set[str] = set()  # reservations held while a late write may land
         self._late: set[asyncio.Task] = set()
 
     async def generate(self, job: DecodeJob, tap: Tap | None = None) -> AsyncIterator[TokenOutput]:
         """Stream the job's outputs (those `tap` does not take: output_streams.py); `abort`
         ends it at any stage (reserving pages, waiting for the prefill worker, decoding) with
-        finish reason abort."""
+        finish reason abort, even when it came before the job."""
+        if job.request_id in self._aborted_early:  # its Abort overtook it
+            yield _aborted(job)
+            return
         aborted = self._aborts[job.request_id] = asyncio.Event()
         if tap is not None:  # an abort that came before the engine had the request: below
             tap = _UnlessAborted(tap, aborted)
         try:
             stream = await self._start(job, aborted, tap)
             if stream is None:
-                yield TokenOutput(
-                    job.request_id, [], [], True, FinishReason.ABORT, len(job.prompt), 0
-                )
+                yield _aborted(job)
                 return
             async with contextlib.aclosing(stream):
                 async for out in stream:
@@ -112,10 +115,13 @@ class DecodeWorker:
             self._aborts.pop(job.request_id, None)
 
     async def abort(self, request_id: str) -> bool:
-        """Abort a request wherever it is; False if this worker does not know it."""
+        """Abort a request wherever it is; False if this worker does not know it (yet: a
+        Generate of that id that comes later ends at once)."""
         event = self._aborts.get(request_id)
         if event is not None:
             event.set()
+        else:  # noted before any await: a Generate starting meanwhile sees it
+            self._aborted_early.add(request_id)
         return await self.engine.abort(request_id) or event is not None
 
     async def _start(
@@ -130,6 +136,9 @@ class DecodeWorker:
             if reservation is None:
                 return None
             response = await self._remote_prefill(job, reservation, aborted)
+            if response is not None and aborted.is_set():  # while the prefill call returned
+                await self.engine.cancel_reservation(job.request_id)
+                return None
         except BaseException:
             # whatever ended it (a deadline, a cancel while a reserve was queued, a failed
             # call), no reservation outlives it; idempotent, and queued after a late reserve
@@ -265,6 +274,10 @@ class DecodeWorker:
         if address not in self._stubs:
             self._stubs[address] = prefill_pb2_grpc.PrefillStub(channel(address))
         return self._stubs[address]
+
+
+def _aborted(job: DecodeJob) -> TokenOutput:
+    return TokenOutput(job.request_id, [], [], True, FinishReason.ABORT, len(job.prompt), 0)
 
 
 class _UnlessAborted:

@@ -72,6 +72,7 @@ class MeshBackend:
         self.max_model_len = max_model_len
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._where: dict[str, dict[str, str]] = {}  # request id -> {its id on a worker: address}
+        self._aborted: set[str] = set()  # requests aborted here: no leg starts after that
         self._deliveries: dict[str, Delivery] = {}  # delivery socket -> its open stream
         self._refused: dict[str, float] = {}  # delivery socket -> when to try it again
 
@@ -82,13 +83,17 @@ class MeshBackend:
         `migration_limit` times) -- another worker goes on after the tokens already sent
         (`resume_token_ids`), so the stream continues without a repeat or a gap."""
         with self.gate.admit():
+            self._where[request.request_id] = {}  # an abort from here on is kept
             root = tracing.start_span("gateway.generate", request_id=request.request_id,
                                       prompt_tokens=len(request.prompt_token_ids))  # fmt: skip
-            try:
-                async for chunk in self._generate(request, root):
-                    yield chunk
+            try:  # closed here, not when collected: a leg cut short has its call cancelled now
+                async with contextlib.aclosing(self._generate(request, root)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
             finally:
                 root.end()
+                self._where.pop(request.request_id, None)
+                self._aborted.discard(request.request_id)
 
     async def _generate(self, request: GenerateInput, root: Span) -> AsyncIterator[GenerateChunk]:
         pin = await self._lookup(request.session_id)
@@ -99,6 +104,9 @@ class MeshBackend:
         full: OverloadedError | None = None  # the last worker found at its limit
         nonce = uuid.uuid4().hex[:8]  # two requests under one client-chosen id stay apart
         while True:
+            if request.request_id in self._aborted:  # before this leg began (routing, a retry)
+                yield GenerateChunk(finish_reason="abort")
+                return
             leg = self._leg(request, sent, migrations, nonce)
             try:
                 decode = self.router.pick("decode", self._decode_cost(request), bad_decode,
@@ -109,17 +117,19 @@ class MeshBackend:
                 raise OverloadedError(f"every decode worker is at its limit ({full})") from exc
             prefill = self._pick_prefill(leg, decode, bad_prefill, pin and pin.prefill)
             started = False
+            chunks = self._stream(request, leg, decode, prefill, root)
             try:
-                async for chunk in self._stream(request, leg, decode, prefill, root):
-                    if not started and request.session_id and self.sessions:
-                        pinned = Pin(prefill.worker_id if prefill else "", decode.worker_id)
-                        await self.sessions.pin(request.session_id, pinned)
-                    started = True
-                    sent.extend(chunk.token_ids)
-                    if leg.resumed:  # the worker counts resumed tokens' pages as cached
-                        cached = min(chunk.cached_tokens, len(request.prompt_token_ids))
-                        chunk = dataclasses.replace(chunk, cached_tokens=cached)
-                    yield chunk
+                async with contextlib.aclosing(chunks):  # a leg cut short: its call cancelled
+                    async for chunk in chunks:
+                        if not started and request.session_id and self.sessions:
+                            pinned = Pin(prefill.worker_id if prefill else "", decode.worker_id)
+                            await self.sessions.pin(request.session_id, pinned)
+                        started = True
+                        sent.extend(chunk.token_ids)
+                        if leg.resumed:  # the worker counts resumed tokens' pages as cached
+                            cached = min(chunk.cached_tokens, len(request.prompt_token_ids))
+                            chunk = dataclasses.replace(chunk, cached_tokens=cached)
+                        yield chunk
                 return
             except OverloadedError as exc:
                 full = exc  # another worker may have room: each is tried once
@@ -185,7 +195,8 @@ class MeshBackend:
             cache_salt=request.cache_salt,
             resume_token_ids=leg.resumed,
         )
-        self._where.setdefault(request.request_id, {})[leg.request_id] = decode.grpc_address
+        legs = self._where.setdefault(request.request_id, {})
+        legs[leg.request_id] = decode.grpc_address  # before the call: an abort reaches it
         held = self._decode_cost(request)
         prompt = leg.prompt
         delivery = self._delivery(decode.delivery_address)
@@ -211,10 +222,10 @@ class MeshBackend:
                             self.router.prefilled(prompt, decode, prefill, chunk.cached_tokens)
                         yield chunk
                 finally:
-                    if delivery is not None:
-                        await responses.aclose()
                     call.cancel()  # no-op when finished; cancels decode when the client left
                     call_span.end()
+                    if delivery is not None:
+                        await responses.aclose()
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise DeadlineExceededError(
@@ -226,10 +237,7 @@ class MeshBackend:
                 ) from exc
             raise error_from_grpc(exc.code(), exc.details()) from exc
         finally:
-            legs = self._where.get(request.request_id, {})
             legs.pop(leg.request_id, None)
-            if not legs:
-                self._where.pop(request.request_id, None)
 
     def _holding_prefill(self, prefill: WorkerInfo | None, tokens: int):
         if prefill is None:
@@ -237,7 +245,12 @@ class MeshBackend:
         return self.router.holding(prefill.worker_id, tokens)
 
     async def abort(self, request_id: str) -> None:
-        for worker_request_id, address in list(self._where.get(request_id, {}).items()):
+        """End the request on the worker running it; one between legs starts no other."""
+        legs = self._where.get(request_id)
+        if legs is None:
+            return  # over, or never here
+        self._aborted.add(request_id)
+        for worker_request_id, address in list(legs.items()):
             stub = decode_pb2_grpc.DecodeStub(self._channel(address))
             try:
                 await stub.Abort(decode_pb2.AbortRequest(request_id=worker_request_id), timeout=5)

@@ -69,7 +69,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return response
 
     async def Abort(self, request: decode_pb2.AbortRequest, context) -> decode_pb2.AbortResponse:
-        return decode_pb2.AbortResponse(aborted=await self.worker.engine.abort(request.request_id))
+        return decode_pb2.AbortResponse(aborted=await self.worker.abort(request.request_id))
 
     async def SubscribeKvEvents(self, request, context):
         async for batch in stream_kv_events(self.worker.engine, self.worker_id):

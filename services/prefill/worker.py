@@ -19,6 +19,7 @@ from kvmesh.engine.page_io import ImportPlan
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import DeadlineExceededError, InvalidRequestError, RequestAbortedError
 from kvmesh.mesh import metrics, tracing
+from kvmesh.mesh.aborted_ids import AbortedIds
 from kvmesh.mesh.convert import check_shards, destination_side
 from kvmesh.mesh.store_link import StoreLink
 from kvmesh.mesh.transfer import KvTransferEngine, TransferError
@@ -62,6 +63,7 @@ class PrefillWorker:
         self._tag_lock = threading.Lock()
         transfer.register(self._tag_staging.data_ptr(), max_pages * 4)
         self.faults = engine.faults
+        self._aborted = AbortedIds()  # an Abort may come before its prefill reached the engine
 
     async def prefill(
         self,
@@ -75,11 +77,13 @@ class PrefillWorker:
     ) -> PrefillResult:
         """The KV of `prompt` (then `resumed`: a migrated request's output so far) written into
         `destination`; the result's token is the one after them."""
+        self._unless_aborted(request_id)
         resumed = resumed or []
         tokens = [*prompt, *resumed]
         num_pages = -(-len(tokens) // self.spec.page_size)
         self._check(destination, num_pages)
         imported = await self._import_prefix(request_id, tokens, cache_salt, destination)
+        self._unless_aborted(request_id)  # (from here on the engine's stream sees an abort)
         # Cancelled inside engine.prefill, the engine drops the request (pages included); from
         # its return on (no await in between) this call releases them.
         first = await self.engine.prefill(request_id, prompt, params, cache_salt, resumed)
@@ -99,6 +103,16 @@ class PrefillWorker:
             await self._release(request_id)
         metrics.KV_TRANSFER_BYTES.labels("prefill").inc(written)
         return PrefillResult(first, written, len(src_pages), window)
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop the prefill of `request_id`, and one of that id that has not begun yet; True
+        when the engine was running it."""
+        self._aborted.add(request_id)
+        return await self.engine.abort(request_id)
+
+    def _unless_aborted(self, request_id: str) -> None:
+        if request_id in self._aborted:
+            raise RequestAbortedError(f"prefill of {request_id} was aborted")
 
     async def _import_prefix(self, request_id: str, prompt: list[int], cache_salt: str,
                              dest: prefill_pb2.KvDestination) -> tuple[int, int]:  # fmt: skip
