@@ -119,6 +119,7 @@ def _up(args: argparse.Namespace) -> int:
         return run_demo(args.model, args.dtype)
     from kvmesh.mesh.launcher import UpOptions, run_up
 
+    precision = _serving_precision(args)
     passthrough = _worker_passthrough(args)
     return run_up(
         UpOptions(
@@ -141,6 +142,7 @@ def _up(args: argparse.Namespace) -> int:
             kvstore=args.kvstore,
             decode_lead_cpu=args.decode_lead_cpu,
             tls=args.tls,
+            precision=precision,
             kvstore_args=(
                 "--ram-mib",
                 str(args.kvstore_ram_mib),
@@ -149,6 +151,19 @@ def _up(args: argparse.Namespace) -> int:
             ),
         )
     )
+
+
+def _serving_precision(args: argparse.Namespace) -> str:
+    """With no precision flag, `up` serves in the fastest exact-enough one (mesh/precision.py):
+    settled into args here; what it is, for the banner."""
+    named = args.dtype != "auto" or args.weights != "auto"
+    if named or args.prefill_weights or args.decode_weights:
+        return ""
+    from kvmesh.mesh.precision import serving_precision
+
+    chosen = serving_precision(args.model)
+    args.dtype, args.weights = chosen.dtype, chosen.weights
+    return f"{chosen.why} (the default; --dtype fp32 for fp32)"
 
 
 def _gateway_front(args: argparse.Namespace) -> list[str]:

@@ -59,6 +59,7 @@ class UpOptions:
     ready_timeout: float = 180.0
     decode_lead_cpu: str = "auto"  # auto | off | a CPU number: see affinity.decode_lead_cpu
     tls: bool = False  # TLS everywhere, with a throwaway CA made in the run's directory
+    precision: str = ""  # the banner's line on the precision `up` chose (cli._serving_precision)
 
 
 def state_file() -> Path:
@@ -351,8 +352,9 @@ def _print_ready(mesh: Mesh, options: UpOptions) -> None:
     url = mesh.url
     cacert = f"--cacert {mesh.tls.ca} " if mesh.tls else ""
     name = _flag(options.gateway_args, "--served-model-name") or served_name(options.model)
+    precision = f"\n  precision: {options.precision}" if options.precision else ""
     say(
-        f"""kvmesh is up: model {options.model}
+        f"""kvmesh is up: model {options.model}{precision}
   REST (OpenAI): {url}/v1    gRPC Gateway: 127.0.0.1:{mesh.grpc_port}    etcd: {mesh.etcd.endpoint}
   try:
     curl -s {cacert}{url}/v1/chat/completions -H 'Content-Type: application/json' \\

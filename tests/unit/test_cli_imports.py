@@ -75,3 +75,21 @@ def test_the_gateway_process_does_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout  # fmt: skip
     assert out.strip() == "False"
+
+
+def test_up_serves_in_the_fastest_exact_enough_precision_unless_told(tmp_path):
+    """`kvmesh up` alone: INT4 for a 4-bit GGUF (the default model), bf16 for another model;
+    any precision flag is taken as it is."""
+    from kvmesh.cli import _serving_precision
+    from kvmesh.cli_args import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["up"])
+    assert "INT4 weights holding the GGUF's Q4_1 values" in _serving_precision(args)
+    assert (args.dtype, args.weights) == ("bf16", "int4")
+    (tmp_path / "config.json").write_text("{}")
+    args = parser.parse_args(["up", "--model", str(tmp_path)])
+    assert "bf16 weights" in _serving_precision(args) and args.dtype == "bf16"
+    for flags in (["--dtype", "fp32"], ["--weights", "bf16"], ["--decode-weights", "int4"]):
+        args = parser.parse_args(["up", *flags])
+        assert _serving_precision(args) == "" and args.dtype in ("fp32", "auto")
