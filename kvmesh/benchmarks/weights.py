@@ -3,7 +3,8 @@
 1. memory and speed, per weight configuration: bytes of the weights the model holds, load time,
    and decode tokens/s at each concurrency -- C chat prompts submitted at once, `--max-tokens`
    greedy tokens each (EOS ignored); the clock starts once every request has its first token
-   (prefill done), so the figure is decode alone. Configurations alternate at each level.
+   (prefill done), so the figure is decode alone; and prefill tokens/s of one long prompt
+   (`--prefill-tokens`, an agent's system prompt and tools). Configurations alternate.
 2. quality (weights_quality.py): perplexity of a public-domain text's second half and greedy
    agreement with fp32, for INT4 decode alone (bf16 prefill) and INT4 prefill + decode.
 
@@ -77,6 +78,35 @@ def decode_tok_s(engine, prompts: list[list[int]], max_tokens: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+def prefill_tok_s(engine, prompt: list[int]) -> float:
+    """Prompt tokens per second of one prefill from an empty cache (a long agent prompt)."""
+    from kvmesh import SamplingParams
+
+    engine.block_manager.reset_prefix_cache()
+    engine.add_request("p-0", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return len(prompt) / (time.perf_counter() - start)
+
+
+def bench_prefill(args, engines: dict, tokenizer) -> list[SpeedRow]:
+    """SpeedRows whose `concurrency` is 0 and `decode_tok_s` is prefill tok/s, interleaved."""
+    if not args.prefill_tokens:
+        return []
+    words = Path(args.text).read_text().split()
+    prompt = tokenizer.encode(" ".join(words * 8))[: args.prefill_tokens]
+    best: dict[str, float] = {}
+    for _ in range(args.repeats):
+        for name, engine in engines.items():
+            best[name] = max(best.get(name, 0.0), prefill_tok_s(engine, prompt))
+    base = best.get("bf16", next(iter(best.values())))
+    rows = [SpeedRow(n, 0, round(v, 1), round(v / base, 2)) for n, v in best.items()]
+    for row in rows:
+        print(json.dumps({**asdict(row), "prefill_tokens": len(prompt)}), flush=True)
+    return rows
+
+
 def load_engines(args) -> tuple[dict, list[MemoryRow]]:
     from kvmesh.engine.config import EngineConfig
     from kvmesh.engine.engine import Engine
@@ -129,10 +159,11 @@ def run_weights_bench(args: argparse.Namespace) -> int:
     run = BenchRun()
     if args.quick:
         args.concurrency, args.max_tokens, args.repeats = "1,2", 8, 1
+        args.prefill_tokens = min(args.prefill_tokens, 128)
         args.quality_tokens, args.text_tokens = 8, 128
     engines, memory = load_engines(args)  # each loads its own file: load_s is comparable
     tokenizer = next(iter(engines.values())).tokenizer
-    speed = bench_speed(args, engines, tokenizer)
+    speed = bench_prefill(args, engines, tokenizer) + bench_speed(args, engines, tokenizer)
     gc.collect()
     pairs = quality_pairs(list(engines))
     quality, text_tokens = bench_quality(engines, pairs, tokenizer,
@@ -141,6 +172,7 @@ def run_weights_bench(args: argparse.Namespace) -> int:
         **run.header(),
         "model": args.model,
         "max_tokens": args.max_tokens,
+        "prefill_tokens": args.prefill_tokens,
         "repeats": args.repeats,
         "text_tokens": text_tokens,
         "quality_tokens": args.quality_tokens,
@@ -162,11 +194,12 @@ def _line(*cells: object) -> str:
 def markdown(report: dict) -> str:
     r = report
     levels = sorted({s["concurrency"] for s in r["speed"]})
+    title = {0: f"prefill tok/s, {r.get('prefill_tokens')} tokens (vs bf16)"}
     out = [
         f"{r['date']} {r['machine']}, torch {r['torch']} ({r['torch_threads']} threads), "
         f"model {r['model']}; `{r['command']}`\n",
         _line("weights", "weight bytes", "vs bf16", "load s",
-              *(f"decode tok/s @{c} (vs bf16)" for c in levels)),
+              *(title.get(c, f"decode tok/s @{c} (vs bf16)") for c in levels)),
         _line("---", "---:", "---:", "---:", *("---:" for _ in levels)),
     ]  # fmt: skip
     for m in r["memory"]:
@@ -194,6 +227,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {list(CONFIGS)}")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prefill-tokens", type=int, default=2000,
+                        help="one prompt this long, prefilled per configuration (0: skip)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--kv-cache-bytes", type=int, default=320 << 20)

@@ -106,8 +106,9 @@ def test_the_responses_developer_role_reaches_the_prompt(tok) -> None:
 
 
 def test_a_failure_after_the_stream_began_is_an_error_event(tok) -> None:
-    """Anthropic: an `error` event in Anthropic's shape; Responses: an `error` event; neither
-    a hang nor a cut the client cannot tell from the end."""
+    """Anthropic: an `error` event in Anthropic's shape; Responses: an `error` event, then
+    `response.failed` (Codex ignores a bare `error` event); neither a hang nor a cut the
+    client cannot tell from the end."""
     backend, serving = _served(tok)
     backend.fail_after_chunks = 3
     with serving as url:
@@ -118,7 +119,9 @@ def test_a_failure_after_the_stream_began_is_an_error_event(tok) -> None:
             list(s)
         events = list(_openai(url).responses.create(model=MODEL, input="Hi", stream=True))
     assert events[0].type == "response.created"
-    assert events[-1].type == "error" and "decode worker went away" in events[-1].message
+    assert events[-2].type == "error" and "decode worker went away" in events[-2].message
+    assert events[-1].type == "response.failed" and events[-1].response.status == "failed"
+    assert "decode worker went away" in events[-1].response.error.message
 
 
 def test_suffix_is_refused_by_name(tok) -> None:
