@@ -34,8 +34,8 @@ def test_quick_weights_bench_writes_memory_speed_and_quality(tmp_path, monkeypat
     memory = {r["config"]: r for r in report["memory"]}
     assert memory["bf16"]["vs_bf16"] == 1.0 and 0.4 < memory["int4"]["vs_bf16"] < 0.5
     assert [(r["config"], r["concurrency"]) for r in report["speed"]] == [
-        (name, c) for c in (1, 2) for name in ("bf16", "int4")
-    ]
+        (name, c) for c in (0, 1, 2) for name in ("bf16", "int4")
+    ]  # 0: the prefill of one long prompt (--prefill-tokens)
     assert all(r["decode_tok_s"] > 0 for r in report["speed"])
     pairs = [(r["prefill"], r["decode"]) for r in report["quality"]]
     assert pairs == [("bf16", "bf16"), ("bf16", "int4"), ("int4", "int4")]
