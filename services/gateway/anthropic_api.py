@@ -30,7 +30,8 @@ from kvmesh.mesh.error_mapping import anthropic_error_body, http_headers, http_s
 from services.gateway.anthropic_protocol import count_tokens, parse_messages
 from services.gateway.backend import GenerateBackend
 from services.gateway.generation import Delta, Generation, Routing
-from services.gateway.openai_protocol import ParsedRequest, ServedModel
+from services.gateway.openai_protocol import ParsedRequest
+from services.gateway.served import ServedModel
 
 log = structlog.get_logger(__name__)
 _STOP = {"length": "max_tokens", "abort": "end_turn"}

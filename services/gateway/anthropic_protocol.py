@@ -16,7 +16,9 @@ from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidRequestError
 from services.gateway import openai_protocol as common
-from services.gateway.openai_protocol import ParsedRequest, ServedModel, ToolSetup
+from services.gateway import served as served_mod
+from services.gateway.openai_protocol import ParsedRequest, ToolSetup
+from services.gateway.served import ServedModel
 
 _IGNORED_BLOCKS = ("thinking", "redacted_thinking")  # history an agent sends back: not rendered
 _ROLES = ("user", "assistant", "system")
@@ -30,7 +32,7 @@ def parse_messages(body: Any, tokenizer: Tokenizer, served: ServedModel) -> Pars
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise InvalidRequestError("'max_tokens' is required and must be an integer >= 1")
     prompt = common.chat_prompt(conversation, tokenizer)
-    budget = common.output_budget("chat", len(prompt), max_tokens, served)
+    budget = served_mod.output_budget("chat", len(prompt), max_tokens, served)
     stop = body.get("stop_sequences") or []
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise InvalidRequestError("'stop_sequences' must be an array of non-empty strings")
@@ -43,14 +45,14 @@ def parse_messages(body: Any, tokenizer: Tokenizer, served: ServedModel) -> Pars
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise InvalidRequestError("'stream' must be a boolean")
-    model = common.check_model(body, served)
+    model = served_mod.check_model(body, served)
     return ParsedRequest("chat", model, tuple(prompt), replace(params, stop=()), params.stop,
                          stream, tools=tools, clamped_from=budget.clamped_from)  # fmt: skip
 
 
 def count_tokens(body: Any, tokenizer: Tokenizer, served: ServedModel) -> int:
     """POST /v1/messages/count_tokens: the prompt's length as this model renders it."""
-    common.check_model(body, served)
+    served_mod.check_model(body, served)
     return len(common.chat_prompt(parse_conversation(body), tokenizer))
 
 

@@ -25,13 +25,8 @@ from services.gateway.auth import request_salt, tenant_salt
 from services.gateway.backend import GenerateBackend, GenerateInput, unique_request_id
 from services.gateway.generation import ReplyDetokenizer
 from services.gateway.grpc_chat import conversation_of
-from services.gateway.openai_protocol import (
-    ServedModel,
-    ToolSetup,
-    chat_prompt,
-    check_model,
-    output_budget,
-)
+from services.gateway.openai_protocol import ToolSetup, chat_prompt
+from services.gateway.served import ServedModel, check_model, output_budget
 
 log = structlog.get_logger(__name__)
 

@@ -31,10 +31,10 @@ from services.gateway.mesh_backend import (
     MeshBackend,
 )
 from services.gateway.openai_api import create_app
-from services.gateway.openai_protocol import ModelNames, served_model
 from services.gateway.prefix_routing import KvEventFollower, PrefixLookup
 from services.gateway.readiness import MeshReadiness, follow
 from services.gateway.router import AffinityPolicy, make_router
+from services.gateway.served import ModelNames, served_model
 from services.gateway.sessions import SessionStore
 
 log = structlog.get_logger(__name__)

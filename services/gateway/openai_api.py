@@ -40,6 +40,7 @@ from kvmesh.mesh.error_mapping import (
 )
 from services.gateway import openai_protocol as proto
 from services.gateway import openai_responses as resp
+from services.gateway import served as serving
 from services.gateway.anthropic_api import AnthropicApi
 from services.gateway.auth import ApiKeyMiddleware, ApiKeys
 from services.gateway.backend import GenerateBackend
@@ -65,14 +66,14 @@ def create_app(
     readiness: Readiness | None = None,
     tool_parser: str | None = None,
     api_keys: ApiKeys | None = None,
-    names: proto.ModelNames = proto.DEFAULT_NAMES,
+    names: serving.ModelNames = serving.DEFAULT_NAMES,
 ) -> Starlette:
     """POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages (+ /count_tokens: Anthropic's
     API); GET /v1/models, /health (readiness: 503
     until a request would succeed), /live (liveness), /metrics. `tool_parser`: the format of
     the model's tool calls (None: chosen from its chat template). With `api_keys` every /v1/
     request needs one (auth.py); GET /openapi.json describes it all."""
-    served = proto.served_model(backend.model_name, backend.max_model_len, tokenizer, limits,
+    served = serving.served_model(backend.model_name, backend.max_model_len, tokenizer, limits,
                                 tool_parser, names)  # fmt: skip
     api = _OpenAIApi(backend, tokenizer, served)
     read = lambda request: read_json(request, limits.max_body_bytes)  # noqa: E731
@@ -128,7 +129,7 @@ class RequestIdMiddleware:
 
 class _OpenAIApi:
     def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer,
-                 served: proto.ServedModel) -> None:  # fmt: skip
+                 served: serving.ServedModel) -> None:  # fmt: skip
         self._backend = backend
         self._tokenizer = tokenizer
         self._max_body_bytes = served.limits.max_body_bytes
@@ -149,7 +150,7 @@ class _OpenAIApi:
         ]  # fmt: skip
         return JSONResponse({"object": "list", "data": cards})
 
-    async def _generate(self, request: Request, kind: proto.Kind) -> Response:
+    async def _generate(self, request: Request, kind: serving.Kind) -> Response:
         request_id: str = request.state.request_id
         started = time.monotonic()
         try:
@@ -287,7 +288,7 @@ async def _live(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-def _openapi(served: proto.ServedModel):
+def _openapi(served: serving.ServedModel):
     document = openapi_document(served.name, served.limits, version("kvmesh"))
 
     async def openapi(request: Request) -> Response:

@@ -29,9 +29,10 @@ from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.mesh.error_mapping import http_headers, http_status, openai_error_body
 from services.gateway.backend import GenerateBackend
 from services.gateway.generation import Delta, Generation, Routing
-from services.gateway.openai_protocol import ParsedRequest, ServedModel
+from services.gateway.openai_protocol import ParsedRequest
 from services.gateway.responses_protocol import ResponsesRequest, parse_response_request
 from services.gateway.responses_tools import ResponsesTools, custom_input
+from services.gateway.served import ServedModel
 
 log = structlog.get_logger(__name__)
 

@@ -15,10 +15,12 @@ from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidRequestError
 from services.gateway import openai_protocol as common
+from services.gateway import served as served_mod
 from services.gateway.openai_chat import parse_conversation as parse_chat
-from services.gateway.openai_protocol import ParsedRequest, ServedModel, ToolSetup
+from services.gateway.openai_protocol import ParsedRequest, ToolSetup
 from services.gateway.output_format import output_grammar
 from services.gateway.responses_tools import ResponsesTools, model_name
+from services.gateway.served import ServedModel
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # accepted, nothing to render: reasoning the model cannot read back, tools (collected by
@@ -48,7 +50,7 @@ def parse_response_request(
     requested = body.get("max_output_tokens")
     if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool)):
         raise InvalidRequestError("'max_output_tokens' must be an integer")
-    budget = common.output_budget("chat", len(prompt), requested, served)
+    budget = served_mod.output_budget("chat", len(prompt), requested, served)
     grammar = reply_grammar(conversation, served.tool_parser, tokenizer.hf, _text_format(body),
                             "text.format")  # fmt: skip
     fields = {n: float(body[n]) for n in ("temperature", "top_p") if _number(body, n)}
@@ -56,7 +58,7 @@ def parse_response_request(
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise InvalidRequestError("'stream' must be a boolean")
-    model = common.check_model(body, served)
+    model = served_mod.check_model(body, served)
     parsed = ParsedRequest("chat", model, tuple(prompt), replace(params, stop=()), (), stream,
                            tools=ToolSetup.of(conversation, served.tool_parser),
                            clamped_from=budget.clamped_from)  # fmt: skip

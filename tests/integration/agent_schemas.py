@@ -14,7 +14,8 @@ from typing import Any
 import jsonschema
 
 from kvmesh.agent.tool_parsers import parse_output
-from services.gateway.openai_protocol import ServedModel, parse_request
+from services.gateway.openai_protocol import parse_request
+from services.gateway.served import ServedModel
 
 DATA = Path(__file__).parent.parent / "data" / "agent_schemas.json"
 MODEL = "smollm2-135m"

@@ -12,7 +12,7 @@ from starlette.testclient import TestClient
 
 from kvmesh.engine.tokenizer import Tokenizer
 from services.gateway.openai_api import create_app
-from services.gateway.openai_protocol import ModelNames
+from services.gateway.served import ModelNames
 from tests.unit.fake_backend import ANSWER, FakeBackend, cached_tokens_for, serve_app
 
 MODEL = "smollm2-135m"

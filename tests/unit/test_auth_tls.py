@@ -71,7 +71,7 @@ def test_every_way_of_sending_a_key_salts_the_cache_per_key():
 
 def test_the_default_max_tokens_stays_within_the_configured_limit():
     from services.gateway.limits import RequestLimits
-    from services.gateway.openai_protocol import ServedModel, default_max_tokens
+    from services.gateway.served import ServedModel, default_max_tokens
 
     served = ServedModel("m", 8192, limits=RequestLimits(max_output_tokens=64))
     assert default_max_tokens(10, served) == 64

@@ -13,7 +13,7 @@ import pytest
 from starlette.testclient import TestClient, WebSocketDenialResponse
 
 from services.gateway.openai_api import create_app
-from services.gateway.openai_protocol import ModelNames
+from services.gateway.served import ModelNames
 from tests.unit.fake_backend import ANSWER, FakeBackend
 
 JS_GRAMMAR = {

@@ -33,7 +33,7 @@ from kvmesh.mesh.error_mapping import (
 from services.gateway import openai_responses as resp
 from services.gateway.limits import RequestLimits
 from services.gateway.openai_api import create_app
-from services.gateway.openai_protocol import ModelNames
+from services.gateway.served import ModelNames
 from tests.unit.fake_backend import ANSWER, FakeBackend, cached_tokens_for, serve_app
 
 MODEL = "smollm2-135m"
