@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 export MC_TCP_BIND_ADDRESS ?= 127.0.0.1
 
-.PHONY: install sysdeps imagedeps kernels model up test lint bench protos deploy images clean
+.PHONY: install sysdeps imagedeps agentclis kernels model up test lint bench protos deploy images clean
 
 # Mooncake's engine links libibverbs/librdmacm even for TCP: install them when missing (root).
 sysdeps:
@@ -24,6 +24,17 @@ imagedeps:
 	  { apt-get update -q >/dev/null && apt-get install -y -q podman runc fuse-overlayfs uidmap debootstrap >/dev/null; } || \
 	  echo "could not install them: the image tests will skip"; \
 	fi
+
+# The agents' own CLIs, pinned, for tests/integration/test_agent_clis.py (skipped without npm).
+AGENT_CLIS := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 opencode-ai@1.18.33
+AGENT_DIR  := $(VENV)/agent-clis
+agentclis: install
+	@if [ -f $(AGENT_DIR)/.stamp ] && [ "$$(cat $(AGENT_DIR)/.stamp)" = "$(AGENT_CLIS)" ]; then :; \
+	elif command -v npm >/dev/null; then \
+	  echo "installing $(AGENT_CLIS)"; mkdir -p $(AGENT_DIR) && \
+	  npm install -q --prefix $(AGENT_DIR) --no-audit --no-fund --no-save $(AGENT_CLIS) >$(AGENT_DIR)/npm.log 2>&1 && \
+	  echo "$(AGENT_CLIS)" > $(AGENT_DIR)/.stamp || echo "npm install failed ($(AGENT_DIR)/npm.log): the agent CLI test will skip"; \
+	else echo "npm not found: the agent CLI test will skip"; fi
 
 $(STAMP): pyproject.toml | sysdeps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,7 +62,7 @@ lint: install
 	$(BIN)/ruff format --check kvmesh services tests scripts
 
 # pytest exits 5 when it collects nothing: that is a failure here, as is any other non-zero code.
-test: model lint imagedeps
+test: model lint imagedeps agentclis
 	$(BIN)/python -m pytest -q -p no:cacheprovider; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
 

@@ -1,0 +1,205 @@
+"""The agents' own command-line clients against a mesh, unchanged but for the base URL: Claude
+Code (Anthropic Messages), Codex CLI (OpenAI Responses, its default dialect) and OpenCode (OpenAI
+chat completions), the pinned versions `make agentclis` installs with npm. Each completes a turn:
+a shell tool call, the tool's output sent back, a final answer. The model is tests/data/tool-caller
+(tool_caller.py trained it to do that in these clients' 20-50k-token prompts). Everything runs in
+a network namespace with only loopback: nothing the clients send (telemetry included) leaves."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.integration.hosts import unavailable
+from tests.integration.tool_caller import OUTPUT, PROMPTS
+from tests.integration.up_process import marked
+
+pytestmark = pytest.mark.timeout(900)
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "tests" / "data" / "tool-caller"
+CLIS = ROOT / ".venv" / "agent-clis" / "node_modules" / ".bin"
+PORT = 18000  # the namespace is this test's alone: any port is free in it
+WHY = unavailable() or next(
+    (
+        f"{CLIS / name} is missing (`make agentclis` installs it when npm is there)"
+        for name in ("claude", "codex", "opencode")
+        if not (CLIS / name).exists()
+    ),
+    None,
+)
+if WHY:
+    pytest.skip(WHY, allow_module_level=True)
+
+
+@dataclass(frozen=True)
+class AgentMesh:
+    namespace: str
+    url: str
+
+    def run(self, argv: list[str], env: dict[str, str], home: Path) -> str:
+        """A client inside the namespace with HOME=home, in an empty folder; its output
+        (stdout then stderr), asserting it exited 0."""
+        work = home / "work"
+        work.mkdir()
+        env = {"PATH": os.environ["PATH"], "LANG": "C.UTF-8", "HOME": str(home), **env}
+        started = time.monotonic()
+        done = subprocess.run(
+            ["ip", "netns", "exec", self.namespace, *argv],
+            env=env,
+            cwd=work,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        out = done.stdout + done.stderr
+        print(f"{Path(argv[0]).name}: {time.monotonic() - started:.0f}s")  # in -s / -rP output
+        assert done.returncode == 0, out[-4000:]
+        return out
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory) -> Iterator[AgentMesh]:
+    namespace = f"kvm-agents-{uuid.uuid4().hex[:6]}"
+    subprocess.run(["ip", "netns", "add", namespace], check=True, capture_output=True)
+    try:
+        lo = ["ip", "netns", "exec", namespace, "ip", "link", "set", "lo", "up"]
+        subprocess.run(lo, check=True, capture_output=True)
+        with _up(namespace, tmp_path_factory.mktemp("kvmesh-home")):
+            yield AgentMesh(namespace, f"http://127.0.0.1:{PORT}")
+    finally:
+        subprocess.run(["ip", "netns", "delete", namespace], capture_output=True)
+
+
+@contextlib.contextmanager
+def _up(namespace: str, home: Path) -> Iterator[None]:
+    """`kvmesh up` on the tool caller inside the namespace, answering any model id (the clients
+    name their own), fp32 so that its choices do not depend on the CPU's bf16 kernels."""
+    env = {**os.environ, "KVMESH_HOME": str(home), "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    argv = [
+        sys.executable,
+        "-m",
+        "kvmesh.cli",
+        "up",
+        "--model",
+        str(MODEL),
+        "--any-model",
+        "--dtype",
+        "fp32",
+        "--http-port",
+        str(PORT),
+    ]
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", namespace, *argv],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 300
+        while not any("kvmesh is up" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.5)
+        yield
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+        for pid in marked(home) | ({proc.pid} if proc.poll() is None else set()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def _events(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_claude_code(mesh: AgentMesh, tmp_path: Path) -> None:
+    env = {
+        "ANTHROPIC_BASE_URL": mesh.url,
+        "ANTHROPIC_API_KEY": "sk-test",
+        "DISABLE_TELEMETRY": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    }
+    argv = [
+        str(CLIS / "claude"),
+        "-p",
+        PROMPTS["claude"],
+        "--output-format",
+        "stream-json",
+        "--verbose",
+        "--allowedTools",
+        "Bash",
+    ]
+    events = _events(mesh.run(argv, env, tmp_path))
+    blocks = [
+        b
+        for e in events
+        if e.get("type") in ("assistant", "user")
+        for b in e["message"]["content"]
+        if isinstance(b, dict)
+    ]
+    calls = [b for b in blocks if b["type"] == "tool_use"]
+    results = [b for b in blocks if b["type"] == "tool_result"]
+    assert [c["name"] for c in calls] == ["Bash"], blocks
+    assert OUTPUT in json.dumps(results) and not results[0].get("is_error"), results
+    assert events[-1]["type"] == "result" and events[-1]["result"].strip() == OUTPUT, events[-1]
+
+
+def test_codex(mesh: AgentMesh, tmp_path: Path) -> None:
+    (tmp_path / ".codex").mkdir()
+    env = {"CODEX_HOME": str(tmp_path / ".codex"), "OPENAI_API_KEY": "sk-test"}
+    argv = [
+        str(CLIS / "codex"),
+        "exec",
+        "--skip-git-repo-check",
+        "--json",
+        "-c",
+        f'openai_base_url="{mesh.url}/v1"',
+        PROMPTS["codex"],
+    ]
+    items = [
+        e["item"]
+        for e in _events(mesh.run(argv, env, tmp_path))
+        if e.get("type") == "item.completed"
+    ]
+    tools = [i for i in items if i.get("type") != "agent_message"]
+    messages = [i["text"].strip() for i in items if i.get("type") == "agent_message"]
+    assert tools and OUTPUT in json.dumps(tools), items
+    assert messages == [OUTPUT], items
+
+
+def test_opencode(mesh: AgentMesh, tmp_path: Path) -> None:
+    served = MODEL.name  # OpenCode names the model it asks for in its own configuration
+    provider = {
+        "npm": "@ai-sdk/openai-compatible",
+        "name": "kvmesh",
+        "options": {"baseURL": f"{mesh.url}/v1"},
+        "models": {served: {}},
+    }
+    config = tmp_path / "opencode.json"
+    config.write_text(json.dumps({"provider": {"kvmesh": provider}, "model": f"kvmesh/{served}"}))
+    argv = [str(CLIS / "opencode"), "run", "--format", "json", PROMPTS["opencode"]]
+    events = _events(mesh.run(argv, {"OPENCODE_CONFIG": str(config)}, tmp_path))
+    parts = [e["part"] for e in events if "part" in e]
+    tools = [p for p in parts if p.get("type") == "tool"]
+    texts = [p["text"].strip() for p in parts if p.get("type") == "text"]
+    assert [t["tool"] for t in tools] == ["bash"], parts
+    assert tools[0]["state"]["status"] == "completed" and OUTPUT in tools[0]["state"]["output"]
+    assert texts and texts[-1] == OUTPUT, parts
