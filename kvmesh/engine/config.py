@@ -127,6 +127,9 @@ class ModelConfig:
     mla: MlaConfig | None = None
     moe: MoeConfig | None = None
     indexer: IndexerConfig | None = None
+    # tokens a query attends back (Mistral v0.1's `sliding_window`); None: the whole context.
+    # Not implemented: the engine caps its context at the window, where it is exact.
+    sliding_window: int | None = None
     # config.json's `quantization_config` as JSON when the checkpoint ships pack-quantized
     # INT4 (compressed-tensors, e.g. Kimi K2's routed experts); "" otherwise
     quantization_config: str = ""

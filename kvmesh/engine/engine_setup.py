@@ -54,6 +54,13 @@ def load_engine_model(config: EngineConfig, load_weights: Any,
         note = (" (DeepSeek Sparse Attention's top-k indexer is not supported: this engine runs "
                 f"the model as dense MLA, exact up to index_topk = {model_config.indexer.topk} "
                 "tokens)")  # fmt: skip
+    window = model_config.sliding_window
+    if window is not None and window < max_len:  # exact while every token sees all before it
+        max_len = window
+        note = (
+            " (sliding-window attention is not implemented: this engine serves the model up to "
+            f"its window, {window} tokens, where it is exact)"
+        )
     if config.int4 is not None and config.compute_dtype == "fp32":
         log.warning("engine.int4_fp32_activations", hint="--dtype bf16 is several times faster")
     built = time.perf_counter()

@@ -15,7 +15,7 @@ import torch
 from kvmesh.engine.loader import load_weights, resolve_model
 from kvmesh.engine.loader import resolve as resolve_mod
 from kvmesh.engine.loader.gguf_loader import gguf_metadata, hf_name, load_gguf, open_gguf, unpermute
-from kvmesh.engine.loader.hf_config import config_from_gguf
+from kvmesh.engine.loader.hf_config import config_from_gguf, config_from_hf
 from kvmesh.engine.loader.resolve import KNOWN_MODELS, WheelModel
 from kvmesh.engine.loader.safetensors_loader import load_hf_folder
 from kvmesh.errors import FetchError, ModelFormatError, ModelNotFoundError
@@ -451,3 +451,24 @@ def test_the_banner_names_the_served_id_not_the_path(capsys, tmp_path):
         options = launcher.UpOptions(model=str(tmp_path / "tiny-llama"), gateway_args=args)
         launcher._print_ready(mesh, options)
         assert f'"model": "{want}"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "window"),
+    [
+        ({"sliding_window": 4096}, 4096),  # Mistral v0.1
+        ({"sliding_window": None}, None),  # Mistral v0.2+
+        ({"sliding_window": 32768, "use_sliding_window": False}, None),  # Qwen2 / Qwen3
+        ({}, None),
+    ],
+)
+def test_sliding_window_is_read_where_it_is_on(extra: dict, window: int | None) -> None:
+    base = {
+        "architectures": ["MistralForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
+    assert config_from_hf(base | extra).sliding_window == window

@@ -47,8 +47,15 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         mla=mla,
         moe=_moe(arch, cfg),
         indexer=IndexerConfig(cfg["index_topk"]) if "index_topk" in cfg else None,
+        sliding_window=_sliding_window(cfg),
         quantization_config=_quantization(cfg),
     )
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    """Mistral's window; Qwen2/3 write one and turn it off with use_sliding_window."""
+    window = cfg.get("sliding_window")
+    return int(window) if window and cfg.get("use_sliding_window", True) else None
 
 
 def _quantization(cfg: dict[str, Any]) -> str:
