@@ -7,7 +7,7 @@ import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvmesh.mesh.routings import ROUTING_HELP, ROUTINGS
+from kvmesh.mesh.routings import ROUTING_HELP, ROUTINGS, UP_LOCAL_PREFILL_TOKENS
 from kvmesh.tools import tiny_cli  # imports no torch
 
 
@@ -117,13 +117,6 @@ def _mesh_args(p: argparse.ArgumentParser, registers: bool = True) -> None:
         p.add_argument("--host", default="127.0.0.1")
     tls.add_arguments(p)
     etcd_access.add_arguments(p)
-
-
-# `kvmesh up`: prompts up to this many tokens are prefilled by the decode worker itself (Dynamo's
-# conditional disaggregation): such a prompt costs about what two to four decode steps at 16
-# streams cost on these 2-core machines, less than handing it to a prefill worker and its pages
-# back (docs/benchmarks.md). Longer prompts go to a prefill worker.
-UP_LOCAL_PREFILL_TOKENS = 128
 
 
 def _tp_arg(p: argparse.ArgumentParser, text: str = "") -> None:

@@ -10,30 +10,16 @@ import argparse
 import asyncio
 import os
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message_factory import GetMessageClass
 
+from kvmesh.benchmarks.fuzz_report import REST_TIMEOUT_S, FuzzReport
 from kvmesh.benchmarks.report import BenchRun, write_report
 
-REST_TIMEOUT_S = 60.0
 GRPC_TIMEOUT_S = 2.0  # unary calls
 GRPC_STREAM_TIMEOUT_S = 0.3  # streams (some never end on their own: Deliver, SubscribeKvEvents)
-
-
-@dataclass
-class FuzzReport:
-    requests: int = 0
-    outcomes: Counter = field(default_factory=Counter)  # HTTP status or gRPC code name
-    failures: list[str] = field(default_factory=list)  # one line per violation (capped)
-    seconds: float = 0.0
-
-    def fail(self, text: str) -> None:
-        if len(self.failures) < 50:
-            self.failures.append(text)
 
 
 def fuzz_rest(base_url: str, examples: int, headers: dict[str, str] | None = None,

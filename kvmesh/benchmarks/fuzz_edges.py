@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import httpx
 
-from kvmesh.benchmarks.fuzz import REST_TIMEOUT_S, FuzzReport
+from kvmesh.benchmarks.fuzz_report import REST_TIMEOUT_S, FuzzReport
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 NUMERIC = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",

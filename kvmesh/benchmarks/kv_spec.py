@@ -21,7 +21,7 @@ class SpecRow:
 
 
 def spec_rows(model: str, page_size: int, budget: int) -> list[SpecRow]:
-    from kvmesh.engine.kv.layout import spec_for_model
+    from kvmesh.engine.config import spec_for_model
     from kvmesh.engine.loader import read_config, resolve_model
 
     config = read_config(resolve_model(model))

@@ -39,9 +39,9 @@ from kvmesh.benchmarks.serve_suite import (
 )
 from kvmesh.benchmarks.serve_suite import measure_level as measure_target_level
 from kvmesh.benchmarks.serve_suite import ms as _ms
-from kvmesh.cli_args import UP_LOCAL_PREFILL_TOKENS
 from kvmesh.errors import ServeBenchError
 from kvmesh.mesh.affinity import thread_kept_to
+from kvmesh.mesh.routings import UP_LOCAL_PREFILL_TOKENS
 
 __all__ = ["Messages", "ServeBenchError", "_ms", "level_prompts", "measure_level", "stream_one"]
 OVERHEAD_LEVELS = (1, 8, 16)

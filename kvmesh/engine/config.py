@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from kvmesh.engine.kv.layout import KV_DTYPES
+from kvmesh.engine.kv.layout import KV_DTYPES, KVCacheSpec, LayerKVSpec
 from kvmesh.errors import InvalidRequestError, ModelFormatError
 
 DTYPES = ("fp32", "bf16")
@@ -161,6 +161,15 @@ class ModelConfig:
         if raw.get("moe") is not None:
             raw["moe"] = replace(raw["moe"], layers=tuple(raw["moe"].layers))
         return cls(**raw)
+
+
+def spec_for_model(config: ModelConfig, page_size: int, kv_dtype: str) -> KVCacheSpec:
+    """The KV spec a model needs: MLA latent pages or GQA pages."""
+    if config.mla is not None:
+        layer = LayerKVSpec("mla", 1, config.mla.cache_dim)
+    else:
+        layer = LayerKVSpec("gqa", config.num_kv_heads, config.head_dim)
+    return KVCacheSpec((layer,) * config.num_layers, page_size, kv_dtype)
 
 
 def compute_dtype_of(dtype: str, weights: str) -> str:

@@ -26,8 +26,9 @@ import weakref
 import torch
 
 from kvmesh.engine.attention.base import Slots
+from kvmesh.engine.config import spec_for_model
 from kvmesh.engine.kernels import cpu_ops
-from kvmesh.engine.kv.layout import KVCacheSpec, spec_for_model
+from kvmesh.engine.kv.layout import KVCacheSpec
 from kvmesh.engine.kv_fp8 import codec_for
 
 __all__ = ["GqaLayerKV", "KVCacheSpec", "MlaLayerKV", "PagedKVCache", "spec_for_model"]

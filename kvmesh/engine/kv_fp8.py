@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-FP8_MAX = 448.0
+from kvmesh.engine.kv.layout import EXP_MAX, EXP_MIN, FP8_MAX
+
 _CLEAR_BIT_14 = -16385  # ~0x4000 as int16: drops the sign copy that int8 -> int16 extension adds
-EXP_MIN, EXP_MAX = -110, 110  # 2**(e + 8) must stay a normal fp32
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

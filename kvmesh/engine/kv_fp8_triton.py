@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.engine.kv_fp8 import EXP_MAX, EXP_MIN, FP8_MAX
+from kvmesh.engine.kv.layout import EXP_MAX, EXP_MIN, FP8_MAX
 
 
 @triton.jit

@@ -24,8 +24,8 @@ class StoreLayout:
 def store_layout(model: str, dtype: str = "auto", weights: str = "auto", kv_dtype: str = "auto",
                  page_size: int = 16) -> StoreLayout:  # fmt: skip
     """The layout of `model`'s workers run with these flags (fetches the model's config)."""
-    from kvmesh.engine.config import compute_dtype_of
-    from kvmesh.engine.kv.layout import resolve_kv_dtype, spec_for_model
+    from kvmesh.engine.config import compute_dtype_of, spec_for_model
+    from kvmesh.engine.kv.layout import resolve_kv_dtype
     from kvmesh.engine.loader import read_config, resolve_model
 
     resolved = resolve_kv_dtype(kv_dtype, compute_dtype_of(dtype, weights))

@@ -1,8 +1,15 @@
 """The gateway's routing policies by name (`--routing`), importable without grpc: the CLI's
-parser offers them, services/gateway/router.py builds them, `kvmesh sim` compares them."""
+parser offers them, services/gateway/router.py builds them, `kvmesh sim` compares them; and
+which prompts `kvmesh up` leaves to the decode worker's own prefill."""
 
 ROUTINGS = ("cache-aware", "prefix-aware", "least-load", "round-robin")
 ROUTING_HELP = (
     "cache-aware: session affinity over prefix scores; prefix-aware: prefix scores alone; "
     "least-load: fewest tokens in flight; round-robin: each in turn (the last two are baselines)"
 )
+
+# `kvmesh up`: prompts up to this many tokens are prefilled by the decode worker itself (Dynamo's
+# conditional disaggregation): such a prompt costs about what two to four decode steps at 16
+# streams cost on 2-core machines, less than handing it to a prefill worker and its pages back
+# (docs/benchmarks.md). Longer prompts go to a prefill worker.
+UP_LOCAL_PREFILL_TOKENS = 128

@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import platform
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from kvmesh.sim.calibrate import MeshSetup, calibrate_on, mesh_for, model_info, preset_json
 from kvmesh.sim.fleet import Fleet, simulate
 from kvmesh.sim.gateway import Record
 from kvmesh.sim.mesh_run import run_sessions
-from kvmesh.sim.report import percentile
+from kvmesh.sim.report import Figures
 from kvmesh.sim.workload import AgentWorkload
 
 CHECK_WORKLOAD = AgentWorkload(sessions=6, turns=6, system_tokens=384, message_tokens=48,
@@ -26,34 +26,6 @@ CHECK_WORKLOAD = AgentWorkload(sessions=6, turns=6, system_tokens=384, message_t
 ROUTING_WORKLOAD = AgentWorkload(sessions=8, turns=4, system_tokens=256, systems=2,
                                  message_tokens=48, reply_tokens=8, think_s=1.0, start_s=4.0,
                                  seed=11)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Figures:
-    """Compared by mean: a small run's TTFT is bimodal (a prompt queued behind another or
-    not), and its p50 jumps between the modes from run to run; the mean moves less."""
-
-    hit_ratio: float
-    ttft_mean_s: float
-    tpot_mean_s: float
-    ttft_p50_s: float
-    tpot_p50_s: float
-    requests: int
-    errors: int
-
-    @classmethod
-    def of(cls, records: list[Record]) -> Figures:
-        done = [r for r in records if not r.error]
-        prompt = sum(r.prompt_tokens for r in done) or 1
-        ttft = [r.ttft_s for r in done if r.ttft_s is not None]
-        tpot = [r.tpot_s for r in done if r.tpot_s is not None]
-        return cls(sum(r.cached_tokens for r in done) / prompt, _mean(ttft), _mean(tpot),
-                   percentile(ttft, 50) or 0.0, percentile(tpot, 50) or 0.0,
-                   len(records), len(records) - len(done))  # fmt: skip
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
 
 
 def machine() -> str:

@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 from kvmesh.sim.fleet import Run
+from kvmesh.sim.gateway import Record
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -81,3 +82,31 @@ def table(summaries: list[Summary]) -> str:
             f"{s.load_spread:.2f} |"
         )
     return "\n".join(rows)
+
+
+@dataclass(frozen=True)
+class Figures:
+    """Compared by mean: a small run's TTFT is bimodal (a prompt queued behind another or
+    not), and its p50 jumps between the modes from run to run; the mean moves less."""
+
+    hit_ratio: float
+    ttft_mean_s: float
+    tpot_mean_s: float
+    ttft_p50_s: float
+    tpot_p50_s: float
+    requests: int
+    errors: int
+
+    @classmethod
+    def of(cls, records: list[Record]) -> Figures:
+        done = [r for r in records if not r.error]
+        prompt = sum(r.prompt_tokens for r in done) or 1
+        ttft = [r.ttft_s for r in done if r.ttft_s is not None]
+        tpot = [r.tpot_s for r in done if r.tpot_s is not None]
+        return cls(sum(r.cached_tokens for r in done) / prompt, _mean(ttft), _mean(tpot),
+                   percentile(ttft, 50) or 0.0, percentile(tpot, 50) or 0.0,
+                   len(records), len(records) - len(done))  # fmt: skip
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

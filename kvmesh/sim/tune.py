@@ -12,6 +12,7 @@ from dataclasses import replace
 from kvmesh.sim.fleet import Fleet, simulate
 from kvmesh.sim.gateway import Record
 from kvmesh.sim.presets import Preset
+from kvmesh.sim.report import Figures
 from kvmesh.sim.workload import AgentWorkload
 
 TUNE_WORKLOAD = AgentWorkload(sessions=6, turns=6, system_tokens=384, message_tokens=48,
@@ -25,8 +26,6 @@ ONE_AND_ONE = Fleet(1, 1)  # the mesh calibrate starts
 def means(records: list[Record]) -> tuple[float, float]:
     """(mean TTFT, mean TPOT) of the requests that succeeded (what `kvmesh sim check`
     compares)."""
-    from kvmesh.sim.check import Figures
-
     figures = Figures.of(records)
     return figures.ttft_mean_s, figures.tpot_mean_s
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvmesh import LLM, SamplingParams
-from kvmesh.engine.kv.layout import spec_for_model
+from kvmesh.engine.config import spec_for_model
 from kvmesh.engine.loader import read_config, resolve_model
 from kvmesh.engine.spec.policy import FixedPolicy
 from kvmesh.tools.tiny_configs import TinySpec

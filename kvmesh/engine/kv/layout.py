@@ -28,12 +28,11 @@ per vector: 65/64 of the data for 64-dim GQA heads, 577/576 for DeepSeek-V3's ML
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kvmesh.engine.config import ModelConfig
 
 KV_DTYPES = ("fp32", "bf16", "fp8_e4m3")
+# fp8_e4m3 pages: e4m3fn values, each (token, head) row scaled by 2**e (kv_fp8.py encodes them)
+FP8_MAX = 448.0
+EXP_MIN, EXP_MAX = -110, 110  # 2**(e + 8) must stay a normal fp32
 KV_KINDS = ("gqa", "mla")
 # bump when the byte order of a page, or how a worker says where its pages are, changes (pairs
 # P/D workers and stores); 3: sharded destinations (KvDestination.shards), which a worker of 2
@@ -144,15 +143,6 @@ class KVCacheSpec:
         """Pages a pool of `budget_bytes` holds; two pages of it are the pool's null and scratch
         pages (kv_cache.py)."""
         return max(budget_bytes // self.page_bytes - 2, 1)
-
-
-def spec_for_model(config: ModelConfig, page_size: int, kv_dtype: str) -> KVCacheSpec:
-    """The KV spec a model needs: MLA latent pages or GQA pages."""
-    if config.mla is not None:
-        layer = LayerKVSpec("mla", 1, config.mla.cache_dim)
-    else:
-        layer = LayerKVSpec("gqa", config.num_kv_heads, config.head_dim)
-    return KVCacheSpec((layer,) * config.num_layers, page_size, kv_dtype)
 
 
 def parse_size(text: str) -> int:

@@ -15,8 +15,8 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from kvmesh.engine.config import Int4Scheme, ModelConfig
-from kvmesh.engine.kv.layout import KVCacheSpec, spec_for_model
+from kvmesh.engine.config import Int4Scheme, ModelConfig, spec_for_model
+from kvmesh.engine.kv.layout import KVCacheSpec
 from kvmesh.engine.layers.linear import LinearMethod, dense_matmul, method_for
 from kvmesh.engine.layers.mlp import GatedMLP
 from kvmesh.engine.layers.norm import add_rms_norm, rms_norm

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from kvmesh.engine.config import EngineConfig, ModelConfig
-from kvmesh.engine.kv.layout import KVCacheSpec, spec_for_model
+from kvmesh.engine.config import EngineConfig, ModelConfig, spec_for_model
+from kvmesh.engine.kv.layout import KVCacheSpec
 from kvmesh.engine.kv.pool_layout import shard_spans
 from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.kv_pages import KvPages
