@@ -25,8 +25,8 @@ import structlog
 from kvmesh.errors import EtcdError
 from kvmesh.mesh.etcd_access import EtcdAccess
 from kvmesh.mesh.ports import free_ports
-from kvmesh.mesh.processes import spawn, terminate_group
 from kvmesh.mesh.tls import TlsFiles
+from kvmesh.processes import spawn, terminate_group
 
 log = structlog.get_logger(__name__)
 

@@ -30,9 +30,9 @@ from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.etcd_access import EtcdAccess
 from kvmesh.mesh.etcd_server import EtcdServer
 from kvmesh.mesh.ports import free_port
-from kvmesh.mesh.processes import StopSignal, StopSignals
 from kvmesh.mesh.supervisor import Supervisor
 from kvmesh.mesh.tls import TlsFiles
+from kvmesh.processes import StopSignal, StopSignals
 
 MESH_CERT_NAME = "mesh"  # `up --tls`: the common name of every service's certificate
 CRITICAL = frozenset({"gateway"})  # with etcd: the mesh stops when one of them dies

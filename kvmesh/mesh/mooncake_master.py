@@ -21,7 +21,7 @@ import structlog
 
 from kvmesh.errors import MooncakeMasterError
 from kvmesh.mesh.ports import free_ports
-from kvmesh.mesh.processes import spawn, terminate_group
+from kvmesh.processes import spawn, terminate_group
 
 log = structlog.get_logger(__name__)
 

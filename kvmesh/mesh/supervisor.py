@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh.mesh.processes import spawn, stop_groups
+from kvmesh.processes import spawn, stop_groups
 
 
 @dataclass(frozen=True)

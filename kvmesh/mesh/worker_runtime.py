@@ -27,10 +27,10 @@ from kvmesh.mesh.affinity import lead_cpu_setup
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.ports import free_port
-from kvmesh.mesh.processes import wait_for_signal
 from kvmesh.mesh.request_gate import RequestGate
 from kvmesh.mesh.store_link import StoreLink, StoreLinkOptions
 from kvmesh.mesh.transfer import KvTransferEngine, TransferConfig
+from kvmesh.processes import wait_for_signal
 
 log = structlog.get_logger(__name__)
 

@@ -13,7 +13,7 @@ from kvmesh.mesh import addresses, etcd_access, metrics, tls
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.ports import free_port
-from kvmesh.mesh.processes import wait_for_signal
+from kvmesh.processes import wait_for_signal
 from services.draft.server import DraftServicer, add_to
 
 log = structlog.get_logger(__name__)

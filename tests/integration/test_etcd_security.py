@@ -21,8 +21,8 @@ from kvmesh.mesh.certs import make_ca, make_leaf
 from kvmesh.mesh.discovery import Registry, WorkerInfo, WorkerWatcher
 from kvmesh.mesh.etcd_access import EtcdAccess
 from kvmesh.mesh.etcd_server import EtcdServer
-from kvmesh.mesh.processes import spawn, terminate_group
 from kvmesh.mesh.tls import TlsFiles
+from kvmesh.processes import spawn, terminate_group
 
 pytestmark = pytest.mark.timeout(120)
 USER, PASSWORD = "kvmesh", "etcd-pw-5e0c"

@@ -22,7 +22,7 @@ import pytest
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.mesh.etcd_server import etcd_binary
-from kvmesh.mesh.processes import spawn, terminate_group
+from kvmesh.processes import spawn, terminate_group
 from tests.integration.hosts import Hosts, simulated_hosts, unavailable
 
 pytestmark = pytest.mark.timeout(900)

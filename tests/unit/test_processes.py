@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvmesh.mesh.launcher import Mesh, UpOptions
-from kvmesh.mesh.processes import StopSignal, StopSignals, spawn, stop_groups
 from kvmesh.mesh.supervisor import RestartPolicy, Supervisor
+from kvmesh.processes import StopSignal, StopSignals, spawn, stop_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ def test_a_child_dies_with_its_parent_even_when_the_parent_is_sigkilled():
     parent_code = textwrap.dedent(
         """
         import sys, time
-        from kvmesh.mesh.processes import spawn
+        from kvmesh.processes import spawn
         child = spawn(["sleep", "60"], sys.stderr.buffer)
         print(child.pid, flush=True)
         time.sleep(60)

@@ -34,7 +34,7 @@ from kvmesh.engine.parallel.shared_pages import new_region, pool_of, pool_offset
 from kvmesh.engine.parallel.shm_reduce import ShmAllReduce
 from kvmesh.engine.runner import ModelRunner
 from kvmesh.errors import EngineFailure
-from kvmesh.mesh.processes import die_with_parent, stop_groups
+from kvmesh.processes import die_with_parent, stop_groups
 
 
 class Ranks:
