@@ -58,8 +58,9 @@ PRECISIONS = [({"dtype": "fp32", "kv_dtype": "fp8_e4m3"}, 1e-3, 0.02),
 @pytest.mark.parametrize(("options", "atol", "margin"), PRECISIONS)
 def test_two_ranks_agree_with_fp8_pages_int4_weights_and_bf16(options, atol, margin):
     """Greedy tokens equal one rank's up to the first step whose top-2 logits are closer than
-    `margin` (none in fp32 here), logits within `atol`; one prompt at a time."""
-    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1)
+    `margin` (none in fp32 here), logits within `atol`; one prompt at a time. The top 2 of each
+    step come back (logprobs=2) to measure that gap where the tokens part."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
     one = LLM(max_num_seqs=4, **options)
     want = [one.generate([p], params)[0] for p in PROMPTS]
     ids = one.tokenizer.encode(PROMPTS[2] + " red, green and blue.")
