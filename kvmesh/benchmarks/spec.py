@@ -52,12 +52,13 @@ def workloads(per: int) -> dict[str, list[str]]:
 def _engine(method: str, args: argparse.Namespace, draft_address: str, max_seqs: int):
     from kvmesh import LLM
     from kvmesh.engine.spec.policy import FixedPolicy
+    from kvmesh.mesh.draft_client import RemoteProposer
 
     spec = {"none": "none", "ngram": "ngram"}.get(method, "eagle")
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mib << 20,
               max_num_seqs=max_seqs, speculative=spec,
               num_speculative_tokens=args.num_speculative_tokens,
-              draft_address=draft_address if method == "eagle-remote" else "")  # fmt: skip
+              draft=RemoteProposer(draft_address) if method == "eagle-remote" else None)  # fmt: skip
     if method == "eagle-fixed":
         llm.engine.speculator.policy = FixedPolicy(args.num_speculative_tokens)
     return llm

@@ -226,7 +226,6 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # drafts verified per step (at most, when adaptive)
     speculative_policy: str = "adaptive"  # adaptive (lengths from measurements) or fixed
     draft_model: str | None = None  # EAGLE head (safetensors); None: the shipped default
-    draft_address: str = ""  # EAGLE on a draft service (host:port) instead of in-process
     tensor_parallel_size: int = 1  # rank processes one model's layers are split over (parallel/)
     enable_expert_parallel: bool = False  # MoE: experts partitioned over those ranks, not split
     pipeline_parallel_size: int = 1  # stages of contiguous layers, each its TP ranks

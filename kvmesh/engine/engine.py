@@ -36,7 +36,7 @@ from kvmesh.engine.sampler import Sampler
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvmesh.engine.sequence import FinishReason, Sequence
-from kvmesh.engine.spec.speculator import build_speculator
+from kvmesh.engine.spec.speculator import DraftSource, build_speculator
 from kvmesh.engine.step import ChunkPlan, StepPlan
 from kvmesh.errors import (
     CapacityError,
@@ -52,7 +52,9 @@ _score_ids = itertools.count()
 class Engine(HandOver):
     """Add requests, step, abort; the P/D hand-over (reserve / commit) is in handover.py."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, draft: DraftSource | None = None) -> None:
+        """`draft`: where EAGLE drafts come from when they are not drafted in process (the
+        mesh's draft service)."""
         started = time.perf_counter()
         ranks = config.world_size  # each rank a share of the CPUs given
         torch.set_num_threads(max(1, env.serve_threads() // ranks))  # KVMESH_NUM_THREADS, else CPUs
@@ -66,7 +68,7 @@ class Engine(HandOver):
         # the other ranks load after rank 0 (a converted model is then in the cache for them)
         self.ranks = start_ranks(config, loaded, serve_threads) if ranks > 1 else None
         try:  # a failure from here on must not leave the other ranks running
-            self._build(config, loaded, serve_threads)
+            self._build(config, loaded, serve_threads, draft)
         except BaseException:
             self.close()
             raise
@@ -82,7 +84,9 @@ class Engine(HandOver):
             init_s=round(time.perf_counter() - started, 3),
         )
 
-    def _build(self, config: EngineConfig, loaded: Any, serve_threads: int) -> None:
+    def _build(
+        self, config: EngineConfig, loaded: Any, serve_threads: int, draft: DraftSource | None
+    ) -> None:
         """Everything past the weights and the ranks: pages, scheduler, runner, sampler."""
         ranks = config.world_size
         self.source, self.model_config = loaded.source, loaded.config
@@ -123,7 +127,7 @@ class Engine(HandOver):
         self.sampler = Sampler()
         self.constraints = Constraints(self.tokenizer.hf, self.model_config.vocab_size)
         self.speculator = build_speculator(
-            config, self.source.name, self.runner, self.max_model_len
+            config, self.source.name, self.runner, self.max_model_len, draft
         )
         decode_step = config.decode_step if ranks == 1 else "eager"  # ranks meet inside
         compile_decode(self.runner, decode_step, config.max_num_seqs, self.max_model_len)

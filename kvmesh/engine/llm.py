@@ -15,6 +15,7 @@ from kvmesh.engine.loader import DEFAULT_MODEL
 from kvmesh.engine.sampler import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import FinishReason
+from kvmesh.engine.spec.speculator import DraftSource
 from kvmesh.errors import InvalidRequestError
 
 Prompt = str | list[int]
@@ -49,8 +50,11 @@ class CompletionOutput:
 class LLM:
     """`LLM(model=...).generate(prompts, SamplingParams())` and `.chat(messages, ...)`."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, **engine_options: Any) -> None:
-        self.engine = Engine(EngineConfig(model=model, **engine_options))
+    def __init__(
+        self, model: str = DEFAULT_MODEL, draft: DraftSource | None = None, **engine_options: Any
+    ) -> None:
+        """`engine_options`: EngineConfig's fields; `draft`: see Engine."""
+        self.engine = Engine(EngineConfig(model=model, **engine_options), draft)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

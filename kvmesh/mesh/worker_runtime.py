@@ -25,6 +25,7 @@ from kvmesh.engine.loader.memory import process_memory_mib
 from kvmesh.mesh import addresses, metrics
 from kvmesh.mesh.affinity import lead_cpu_setup
 from kvmesh.mesh.discovery import Registry, WorkerInfo
+from kvmesh.mesh.draft_client import RemoteProposer
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.ports import free_port
 from kvmesh.mesh.request_gate import RequestGate
@@ -134,12 +135,12 @@ async def serve_worker(
                 speculative_policy=options.speculative_policy,
                 decode_step=options.decode_step,
                 draft_model=options.draft_model or None,
-                draft_address=draft_address,
                 max_num_seqs=options.max_num_seqs,
                 tensor_parallel_size=options.tensor_parallel_size,
                 enable_expert_parallel=options.enable_expert_parallel,
                 pipeline_parallel_size=options.pipeline_parallel_size,
-            )
+            ),
+            RemoteProposer(draft_address) if draft_address else None,
         )
     )
     engine.on_integrity_failure = lambda _: metrics.KV_INTEGRITY_FAILURES.labels(options.role).inc()

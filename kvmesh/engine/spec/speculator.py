@@ -42,6 +42,14 @@ class Proposer(Protocol):
     def release(self, seq_ids: Iterable[str], force: bool = False) -> None: ...
 
 
+class DraftSource(Proposer, Protocol):
+    """A proposer outside the engine, given to it at construction (the mesh's draft service:
+    mesh/draft_client.py): it names the target layers whose features it reads, and refuses a
+    target model it does not draft for."""
+
+    def check_target(self, model_name: str) -> tuple[int, ...]: ...
+
+
 @dataclass(frozen=True)
 class _Mark:
     """When the step's model work began, and what drafting cost before it."""
@@ -182,21 +190,24 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def build_speculator(config, model_name: str, runner: ModelRunner,
-                     max_model_len: int) -> Speculator | None:  # fmt: skip
-    """The engine's speculator for `config.speculative` (None: no speculation)."""
+def build_speculator(
+    config,
+    model_name: str,
+    runner: ModelRunner,
+    max_model_len: int,
+    draft: DraftSource | None = None,
+) -> Speculator | None:
+    """The engine's speculator for `config.speculative` (None: no speculation); EAGLE drafts
+    come from `draft` where one is given, else from a head loaded in process."""
     if config.speculative == "none":
         return None
     if config.speculative == "ngram":
         from kvmesh.engine.spec.ngram import NgramProposer
 
         proposer: Proposer = NgramProposer(config.num_speculative_tokens)
-    elif config.draft_address:
-        from kvmesh.mesh.draft_client import RemoteProposer
-
-        remote = RemoteProposer(config.draft_address)
-        runner.capture = remote.check_target(model_name)
-        proposer = remote
+    elif draft is not None:
+        runner.capture = draft.check_target(model_name)
+        proposer = draft
     else:
         from kvmesh.engine.spec.eagle import load_head
         from kvmesh.engine.spec.eagle_proposer import EagleProposer
