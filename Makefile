@@ -57,9 +57,11 @@ model: kernels
 up: model
 	$(BIN)/kvmesh up
 
+# The layers' import contract (tests/unit/test_layers.py) is part of lint.
 lint: install
 	$(BIN)/ruff check kvmesh services tests scripts
 	$(BIN)/ruff format --check kvmesh services tests scripts
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit/test_layers.py
 
 # pytest exits 5 when it collects nothing: that is a failure here, as is any other non-zero code.
 test: model lint imagedeps agentclis
