@@ -15,7 +15,7 @@ from typing import Any
 from kvmesh.cli_args import GATEWAY_FRONT, build_parser
 from kvmesh.env import API_KEYS_ENV
 from kvmesh.errors import KvmeshError, LaunchError
-from kvmesh.mesh.routings import UP_LOCAL_PREFILL_TOKENS
+from kvmesh.routing import UP_LOCAL_PREFILL_TOKENS
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,7 +7,7 @@ import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvmesh.mesh.routings import ROUTING_HELP, ROUTINGS, UP_LOCAL_PREFILL_TOKENS
+from kvmesh.routing import ROUTING_HELP, ROUTINGS, UP_LOCAL_PREFILL_TOKENS
 from kvmesh.tools import tiny_cli  # imports no torch
 
 

@@ -41,7 +41,7 @@ from kvmesh.benchmarks.serve_suite import measure_level as measure_target_level
 from kvmesh.benchmarks.serve_suite import ms as _ms
 from kvmesh.errors import ServeBenchError
 from kvmesh.mesh.affinity import thread_kept_to
-from kvmesh.mesh.routings import UP_LOCAL_PREFILL_TOKENS
+from kvmesh.routing import UP_LOCAL_PREFILL_TOKENS
 
 __all__ = ["Messages", "ServeBenchError", "_ms", "level_prompts", "measure_level", "stream_one"]
 OVERHEAD_LEVELS = (1, 8, 16)

@@ -110,7 +110,7 @@ def observe_message(service: str, size: int) -> None:
 # Label values known before the first event (keep in step with the code that writes them).
 _OUTCOMES = ("ok", "client_error", "server_error", "cancelled")  # gateway openai_api._outcome
 _ROUTING_REASONS = ("least_tokens", "prefix_hit", "affinity", "affinity_worker_gone",
-                    "affinity_yield_load")  # services/gateway/router.py policies  # fmt: skip
+                    "affinity_yield_load")  # kvmesh/routing/router.py policies  # fmt: skip
 _PREFIX_TIERS = ("prefill_local", "decode", "kvstore")
 _BY_SERVICE = {
     "gateway": (REQUEST_TTFT, REQUEST_TPOT, PROMPT_TOKENS, PROMPT_CACHED_TOKENS, GENERATION_TOKENS,

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kvmesh.errors import InvalidRequestError
-from kvmesh.mesh.routings import ROUTINGS
+from kvmesh.routing import ROUTINGS
 from kvmesh.sim.fleet import Fleet, simulate
 from kvmesh.sim.presets import Preset, load_preset, preset_names
 from kvmesh.sim.report import Summary, summarize, table

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 from kvmesh.mesh.kv_events import PrefixIndex
 from kvmesh.mesh.worker_info import WorkerInfo
+from kvmesh.routing.prefix import PrefixLookup
+from kvmesh.routing.router import AffinityPolicy, make_router, reported_load
 from kvmesh.sim.clock import Clock
 from kvmesh.sim.gateway import Record, SimGateway
 from kvmesh.sim.presets import Preset
 from kvmesh.sim.worker import SimWorker
 from kvmesh.sim.workload import Session
-from services.gateway.prefix_routing import PrefixLookup
-from services.gateway.router import AffinityPolicy, make_router, reported_load
 
 POLL_S = 1.0  # how often the gateway polls workers' loads (Router.poll_loads' period)
 

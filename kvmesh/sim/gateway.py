@@ -13,13 +13,13 @@ from kvmesh.engine.kv import BlockHasher
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import Sequence
 from kvmesh.mesh.error_mapping import WorkerUnavailableError
+from kvmesh.routing.prefix import PromptKey
+from kvmesh.routing.router import Router
+from kvmesh.routing.sessions import Pin
 from kvmesh.sim.clock import Clock
 from kvmesh.sim.presets import Preset
 from kvmesh.sim.worker import SimWorker
 from kvmesh.sim.workload import Session
-from services.gateway.prefix_routing import PromptKey
-from services.gateway.router import Router
-from services.gateway.sessions import Pin
 
 RESERVE_POLL_S = 0.05  # as services/decode/worker.py
 RESERVE_TIMEOUT_S = 30.0

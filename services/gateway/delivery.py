@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 
 from kvmesh.mesh import frames
 from kvmesh.proto.v1 import decode_pb2
-from services.gateway.router import WorkerUnavailable
+from kvmesh.routing.router import WorkerUnavailable
 
 log = structlog.get_logger(__name__)
 _END = object()  # the Generate stream ended

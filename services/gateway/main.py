@@ -17,6 +17,9 @@ from kvmesh.mesh.addresses import host_port
 from kvmesh.mesh.discovery import Registry, WorkerWatcher
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.kv_events import PrefixIndex
+from kvmesh.routing.prefix import KvEventFollower, PrefixLookup
+from kvmesh.routing.router import AffinityPolicy, make_router
+from kvmesh.routing.sessions import SessionStore
 from services.gateway import grpc_api
 from services.gateway.auth import ApiKeyInterceptor, ApiKeys
 from services.gateway.limits import (
@@ -31,11 +34,8 @@ from services.gateway.mesh_backend import (
     MeshBackend,
 )
 from services.gateway.openai_api import create_app
-from services.gateway.prefix_routing import KvEventFollower, PrefixLookup
 from services.gateway.readiness import MeshReadiness, follow
-from services.gateway.router import AffinityPolicy, make_router
 from services.gateway.served import ModelNames, served_model
-from services.gateway.sessions import SessionStore
 
 log = structlog.get_logger(__name__)
 GATEWAY_SERVICE = "kvmesh.v1.Gateway"

@@ -28,11 +28,11 @@ from kvmesh.mesh.error_mapping import error_from_code, error_from_grpc
 from kvmesh.mesh.grpc_server import channel
 from kvmesh.mesh.request_gate import RequestGate
 from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc
+from kvmesh.routing.prefix import PromptKey
+from kvmesh.routing.router import Router, WorkerUnavailable
+from kvmesh.routing.sessions import Pin, SessionStore
 from services.gateway.backend import GenerateChunk, GenerateInput
 from services.gateway.delivery import Delivery
-from services.gateway.prefix_routing import PromptKey
-from services.gateway.router import Router, WorkerUnavailable
-from services.gateway.sessions import Pin, SessionStore
 
 log = structlog.get_logger(__name__)
 MAX_ATTEMPTS = 3  # workers tried before a request's first token

@@ -19,7 +19,7 @@ import pytest
 
 from kvmesh.mesh.discovery import Registry, WorkerInfo, WorkerInfoError, WorkerWatcher
 from kvmesh.mesh.etcd_server import EtcdError, EtcdServer
-from services.gateway.sessions import Pin, SessionStore
+from kvmesh.routing.sessions import Pin, SessionStore
 
 pytestmark = pytest.mark.timeout(45)
 REPO = Path(__file__).resolve().parents[2]

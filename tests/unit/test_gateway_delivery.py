@@ -11,9 +11,9 @@ import pytest
 from kvmesh import event_loop
 from kvmesh.mesh import frames
 from kvmesh.proto.v1 import common_pb2, decode_pb2
+from kvmesh.routing.router import WorkerUnavailable
 from services.decode.delivery import Deliveries, DeliverySocket
 from services.gateway.delivery import Delivery, Inbox
-from services.gateway.router import WorkerUnavailable
 
 
 class _Stream:

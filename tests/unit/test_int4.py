@@ -199,7 +199,7 @@ def test_a_group_that_does_not_divide_the_inputs_is_a_model_format_error():
 def test_kvmesh_up_prefills_short_prompts_on_decode_unless_the_roles_differ_in_precision():
     from kvmesh.cli import _worker_passthrough
     from kvmesh.cli_args import build_parser
-    from kvmesh.mesh.routings import UP_LOCAL_PREFILL_TOKENS
+    from kvmesh.routing import UP_LOCAL_PREFILL_TOKENS
 
     parser = build_parser()
 

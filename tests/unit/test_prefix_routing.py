@@ -8,8 +8,8 @@ from kvmesh.engine.sequence import Sequence
 from kvmesh.mesh.discovery import WorkerInfo
 from kvmesh.mesh.kv_events import PrefixIndex, events_to_pb
 from kvmesh.proto.v1 import decode_pb2
-from services.gateway.prefix_routing import PrefixLookup, PromptKey
-from services.gateway.router import Router
+from kvmesh.routing.prefix import PrefixLookup, PromptKey
+from kvmesh.routing.router import Router
 
 PS = 4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.mesh.discovery import WorkerInfo
-from services.gateway.router import Router, WorkerUnavailable
+from kvmesh.routing.router import Router, WorkerUnavailable
 
 
 def _workers(role: str, n: int) -> list[WorkerInfo]:
@@ -41,14 +41,14 @@ def test_reported_load_counts_when_higher_than_local_estimate():
 
 
 def _candidates(loads: dict[str, int]):
-    from services.gateway.router import Candidate
+    from kvmesh.routing.router import Candidate
 
     return [Candidate(WorkerInfo(role="decode", worker_id=w, grpc_address="127.0.0.1:1"), load)
             for w, load in loads.items()]  # fmt: skip
 
 
 def test_affinity_keeps_the_pinned_worker_until_it_is_far_above_the_least_loaded():
-    from services.gateway.router import AffinityPolicy
+    from kvmesh.routing.router import AffinityPolicy
 
     policy = AffinityPolicy(max_load_ratio=2.0, slack_tokens=100)
     kept = policy.choose("decode", _candidates({"a": 300, "b": 200}), 10, "a")

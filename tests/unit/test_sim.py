@@ -13,6 +13,13 @@ from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.engine.sequence import Sequence
 from kvmesh.errors import InvalidRequestError
+from kvmesh.routing.router import (
+    AffinityPolicy,
+    LeastTokensPolicy,
+    PrefixAwarePolicy,
+    RoundRobinPolicy,
+    make_router,
+)
 from kvmesh.sim.calibrate import BESIDE, CONTENDED, DECODE_TOKENS, SUFFIX, Probes, fit
 from kvmesh.sim.clock import Clock
 from kvmesh.sim.cost import LinearCost, StepShape
@@ -20,13 +27,6 @@ from kvmesh.sim.fleet import Fleet, simulate
 from kvmesh.sim.presets import Preset, WorkerSpec, load_preset
 from kvmesh.sim.report import percentile, summarize
 from kvmesh.sim.workload import AgentWorkload, ChatWorkload
-from services.gateway.router import (
-    AffinityPolicy,
-    LeastTokensPolicy,
-    PrefixAwarePolicy,
-    RoundRobinPolicy,
-    make_router,
-)
 
 COST = LinearCost("test", base_s=0.01, per_token_s=0.001, per_row_s=0.0005, per_context_s=1e-6,
                   per_pair_s=0.0, transfer_page_s=0.0002, rpc_s=0.003)  # fmt: skip
@@ -63,7 +63,7 @@ def test_step_shape_of_a_real_schedule():
 def test_round_robin_and_make_router():
     from kvmesh.mesh.kv_events import PrefixIndex
     from kvmesh.mesh.worker_info import WorkerInfo
-    from services.gateway.prefix_routing import PrefixLookup
+    from kvmesh.routing.prefix import PrefixLookup
 
     workers = [WorkerInfo("decode", f"d{i}", f"x:{i}") for i in range(3)]
     lookup = PrefixLookup(PrefixIndex())

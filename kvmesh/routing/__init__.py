@@ -1,6 +1,7 @@
-"""The gateway's routing policies by name (`--routing`), importable without grpc: the CLI's
-parser offers them, services/gateway/router.py builds them, `kvmesh sim` compares them; and
-which prompts `kvmesh up` leaves to the decode worker's own prefill."""
+"""Routing: which worker a request goes to. The core (router.py: policies and pins; prefix.py:
+which worker holds a prompt's pages; sessions.py: session pins) is shared by the gateway and
+`kvmesh sim`. This module, importable without grpc, names the policies (`--routing`, offered by
+the CLI's parser) and says which prompts `kvmesh up` leaves to the decode worker's own prefill."""
 
 ROUTINGS = ("cache-aware", "prefix-aware", "least-load", "round-robin")
 ROUTING_HELP = (

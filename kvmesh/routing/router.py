@@ -19,11 +19,11 @@ from kvmesh.mesh import metrics
 from kvmesh.mesh.discovery import WorkerInfo
 from kvmesh.mesh.error_mapping import WorkerUnavailableError as WorkerUnavailable
 from kvmesh.mesh.grpc_server import channel
-from kvmesh.mesh.routings import ROUTINGS
 from kvmesh.proto.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from kvmesh.routing import ROUTINGS
 
 if TYPE_CHECKING:
-    from services.gateway.prefix_routing import PrefixLookup, PromptKey
+    from kvmesh.routing.prefix import PrefixLookup, PromptKey
 
 log = structlog.get_logger(__name__)
 
