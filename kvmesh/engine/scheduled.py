@@ -10,11 +10,12 @@ from kvmesh.engine.step import ChunkPlan, StepPlan
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Per-step limits: sequences in flight, tokens per forward pass, context length."""
+    """Per-step limits: sequences in flight, tokens per forward pass, context length (their
+    defaults are EngineConfig's: the engine builds this from it)."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 8192
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

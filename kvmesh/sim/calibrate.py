@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, replace
 import grpc
 import numpy as np
 
+from kvmesh.engine.config import EngineConfig
 from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
 from kvmesh.mesh.worker_info import WorkerInfo
 from kvmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc
@@ -41,7 +42,6 @@ DECODE_TOKENS = 32
 SUFFIX = 8  # a batch's streams share a cached prefix: each has this many tokens of its own
 CONTENDED = (4, 64, 48)  # streams, their shared prefix and output tokens
 BESIDE = (512, 96)  # prompts computed beside them: long ones (decode's slowdown), short ones
-MAX_NUM_BATCHED_TOKENS = 1024  # the engine's default (EngineConfig)
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ async def worker_spec(mesh: Mesh, setup: MeshSetup,
     async with channel(decode.grpc_address) as ch:
         loads = await decode_pb2_grpc.DecodeStub(ch).GetLoads(decode_pb2.GetLoadsRequest())
     spec = WorkerSpec(loads.loads[0].kv_pages_total, decode.page_size, setup.max_num_seqs,
-                      MAX_NUM_BATCHED_TOKENS, max_model_len)  # fmt: skip
+                      EngineConfig.max_num_batched_tokens, max_model_len)  # fmt: skip
     return spec, decode
 
 

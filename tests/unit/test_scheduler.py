@@ -54,9 +54,11 @@ def plan(out: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
 
 
 def test_config_validated() -> None:
+    good = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256}
+    SchedulerConfig(**good)
     for bad in ({"max_num_seqs": 0}, {"max_num_batched_tokens": 0}, {"max_model_len": 1}):
         with pytest.raises(ValueError):
-            SchedulerConfig(**bad)
+            SchedulerConfig(**(good | bad))
 
 
 def test_chunked_prefill_exact_chunks() -> None:
