@@ -20,6 +20,7 @@ from kvmesh.sim.mesh_run import run_sessions
 from kvmesh.sim.report import Figures
 from kvmesh.sim.workload import AgentWorkload
 
+TIMING_BOUND = 0.30  # TTFT and TPOT means of the sim within this share of the mesh's
 CHECK_WORKLOAD = AgentWorkload(sessions=6, turns=6, system_tokens=384, message_tokens=48,
                                reply_tokens=16, think_s=3.0, start_s=4.0, seed=7)  # fmt: skip
 # Routing with a choice: 1 prefill + 2 decode workers, sessions over two system prompts.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -199,7 +200,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from kvmesh.sim.calibrate import MeshSetup
-    from kvmesh.sim.check import run_check
+    from kvmesh.sim.check import TIMING_BOUND, run_check
 
     result = run_check(MeshSetup(model=args.model, kv_cache_mib=args.kv_cache_mib))
     for side in ("mesh", "sim"):
@@ -217,4 +218,7 @@ def _check(args: argparse.Namespace) -> int:
           f"({result['routing_hit_ratio_points']:.1f} points apart)")  # fmt: skip
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+    if max(result["ttft_rel"], result["tpot_rel"]) > TIMING_BOUND:
+        print(f"TTFT or TPOT off by more than {TIMING_BOUND:.0%}", file=sys.stderr)
+        return 1
     return 0
