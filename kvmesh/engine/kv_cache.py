@@ -26,12 +26,11 @@ import weakref
 import torch
 
 from kvmesh.engine.attention.base import Slots
-from kvmesh.engine.config import spec_for_model
 from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.kv.layout import KVCacheSpec
 from kvmesh.engine.kv_fp8 import codec_for
 
-__all__ = ["GqaLayerKV", "KVCacheSpec", "MlaLayerKV", "PagedKVCache", "spec_for_model"]
+__all__ = ["GqaLayerKV", "KVCacheSpec", "MlaLayerKV", "PagedKVCache"]
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.int8}
 _KEYS = itertools.count()
 

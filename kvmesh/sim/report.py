@@ -5,10 +5,15 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from kvmesh.sim.fleet import Run
 from kvmesh.sim.gateway import Record
+
+
+def _mean(values: Sequence[float]) -> float:
+    return statistics.fmean(values) if values else 0.0
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -40,7 +45,7 @@ class Summary:
     def load_spread(self) -> float:
         """Coefficient of variation of the decode workers' busy fractions (0: even)."""
         busy = self.decode_busy
-        mean = statistics.fmean(busy) if busy else 0.0
+        mean = _mean(busy)
         return statistics.pstdev(busy) / mean if len(busy) > 1 and mean else 0.0
 
     def as_dict(self) -> dict:
@@ -103,10 +108,12 @@ class Figures:
         prompt = sum(r.prompt_tokens for r in done) or 1
         ttft = [r.ttft_s for r in done if r.ttft_s is not None]
         tpot = [r.tpot_s for r in done if r.tpot_s is not None]
-        return cls(sum(r.cached_tokens for r in done) / prompt, _mean(ttft), _mean(tpot),
-                   percentile(ttft, 50) or 0.0, percentile(tpot, 50) or 0.0,
-                   len(records), len(records) - len(done))  # fmt: skip
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
+        return cls(
+            sum(r.cached_tokens for r in done) / prompt,
+            _mean(ttft),
+            _mean(tpot),
+            percentile(ttft, 50) or 0.0,
+            percentile(tpot, 50) or 0.0,
+            len(records),
+            len(records) - len(done),
+        )

@@ -7,13 +7,9 @@ a network namespace with only loopback: nothing the clients send (telemetry incl
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
-import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,13 +20,12 @@ import pytest
 
 from tests.integration.hosts import unavailable
 from tests.integration.tool_caller import OUTPUT, PROMPTS
-from tests.integration.up_process import marked
+from tests.integration.up_process import UpRun, until
 
 pytestmark = pytest.mark.timeout(900)
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "tests" / "data" / "tool-caller"
 CLIS = ROOT / ".venv" / "agent-clis" / "node_modules" / ".bin"
-PORT = 18000  # the namespace is this test's alone: any port is free in it
 WHY = unavailable() or next(
     (
         f"{CLIS / name} is missing (`make agentclis` installs it when npm is there)"
@@ -71,59 +66,24 @@ class AgentMesh:
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory) -> Iterator[AgentMesh]:
+    """`kvmesh up` on the tool caller inside the namespace, answering any model id (the clients
+    name their own), fp32 so that its choices do not depend on the CPU's bf16 kernels."""
     namespace = f"kvm-agents-{uuid.uuid4().hex[:6]}"
     subprocess.run(["ip", "netns", "add", namespace], check=True, capture_output=True)
+    run = None
     try:
         lo = ["ip", "netns", "exec", namespace, "ip", "link", "set", "lo", "up"]
         subprocess.run(lo, check=True, capture_output=True)
-        with _up(namespace, tmp_path_factory.mktemp("kvmesh-home")):
-            yield AgentMesh(namespace, f"http://127.0.0.1:{PORT}")
+        options = ("--model", str(MODEL), "--any-model", "--dtype", "fp32")
+        wrap = ("ip", "netns", "exec", namespace)
+        run = UpRun.start(tmp_path_factory.mktemp("up"), *options, wrap=wrap)
+        until(lambda: run.said("kvmesh is up") or run.proc.poll() is not None, timeout=300)
+        assert run.said("kvmesh is up"), run.output()
+        yield AgentMesh(namespace, f"http://127.0.0.1:{run.http_port}")
     finally:
+        if run is not None:
+            run.close()
         subprocess.run(["ip", "netns", "delete", namespace], capture_output=True)
-
-
-@contextlib.contextmanager
-def _up(namespace: str, home: Path) -> Iterator[None]:
-    """`kvmesh up` on the tool caller inside the namespace, answering any model id (the clients
-    name their own), fp32 so that its choices do not depend on the CPU's bf16 kernels."""
-    env = {**os.environ, "KVMESH_HOME": str(home), "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-    argv = [
-        sys.executable,
-        "-m",
-        "kvmesh.cli",
-        "up",
-        "--model",
-        str(MODEL),
-        "--any-model",
-        "--dtype",
-        "fp32",
-        "--http-port",
-        str(PORT),
-    ]
-    proc = subprocess.Popen(
-        ["ip", "netns", "exec", namespace, *argv],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True).start()
-    try:
-        deadline = time.monotonic() + 300
-        while not any("kvmesh is up" in line for line in lines):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.5)
-        yield
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=60)
-        for pid in marked(home) | ({proc.pid} if proc.poll() is None else set()):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=30)
 
 
 def _events(out: str) -> list[dict]:

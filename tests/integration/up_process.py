@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.env import kvmesh_home
 from kvmesh.mesh.ports import free_port
+from kvmesh.processes import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[2]
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -158,16 +159,34 @@ class UpRun:
     lines: list[str] = field(default_factory=list)
 
     @classmethod
-    def start(cls, tmp: Path, *args: str) -> UpRun:
+    def start(cls, tmp: Path, *args: str, wrap: Sequence[str] = ()) -> UpRun:
+        """`kvmesh up ARGS` (through `wrap`, e.g. `ip netns exec NS`), killed if we die."""
         home = tmp / "home"
         home.mkdir(parents=True)
         (home / "models").symlink_to(kvmesh_home() / "models")  # the fetched default model
         env = {**os.environ, "KVMESH_HOME": str(home), "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
         http_port, grpc_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "kvmesh.cli", "up", "--http-port", str(http_port),
-               "--grpc-port", str(grpc_port), *args]  # fmt: skip
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+        cmd = [
+            *wrap,
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "up",
+            "--http-port",
+            str(http_port),
+            "--grpc-port",
+            str(grpc_port),
+            *args,
+        ]
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent(),
+        )
         run = cls(home, proc, http_port, grpc_port)
         threading.Thread(target=run._read, daemon=True).start()
         return run
