@@ -14,8 +14,7 @@ from typing import Any
 
 from kvmesh.cli_args import GATEWAY_FRONT, build_parser
 from kvmesh.env import API_KEYS_ENV
-from kvmesh.errors import KvmeshError, LaunchError
-from kvmesh.routing import UP_LOCAL_PREFILL_TOKENS
+from kvmesh.errors import KvmeshError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -55,6 +54,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         tls.configure_from(args)
         etcd_access.configure_from(args)
         return run_status(args.etcd, args.cluster, args.json)
+    if args.command == "config":
+        from kvmesh.config_show import run_config_show
+
+        return run_config_show(args.argv)
     if args.command == "sim":
         from kvmesh.sim.command import run_sim
 
@@ -69,102 +72,48 @@ def _dispatch(args: argparse.Namespace) -> int:
     return 1
 
 
-_WORKER_FLAGS = ("dtype", "weights", "int4_group_size", "int4_embeddings", "kv_dtype",
-                 "kv_cache_bytes", "kv_hugepages", "kv_integrity", "kv_integrity_action",
-                 "max_num_seqs",
-                 "protocol", "rdma_devices",
-                 "local_prefill_tokens", "speculative", "num_speculative_tokens",
-                 "speculative_policy", "decode_step", "draft", "draft_model",
-                 "tensor_parallel_size", "enable_expert_parallel",
-                 "pipeline_parallel_size", "max_queued_requests", "drain_timeout")  # fmt: skip
-# on|off flags, booleans in WorkerOptions
-_ON_OFF = ("kv_integrity", "int4_embeddings", "kv_hugepages")
-
-
-def _worker_passthrough(args: argparse.Namespace) -> list[str]:
-    """`kvmesh up`'s flags for every worker, its role-dependent defaults settled."""
-    per_role = bool(args.prefill_weights or args.decode_weights)
-    if per_role and args.kv_dtype == "auto":
-        args.kv_dtype = "bf16"  # per-role precisions: one KV format both roles can exchange
-    if args.local_prefill_tokens is None:  # per-role precisions: every prompt on the prefill's
-        args.local_prefill_tokens = 0 if per_role else UP_LOCAL_PREFILL_TOKENS
-    if args.rdma_devices and args.protocol != "rdma":  # checked once, not by every worker
-        raise LaunchError(f"--rdma-devices {args.rdma_devices} needs --protocol rdma")
-    flags: list[str] = []
-    for name in _WORKER_FLAGS:
-        flag = "--kv-cache-memory" if name == "kv_cache_bytes" else f"--{name.replace('_', '-')}"
-        value = getattr(args, name)
-        if isinstance(value, bool):  # a switch (store_true)
-            flags += [flag] if value else []
-        else:
-            flags += [flag, str(value)]
-    return flags
-
-
-def _role_flags(args: argparse.Namespace, role: str) -> tuple[str, ...]:
-    """`kvmesh up`'s flags for one role's workers (after the common ones: they win)."""
-    flags: tuple[str, ...] = ()
-    if getattr(args, f"{role}_weights"):
-        flags += ("--weights", getattr(args, f"{role}_weights"))
-    if getattr(args, f"{role}_tp"):
-        flags += ("--tensor-parallel-size", str(getattr(args, f"{role}_tp")))
-    if getattr(args, f"{role}_pp"):
-        flags += ("--pipeline-parallel-size", str(getattr(args, f"{role}_pp")))
-    return flags
-
-
 def _up(args: argparse.Namespace) -> int:
     if args.demo:
         from kvmesh.demo import run_demo
 
         return run_demo(args.model, args.dtype)
-    from kvmesh.mesh.launcher import UpOptions, run_up
+    from kvmesh.mesh.launcher import run_up
 
-    precision = _serving_precision(args)
-    passthrough = _worker_passthrough(args)
-    return run_up(
-        UpOptions(
-            model=args.model,
-            prefill=args.prefill,
-            decode=args.decode,
-            http_port=args.http_port,
-            grpc_port=args.grpc_port,
-            cluster=args.cluster,
-            worker_args=tuple(passthrough),
-            role_args={role: _role_flags(args, role) for role in ("prefill", "decode")},
-            gateway_args=(
-                "--routing",
-                args.routing,
-                "--session-ttl",
-                str(args.session_ttl),
-                *(("--tool-call-parser", args.tool_call_parser) if args.tool_call_parser else ()),
-                *_gateway_front(args),
-            ),
-            kvstore=args.kvstore,
-            decode_lead_cpu=args.decode_lead_cpu,
-            tls=args.tls,
-            precision=precision,
-            kvstore_args=(
-                "--ram-mib",
-                str(args.kvstore_ram_mib),
-                "--disk-mib",
-                str(args.kvstore_disk_mib),
-            ),
-        )
+    return run_up(up_options(args))
+
+
+def up_options(args: argparse.Namespace) -> Any:
+    """`kvmesh up`'s flags as the launcher's options (`kvmesh config show up` reads them too)."""
+    from kvmesh.mesh.launcher import UpOptions
+    from kvmesh.mesh.up_config import settle_precision, up_workers
+
+    precision = settle_precision(args)
+    return UpOptions(
+        workers=up_workers(args),
+        prefill=args.prefill,
+        decode=args.decode,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        cluster=args.cluster,
+        gateway_args=(
+            "--routing",
+            args.routing,
+            "--session-ttl",
+            str(args.session_ttl),
+            *(("--tool-call-parser", args.tool_call_parser) if args.tool_call_parser else ()),
+            *_gateway_front(args),
+        ),
+        kvstore=args.kvstore,
+        decode_lead_cpu=args.decode_lead_cpu,
+        tls=args.tls,
+        precision=precision,
+        kvstore_args=(
+            "--ram-mib",
+            str(args.kvstore_ram_mib),
+            "--disk-mib",
+            str(args.kvstore_disk_mib),
+        ),
     )
-
-
-def _serving_precision(args: argparse.Namespace) -> str:
-    """With no precision flag, `up` serves in the fastest exact-enough one (mesh/precision.py):
-    settled into args here; what it is, for the banner."""
-    named = args.dtype != "auto" or args.weights != "auto"
-    if named or args.prefill_weights or args.decode_weights:
-        return ""
-    from kvmesh.mesh.precision import serving_precision
-
-    chosen = serving_precision(args.model)
-    args.dtype, args.weights = chosen.dtype, chosen.weights
-    return f"{chosen.why} (the default; --dtype fp32 for fp32)"
 
 
 def _gateway_front(args: argparse.Namespace) -> list[str]:
@@ -217,27 +166,19 @@ def _service(args: argparse.Namespace) -> tuple[Callable[[Any], Any], Any]:
                  "affinity_max_load_ratio", "affinity_slack_tokens", "routing",
                  "tool_call_parser", *GATEWAY_FRONT)  # fmt: skip
         return serve_gateway, GatewayOptions(**{name: getattr(args, name) for name in names})
-    from kvmesh.mesh.worker_runtime import WorkerOptions
+    from kvmesh.config import WorkerConfig
+    from kvmesh.config.flags import from_namespace
+    from kvmesh.mesh.worker_runtime import transfer_config
 
     if args.service == "prefill":
         from services.prefill.main import serve_prefill as serve
     else:
         from services.decode.main import serve_decode as serve
-    options = WorkerOptions(
-        role=args.service,
-        etcd=args.etcd,
-        cluster=args.cluster,
-        worker_id=args.worker_id,
-        host=args.host,
-        advertise_host=args.advertise_host,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        delivery_port=getattr(args, "delivery_port", 0),
-        model=args.model,
-        **{name: getattr(args, name) for name in _WORKER_FLAGS if name not in _ON_OFF},
-        **{name: getattr(args, name) == "on" for name in _ON_OFF},
-    )
-    return serve, options
+    config = from_namespace(WorkerConfig, args, role=args.service)
+    if not config.service.etcd:
+        raise ValueError("--etcd is required (or a --config that has it)")
+    transfer_config(config)  # the addresses and NICs checked before anything loads
+    return serve, config
 
 
 def _log_imports_done() -> None:
@@ -276,29 +217,13 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        seed=args.seed,
         stop=tuple(args.stop),
     )
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        kv_cache_bytes=args.kv_cache_bytes,
-        kv_dtype=args.kv_dtype,
-        weights=args.weights,
-        int4_group_size=args.int4_group_size,
-        int4_embeddings=args.int4_embeddings == "on",
-        kv_integrity=args.kv_integrity == "on",
-        kv_integrity_action=args.kv_integrity_action,
-        max_model_len=args.max_model_len,
-        speculative=args.speculative,
-        num_speculative_tokens=args.num_speculative_tokens,
-        speculative_policy=args.speculative_policy,
-        decode_step=args.decode_step,
-        draft_model=args.draft_model or None,
-        tensor_parallel_size=args.tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-    )
+    from kvmesh.config import EngineConfig
+    from kvmesh.config.flags import from_namespace
+    from kvmesh.config.knobs import flat
+
+    llm = LLM(**flat(from_namespace(EngineConfig, args)))
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:

@@ -11,158 +11,48 @@ from kvmesh.routing import ROUTING_HELP, ROUTINGS, UP_LOCAL_PREFILL_TOKENS
 from kvmesh.tools import tiny_cli  # imports no torch
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", default="smollm2-135m", help="alias, .gguf file or HF safetensors folder"
-    )
-    _dtype_arg(p)
-    _weights_arg(p)
-    _kv_args(p)
-    p.add_argument("--max-model-len", type=int, default=None)
+def _engine_flags(p: argparse.ArgumentParser, **kwargs) -> None:
+    """Every engine knob (kvmesh/config/engine.py) as a flag."""
+    from kvmesh.config.engine import EngineConfig
+    from kvmesh.config.flags import add_flags
+
+    add_flags(p, EngineConfig, **kwargs)
 
 
-def _size(text: str) -> int:
-    from kvmesh.engine.kv.layout import parse_size
+def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
+    """`kvmesh serve ROLE`: the worker's whole config tree as flags, or `--config FILE`."""
+    from kvmesh.config.flags import ConfigFile, add_flags
+    from kvmesh.config.worker import WorkerConfig
+    from kvmesh.mesh import etcd_access, tls
 
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _dtype_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "fp32", "bf16"],
-        help="activations and dense weights (auto: bf16 with --weights int4, else fp32)",
-    )
-
-
-def _weights_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--weights",
-        default="auto",
-        choices=["auto", "fp32", "bf16", "int4"],
-        help="weight precision (auto: --dtype; int4: group-wise INT4, activations in --dtype; "
-        "with --dtype fp32 the CPU kernel is several times slower than with bf16)",
-    )
-    p.add_argument(
-        "--int4-group-size",
-        type=_int4_group,
-        default=0,
-        metavar="auto|32|64|128",
-        help="INT4 group size (auto: a GGUF's own Q4 blocks as they are, else 32; "
-        "regrouping GGUF blocks requantizes them)",
-    )
-    p.add_argument(
-        "--int4-embeddings",
-        default="off",
-        choices=["on", "off"],
-        help="INT4 token embedding and LM head too (default off: they keep --dtype)",
-    )
-
-
-def _int4_group(text: str) -> int:
-    if text in ("auto", "0"):
-        return 0
-    if text not in ("32", "64", "128"):
-        raise argparse.ArgumentTypeError(f"expected auto, 32, 64 or 128, got {text!r}")
-    return int(text)
-
-
-def _kv_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--kv-dtype",
-        default="auto",
-        choices=["auto", "fp32", "bf16", "fp8_e4m3"],
-        help="KV page storage (auto: the model dtype; fp8_e4m3: half of BF16's bytes)",
-    )
-    p.add_argument(
-        "--kv-cache-memory",
-        dest="kv_cache_bytes",
-        type=_size,
-        default=512 << 20,
-        metavar="SIZE",
-        help="KV page pool budget, e.g. 256MiB or 2GiB (default 512MiB)",
-    )
-    p.add_argument(
-        "--kv-cache-mib",
-        dest="kv_cache_bytes",
-        type=lambda mib: int(mib) << 20,
-        help="the same budget in MiB (older spelling)",
-    )
-    p.add_argument(
-        "--kv-integrity",
-        default="on",
-        choices=["on", "off"],
-        help="check every KV page's integrity tag before each step (default on)",
-    )
-    p.add_argument(
-        "--kv-integrity-action", default="recompute", choices=["recompute", "abort"],
-        help="a request holding a page that fails its tag: recompute its KV from its tokens and "
-        "go on (the output equals a fault-free run), or abort it with a kv_integrity error",
-    )  # fmt: skip
-
-
-def _mesh_args(p: argparse.ArgumentParser, registers: bool = True) -> None:
-    """`registers`: the service puts its address in etcd (--advertise-host too)."""
-    from kvmesh.mesh import addresses, etcd_access, tls
-
-    p.add_argument("--etcd", required=True, help="etcd endpoint host:port or https://host:port")
-    p.add_argument("--cluster", default="default")
-    if registers:
-        addresses.add_arguments(p)
-    else:
-        p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--config", action=ConfigFile, root=WorkerConfig, default=None,
+                   help="the worker's config as JSON (`kvmesh config show`, or what `kvmesh up` "
+                   "writes); flags after it win")  # fmt: skip
+    add_flags(p, WorkerConfig, skip=() if role == "decode" else ("delivery_port",))
     tls.add_arguments(p)
     etcd_access.add_arguments(p)
 
 
-def _tp_arg(p: argparse.ArgumentParser, text: str = "") -> None:
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="rank processes the model's layers are split over (their sums through "
-                   f"shared memory on one host){text}")  # fmt: skip
-    p.add_argument(
-        "--pipeline-parallel-size",
-        type=int,
-        default=1,
-        help="stages of contiguous layers, each of --tensor-parallel-size ranks",
-    )
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE: each rank holds whole experts (a share of them) instead of a "
-                   "slice of every expert")  # fmt: skip
+def _up_worker_flags(p: argparse.ArgumentParser) -> None:
+    """`kvmesh up`: the engine's knobs and how workers serve, for every worker."""
+    from kvmesh.config.flags import add_flags
+    from kvmesh.config.worker import ServingConfig
+
+    _engine_flags(p, notes={"tensor_parallel_size": "; per role: --prefill-tp / --decode-tp"})
+    auto = f" (default {UP_LOCAL_PREFILL_TOKENS}, 0 with --prefill-weights / --decode-weights)"
+    add_flags(p, ServingConfig, skip=("use_kvstore",),
+              defaults={"local_prefill_tokens": None}, notes={"local_prefill_tokens": auto})  # fmt: skip
 
 
-def _worker_args(p: argparse.ArgumentParser, local_prefill: int | None = 0) -> None:
-    _tp_arg(p, "" if local_prefill == 0 else "; per role: --prefill-tp / --decode-tp")
-    _dtype_arg(p)
-    _weights_arg(p)
-    _kv_args(p)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--kv-hugepages", default="off", choices=["on", "off"],
-                   help="the KV page pool on 2 MiB hugepages (reserved beforehand: sysctl "
-                   "vm.nr_hugepages, a pod's hugepages-2Mi); fewer pages for an RDMA NIC to map")  # fmt: skip
-    p.add_argument(
-        "--max-queued-requests", type=int, default=256,
-        help="requests a worker holds at once (running, waiting, prefilling); past it a request "
-        "is refused as overloaded and the gateway tries another worker or answers 429 (0: no bound)",
-    )  # fmt: skip
-    p.add_argument(
-        "--drain-timeout", type=float, default=30.0,
-        help="on SIGTERM: seconds the requests in flight get to finish (the rest migrate)",
-    )  # fmt: skip
-    from kvmesh.mesh import transfer  # no torch, no mooncake (imported at the first engine)
+def _mesh_args(p: argparse.ArgumentParser) -> None:
+    """A service that reads etcd but registers nothing there (the gateway)."""
+    from kvmesh.mesh import etcd_access, tls
 
-    transfer.add_arguments(p)
-    auto = f"; default {UP_LOCAL_PREFILL_TOKENS}, 0 with --prefill-weights / --decode-weights"
-    p.add_argument(
-        "--local-prefill-tokens",
-        type=int,
-        default=local_prefill,
-        help="decode prefills prompts up to this many tokens itself"
-        + (auto if local_prefill is None else ""),
-    )
+    p.add_argument("--etcd", required=True, help="etcd endpoint host:port or https://host:port")
+    p.add_argument("--cluster", default="default")
+    p.add_argument("--host", default="127.0.0.1")
+    tls.add_arguments(p)
+    etcd_access.add_arguments(p)
 
 
 def _cpus_arg(p: argparse.ArgumentParser, flag: str, env_name: str, text: str) -> None:
@@ -172,40 +62,11 @@ def _cpus_arg(p: argparse.ArgumentParser, flag: str, env_name: str, text: str) -
                    help=f"{text} (e.g. 0, 0-1, 0,2-3; exported as {env_name})")  # fmt: skip
 
 
-def _spec_args(p: argparse.ArgumentParser, worker: bool = False) -> None:
-    p.add_argument(
-        "--speculative",
-        default="none",
-        choices=["none", "ngram", "eagle"],
-        help="speculative decoding: n-gram prompt lookup or the EAGLE draft head",
-    )
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per step")
-    p.add_argument(
-        "--decode-step",
-        default="fused",
-        choices=["fused", "eager", "compiled"],
-        help="fused: decode-only steps of dense GQA models as one C++ op (the eager bits; other "
-        "models run eager); compiled: torch.compile them (opt-in; see docs/benchmarks.md)",
-    )
-    p.add_argument("--speculative-policy", default="adaptive", choices=["adaptive", "fixed"],
-                   help="draft lengths per step from measured acceptance and step costs, "
-                   "or always --num-speculative-tokens")  # fmt: skip
-    p.add_argument("--draft-model", default="", help="EAGLE head file (default: the shipped one)")
-    if worker:
-        p.add_argument(
-            "--draft",
-            default="local",
-            choices=["local", "remote"],
-            help="EAGLE head in the decode process, or on the draft service found in etcd",
-        )
-
-
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -220,12 +81,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as one user chat message")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
-    _engine_args(gen)
-    _spec_args(gen)
-    _tp_arg(gen)
+    _engine_flags(gen)
     _sampling_args(gen)
     up = sub.add_parser("up", help="run the local mesh: etcd, gateway, prefill and decode workers")
-    up.add_argument("--model", default="smollm2-135m")
     up.add_argument("--prefill", type=int, default=1, help="prefill workers")
     up.add_argument("--decode", type=int, default=1, help="decode workers")
     up.add_argument("--http-port", type=int, default=None)
@@ -250,8 +108,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                     help="TLS everywhere with a throwaway CA made for this run: clients reach the "
                     "gateway over https, services use mutual TLS")  # fmt: skip
     gateway_front_args(up)
-    _worker_args(up, local_prefill=None)
-    _spec_args(up, worker=True)
+    _up_worker_flags(up)
     for role in ("prefill", "decode"):
         up.add_argument(
             f"--{role}-weights",
@@ -272,19 +129,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service of the mesh")
     serve_sub = serve.add_subparsers(dest="service", required=True)
     for role in ("prefill", "decode"):
-        worker = serve_sub.add_parser(role)
-        _mesh_args(worker)
-        worker.add_argument("--model", default="smollm2-135m")
-        worker.add_argument("--worker-id", default="")
-        worker.add_argument("--port", type=int, default=0)
-        worker.add_argument("--metrics-port", type=int, default=0)
-        if role == "decode":
-            worker.add_argument("--delivery-port", type=int, default=0,
-                                help="the delivery socket's port (default: a free one)")  # fmt: skip
+        worker = serve_sub.add_parser(role, help=f"a {role} worker")
+        _worker_flags(worker, role)
         _cpus_arg(worker, "--cpus", "KVMESH_CPUS", "pin this worker to these CPUs; torch "
                   "threads = their number unless KVMESH_NUM_THREADS says otherwise")  # fmt: skip
-        _worker_args(worker)
-        _spec_args(worker, worker=True)
     lazy.add(serve_sub, ("serve", "kvstore"), "the KV page store (RAM + disk tiers)",
              "services.kvstore.main")  # fmt: skip
     lazy.add(serve_sub, ("serve", "draft"), "the EAGLE draft service", "services.draft.main")
@@ -297,7 +145,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     train.add_argument("--draft-vocab", type=int, default=4096)
     train.add_argument("--limit-prompts", type=int, default=0, help="0: all training prompts")
     gateway = serve_sub.add_parser("gateway")
-    _mesh_args(gateway, registers=False)
+    _mesh_args(gateway)
     gateway.add_argument("--model", default="smollm2-135m")
     gateway.add_argument("--http-port", type=int, default=8000)
     gateway.add_argument("--grpc-port", type=int, default=0)
@@ -342,6 +190,14 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     sim_sub = sim.add_subparsers(dest="sim", required=True)
     for name, text in _SIMS.items():
         lazy.add(sim_sub, ("sim", name), text, "kvmesh.sim.command", f"add_{name}_arguments")
+    config = sub.add_parser("config", help="the effective config of a command")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser(
+        "show",
+        help="print the config a command would run with, as JSON (for `up`: every child's)",
+        description="e.g. kvmesh config show up --decode-tp 2 --kv-dtype fp8_e4m3",
+    )
+    show.add_argument("argv", nargs=argparse.REMAINDER, help="the command and its flags")
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF checkpoint for tests")
     tiny_cli.add_arguments(tiny)
     return parser

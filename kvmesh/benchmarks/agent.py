@@ -280,14 +280,14 @@ def run_agent_bench(args: argparse.Namespace) -> int:
 def _measure_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """One fresh mesh per mode, stopped before the next starts."""
     from kvmesh.mesh.launcher import Mesh, UpOptions
+    from kvmesh.mesh.up_config import worker_configs
 
     options = UpOptions(
-        model=args.model,
+        workers=worker_configs("--model", args.model, "--kv-cache-mib", str(WORKER_KV_CACHE_MIB)),
         prefill=args.prefill,
         decode=args.decode,
-        worker_args=("--kv-cache-mib", str(WORKER_KV_CACHE_MIB)),
         gateway_args=("--routing", mode),
-        kvstore=getattr(args, "kvstore", "builtin"),  # the same KV store in both modes
+        kvstore=getattr(args, "kvstore", "builtin"),
     )
     mesh = Mesh(options)
     try:

@@ -58,14 +58,23 @@ class Tally:
 def run_chaos_bench(args: argparse.Namespace) -> int:
     from kvmesh.mesh.launcher import Mesh, UpOptions
     from kvmesh.mesh.supervisor import RestartPolicy
+    from kvmesh.mesh.up_config import worker_configs
 
     expected = expected_texts(args)
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     saved = dict(os.environ)
     os.environ["KVMESH_FAULTS"] = args.page_faults
     run = BenchRun()
-    mesh = Mesh(UpOptions(model=args.model, prefill=1, decode=2, kvstore="builtin",
-                          worker_args=("--kv-cache-mib", "96", "--max-num-seqs", "32")))  # fmt: skip
+    mesh = Mesh(
+        UpOptions(
+            workers=worker_configs(
+                "--model", args.model, "--kv-cache-mib", "96", "--max-num-seqs", "32"
+            ),
+            prefill=1,
+            decode=2,
+            kvstore="builtin",
+        )
+    )
     mesh.supervisor.policy = RestartPolicy(max_restarts=1000, backoff_s=0.2)
     seen: set[int] = set()
     try:

@@ -50,12 +50,12 @@ def _level(engine, compiled, streams: int, rounds: int, block: int, prompt_token
 
 
 def run_compiled_bench(args: argparse.Namespace) -> int:
-    from kvmesh.engine.config import EngineConfig
+    from kvmesh.config import EngineConfig
     from kvmesh.engine.engine import Engine
 
     run = BenchRun()
     levels = [int(c) for c in args.concurrency.split(",")]
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights,
+    engine = Engine(EngineConfig.of(model=args.model, dtype=args.dtype, weights=args.weights,
                                  kv_dtype=args.kv_dtype, max_num_seqs=max(levels),
                                  decode_step="compiled"))  # fmt: skip
     started = time.perf_counter()

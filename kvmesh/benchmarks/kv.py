@@ -77,8 +77,8 @@ def sized_prompts(tokenizer, n: int, tokens: int, text: str) -> list[list[int]]:
 
 def budget_bytes(args: argparse.Namespace) -> tuple[int, str]:
     """The KV budget: --kv-cache-memory, or BF16_REQUESTS full contexts in BF16 pages."""
+    from kvmesh.config.engine import parse_size
     from kvmesh.engine.config import spec_for_model
-    from kvmesh.engine.kv.layout import parse_size
     from kvmesh.engine.loader import read_config, resolve_model
 
     if args.kv_cache_memory:

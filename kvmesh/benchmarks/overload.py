@@ -28,12 +28,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_overload_bench(args: argparse.Namespace) -> int:
     from kvmesh.mesh.launcher import Mesh, UpOptions
+    from kvmesh.mesh.up_config import worker_configs
 
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     run = BenchRun()
     cap = str(args.capacity)
-    mesh = Mesh(UpOptions(model=args.model, prefill=1, decode=1, kvstore="none",
-                          worker_args=("--max-queued-requests", cap, "--max-num-seqs", cap)))  # fmt: skip
+    mesh = Mesh(
+        UpOptions(
+            workers=worker_configs(
+                "--model", args.model, "--max-queued-requests", cap, "--max-num-seqs", cap
+            ),
+            prefill=1,
+            decode=1,
+            kvstore="none",
+        )
+    )
     phases = {}
     try:
         mesh.start()

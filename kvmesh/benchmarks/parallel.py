@@ -87,7 +87,7 @@ def _measure(options: dict, size: int, stages: int, experts: bool,
              pipeline_micro_batches=micro,
              kv_cache_bytes=KV_BYTES) as llm:  # fmt: skip
         row = {"model": options["model"], "tensor_parallel": size, "pipeline_parallel": stages,
-               "expert_parallel": experts, "micro_batches": llm.engine.config.micro_batches,
+               "expert_parallel": experts, "micro_batches": llm.engine.config.parallel.micro_batches,
                "rank0_weight_mib": round(llm.engine.runner.model.weight_bytes / 2**20, 1)}  # fmt: skip
         for n in streams:
             llm.generate([PROMPT] * n, SamplingParams(max_tokens=4, temperature=0.0))  # warm

@@ -74,13 +74,18 @@ def workload_from(args: argparse.Namespace) -> PdWorkload:
 def run_mode(placement: Placement, args: argparse.Namespace, w: PdWorkload) -> dict[str, Any]:
     """A fresh mesh for `placement`, warmed up, then the workload once; stopped after."""
     from kvmesh.mesh.launcher import Mesh, UpOptions
+    from kvmesh.mesh.up_config import worker_configs
 
     worker_args = ("--dtype", args.dtype, "--kv-cache-mib", str(args.kv_cache_mib))
     local = ("--local-prefill-tokens", str(args.local_prefill_tokens))
     role_args = {"decode": local} if placement.prefill else {}
-    options = UpOptions(model=args.model, prefill=placement.prefill, decode=placement.decode,
-                        worker_args=worker_args, role_args=role_args, role_cpus=placement.cpus,
-                        gateway_args=("--routing", "least-load"))  # fmt: skip
+    options = UpOptions(
+        workers=worker_configs("--model", args.model, *worker_args, **role_args),
+        prefill=placement.prefill,
+        decode=placement.decode,
+        role_cpus=placement.cpus,
+        gateway_args=("--routing", "least-load"),
+    )
     mesh = Mesh(options)
     try:
         mesh.start()

@@ -39,6 +39,7 @@ from kvmesh.benchmarks.serve_suite import (
 )
 from kvmesh.benchmarks.serve_suite import measure_level as measure_target_level
 from kvmesh.benchmarks.serve_suite import ms as _ms
+from kvmesh.config.engine import DEFAULT_MODEL
 from kvmesh.errors import ServeBenchError
 from kvmesh.mesh.affinity import thread_kept_to
 from kvmesh.routing import UP_LOCAL_PREFILL_TOKENS
@@ -46,7 +47,6 @@ from kvmesh.routing import UP_LOCAL_PREFILL_TOKENS
 __all__ = ["Messages", "ServeBenchError", "_ms", "level_prompts", "measure_level", "stream_one"]
 OVERHEAD_LEVELS = (1, 8, 16)
 TPOT_TARGETS = {1: 1.05, 8: 1.10, 16: 1.15}  # mesh / engine TPOT p50 (issue 14)
-DEFAULT_MODEL = "smollm2-135m"  # the mesh's; with --url: what the server lists first
 URL_LEVELS, MESH_LEVELS = "1,4,16,64", "1,8"
 LONG_PROMPT_OUTPUT = 8  # tokens generated after each long prompt (TTFT is what counts)
 
@@ -205,11 +205,23 @@ def _measure(args: argparse.Namespace, model: str, levels: list[int], compared: 
     if args.url:
         return measure_suite(_target(args, args.url, model), args, levels, "server"), {}, {}
     from kvmesh.mesh.launcher import Mesh, UpOptions
+    from kvmesh.mesh.up_config import worker_configs
 
-    options = UpOptions(model=model, prefill=args.prefill, decode=args.decode,
-                        worker_args=("--dtype", args.dtype, "--weights", args.weights,
-                                     "--local-prefill-tokens", str(args.local_prefill_tokens)),
-                        decode_lead_cpu=args.decode_lead_cpu)  # fmt: skip
+    options = UpOptions(
+        workers=worker_configs(
+            "--model",
+            model,
+            "--dtype",
+            args.dtype,
+            "--weights",
+            args.weights,
+            "--local-prefill-tokens",
+            str(args.local_prefill_tokens),
+        ),
+        prefill=args.prefill,
+        decode=args.decode,
+        decode_lead_cpu=args.decode_lead_cpu,
+    )
     mesh = Mesh(options)
     try:
         mesh.start()

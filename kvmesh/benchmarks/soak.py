@@ -29,12 +29,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_soak_bench(args: argparse.Namespace) -> int:
     from kvmesh.mesh.launcher import Mesh, UpOptions
+    from kvmesh.mesh.up_config import worker_configs
 
     expected = expected_texts(args)
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     run = BenchRun()
-    mesh = Mesh(UpOptions(model=args.model, prefill=1, decode=1, kvstore="builtin",
-                          worker_args=("--kv-cache-mib", "128", "--max-num-seqs", "64")))  # fmt: skip
+    mesh = Mesh(
+        UpOptions(
+            workers=worker_configs(
+                "--model", args.model, "--kv-cache-mib", "128", "--max-num-seqs", "64"
+            ),
+            prefill=1,
+            decode=1,
+            kvstore="builtin",
+        )
+    )
     samples: list[dict] = []
     try:
         mesh.start()

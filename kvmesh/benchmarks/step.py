@@ -214,11 +214,11 @@ def compare(engine, toggle: str, concurrency: int, rounds: int, block: int,
 
 
 def run_step_bench(args: argparse.Namespace) -> int:
-    from kvmesh.engine.config import EngineConfig
+    from kvmesh.config import EngineConfig
     from kvmesh.engine.engine import Engine
 
     run = BenchRun()
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, weights=args.weights,
+    engine = Engine(EngineConfig.of(model=args.model, dtype=args.dtype, weights=args.weights,
                                  kv_dtype=args.kv_dtype, max_num_seqs=256,
                                  attention_backend=args.attention_backend))  # fmt: skip
     levels = [int(c) for c in args.concurrency.split(",")]

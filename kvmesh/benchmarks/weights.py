@@ -108,13 +108,13 @@ def bench_prefill(args, engines: dict, tokenizer) -> list[SpeedRow]:
 
 
 def load_engines(args) -> tuple[dict, list[MemoryRow]]:
-    from kvmesh.engine.config import EngineConfig
+    from kvmesh.config import EngineConfig
     from kvmesh.engine.engine import Engine
 
     engines, rows = {}, []
     for name in args.configs.split(","):
         start = time.perf_counter()
-        engines[name] = Engine(EngineConfig(model=args.model, kv_cache_bytes=args.kv_cache_bytes,
+        engines[name] = Engine(EngineConfig.of(model=args.model, kv_cache_bytes=args.kv_cache_bytes,
                                             max_num_seqs=args.max_num_seqs, **CONFIGS[name]))  # fmt: skip
         rows.append(MemoryRow(name, engines[name].runner.model.weight_bytes, 0.0,
                               round(time.perf_counter() - start, 1)))  # fmt: skip

@@ -12,9 +12,9 @@ import structlog
 import torch
 
 from kvmesh import env
+from kvmesh.config import EngineConfig
 from kvmesh.engine.attention import get_backend
 from kvmesh.engine.compiled import compile_decode
-from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.constraints import Constraints
 from kvmesh.engine.engine_setup import TORCH_DTYPES, load_engine_model
 from kvmesh.engine.faults import FaultInjector
@@ -34,7 +34,7 @@ from kvmesh.engine.runner import ModelRunner
 from kvmesh.engine.sample_step import sample_step
 from kvmesh.engine.sampler import Sampler
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvmesh.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from kvmesh.engine.sequence import FinishReason, Sequence
 from kvmesh.engine.spec.speculator import DraftSource, build_speculator
 from kvmesh.engine.step import ChunkPlan, StepPlan
@@ -56,11 +56,11 @@ class Engine(HandOver):
         """`draft`: where EAGLE drafts come from when they are not drafted in process (the
         mesh's draft service)."""
         started = time.perf_counter()
-        ranks = config.world_size  # each rank a share of the CPUs given
+        ranks = config.parallel.world_size  # each rank a share of the CPUs given
         torch.set_num_threads(max(1, env.serve_threads() // ranks))  # KVMESH_NUM_THREADS, else CPUs
         serve_threads = torch.get_num_threads()
         torch.set_num_threads(env.load_threads() or serve_threads)  # see docs/benchmarks.md
-        torch.manual_seed(config.seed)
+        torch.manual_seed(config.load.seed)
         self.config = config
         # load_weights by name: a bench may substitute it (kv.py converts once per run)
         shard = TensorShard.of(config, 0) if ranks > 1 else None
@@ -76,9 +76,9 @@ class Engine(HandOver):
             "engine.ready",
             model=self.source.name,
             dtype=config.compute_dtype,
-            weights=config.weights,
+            weights=config.load.weights,
             kv_dtype=self.kv_dtype,
-            kv_integrity=config.kv_integrity,
+            kv_integrity=config.cache.kv_integrity,
             pages=self.kv_cache.num_pages,
             capacity_tokens=self.kv_cache.capacity_tokens,
             init_s=round(time.perf_counter() - started, 3),
@@ -88,17 +88,17 @@ class Engine(HandOver):
         self, config: EngineConfig, loaded: Any, serve_threads: int, draft: DraftSource | None
     ) -> None:
         """Everything past the weights and the ranks: pages, scheduler, runner, sampler."""
-        ranks = config.world_size
+        ranks = config.parallel.world_size
         self.source, self.model_config = loaded.source, loaded.config
         self.tokenizer, model = loaded.tokenizer, loaded.model
         self.max_model_len, self._context_note = loaded.max_model_len, loaded.context_note
         dtype = TORCH_DTYPES[config.compute_dtype]
         self.kv_dtype = config.resolved_kv_dtype
-        spec = model.kv_spec(config.page_size, self.kv_dtype)
+        spec = model.kv_spec(config.cache.page_size, self.kv_dtype)
         self.kv_spec = spec
         if self.ranks is None:
-            num_pages = config.num_pages or spec.pages_for_budget(config.kv_cache_bytes)
-            pool = new_pool(spec, num_pages, hugepages=True) if config.kv_hugepages else None
+            num_pages = config.cache.num_pages or spec.pages_for_budget(config.cache.kv_cache_bytes)
+            pool = new_pool(spec, num_pages, hugepages=True) if config.cache.kv_hugepages else None
             self.kv_cache = PagedKVCache(spec, num_pages, dtype, pool=pool)
             self.kv_pages = KvPages.whole(self.kv_cache)  # what transfers see of the pool
         else:  # every rank's pages in memory rank 0 maps too
@@ -112,25 +112,31 @@ class Engine(HandOver):
         # A sequence longer than the whole pool could never be rescheduled after preemption.
         self.max_model_len = min(self.max_model_len, self.kv_cache.capacity_tokens)
         self.block_manager = BlockManager(
-            BlockManagerConfig(num_pages, config.page_size, config.enable_prefix_caching),
-            BlockHasher.salted(self.source.name, config.page_size, self.kv_dtype),
+            BlockManagerConfig(
+                num_pages, config.cache.page_size, config.cache.enable_prefix_caching
+            ),
+            BlockHasher.salted(self.source.name, config.cache.page_size, self.kv_dtype),
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerLimits(
+                config.scheduler.max_num_seqs,
+                config.scheduler.max_num_batched_tokens,
+                self.max_model_len,
+            ),
             self.block_manager,
             self.tokenizer.eos_token_ids,
         )
-        backend = get_backend(config.attention_backend, spec.layers[0].kind)
+        backend = get_backend(config.device.attention_backend, spec.layers[0].kind)
         self.runner = (LeaderRunner(model, self.kv_cache, backend, self.ranks) if self.ranks
                        else ModelRunner(model, self.kv_cache, backend))  # fmt: skip
-        self.runner.micro_batches = config.micro_batches
+        self.runner.micro_batches = config.parallel.micro_batches
         self.sampler = Sampler()
         self.constraints = Constraints(self.tokenizer.hf, self.model_config.vocab_size)
         self.speculator = build_speculator(
             config, self.source.name, self.runner, self.max_model_len, draft
         )
-        decode_step = config.decode_step if ranks == 1 else "eager"  # ranks meet inside
-        compile_decode(self.runner, decode_step, config.max_num_seqs, self.max_model_len)
+        decode_step = config.device.decode_step if ranks == 1 else "eager"  # ranks meet inside
+        compile_decode(self.runner, decode_step, config.scheduler.max_num_seqs, self.max_model_len)
         fuse_decode(self.runner, decode_step)
         self._reserved: dict[str, Sequence] = {}  # decode: pages awaiting a prefill worker
         self._kept: dict[str, Sequence] = {}  # prefill: keep_pages requests
@@ -221,7 +227,7 @@ class Engine(HandOver):
         if self.faults is not None:
             self.faults.before_check(self.block_manager, self.kv_cache, output)
         self.runner.apply(output.step)  # its block tables are what the check reads
-        if self.config.kv_integrity and not output.is_empty:
+        if self.config.cache.kv_integrity and not output.is_empty:
             output, failed = self._check_integrity(output)
         if output.is_empty:
             return failed
@@ -282,7 +288,7 @@ class Engine(HandOver):
         for index, pages in mismatched:
             seq = seqs[index]
             reported = seq.finalizing is not None  # its finish was already delivered
-            recompute = (self.config.kv_integrity_action == "recompute" and not reported
+            recompute = (self.config.cache.kv_integrity_action == "recompute" and not reported
                          and seq.integrity_recomputes < MAX_INTEGRITY_RECOMPUTES)  # fmt: skip
             log.error("kv.integrity_failure", request_id=seq.seq_id, pages=pages,
                       action="recompute" if recompute else "abort")  # fmt: skip

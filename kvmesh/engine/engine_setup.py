@@ -10,7 +10,8 @@ from typing import Any
 import structlog
 import torch
 
-from kvmesh.engine.config import EngineConfig, ModelConfig
+from kvmesh.config import EngineConfig
+from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.loader import ModelSource, load_hf_tokenizer, load_model, resolve_model
 from kvmesh.engine.loader.memory import current_rss_bytes, peak_rss_bytes
 from kvmesh.engine.models import CausalLM, build_model
@@ -39,14 +40,14 @@ def load_engine_model(config: EngineConfig, load_weights: Any,
     """`load_weights` is the weight-format registry (a bench may substitute it); `shard`: this
     rank's part of a tensor-parallel model (whose layers the caller joins to its ranks:
     parallel/group.py all_reduced_layers)."""
-    if config.kv_hugepages:
+    if config.cache.kv_hugepages:
         require_hugepages()  # none to give: say so before a long load
-    source = resolve_model(config.model)
+    source = resolve_model(config.load.model)
     loaded = load_model(source, config.int4 is not None, config.compute_dtype, load_weights)
     log.info("engine.weights_loaded", cache=loaded.cache, seconds=round(loaded.seconds, 3))
     model_config = loaded.config
     tokenizer = Tokenizer(load_hf_tokenizer(source), model_config.eos_token_ids)
-    max_len = min(config.max_model_len or model_config.max_position_embeddings,
+    max_len = min(config.load.max_model_len or model_config.max_position_embeddings,
                   model_config.max_position_embeddings)  # fmt: skip
     note = ""
     if model_config.indexer is not None:  # DSA runs as dense MLA: see models/moe.py

@@ -87,7 +87,7 @@ class HandOver:
         seq = self._kept.get(request_id)
         if seq is None:
             return [], []
-        count = min(seq.num_computed_tokens // self.config.page_size, len(seq.block_hashes))
+        count = min(seq.num_computed_tokens // self.config.cache.page_size, len(seq.block_hashes))
         return list(seq.block_hashes[:count]), list(seq.block_table[:count])
 
     def release(self: Engine, request_id: str) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.engine.config import EngineConfig
+from kvmesh.config import EngineConfig
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.engine import Engine, TokenOutput
 from kvmesh.engine.loader import DEFAULT_MODEL
@@ -53,8 +53,8 @@ class LLM:
     def __init__(
         self, model: str = DEFAULT_MODEL, draft: DraftSource | None = None, **engine_options: Any
     ) -> None:
-        """`engine_options`: EngineConfig's fields; `draft`: see Engine."""
-        self.engine = Engine(EngineConfig(model=model, **engine_options), draft)
+        """`engine_options`: the config tree's knobs by name (kvmesh/config); `draft`: see Engine."""
+        self.engine = Engine(EngineConfig.of(model=model, **engine_options), draft)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

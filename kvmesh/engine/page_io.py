@@ -77,7 +77,7 @@ class PageIO:
     def export_on_finish(self, sink: Callable[[ExportedPages], None], min_pages: int = 1) -> None:
         """On every finished sequence, copy its computed full pages and pass them to `sink`."""
         pages = self.engine.kv_pages  # every rank's shard of a page: whole pages staged
-        page_size = self.engine.config.page_size
+        page_size = self.engine.config.cache.page_size
 
         def on_retire(seq: Sequence) -> None:
             count = min(seq.num_computed_tokens // page_size, len(seq.block_hashes))

@@ -9,9 +9,9 @@ from kvmesh.engine.step import ChunkPlan, StepPlan
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    """Per-step limits: sequences in flight, tokens per forward pass, context length (their
-    defaults are EngineConfig's: the engine builds this from it)."""
+class SchedulerLimits:
+    """Per-step limits: sequences in flight, tokens per forward pass, context length (the
+    engine builds them from its config's scheduler section and the model's context)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int

@@ -11,11 +11,11 @@ from collections import deque
 from collections.abc import Callable, Mapping
 
 from kvmesh.engine.kv.block_manager import BlockManager
-from kvmesh.engine.scheduled import ScheduledChunk, SchedulerConfig, SchedulerOutput
+from kvmesh.engine.scheduled import ScheduledChunk, SchedulerLimits, SchedulerOutput
 from kvmesh.engine.sequence import FinishReason, SeqStatus, Sequence
 from kvmesh.engine.step import StepDiffer
 
-__all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerLimits", "SchedulerOutput"]
 from kvmesh.errors import CapacityError, ContextLengthError
 
 
@@ -23,7 +23,7 @@ class Scheduler:
     """Decides which tokens of which sequences run each step; owns the waiting/running queues."""
 
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: frozenset[int]
+        self, config: SchedulerLimits, block_manager: BlockManager, eos_token_ids: frozenset[int]
     ) -> None:
         self.config = config
         self.block_manager = block_manager

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.config import EngineConfig
+
 
 @dataclass(frozen=True)
 class StoreLayout:
@@ -21,14 +23,12 @@ class StoreLayout:
                 self.kv_dtype, "--page-bytes", str(self.page_bytes), "--kv-spec", self.kv_spec]  # fmt: skip
 
 
-def store_layout(model: str, dtype: str = "auto", weights: str = "auto", kv_dtype: str = "auto",
-                 page_size: int = 16) -> StoreLayout:  # fmt: skip
-    """The layout of `model`'s workers run with these flags (fetches the model's config)."""
-    from kvmesh.engine.config import compute_dtype_of, spec_for_model
-    from kvmesh.engine.kv.layout import resolve_kv_dtype
+def store_layout(engine: EngineConfig) -> StoreLayout:
+    """The layout of the pages of workers running `engine` (fetches the model's config)."""
+    from kvmesh.engine.config import spec_for_model
     from kvmesh.engine.loader import read_config, resolve_model
 
-    resolved = resolve_kv_dtype(kv_dtype, compute_dtype_of(dtype, weights))
-    source = resolve_model(model)
-    spec = spec_for_model(read_config(source), page_size, resolved)
-    return StoreLayout(source.name, resolved, spec.page_bytes, spec.layout_key, page_size)
+    source = resolve_model(engine.load.model)
+    kv_dtype, page_size = engine.resolved_kv_dtype, engine.cache.page_size
+    spec = spec_for_model(read_config(source), page_size, kv_dtype)
+    return StoreLayout(source.name, kv_dtype, spec.page_bytes, spec.layout_key, page_size)

@@ -17,11 +17,15 @@ import ssl
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvmesh.config import WorkerConfig
+from kvmesh.config.knobs import to_dict
+from kvmesh.config.worker import ROLES
 from kvmesh.engine.loader.resolve import served_name
 from kvmesh.env import kvmesh_home, num_threads, role_cpus
 from kvmesh.errors import LaunchError
@@ -41,16 +45,19 @@ STOP_GRACE_S = 6.0  # SIGTERM, then SIGKILL: a stop signal leaves nothing behind
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
+def _default_workers() -> dict[str, WorkerConfig]:
+    return {role: WorkerConfig(role) for role in ROLES}
+
+
 @dataclass(frozen=True)
 class UpOptions:
-    model: str = "smollm2-135m"
+    # each role's worker config (up_config.py); the etcd and id of each worker filled at start
+    workers: Mapping[str, WorkerConfig] = field(default_factory=_default_workers)
     prefill: int = 1
     decode: int = 1
     http_port: int | None = None
     grpc_port: int | None = None
     cluster: str = "default"
-    worker_args: tuple[str, ...] = ()  # passed through to every worker (e.g. --dtype bf16)
-    role_args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # after worker_args
     # CPU list per role, e.g. {"prefill": "0"} (else KVMESH_<ROLE>_CPUS): see mesh/affinity.py
     role_cpus: dict[str, str] = field(default_factory=dict)
     gateway_args: tuple[str, ...] = ()  # passed through to the gateway (e.g. --routing least-load)
@@ -59,7 +66,16 @@ class UpOptions:
     ready_timeout: float = 180.0
     decode_lead_cpu: str = "auto"  # auto | off | a CPU number: see affinity.decode_lead_cpu
     tls: bool = False  # TLS everywhere, with a throwaway CA made in the run's directory
-    precision: str = ""  # the banner's line on the precision `up` chose (cli._serving_precision)
+    precision: str = ""  # the banner's line on the precision `up` chose (up_config.py)
+
+    @property
+    def model(self) -> str:
+        """The mesh's one model (the gateway's, the KV store's, the draft service's)."""
+        return self.workers["decode"].engine.load.model
+
+    def __post_init__(self) -> None:
+        if {w.engine.load.model for w in self.workers.values()} != {self.model}:
+            raise LaunchError("every worker of one mesh serves the same --model")
 
 
 def state_file() -> Path:
@@ -118,7 +134,7 @@ class Mesh:
             args = [*self._kvstore_layout(), *self._kvstore_backend(), *self.options.kvstore_args]
             self._spawn("kvstore", ["serve", "kvstore", *args])
         if self._remote_draft():
-            head = _flag(self.options.worker_args, "--draft-model")
+            head = self.options.workers["decode"].engine.spec.draft_model
             extra = ["--draft-model", head] if head else []
             self._spawn("draft", ["serve", "draft", "--model", self.options.model, *extra])
         self._spawn_workers()
@@ -133,9 +149,23 @@ class Mesh:
                 pinned = {**pinned, "KVMESH_LEAD_CPU": str(self.lead)}
             for i in range(count):
                 name = f"{role}-{i}"
-                self._spawn(name, ["serve", role, "--worker-id", name, "--model", o.model,
-                                   *o.worker_args, *o.role_args.get(role, ())],
+                path = self.run_dir / f"{name}.json"
+                path.write_text(json.dumps(to_dict(self.child_config(role, name))))
+                self._spawn(name, ["serve", role, "--config", str(path)],
                             pinned or self._threads(role))  # fmt: skip
+
+    def child_config(self, role: str, name: str) -> WorkerConfig:
+        """The config the worker `name` of `role` is started with."""
+        etcd = self.etcd.endpoint if self.etcd is not None else "(the run's etcd)"
+        return self.options.workers[role].placed(etcd=etcd, cluster=self.options.cluster,
+                                                 worker_id=name)  # fmt: skip
+
+    def child_configs(self) -> dict[str, WorkerConfig]:
+        """Every worker's config, by name (`kvmesh config show up ...`)."""
+        o = self.options
+        return {f"{role}-{i}": self.child_config(role, f"{role}-{i}")
+                for role, count in (("prefill", o.prefill), ("decode", o.decode))
+                for i in range(count)}  # fmt: skip
 
     def _crowded(self) -> bool:
         """Fewer than two CPUs per engine process on this machine."""
@@ -175,10 +205,7 @@ class Mesh:
         """The store must hold pages of exactly the workers' layout (model, page, dtype)."""
         from kvmesh.mesh.kvstore_layout import store_layout
 
-        args = list(self.options.worker_args)
-        return store_layout(self.options.model, _flag(args, "--dtype") or "auto",
-                            _flag(args, "--weights") or "auto",
-                            _flag(args, "--kv-dtype") or "auto").as_flags()  # fmt: skip
+        return store_layout(self.options.workers["decode"].engine).as_flags()
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
                cpus: frozenset[int] | None = None) -> None:  # fmt: skip
@@ -208,8 +235,8 @@ class Mesh:
         )
 
     def _remote_draft(self) -> bool:
-        args = self.options.worker_args
-        return _flag(args, "--speculative") == "eagle" and _flag(args, "--draft") == "remote"
+        decode = self.options.workers["decode"]
+        return decode.engine.spec.speculative == "eagle" and decode.serving.draft == "remote"
 
     def _live_counts(self) -> tuple[int, ...]:
         """Workers registered in etcd, by role."""

@@ -16,8 +16,8 @@ from typing import Protocol
 import structlog
 
 from kvmesh import event_loop
+from kvmesh.config import EngineConfig, WorkerConfig
 from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.engine_thread import build_engine
 from kvmesh.engine.faults import KINDS as FAULT_KINDS
@@ -36,60 +36,19 @@ from kvmesh.processes import wait_for_signal
 log = structlog.get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class WorkerOptions:
-    role: str  # "prefill" | "decode"
-    etcd: str  # host:port
-    cluster: str = "default"
-    worker_id: str = ""
-    host: str = "127.0.0.1"  # where it listens (0.0.0.0: every interface)
-    advertise_host: str = ""  # what peers dial (etcd, the transfer engine); "": host
-    port: int = 0
-    metrics_port: int = 0
-    delivery_port: int = 0  # decode: its delivery socket (0: a free port)
-    model: str = "smollm2-135m"
-    dtype: str = "auto"
-    weights: str = "auto"  # auto | fp32 | bf16 | int4 (advertised in the etcd registration)
-    int4_group_size: int = 0
-    int4_embeddings: bool = False
-    kv_dtype: str = "auto"
-    kv_cache_bytes: int = 512 << 20
-    kv_hugepages: bool = False  # the page pool on 2 MiB hugepages
-    kv_integrity: bool = True
-    kv_integrity_action: str = "recompute"
-    max_num_seqs: int = 64
-    tensor_parallel_size: int = 1  # rank processes the engine's model is split over
-    enable_expert_parallel: bool = False
-    pipeline_parallel_size: int = 1
-    protocol: str = "tcp"
-    rdma_devices: str = ""  # protocol rdma: NIC names ("": the transfer engine finds them)
-    ttl: int = 5
-    local_prefill_tokens: int = 0
-    speculative: str = "none"  # decode: none | ngram | eagle (prefill: eagle hands the window)
-    num_speculative_tokens: int = 4
-    speculative_policy: str = "adaptive"  # adaptive | fixed
-    decode_step: str = "fused"  # fused | eager | compiled
-    draft: str = "local"  # eagle: "local" head in-process or "remote" draft service (etcd)
-    draft_model: str = ""
-    use_kvstore: bool = True  # pull/push pages from/to a KV store registered in etcd, if any
-    max_queued_requests: int = 256  # requests held at once (running, waiting, prefilling)
-    drain_timeout: float = 30.0  # SIGTERM: seconds the requests in flight get to finish
-
-    def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
-        self.transfer_config()  # the addresses and the NICs checked now, not once loaded
-
-    def transfer_config(self) -> TransferConfig:
-        return TransferConfig(protocol=self.protocol, device=self.rdma_devices,
-                              hostname=addresses.advertised(self.host, self.advertise_host, True))  # fmt: skip
+def transfer_config(config: WorkerConfig) -> TransferConfig:
+    """The transfer engine's settings (the addresses and NICs checked: `kvmesh serve` calls it
+    before loading anything)."""
+    service, serving = config.service, config.serving
+    hostname = addresses.advertised(service.host, service.advertise_host, True)
+    return TransferConfig(protocol=serving.protocol, hostname=hostname, device=serving.rdma_devices)
 
 
 @dataclass(frozen=True)
 class WorkerParts:
     """What a service needs to build its servicer."""
 
-    options: WorkerOptions
+    config: WorkerConfig
     worker_id: str
     engine: AsyncEngine
     transfer: KvTransferEngine
@@ -110,97 +69,73 @@ class Listener(Protocol):
 
 
 async def serve_worker(
-    options: WorkerOptions, make_servicers: ServicerFactory, delivery: Listener | None = None
+    config: WorkerConfig, make_servicers: ServicerFactory, delivery: Listener | None = None
 ) -> int:
     """Serve until SIGTERM / SIGINT (exit code 0) or until the engine is lost (1: a
     tensor-parallel rank died; the worker goes down whole, its lease revoked first)."""
-    worker_id = options.worker_id or f"{options.role}-{uuid.uuid4().hex[:8]}"
-    structlog.contextvars.bind_contextvars(service=options.role, worker_id=worker_id)
-    draft_address = await _draft_address(options)
-    engine = build_engine(
-        lambda: Engine(  # on a thread of its own: see AsyncEngine
-            EngineConfig(
-                model=options.model,
-                dtype=options.dtype,
-                weights=options.weights,
-                int4_group_size=options.int4_group_size,
-                int4_embeddings=options.int4_embeddings,
-                kv_cache_bytes=options.kv_cache_bytes,
-                kv_dtype=options.kv_dtype,
-                kv_hugepages=options.kv_hugepages,
-                kv_integrity=options.kv_integrity,
-                kv_integrity_action=options.kv_integrity_action,
-                speculative=options.speculative,
-                num_speculative_tokens=options.num_speculative_tokens,
-                speculative_policy=options.speculative_policy,
-                decode_step=options.decode_step,
-                draft_model=options.draft_model or None,
-                max_num_seqs=options.max_num_seqs,
-                tensor_parallel_size=options.tensor_parallel_size,
-                enable_expert_parallel=options.enable_expert_parallel,
-                pipeline_parallel_size=options.pipeline_parallel_size,
-            ),
-            RemoteProposer(draft_address) if draft_address else None,
-        )
-    )
-    engine.on_integrity_failure = lambda _: metrics.KV_INTEGRITY_FAILURES.labels(options.role).inc()
+    role, service = config.role, config.service
+    worker_id = service.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
+    structlog.contextvars.bind_contextvars(service=role, worker_id=worker_id)
+    draft_address = await _draft_address(config)
+    draft = RemoteProposer(draft_address) if draft_address else None
+    engine = build_engine(lambda: Engine(config.engine, draft))  # on a thread of its own
+    engine.on_integrity_failure = lambda _: metrics.KV_INTEGRITY_FAILURES.labels(role).inc()
     if engine.faults is not None:
         log.warning("worker.fault_injection_on", faults=dict(engine.faults.plan.every))
-        engine.faults.on_inject = lambda kind: metrics.FAULTS_INJECTED.labels(
-            options.role, kind
-        ).inc()
+        engine.faults.on_inject = lambda kind: metrics.FAULTS_INJECTED.labels(role, kind).inc()
     if engine.speculator is not None:
-        engine.speculator.stats.listener = _spec_metrics(options.role)
+        engine.speculator.stats.listener = _spec_metrics(role)
     async_engine = AsyncEngine(engine, lead_cpu_setup())  # a lead CPU, where set
     async_engine.start()
-    transfer = KvTransferEngine(options.transfer_config())
+    transfer = KvTransferEngine(transfer_config(config))
     public = transfer.config.hostname  # what peers dial (--advertise-host, else --host)
     region = engine.kv_pages.region  # every rank's pages (tensor parallelism: shared memory)
     transfer.register(region.data_ptr(), region.numel())
     transfer.register(engine.kv_cache.tags.data_ptr(), engine.kv_cache.tags.numel() * 4)
     store = None
-    if options.use_kvstore:
-        store = StoreLink(StoreLinkOptions(options.etcd, options.cluster), async_engine, transfer,
-                          options.role)  # fmt: skip
+    if config.serving.use_kvstore:
+        link = StoreLinkOptions(service.etcd, service.cluster)
+        store = StoreLink(link, async_engine, transfer, role)
     store_task = asyncio.create_task(store.run()) if store else None
-    gate = RequestGate(options.max_queued_requests,
-                       metrics.REQUESTS_IN_FLIGHT.labels(options.role).set)  # fmt: skip
-    parts = WorkerParts(options, worker_id, async_engine, transfer, engine.kv_dtype, store, gate)
-    metrics_port = options.metrics_port or free_port()
-    metrics.serve_metrics(metrics_port, options.host)
-    metrics.KV_CAPACITY_TOKENS.labels(options.role).set(engine.kv_cache.capacity_tokens)
-    metrics.init_series(options.role, fault_kinds=FAULT_KINDS)
+    gate = RequestGate(
+        config.serving.max_queued_requests, metrics.REQUESTS_IN_FLIGHT.labels(role).set
+    )
+    parts = WorkerParts(config, worker_id, async_engine, transfer, engine.kv_dtype, store, gate)
+    metrics_port = service.metrics_port or free_port()
+    metrics.serve_metrics(metrics_port, service.host)
+    metrics.KV_CAPACITY_TOKENS.labels(role).set(engine.kv_cache.capacity_tokens)
+    metrics.init_series(role, fault_kinds=FAULT_KINDS)
     # gRPC is served only once the engine above is loaded, so SERVING from its first answer is
     # true. Serving earlier (a faster cold start) must pass serving=False and set it when loaded.
-    server, port, health = await start_server(make_servicers(parts), options.host, options.port)
+    server, port, health = await start_server(make_servicers(parts), service.host, service.port)
     delivery_address = ""
     if delivery is not None:
-        delivery_port = await delivery.start(options.host, options.delivery_port)
+        delivery_port = await delivery.start(service.host, service.delivery_port)
         delivery_address = addresses.host_port(public, delivery_port)
     info = WorkerInfo(
-        role=options.role,
+        role=role,
         worker_id=worker_id,
         grpc_address=addresses.host_port(public, port),
         metrics_address=addresses.host_port(public, metrics_port),
         te_session=transfer.session,
         delivery_address=delivery_address,
         model=engine.model_name,
-        page_size=engine.config.page_size,
+        page_size=engine.config.cache.page_size,
         kv_dtype=engine.kv_dtype,
         capacity_tokens=engine.kv_cache.capacity_tokens,
         extra={
             **_precision(engine.config),
             "architecture": engine.model_config.architecture,
             "kv_spec": engine.kv_pages.spec.layout_key,
-            "tensor_parallel": str(engine.config.tensor_parallel_size),
-            "pipeline_parallel": str(engine.config.pipeline_parallel_size),
+            "tensor_parallel": str(engine.config.parallel.tensor_parallel_size),
+            "pipeline_parallel": str(engine.config.parallel.pipeline_parallel_size),
             "ranks": _ranks(engine),
         },  # fmt: skip
     )
     lost = False
     try:
-        async with Registry(options.etcd, options.cluster) as registry:
-            registration = await registry.register(info, ttl=options.ttl)
+        async with Registry(service.etcd, service.cluster) as registry:
+            registration = await registry.register(info, ttl=service.lease_ttl)
             log.info("worker.ready", grpc=info.grpc_address, metrics=info.metrics_address)
             event_loop.freeze_heap()
             lost = await _until_stopped_or_lost(async_engine)
@@ -208,7 +143,9 @@ async def serve_worker(
             with contextlib.suppress(TimeoutError):  # a hung etcd: the lease expires instead
                 await asyncio.wait_for(registration.close(), 2.0)  # routers drop us now
             if not lost:
-                await gate.drain(options.drain_timeout)  # the rest migrate when the server stops
+                await gate.drain(
+                    config.serving.drain_timeout
+                )  # the rest migrate when the server stops
     finally:
         await health.shutdown()
         if store_task is not None:
@@ -252,14 +189,15 @@ def _spec_metrics(role: str):
     return record
 
 
-async def _draft_address(options: WorkerOptions, timeout_s: float = 120.0) -> str:
+async def _draft_address(config: WorkerConfig, timeout_s: float = 120.0) -> str:
     """With --draft remote on a decode worker: the grpc address of a draft service in etcd."""
-    if options.speculative != "eagle" or options.draft != "remote" or options.role != "decode":
+    eagle = config.engine.spec.speculative == "eagle"
+    if not eagle or config.serving.draft != "remote" or config.role != "decode":
         return ""
     import time
 
     deadline = time.monotonic() + timeout_s
-    async with Registry(options.etcd, options.cluster) as registry:
+    async with Registry(config.service.etcd, config.service.cluster) as registry:
         while time.monotonic() < deadline:
             drafts = await registry.list_workers("draft")
             if drafts:
@@ -270,7 +208,7 @@ async def _draft_address(options: WorkerOptions, timeout_s: float = 120.0) -> st
 
 def _precision(config: EngineConfig) -> dict[str, str]:
     """What a worker advertises of its weights (etcd `extra`, shown by `kvmesh status`)."""
-    extra = {"weights": config.weights, "compute_dtype": config.compute_dtype}
+    extra = {"weights": config.load.weights, "compute_dtype": config.compute_dtype}
     if config.int4 is not None:
         extra["int4_group_size"] = str(config.int4.group or "auto")
         extra["int4_embeddings"] = "on" if config.int4.embeddings else "off"

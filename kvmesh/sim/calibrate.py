@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass, replace
 import grpc
 import numpy as np
 
-from kvmesh.engine.config import EngineConfig
+from kvmesh.config import SchedulerConfig
 from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
+from kvmesh.mesh.up_config import worker_configs
 from kvmesh.mesh.worker_info import WorkerInfo
 from kvmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.sim.cost import LinearCost
@@ -53,11 +54,20 @@ class MeshSetup:
 
     def options(self, decode: int = 1) -> UpOptions:
         return UpOptions(
-            model=self.model, prefill=1, decode=decode,
-            worker_args=("--kv-cache-mib", str(self.kv_cache_mib), "--max-num-seqs",
-                         str(self.max_num_seqs), "--local-prefill-tokens", "0"),
+            workers=worker_configs(
+                "--model",
+                self.model,
+                "--kv-cache-mib",
+                str(self.kv_cache_mib),
+                "--max-num-seqs",
+                str(self.max_num_seqs),
+                "--local-prefill-tokens",
+                "0",
+            ),
+            prefill=1,
+            decode=decode,
             gateway_args=("--routing", self.routing),
-        )  # fmt: skip
+        )
 
 
 @contextlib.contextmanager
@@ -193,7 +203,7 @@ async def worker_spec(mesh: Mesh, setup: MeshSetup,
     async with channel(decode.grpc_address) as ch:
         loads = await decode_pb2_grpc.DecodeStub(ch).GetLoads(decode_pb2.GetLoadsRequest())
     spec = WorkerSpec(loads.loads[0].kv_pages_total, decode.page_size, setup.max_num_seqs,
-                      EngineConfig.max_num_batched_tokens, max_model_len)  # fmt: skip
+                      SchedulerConfig.max_num_batched_tokens, max_model_len)  # fmt: skip
     return spec, decode
 
 

@@ -22,7 +22,7 @@ from kvmesh.sim.cost import CostModel, Hardware, LinearCost, ModelShape, Rooflin
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """A worker's KV pool and scheduler limits (the engine's own SchedulerConfig fields)."""
+    """A worker's KV pool and scheduler limits (the engine scheduler's SchedulerLimits fields)."""
 
     kv_pages: int
     page_size: int = 16

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
+from kvmesh.engine.scheduler import Scheduler, SchedulerLimits
 from kvmesh.engine.sequence import Sequence
 from kvmesh.mesh.kv_events import PrefixIndex, events_to_pb
 from kvmesh.mesh.worker_info import WorkerInfo
@@ -26,7 +26,7 @@ class SimWorker:
         spec = preset.worker
         hasher = BlockHasher.salted(preset.model, spec.page_size, preset.kv_dtype)
         self.pool = BlockManager(BlockManagerConfig(spec.kv_pages, spec.page_size), hasher)
-        limits = SchedulerConfig(spec.max_num_seqs, spec.max_num_batched_tokens, spec.max_model_len)
+        limits = SchedulerLimits(spec.max_num_seqs, spec.max_num_batched_tokens, spec.max_model_len)
         self.scheduler = Scheduler(limits, self.pool, frozenset())
         self.info, self.spec, self.cost = info, spec, preset.cost
         self.clock, self.index = clock, index

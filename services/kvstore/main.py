@@ -15,7 +15,8 @@ from pathlib import Path
 import structlog
 from prometheus_client import REGISTRY, start_http_server
 
-from kvmesh.engine.kv.layout import KV_DTYPES
+from kvmesh.config import EngineConfig
+from kvmesh.config.engine import KV_DTYPES
 from kvmesh.mesh import addresses, etcd_access, tls
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
@@ -228,7 +229,9 @@ def options_from_args(args: argparse.Namespace) -> KVStoreOptions:
     names = KVStoreOptions.__dataclass_fields__
     values = {k: v for k, v in vars(args).items() if k in names}
     if values["page_bytes"] is None:  # the layout of the model's workers
-        layout = store_layout(args.model, args.dtype, args.weights, args.kv_dtype, args.page_size)
+        workers = EngineConfig.of(model=args.model, dtype=args.dtype, weights=args.weights,
+                                  kv_dtype=args.kv_dtype, page_size=args.page_size)  # fmt: skip
+        layout = store_layout(workers)
         values.update(model=layout.model, kv_dtype=layout.kv_dtype, kv_spec=layout.kv_spec,
                       page_bytes=layout.page_bytes)  # fmt: skip
     elif values["kv_dtype"] == "auto":  # an explicit layout: the dtype as before (fp32)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from kvmesh.config import WorkerConfig
 from kvmesh.mesh.affinity import apply_worker_cpus
-from kvmesh.mesh.worker_runtime import WorkerOptions, WorkerParts, serve_worker
+from kvmesh.mesh.worker_runtime import WorkerParts, serve_worker
 from services.prefill.server import PrefillServicer, add_to
 from services.prefill.worker import PrefillWorker
 
@@ -13,6 +14,6 @@ def servicers(parts: WorkerParts) -> list:
     return [add_to(PrefillServicer(worker, parts.worker_id, parts.gate))]
 
 
-async def serve_prefill(options: WorkerOptions) -> int:
+async def serve_prefill(config: WorkerConfig) -> int:
     apply_worker_cpus()  # KVMESH_CPUS / --cpus, before the engine sizes its torch pool
-    return await serve_worker(options, servicers)
+    return await serve_worker(config, servicers)

@@ -23,7 +23,7 @@ import torch
 
 import kvmesh.engine.loader.gguf_loader
 import kvmesh.engine.loader.safetensors_loader  # noqa: F401
-from kvmesh.engine.config import Int4Scheme
+from kvmesh.config import Int4Scheme
 from kvmesh.engine.loader import load_model, load_weights, resolve_model
 from kvmesh.engine.loader.memory import current_rss_bytes, peak_rss_bytes
 from kvmesh.engine.models import build_model

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmesh.engine.config import EngineConfig
+from kvmesh.config import EngineConfig
 from kvmesh.engine.engine import Engine
 from kvmesh.tools.tiny_configs import ARCHS, TinySpec
 from kvmesh.tools.tiny_models import make_tiny_model
@@ -35,7 +35,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _engine(path: Path) -> Engine:
-    return Engine(EngineConfig(model=str(path), dtype="fp32", num_pages=64))
+    return Engine(EngineConfig.of(model=str(path), dtype="fp32", num_pages=64))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

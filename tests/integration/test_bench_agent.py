@@ -9,6 +9,7 @@ import pytest
 
 from kvmesh.benchmarks.agent import Workload, hit_ratio, run_workload
 from kvmesh.mesh.launcher import Mesh, UpOptions
+from kvmesh.mesh.up_config import worker_configs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -18,9 +19,9 @@ PAGE_TOKENS = 16
 def test_turns_reuse_the_session_prefix():
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     options = UpOptions(
+        workers=worker_configs("--kv-cache-mib", "128"),
         prefill=1,
         decode=1,
-        worker_args=("--kv-cache-mib", "128"),
         gateway_args=("--routing", "cache-aware"),
     )
     mesh = Mesh(options)

@@ -12,21 +12,26 @@ from kvmesh.benchmarks.serve_client import Target
 from kvmesh.benchmarks.serve_paired import MIN_ROUNDS, measure_paired
 from kvmesh.benchmarks.serve_suite import measure_single_stream
 from kvmesh.mesh.launcher import Mesh, UpOptions
+from kvmesh.mesh.up_config import worker_configs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def test_client_measures_ttft_tpot_and_tokens():
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    mesh = Mesh(UpOptions(prefill=1, decode=1, worker_args=("--kv-cache-mib", "64")))
+    mesh = Mesh(UpOptions(workers=worker_configs("--kv-cache-mib", "64"), prefill=1, decode=1))
     try:
         mesh.start()
         url = f"http://127.0.0.1:{mesh.http_port}"
         result = measure_level(url, "smollm2-135m", concurrency=1, n_requests=2, max_tokens=8)
         engine, paired = measure_paired(Target(url, "smollm2-135m"), "fp32", [1, 2], 2, 6)
         probed: list[float] = []
-        single = measure_single_stream(Target(url, "smollm2-135m"), 2, 6,
-                                       probe=lambda: probed.append(10.0 + len(probed)) or probed[-1])  # fmt: skip
+        single = measure_single_stream(
+            Target(url, "smollm2-135m"),
+            2,
+            6,
+            probe=lambda: probed.append(10.0 + len(probed)) or probed[-1],
+        )
     finally:
         mesh.stop()
     assert all(proc.poll() is not None for proc in mesh.procs.values())

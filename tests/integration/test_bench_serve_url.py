@@ -12,6 +12,7 @@ import pytest
 
 from kvmesh.benchmarks import serve
 from kvmesh.mesh.launcher import Mesh, UpOptions
+from kvmesh.mesh.up_config import worker_configs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 PINS = {"prefill": "0", "decode": "1"}
@@ -22,7 +23,7 @@ def pinned_mesh():
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs CPUs 0 and 1")
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    mesh = Mesh(UpOptions(worker_args=("--kv-cache-mib", "64"), role_cpus=PINS))
+    mesh = Mesh(UpOptions(workers=worker_configs("--kv-cache-mib", "64"), role_cpus=PINS))
     try:
         mesh.start()
         yield mesh
@@ -32,10 +33,24 @@ def pinned_mesh():
 
 def test_bench_serve_url_reports_exact_lengths(pinned_mesh, tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
-    argv = ["--url", f"http://127.0.0.1:{pinned_mesh.http_port}/v1", "--concurrency", "1,2",
-            "--requests-per-level", "2", "--max-tokens", "8", "--single-stream-requests", "1",
-            "--long-prompt-requests", "1", "--long-prompt-tokens", "120",
-            "--output", str(out)]  # fmt: skip
+    argv = [
+        "--url",
+        f"http://127.0.0.1:{pinned_mesh.http_port}/v1",
+        "--concurrency",
+        "1,2",
+        "--requests-per-level",
+        "2",
+        "--max-tokens",
+        "8",
+        "--single-stream-requests",
+        "1",
+        "--long-prompt-requests",
+        "1",
+        "--long-prompt-tokens",
+        "120",
+        "--output",
+        str(out),
+    ]
     assert serve.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["model"] == "smollm2-135m"  # what the server's /v1/models lists first

@@ -13,7 +13,7 @@ import torch
 from kvmesh.benchmarks import weights_quality
 from kvmesh.benchmarks.weights import add_arguments, run_weights_bench
 from kvmesh.benchmarks.weights_quality import split_greedy, split_logits
-from kvmesh.engine.config import EngineConfig
+from kvmesh.config import EngineConfig
 from kvmesh.engine.engine import Engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -44,7 +44,7 @@ def test_quick_weights_bench_writes_memory_speed_and_quality(tmp_path, monkeypat
 
 
 def test_handed_over_pages_continue_as_in_one_engine(llm, monkeypatch):
-    a, b = llm.engine, Engine(EngineConfig(model="smollm2-135m", kv_cache_bytes=64 << 20))
+    a, b = llm.engine, Engine(EngineConfig.of(model="smollm2-135m", kv_cache_bytes=64 << 20))
     ids = llm.tokenizer.encode("The lighthouse keeper climbed the stairs every night, and")
     ids += ids[:8]
     want = split_logits(a, a, ids, 10)  # summation order differs: a chunk vs the whole text

@@ -29,7 +29,7 @@ def test_prefix_cache_hit_gives_the_cold_tokens(llm):
     warm = llm.generate_ids([prompt], GREEDY)[0]
     other = llm.generate_ids([_chat(llm, "What is the refund policy?")], GREEDY)[0]
     assert cold.num_cached_tokens == 0
-    page = llm.engine.config.page_size
+    page = llm.engine.config.cache.page_size
     assert warm.num_cached_tokens == (len(prompt) - 1) // page * page
     assert other.num_cached_tokens >= len(_chat(llm, "")) // page * page - page
     assert warm.token_ids == cold.token_ids

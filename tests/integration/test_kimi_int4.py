@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.engine.config import EngineConfig
+from kvmesh.config import EngineConfig
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.layers.linear import DenseLinear
 from kvmesh.engine.quant.int4 import Int4Linear
@@ -26,7 +26,7 @@ def kimi(tmp_path_factory):
 
 
 def _engine(path, **kw) -> Engine:
-    return Engine(EngineConfig(model=str(path), num_pages=64, **kw))
+    return Engine(EngineConfig.of(model=str(path), num_pages=64, **kw))
 
 
 def _prompt() -> list[int]:

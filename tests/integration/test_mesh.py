@@ -17,6 +17,7 @@ import pytest
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.mesh.launcher import UpOptions, list_workers
+from kvmesh.mesh.up_config import worker_configs
 from kvmesh.proto.v1 import (
     common_pb2,
     decode_pb2,
@@ -40,9 +41,11 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn."]
 @pytest.fixture(scope="module")
 def mesh():
     options = UpOptions(
-        prefill=2, decode=2, worker_args=("--kv-cache-mib", "96", "--max-num-seqs", "16"),
-        gateway_args=("--affinity-slack-tokens", "600"),  # affinity yields above 2x least + 600
-    )  # fmt: skip
+        workers=worker_configs("--kv-cache-mib", "96", "--max-num-seqs", "16"),
+        prefill=2,
+        decode=2,
+        gateway_args=("--affinity-slack-tokens", "600"),
+    )
     with module_mesh(options) as running:
         yield running
 

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from kvmesh.mesh.launcher import UpOptions
+from kvmesh.mesh.up_config import worker_configs
 from kvmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.integration.mesh_probes import live_workers, metric_sum, module_mesh, pages_in_use
 
@@ -31,10 +32,16 @@ SHORT = "Name a river."  # 34 tokens as a chat, LONG 175: one each side of LOCAL
 @pytest.fixture(scope="module")
 def mesh():
     options = UpOptions(
-        prefill=1, decode=1,
-        worker_args=("--kv-cache-mib", "384", "--max-num-seqs", "32"),
-        role_args={"decode": ("--local-prefill-tokens", str(LOCAL_PREFILL))},
-    )  # fmt: skip
+        workers=worker_configs(
+            "--kv-cache-mib",
+            "384",
+            "--max-num-seqs",
+            "32",
+            decode=("--local-prefill-tokens", str(LOCAL_PREFILL)),
+        ),
+        prefill=1,
+        decode=1,
+    )
     with module_mesh(options) as running:
         yield running
 

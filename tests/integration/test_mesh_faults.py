@@ -18,6 +18,7 @@ import pytest
 from kvmesh import LLM, SamplingParams
 from kvmesh.mesh.launcher import UpOptions
 from kvmesh.mesh.supervisor import RestartPolicy
+from kvmesh.mesh.up_config import worker_configs
 from kvmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.integration.mesh_probes import (
     live_workers,
@@ -37,8 +38,9 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def mesh():
-    options = UpOptions(prefill=1, decode=2,
-                        worker_args=("--kv-cache-mib", "96", "--max-num-seqs", "16"))  # fmt: skip
+    options = UpOptions(
+        workers=worker_configs("--kv-cache-mib", "96", "--max-num-seqs", "16"), prefill=1, decode=2
+    )
     with module_mesh(options) as running:
         # workers die here many times over: restart each at once, every time
         running.supervisor.policy = RestartPolicy(max_restarts=100, backoff_s=0.1)

@@ -17,6 +17,7 @@ import pytest
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.mesh.launcher import UpOptions, list_workers
+from kvmesh.mesh.up_config import worker_configs
 from tests.integration.chat_client import ask_or_error
 from tests.integration.mesh_probes import mesh_with_faults, metric_sum
 
@@ -30,7 +31,7 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module", params=["recompute", "abort"])
 def mesh(request):
     args = (*WORKER_ARGS, "--kv-integrity-action", request.param)
-    options = UpOptions(prefill=1, decode=1, kvstore="none", worker_args=args)
+    options = UpOptions(workers=worker_configs(*args), prefill=1, decode=1, kvstore="none")
     with mesh_with_faults(options, FAULTS) as running:
         yield request.param, running
 
@@ -51,8 +52,9 @@ def _ask(topic: str) -> list[dict[str, str]]:
 
 def test_faults_are_detected_and_only_exact_answers_reach_the_client(mesh, reference):
     action, mesh = mesh
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="x",
-                           max_retries=0, timeout=120)  # fmt: skip
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="x", max_retries=0, timeout=120
+    )
     errors = 0
     for i, topic in enumerate(TOPICS):
         messages, want = _ask(topic), reference[topic]

@@ -11,6 +11,7 @@ import pytest
 
 from kvmesh.mesh.grpc_server import channel
 from kvmesh.mesh.launcher import UpOptions, list_workers
+from kvmesh.mesh.up_config import worker_configs
 from kvmesh.proto.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tests.integration.mesh_probes import offers_done, running_mesh, wait_for
 
@@ -21,9 +22,12 @@ pytestmark = pytest.mark.timeout(900)
 def mesh(request):
     """The store's second tier: its own disk directory, or Mooncake Store (mooncake_master)."""
     options = UpOptions(
-        prefill=1, decode=1, worker_args=("--kv-cache-mib", "32"),  # 45 pages per worker
-        kvstore=request.param, kvstore_args=("--ram-mib", "32", "--disk-mib", "256"),  # 45 RAM pages
-    )  # fmt: skip
+        workers=worker_configs("--kv-cache-mib", "32"),
+        prefill=1,
+        decode=1,
+        kvstore=request.param,
+        kvstore_args=("--ram-mib", "32", "--disk-mib", "256"),
+    )
     with running_mesh(options) as running:
         yield running
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
+from kvmesh.mesh.up_config import worker_configs
 from tests.integration.chat_client import chat_text, client_for
 
 pytestmark = pytest.mark.timeout(600)
@@ -32,11 +33,17 @@ def mesh(request):
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     prefill, decode = SETUPS[request.param]
     options = UpOptions(
+        workers=worker_configs(
+            "--kv-dtype",
+            "bf16",
+            "--kv-cache-memory",
+            "64MiB",
+            prefill=("--weights", prefill),
+            decode=("--weights", decode),
+        ),
         prefill=1,
         decode=1,
         kvstore="none",
-        worker_args=("--kv-dtype", "bf16", "--kv-cache-memory", "64MiB"),  # --dtype auto: bf16
-        role_args={"prefill": ("--weights", prefill), "decode": ("--weights", decode)},
     )
     running = Mesh(options)
     try:
@@ -61,8 +68,14 @@ def test_mixed_precision_mesh_serves_coherent_text(mesh, llm):
     client = client_for(running)
     for i, (question, fact) in enumerate(FACTS):
         messages = [{"role": "user", "content": question}]
-        text = chat_text(client, bool(i % 2), model="smollm2-135m", messages=messages,
-                         max_tokens=40, temperature=0.0)  # fmt: skip
+        text = chat_text(
+            client,
+            bool(i % 2),
+            model="smollm2-135m",
+            messages=messages,
+            max_tokens=40,
+            temperature=0.0,
+        )
         assert fact.lower() in text.lower(), (prefill, decode, text)
     story = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
     response = client.chat.completions.create(

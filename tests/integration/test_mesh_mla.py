@@ -16,6 +16,7 @@ import pytest
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.mesh.launcher import UpOptions, list_workers
+from kvmesh.mesh.up_config import worker_configs
 from kvmesh.tools.tiny_configs import TinySpec
 from kvmesh.tools.tiny_models import make_tiny_model
 from tests.integration.chat_client import ask_or_error
@@ -48,8 +49,12 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def mesh(model, request):
-    options = UpOptions(model=model, prefill=1, decode=1, kvstore="builtin",
-                        worker_args=WORKER_ARGS, role_args=LAYOUTS[request.param])  # fmt: skip
+    options = UpOptions(
+        workers=worker_configs("--model", model, *WORKER_ARGS, **LAYOUTS[request.param]),
+        prefill=1,
+        decode=1,
+        kvstore="builtin",
+    )
     with mesh_with_faults(options, "drop_transfer@4") as running:
         yield running
 

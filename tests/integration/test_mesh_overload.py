@@ -17,6 +17,7 @@ import pytest
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.mesh.launcher import UpOptions
+from kvmesh.mesh.up_config import worker_configs
 from kvmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.integration.mesh_probes import mesh_with_env, pages_in_use, wait_for
 
@@ -33,12 +34,28 @@ def traces(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def mesh(traces):
     options = UpOptions(
-        prefill=1, decode=1, kvstore="none",
-        worker_args=("--kv-cache-mib", "64", "--max-num-seqs", str(CAPACITY),
-                     "--max-queued-requests", str(CAPACITY)),
-        gateway_args=("--max-prompt-tokens", "200", "--max-output-tokens", "100", "--max-n", "2",
-                      "--max-request-body-bytes", "20000"),
-    )  # fmt: skip
+        workers=worker_configs(
+            "--kv-cache-mib",
+            "64",
+            "--max-num-seqs",
+            str(CAPACITY),
+            "--max-queued-requests",
+            str(CAPACITY),
+        ),
+        prefill=1,
+        decode=1,
+        kvstore="none",
+        gateway_args=(
+            "--max-prompt-tokens",
+            "200",
+            "--max-output-tokens",
+            "100",
+            "--max-n",
+            "2",
+            "--max-request-body-bytes",
+            "20000",
+        ),
+    )
     with mesh_with_env(options, KVMESH_OTEL_FILE=str(traces)) as running:  # traces on, to a file
         yield running
 

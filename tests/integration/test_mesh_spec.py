@@ -12,6 +12,7 @@ import pytest
 from kvmesh import SamplingParams
 from kvmesh.engine.spec.prompts import chat_prompts, split, structured_prompts
 from kvmesh.mesh.launcher import UpOptions, list_workers
+from kvmesh.mesh.up_config import worker_configs
 from tests.integration.chat_client import chat_text, client_for
 from tests.integration.mesh_probes import running_mesh
 
@@ -25,14 +26,18 @@ SETUPS = {
 @pytest.fixture(scope="module", params=sorted(SETUPS))
 def mesh(request):
     args = (*SETUPS[request.param], "--kv-cache-memory", "64MiB")
-    with running_mesh(UpOptions(prefill=1, decode=1, kvstore="none", worker_args=args)) as running:
+    with running_mesh(
+        UpOptions(workers=worker_configs(*args), prefill=1, decode=1, kvstore="none")
+    ) as running:
         yield request.param, running
 
 
 # Drafts that the target accepts (copying the prompt): the adaptive policy turns speculation off
 # on a workload whose drafts it measures as rejected, so acceptance > 0 needs one it accepts.
-COPY = ('Copy this JSON exactly, nothing else: {"name": "Ada Lovelace", "born": 1815, '
-        '"fields": ["mathematics", "computing"], "city": "London"}')  # fmt: skip
+COPY = (
+    'Copy this JSON exactly, nothing else: {"name": "Ada Lovelace", "born": 1815, '
+    '"fields": ["mathematics", "computing"], "city": "London"}'
+)
 
 
 def _metric(address: str, name: str) -> float:

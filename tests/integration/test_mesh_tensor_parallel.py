@@ -20,6 +20,7 @@ import pytest
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.mesh.launcher import UpOptions, list_workers
+from kvmesh.mesh.up_config import worker_configs
 from tests.integration.chat_client import ask_or_error, client_for
 from tests.integration.mesh_probes import mesh_with_faults, metric_sum, samples, wait_for
 
@@ -38,10 +39,15 @@ MAX_TOKENS = 20
 def mesh(request):
     prefill_tp, decode_tp, decode = SETUPS[request.param]
     options = UpOptions(
-        prefill=1, decode=decode, kvstore="none", worker_args=WORKER_ARGS,
-        role_args={"prefill": ("--tensor-parallel-size", str(prefill_tp)),
-                   "decode": ("--tensor-parallel-size", str(decode_tp))},
-    )  # fmt: skip
+        workers=worker_configs(
+            *WORKER_ARGS,
+            prefill=("--tensor-parallel-size", str(prefill_tp)),
+            decode=("--tensor-parallel-size", str(decode_tp)),
+        ),
+        prefill=1,
+        decode=decode,
+        kvstore="none",
+    )
     with mesh_with_faults(options, FAULTS) as running:
         yield SETUPS[request.param], running
     for proc in running.procs.values():

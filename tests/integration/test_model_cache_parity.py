@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvmesh.config import EngineConfig
 from kvmesh.engine import engine as engine_module
-from kvmesh.engine.config import EngineConfig
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.loader import tokenizer_cache
 
@@ -20,7 +20,7 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 
 def _engine(model: str) -> Engine:
-    return Engine(EngineConfig(model=model, dtype="fp32", kv_cache_bytes=16 << 20))
+    return Engine(EngineConfig.of(model=model, dtype="fp32", kv_cache_bytes=16 << 20))
 
 
 def _tensors(engine: Engine) -> dict[str, torch.Tensor]:

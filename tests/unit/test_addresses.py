@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.mesh import addresses
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.transfer import TransferConfig
-from kvmesh.mesh.worker_runtime import WorkerOptions
+from kvmesh.mesh.worker_runtime import transfer_config
 from services.draft.main import DraftOptions
 from services.kvstore.main import KVStoreOptions
 
@@ -46,16 +46,23 @@ def test_the_transfer_engine_refuses_ipv6_and_others_take_it():
 
 def test_services_check_their_addresses_when_configured():
     with pytest.raises(ValueError, match="--advertise-host"):
-        WorkerOptions(role="decode", etcd="127.0.0.1:1", host="0.0.0.0")
+        transfer_config(_worker(host="0.0.0.0"))
     with pytest.raises(ValueError, match="--advertise-host"):
         KVStoreOptions(etcd="", page_bytes=4096, host="0.0.0.0")
     with pytest.raises(ValueError, match="--advertise-host"):
         DraftOptions(etcd="", host="::")
-    worker = WorkerOptions(role="decode", etcd="127.0.0.1:1", host="0.0.0.0",
-                           advertise_host="10.0.0.2", protocol="rdma", rdma_devices="mlx5_0")  # fmt: skip
-    config = worker.transfer_config()
+    worker = _worker(host="0.0.0.0", advertise_host="10.0.0.2", protocol="rdma",
+                     rdma_devices="mlx5_0")  # fmt: skip
+    config = transfer_config(worker)
     assert (config.hostname, config.protocol, config.device) == ("10.0.0.2", "rdma", "mlx5_0")
-    assert WorkerOptions(role="prefill", etcd="x:1").transfer_config().hostname == "127.0.0.1"
+    assert transfer_config(_worker()).hostname == "127.0.0.1"
+
+
+def _worker(**knobs):
+    from kvmesh.config import WorkerConfig
+    from kvmesh.config.knobs import build
+
+    return build(WorkerConfig, etcd="127.0.0.1:1", **knobs)
 
 
 def test_rdma_devices_need_the_rdma_protocol():
@@ -101,16 +108,14 @@ def test_grpc_serves_on_an_ipv6_address():
 
 
 def test_up_passes_the_transfer_and_pool_flags_to_workers_that_parse_them():
-    from kvmesh.cli import _worker_passthrough
     from kvmesh.cli_args import build_parser
-    from kvmesh.errors import LaunchError
+    from kvmesh.errors import InvalidRequestError
+    from kvmesh.mesh.up_config import up_workers
 
     up = ["up", "--protocol", "rdma", "--rdma-devices", "mlx5_0,mlx5_1", "--kv-hugepages", "on"]
-    flags = _worker_passthrough(build_parser(up).parse_args(up))
-    serve = ["serve", "decode", "--etcd", "127.0.0.1:1", *flags]
-    worker = build_parser(serve).parse_args(serve)
-    assert (worker.protocol, worker.rdma_devices, worker.kv_hugepages) == (
-        "rdma", "mlx5_0,mlx5_1", "on")  # fmt: skip
+    worker = up_workers(build_parser(up).parse_args(up))["decode"]
+    assert (worker.serving.protocol, worker.serving.rdma_devices) == ("rdma", "mlx5_0,mlx5_1")
+    assert worker.engine.cache.kv_hugepages is True
     alone = ["up", "--rdma-devices", "mlx5_0"]
-    with pytest.raises(LaunchError, match="needs --protocol rdma"):
-        _worker_passthrough(build_parser(alone).parse_args(alone))
+    with pytest.raises(InvalidRequestError, match="needs --protocol rdma"):
+        up_workers(build_parser(alone).parse_args(alone))

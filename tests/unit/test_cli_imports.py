@@ -80,9 +80,9 @@ def test_the_gateway_process_does_not_import_torch() -> None:
 def test_up_serves_in_the_fastest_exact_enough_precision_unless_told(tmp_path):
     """`kvmesh up` alone: bf16, or INT4 for a 4-bit GGUF (the default model) on a CPU without
     a bf16 dot product; any precision flag is taken as it is."""
-    from kvmesh.cli import _serving_precision
     from kvmesh.cli_args import build_parser
     from kvmesh.mesh.precision import serving_precision
+    from kvmesh.mesh.up_config import settle_precision
 
     avx2, bf16_dot = {"avx2", "fma"}, {"avx2", "avx512f", "avx512_bf16"}
     held = serving_precision("smollm2-135m", avx2)
@@ -90,11 +90,11 @@ def test_up_serves_in_the_fastest_exact_enough_precision_unless_told(tmp_path):
     assert serving_precision("smollm2-135m", bf16_dot).weights == "auto"
     parser = build_parser()
     args = parser.parse_args(["up"])
-    assert "(the default; --dtype fp32 for fp32)" in _serving_precision(args)
+    assert "(the default; --dtype fp32 for fp32)" in settle_precision(args)
     assert args.dtype == "bf16" and args.weights in ("int4", "auto")
     (tmp_path / "config.json").write_text("{}")
     args = parser.parse_args(["up", "--model", str(tmp_path)])
-    assert "bf16 weights" in _serving_precision(args) and args.dtype == "bf16"
+    assert "bf16 weights" in settle_precision(args) and args.dtype == "bf16"
     for flags in (["--dtype", "fp32"], ["--weights", "bf16"], ["--decode-weights", "int4"]):
         args = parser.parse_args(["up", *flags])
-        assert _serving_precision(args) == "" and args.dtype in ("fp32", "auto")
+        assert settle_precision(args) == "" and args.dtype in ("fp32", "auto")

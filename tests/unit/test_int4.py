@@ -109,26 +109,25 @@ def test_cuda_int4_linear_matches_the_dequantized_reference():
 
 
 def test_int4_scheme_is_validated_and_only_applies_to_int4_weights():
-    from kvmesh.engine.config import EngineConfig, Int4Scheme
+    from kvmesh.config import EngineConfig, Int4Scheme
     from kvmesh.errors import InvalidRequestError
 
-    assert EngineConfig(model="m", weights="bf16", int4_group_size=64).int4 is None
-    scheme = EngineConfig(model="m", weights="int4", int4_group_size=64, int4_embeddings=True)
+    assert EngineConfig.of(model="m", weights="bf16", int4_group_size=64).int4 is None
+    scheme = EngineConfig.of(model="m", weights="int4", int4_group_size=64, int4_embeddings=True)
     assert scheme.int4 == Int4Scheme(group=64, embeddings=True)
     with pytest.raises(InvalidRequestError, match="int4_group_size"):
-        EngineConfig(model="m", weights="int4", int4_group_size=48)
+        EngineConfig.of(model="m", weights="int4", int4_group_size=48)
 
 
 def test_int4_flags_reach_the_workers_of_kvmesh_up():
-    from kvmesh.cli import _worker_passthrough
     from kvmesh.cli_args import build_parser
+    from kvmesh.mesh.up_config import up_workers
 
     parser = build_parser()
     up = parser.parse_args(["up", "--weights", "int4", "--int4-group-size", "64",
                             "--int4-embeddings", "on"])  # fmt: skip
-    flags = _worker_passthrough(up)
-    worker = parser.parse_args(["serve", "decode", "--etcd", "127.0.0.1:1", *flags])
-    assert (worker.weights, worker.int4_group_size, worker.int4_embeddings) == ("int4", 64, "on")
+    load = up_workers(up)["decode"].engine.load
+    assert (load.weights, load.int4_group_size, load.int4_embeddings) == ("int4", 64, True)
     auto = parser.parse_args(["serve", "decode", "--etcd", "127.0.0.1:1", "--weights", "int4"])
     assert auto.int4_group_size == 0
     with pytest.raises(SystemExit):
@@ -136,7 +135,8 @@ def test_int4_flags_reach_the_workers_of_kvmesh_up():
 
 
 def _tiny_model(embed, embeddings: bool, group: int = 0):
-    from kvmesh.engine.config import Int4Scheme, ModelConfig
+    from kvmesh.config import Int4Scheme
+    from kvmesh.engine.config import ModelConfig
     from kvmesh.engine.models.llama import LlamaModel
 
     config = ModelConfig("llama", vocab_size=128, hidden_size=64, intermediate_size=64,
@@ -172,9 +172,9 @@ def test_an_int4_source_table_is_dequantized_when_kept_dense_and_shared_when_int
      ("fp32", "bf16", "bf16"), ("bf16", "auto", "bf16"), ("auto", "fp32", "fp32")],
 )  # fmt: skip
 def test_compute_dtype_follows_weights_when_dtype_is_auto(dtype, weights, compute):
-    from kvmesh.engine.config import EngineConfig
+    from kvmesh.config import EngineConfig
 
-    config = EngineConfig(model="m", dtype=dtype, weights=weights)
+    config = EngineConfig.of(model="m", dtype=dtype, weights=weights)
     assert config.compute_dtype == compute and config.resolved_kv_dtype == compute
 
 
@@ -183,8 +183,13 @@ def test_compute_dtype_follows_weights_when_dtype_is_auto(dtype, weights, comput
                                            (("--weights", "int4", "--dtype", "fp32"), "fp32")])  # fmt: skip
 def test_the_kv_store_is_told_the_workers_kv_layout(flags, kv):
     from kvmesh.mesh.launcher import Mesh, UpOptions
+    from kvmesh.mesh.up_config import worker_configs
 
-    layout = Mesh(UpOptions(worker_args=flags))._kvstore_layout()
+    layout = Mesh(
+        UpOptions(
+            workers=worker_configs(*flags),
+        )
+    )._kvstore_layout()
     assert layout[layout.index("--kv-dtype") + 1] == kv
 
 
@@ -197,16 +202,15 @@ def test_a_group_that_does_not_divide_the_inputs_is_a_model_format_error():
 
 
 def test_kvmesh_up_prefills_short_prompts_on_decode_unless_the_roles_differ_in_precision():
-    from kvmesh.cli import _worker_passthrough
     from kvmesh.cli_args import build_parser
+    from kvmesh.mesh.up_config import up_workers
     from kvmesh.routing import UP_LOCAL_PREFILL_TOKENS
 
     parser = build_parser()
 
     def worker_value(*up_flags: str) -> int:
-        flags = _worker_passthrough(parser.parse_args(["up", *up_flags]))
-        worker = parser.parse_args(["serve", "decode", "--etcd", "127.0.0.1:1", *flags])
-        return worker.local_prefill_tokens
+        decode = up_workers(parser.parse_args(["up", *up_flags]))["decode"]
+        return decode.serving.local_prefill_tokens
 
     assert worker_value() == UP_LOCAL_PREFILL_TOKENS > 0
     assert worker_value("--decode-weights", "int4") == 0  # prompts get the prefill's precision

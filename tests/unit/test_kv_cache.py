@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvmesh.config.engine import parse_size
 from kvmesh.engine.attention import AttentionMetadata, Slots
 from kvmesh.engine.attention.torch_backend import TorchAttention
-from kvmesh.engine.kv.layout import KVCacheSpec, parse_size
+from kvmesh.engine.kv.layout import KVCacheSpec
 from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.kv_fp8 import dequantize, quantize
 

@@ -1,7 +1,8 @@
 """The layers, as a contract: every import in kvmesh/ and services/ (function-level ones too;
 `if TYPE_CHECKING:` blocks aside) is checked against what its layer may not import. The engine
 imports no mesh, service or app; the agent layer no engine; the mesh and the routing core no
-service or app; the library no service; services never each other."""
+service or app; the library no service; services never each other; the config tree nothing
+of them (every layer reads it)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ SERVICES = (
 )
 # (a module prefix, what modules under it may not import, exempt modules under it)
 RULES = [
+    ("kvmesh.config", ("kvmesh.engine", "kvmesh.mesh", "kvmesh.agent", "kvmesh.routing"), ()),
     ("kvmesh.engine", ("kvmesh.mesh", "kvmesh.agent", "services", *APPS), ()),
     ("kvmesh.agent", ("kvmesh.engine", "kvmesh.mesh", "services", *APPS), ()),
     ("kvmesh.mesh", ("services", *APPS), ()),
     ("kvmesh.routing", ("services", *APPS), ()),
+    ("kvmesh.config", ("services", *APPS), ()),
     ("kvmesh", ("services",), ("kvmesh.cli",)),  # the CLI starts the services
     *[(s, tuple(o for o in SERVICES if o != s), ()) for s in SERVICES],
 ]

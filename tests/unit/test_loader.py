@@ -441,6 +441,7 @@ def test_the_banner_names_the_served_id_not_the_path(capsys, tmp_path):
 
     from kvmesh.engine.loader.resolve import served_name
     from kvmesh.mesh import launcher
+    from kvmesh.mesh.up_config import worker_configs
 
     assert served_name("smollm2-135m") == "smollm2-135m"
     assert served_name(str(tmp_path / "tiny-llama")) == "tiny-llama"
@@ -448,7 +449,9 @@ def test_the_banner_names_the_served_id_not_the_path(capsys, tmp_path):
     mesh = SimpleNamespace(etcd=SimpleNamespace(endpoint="127.0.0.1:1"), url="http://x",
                            tls=None, grpc_port=1)  # fmt: skip
     for args, want in (((), "tiny-llama"), (("--served-model-name", "kimi"), "kimi")):
-        options = launcher.UpOptions(model=str(tmp_path / "tiny-llama"), gateway_args=args)
+        options = launcher.UpOptions(
+            workers=worker_configs("--model", str(tmp_path / "tiny-llama")), gateway_args=args
+        )
         launcher._print_ready(mesh, options)
         assert f'"model": "{want}"' in capsys.readouterr().out
 

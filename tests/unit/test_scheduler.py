@@ -8,7 +8,7 @@ import pytest
 
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvmesh.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from kvmesh.engine.sequence import FinishReason, SeqStatus, Sequence
 from kvmesh.errors import CapacityError, ContextLengthError
 
@@ -24,7 +24,7 @@ def make_sched(
     caching: bool = True,
 ) -> Scheduler:
     bm = BlockManager(BlockManagerConfig(num_pages, PS, caching), BlockHasher(PS, 99))
-    config = SchedulerConfig(max_seqs, budget, max_model_len)
+    config = SchedulerLimits(max_seqs, budget, max_model_len)
     return Scheduler(config, bm, frozenset({EOS}))
 
 
@@ -55,10 +55,10 @@ def plan(out: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
 
 def test_config_validated() -> None:
     good = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 256}
-    SchedulerConfig(**good)
+    SchedulerLimits(**good)
     for bad in ({"max_num_seqs": 0}, {"max_num_batched_tokens": 0}, {"max_model_len": 1}):
         with pytest.raises(ValueError):
-            SchedulerConfig(**(good | bad))
+            SchedulerLimits(**(good | bad))
 
 
 def test_chunked_prefill_exact_chunks() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
+from kvmesh.engine.scheduler import Scheduler, SchedulerLimits
 from kvmesh.engine.sequence import Sequence
 from kvmesh.errors import InvalidRequestError
 from kvmesh.routing.router import (
@@ -50,7 +50,7 @@ def test_clock_runs_in_time_order_ties_in_order_set():
 
 def test_step_shape_of_a_real_schedule():
     pool = BlockManager(BlockManagerConfig(64, 4), BlockHasher.salted("m", 4, "fp32"))
-    scheduler = Scheduler(SchedulerConfig(8, 10, 256), pool, frozenset())
+    scheduler = Scheduler(SchedulerLimits(8, 10, 256), pool, frozenset())
     scheduler.add(Sequence("a", list(range(1, 7)), SamplingParams(max_tokens=4, ignore_eos=True)))
     first = scheduler.schedule()
     assert StepShape.of(first) == StepShape(6, 0, 0, 6, 6 * (0 + 7 / 2))

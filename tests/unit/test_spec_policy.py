@@ -273,11 +273,11 @@ def test_policy_and_cost_import_without_torch():
 
 @pytest.mark.parametrize("name, kind", [("adaptive", AdaptivePolicy), ("fixed", FixedPolicy)])
 def test_the_engine_config_chooses_the_policy(name, kind):
-    from kvmesh.engine.config import EngineConfig
+    from kvmesh.config import EngineConfig
     from kvmesh.engine.spec.speculator import build_speculator
 
-    config = EngineConfig(
-        "smollm2-135m", speculative="ngram", num_speculative_tokens=3, speculative_policy=name
+    config = EngineConfig.of(
+        model="smollm2-135m", speculative="ngram", num_speculative_tokens=3, speculative_policy=name
     )
     speculator = build_speculator(config, "smollm2-135m", runner=None, max_model_len=64)
     assert isinstance(speculator.policy, kind)
@@ -285,11 +285,11 @@ def test_the_engine_config_chooses_the_policy(name, kind):
 
 
 def test_an_unknown_policy_is_a_clear_error():
-    from kvmesh.engine.config import EngineConfig
+    from kvmesh.config import EngineConfig
     from kvmesh.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="speculative_policy must be one of"):
-        EngineConfig("smollm2-135m", speculative_policy="greedy")
+        EngineConfig.of(model="smollm2-135m", speculative_policy="greedy")
 
 
 def test_the_drafting_seconds_are_charged_to_every_token_drafted_shadows_included():

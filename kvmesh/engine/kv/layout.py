@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KV_DTYPES = ("fp32", "bf16", "fp8_e4m3")
+from kvmesh.config.engine import KV_DTYPES
+
 # fp8_e4m3 pages: e4m3fn values, each (token, head) row scaled by 2**e (kv_fp8.py encodes them)
 FP8_MAX = 448.0
 EXP_MIN, EXP_MAX = -110, 110  # 2**(e + 8) must stay a normal fp32
@@ -143,17 +144,3 @@ class KVCacheSpec:
         """Pages a pool of `budget_bytes` holds; two pages of it are the pool's null and scratch
         pages (kv_cache.py)."""
         return max(budget_bytes // self.page_bytes - 2, 1)
-
-
-def parse_size(text: str) -> int:
-    """'256MiB', '2GiB', '512M', '1.5G', '1048576' -> bytes (binary units; B optional)."""
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    raw = text.strip().upper().removesuffix("B").removesuffix("I")
-    number, unit = (raw[:-1], raw[-1]) if raw and raw[-1] in units else (raw, "")
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (use e.g. 256MiB, 2GiB)") from None
-    if value <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
-    return int(value * units[unit])

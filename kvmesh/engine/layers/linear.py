@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvmesh.engine.config import Int4Scheme
+from kvmesh.config import Int4Scheme
 from kvmesh.engine.kernels import cpu_ops, has_amx, kernel_isa
 from kvmesh.engine.quant.int4 import Int4Linear, Int4Weight
 from kvmesh.errors import ModelFormatError

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import structlog
 
+from kvmesh.config.engine import DEFAULT_MODEL  # noqa: F401 (kvmesh.engine.loader re-exports it)
 from kvmesh.env import kvmesh_home
 from kvmesh.errors import FetchError, ModelNotFoundError
 
@@ -49,7 +50,6 @@ KNOWN_MODELS: dict[str, WheelModel] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
 }
-DEFAULT_MODEL = "smollm2-135m"
 
 
 def served_name(model: str) -> str:

@@ -11,7 +11,8 @@ from kvmesh.engine.models.registry import model_class
 if TYPE_CHECKING:
     import torch
 
-    from kvmesh.engine.config import Int4Scheme, ModelConfig
+    from kvmesh.config import Int4Scheme
+    from kvmesh.engine.config import ModelConfig
     from kvmesh.engine.models.base import CausalLM
 
 __all__ = ["CausalLM", "build_model"]

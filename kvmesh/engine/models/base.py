@@ -15,7 +15,8 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from kvmesh.engine.config import Int4Scheme, ModelConfig, spec_for_model
+from kvmesh.config import Int4Scheme
+from kvmesh.engine.config import ModelConfig, spec_for_model
 from kvmesh.engine.kv.layout import KVCacheSpec
 from kvmesh.engine.layers.linear import LinearMethod, dense_matmul, method_for
 from kvmesh.engine.layers.mlp import GatedMLP

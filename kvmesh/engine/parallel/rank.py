@@ -47,20 +47,20 @@ def _build(conn: Connection, config, shard: TensorShard, groups: tuple, shm_name
            parent: int) -> FollowerRunner:  # fmt: skip
     """This rank's shard of the model, joined to the others, over its part of the page pool."""
     loaded = load_engine_model(config, load_weights, shard)
-    capacity = group.reduce_capacity(loaded.config, config.max_num_batched_tokens,
-                                     config.max_num_seqs)  # fmt: skip
+    capacity = group.reduce_capacity(loaded.config, config.scheduler.max_num_batched_tokens,
+                                     config.scheduler.max_num_seqs)  # fmt: skip
     shm = None
     if shm_names:  # its stage's shared-memory all-reduce
         shm = ShmAllReduce(shard.world, shard.rank, capacity, shm_names[shard.stage],
                            alive=lambda: os.getppid() == parent)  # fmt: skip
     join_shard(loaded.model, loaded.config, shard, *groups, shm, lambda: os.getppid() == parent)
-    spec = loaded.model.kv_spec(config.page_size, config.resolved_kv_dtype)
+    spec = loaded.model.kv_spec(config.cache.page_size, config.resolved_kv_dtype)
     _, num_pages, nbytes, offset = conn.recv()
     pool = pool_of(receive_region(conn, nbytes), offset, spec, num_pages)
     kv = PagedKVCache(spec, num_pages, TORCH_DTYPES[config.compute_dtype], pool=pool)
-    runner = FollowerRunner(loaded.model, kv, get_backend(config.attention_backend,
+    runner = FollowerRunner(loaded.model, kv, get_backend(config.device.attention_backend,
                                                           spec.layers[0].kind))  # fmt: skip
-    runner.micro_batches = config.micro_batches  # split as rank 0 splits
+    runner.micro_batches = config.parallel.micro_batches  # split as rank 0 splits
     return runner
 
 
@@ -70,7 +70,9 @@ def main(fd: int) -> int:
     _, config, rank, port, shm_names = conn.recv()
     torch.set_num_threads(env.serve_threads())
     shard, store = TensorShard.of(config, rank), group.client_store(port)
-    world = group.join(rank, config.world_size, store)  # in rank 0's order: world, then stage
+    world = group.join(
+        rank, config.parallel.world_size, store
+    )  # in rank 0's order: world, then stage
     tp = world
     if shard.stages > 1 and shard.world > 1:
         tp = group.join(shard.rank, shard.world, store, f"stage{shard.stage}")

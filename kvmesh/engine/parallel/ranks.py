@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from kvmesh.engine.config import EngineConfig, ModelConfig, spec_for_model
+from kvmesh.config import EngineConfig
+from kvmesh.engine.config import ModelConfig, spec_for_model
 from kvmesh.engine.kv.layout import KVCacheSpec
 from kvmesh.engine.kv.pool_layout import shard_spans
 from kvmesh.engine.kv_cache import PagedKVCache
@@ -43,8 +44,8 @@ class Ranks:
 
     def __init__(self, config: EngineConfig, threads: int, capacity: int) -> None:
         """capacity: floats of a shared-memory all-reduce's slots."""
-        tp, stages = config.tensor_parallel_size, config.pipeline_parallel_size
-        self.world, self._stopped = config.world_size, False
+        tp, stages = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
+        self.world, self._stopped = config.parallel.world_size, False
         self._closing = threading.Lock()  # close() may come from two threads (a lost engine)
         self.sums: list[ShmAllReduce] = []
         self._procs: list[subprocess.Popen] = []
@@ -121,13 +122,15 @@ class Ranks:
         rank's share of the budget (each its KV heads)."""
         shards = [TensorShard.of(config, r) for r in range(self.world)]
         kv_dtype = config.resolved_kv_dtype
-        specs = [spec_for_model(s.local_config(model), config.page_size, kv_dtype) for s in shards]
-        num_pages = config.num_pages or min(s.pages_for_budget(config.kv_cache_bytes)
+        specs = [
+            spec_for_model(s.local_config(model), config.cache.page_size, kv_dtype) for s in shards
+        ]
+        num_pages = config.cache.num_pages or min(s.pages_for_budget(config.cache.kv_cache_bytes)
                                             for s in specs)  # fmt: skip
-        region, pools = self.share_pages(specs, num_pages, config.kv_hugepages)
+        region, pools = self.share_pages(specs, num_pages, config.cache.kv_hugepages)
         self._await_ready()
         cache = PagedKVCache(specs[0], num_pages, dtype, pool=pools[0])
-        whole = spec_for_model(model, config.page_size, kv_dtype)
+        whole = spec_for_model(model, config.cache.page_size, kv_dtype)
         spans = [shard_spans(whole, s.kv_heads(model), s.layers(model)) for s in shards]
         return cache, KvPages(whole, pools, spans, region)
 
@@ -193,8 +196,8 @@ def start_ranks(config: EngineConfig, loaded: Any, threads: int) -> Ranks:
     """The other ranks of a tensor-parallel engine whose rank 0 (this process) has `loaded`
     its shard, joined to rank 0's layers."""
     shard = TensorShard.of(config, 0)
-    capacity = group.reduce_capacity(loaded.config, config.max_num_batched_tokens,
-                                     config.max_num_seqs)  # fmt: skip
+    capacity = group.reduce_capacity(loaded.config, config.scheduler.max_num_batched_tokens,
+                                     config.scheduler.max_num_seqs)  # fmt: skip
     ranks = Ranks(config, threads, capacity)
     try:
         join_shard(loaded.model, loaded.config, shard, ranks.group, ranks.tp_group, ranks.shm,

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvmesh.engine.config import EngineConfig, ModelConfig
+from kvmesh.config import EngineConfig
+from kvmesh.engine.config import ModelConfig
 from kvmesh.errors import InvalidRequestError
 
 
@@ -45,9 +46,9 @@ class TensorShard:
     @classmethod
     def of(cls, config: EngineConfig, rank: int) -> TensorShard:
         """Global rank `rank`'s shard."""
-        tp = config.tensor_parallel_size
-        return cls(rank % tp, tp, config.enable_expert_parallel, rank // tp,
-                   config.pipeline_parallel_size)  # fmt: skip
+        tp = config.parallel.tensor_parallel_size
+        return cls(rank % tp, tp, config.parallel.enable_expert_parallel, rank // tp,
+                   config.parallel.pipeline_parallel_size)  # fmt: skip
 
     @property
     def first(self) -> bool:

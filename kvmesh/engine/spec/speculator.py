@@ -197,14 +197,14 @@ def build_speculator(
     max_model_len: int,
     draft: DraftSource | None = None,
 ) -> Speculator | None:
-    """The engine's speculator for `config.speculative` (None: no speculation); EAGLE drafts
+    """The engine's speculator for `config.spec.speculative` (None: no speculation); EAGLE drafts
     come from `draft` where one is given, else from a head loaded in process."""
-    if config.speculative == "none":
+    if config.spec.speculative == "none":
         return None
-    if config.speculative == "ngram":
+    if config.spec.speculative == "ngram":
         from kvmesh.engine.spec.ngram import NgramProposer
 
-        proposer: Proposer = NgramProposer(config.num_speculative_tokens)
+        proposer: Proposer = NgramProposer(config.spec.num_speculative_tokens)
     elif draft is not None:
         runner.capture = draft.check_target(model_name)
         proposer = draft
@@ -212,9 +212,9 @@ def build_speculator(
         from kvmesh.engine.spec.eagle import load_head
         from kvmesh.engine.spec.eagle_proposer import EagleProposer
 
-        head = load_head(config.draft_model, model_name)
+        head = load_head(config.spec.draft_model, model_name)
         runner.capture = head.config.capture_layers
         proposer = EagleProposer(head, runner.model.token_embeddings)
-    k = config.num_speculative_tokens
-    policy = FixedPolicy(k) if config.speculative_policy == "fixed" else None
+    k = config.spec.num_speculative_tokens
+    policy = FixedPolicy(k) if config.spec.speculative_policy == "fixed" else None
     return Speculator(proposer, k, max_model_len, policy)

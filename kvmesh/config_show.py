@@ -1,0 +1,41 @@
+"""`kvmesh config show COMMAND [FLAGS]`: the config a command would run with, as JSON. For
+`kvmesh up`, every worker's (as each is handed it, its etcd filled in at start) and the other
+children's flags; nothing is started."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from kvmesh.cli_args import build_parser
+from kvmesh.config.knobs import to_dict
+
+
+def effective_config(argv: Sequence[str]) -> dict:
+    from kvmesh.config import EngineConfig, WorkerConfig
+    from kvmesh.config.flags import from_namespace
+
+    args = build_parser(argv).parse_args(list(argv))
+    if args.command == "generate":
+        return {"engine": to_dict(from_namespace(EngineConfig, args))}
+    if args.command == "serve" and args.service in ("prefill", "decode"):
+        return {args.service: to_dict(from_namespace(WorkerConfig, args, role=args.service))}
+    if args.command == "up":
+        from kvmesh.cli import up_options
+        from kvmesh.mesh.launcher import Mesh
+
+        mesh = Mesh(up_options(args))
+        o = mesh.options
+        return {
+            **{name: to_dict(config) for name, config in mesh.child_configs().items()},
+            "gateway": {"argv": list(o.gateway_args)},
+            "kvstore": {"kind": o.kvstore, "argv": list(o.kvstore_args)},
+        }
+    raise SystemExit(f"kvmesh config show: {' '.join(argv[:2])} has no config tree yet")
+
+
+def run_config_show(argv: Sequence[str]) -> int:
+    if not argv:
+        raise SystemExit("kvmesh config show: name a command, e.g. `kvmesh config show up`")
+    print(json.dumps(effective_config(argv), indent=2))
+    return 0
