@@ -12,8 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvmesh.cli_args import GATEWAY_FRONT, build_parser
-from kvmesh.env import API_KEYS_ENV
+from kvmesh.cli_args import build_parser
 from kvmesh.errors import KvmeshError
 
 
@@ -78,57 +77,9 @@ def _up(args: argparse.Namespace) -> int:
 
         return run_demo(args.model, args.dtype)
     from kvmesh.mesh.launcher import run_up
+    from kvmesh.mesh.up_config import up_options
 
     return run_up(up_options(args))
-
-
-def up_options(args: argparse.Namespace) -> Any:
-    """`kvmesh up`'s flags as the launcher's options (`kvmesh config show up` reads them too)."""
-    from kvmesh.mesh.launcher import UpOptions
-    from kvmesh.mesh.up_config import settle_precision, up_workers
-
-    precision = settle_precision(args)
-    return UpOptions(
-        workers=up_workers(args),
-        prefill=args.prefill,
-        decode=args.decode,
-        http_port=args.http_port,
-        grpc_port=args.grpc_port,
-        cluster=args.cluster,
-        gateway_args=(
-            "--routing",
-            args.routing,
-            "--session-ttl",
-            str(args.session_ttl),
-            *(("--tool-call-parser", args.tool_call_parser) if args.tool_call_parser else ()),
-            *_gateway_front(args),
-        ),
-        kvstore=args.kvstore,
-        decode_lead_cpu=args.decode_lead_cpu,
-        tls=args.tls,
-        precision=precision,
-        kvstore_args=(
-            "--ram-mib",
-            str(args.kvstore_ram_mib),
-            "--disk-mib",
-            str(args.kvstore_disk_mib),
-        ),
-    )
-
-
-def _gateway_front(args: argparse.Namespace) -> list[str]:
-    """`up`'s gateway_front_args as the gateway's flags."""
-    flags: list[str] = []
-    if args.api_key:  # in the gateway's environment, not its argv (which `ps` shows anyone)
-        os.environ[API_KEYS_ENV] = "\n".join(args.api_key)
-    for name in GATEWAY_FRONT:
-        if name == "api_key":
-            continue
-        value, flag = getattr(args, name), "--" + name.replace("_", "-")
-        for one in value if isinstance(value, list) else [value]:
-            if one is not None and one is not False:
-                flags += [flag] + ([] if one is True else [str(one)])
-    return flags
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -160,12 +111,18 @@ def _service(args: argparse.Namespace) -> tuple[Callable[[Any], Any], Any]:
 
         return serve_draft, options_from(args)
     if args.service == "gateway":
-        from services.gateway.main import GatewayOptions, serve_gateway
+        from kvmesh.agent.tool_parsers import PARSERS
+        from kvmesh.config.flags import from_namespace
+        from kvmesh.config.gateway import GatewayConfig
+        from services.gateway.main import serve_gateway
 
-        names = ("etcd", "cluster", "model", "host", "http_port", "grpc_port", "session_ttl",
-                 "affinity_max_load_ratio", "affinity_slack_tokens", "routing",
-                 "tool_call_parser", *GATEWAY_FRONT)  # fmt: skip
-        return serve_gateway, GatewayOptions(**{name: getattr(args, name) for name in names})
+        config = from_namespace(GatewayConfig, args)
+        if not config.service.etcd:
+            raise ValueError("--etcd is required (or a --config that has it)")
+        parser = config.api.tool_call_parser
+        if parser and parser not in PARSERS:
+            raise ValueError(f"--tool-call-parser {parser!r}: one of {', '.join(sorted(PARSERS))}")
+        return serve_gateway, config
     from kvmesh.config import WorkerConfig
     from kvmesh.config.flags import from_namespace
     from kvmesh.mesh.worker_runtime import transfer_config
@@ -198,7 +155,6 @@ def _log_imports_done() -> None:
 
 def _exec_time(now: float) -> float | None:
     """This process's start as a Unix time (Linux /proc: 10 ms ticks), None elsewhere."""
-    import os
     from pathlib import Path
 
     try:

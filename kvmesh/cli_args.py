@@ -7,7 +7,7 @@ import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvmesh.routing import ROUTING_HELP, ROUTINGS, UP_LOCAL_PREFILL_TOKENS
+from kvmesh.routing import UP_LOCAL_PREFILL_TOKENS
 from kvmesh.tools import tiny_cli  # imports no torch
 
 
@@ -44,15 +44,19 @@ def _up_worker_flags(p: argparse.ArgumentParser) -> None:
               defaults={"local_prefill_tokens": None}, notes={"local_prefill_tokens": auto})  # fmt: skip
 
 
-def _mesh_args(p: argparse.ArgumentParser) -> None:
-    """A service that reads etcd but registers nothing there (the gateway)."""
+def _gateway_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """The gateway's config tree as flags (`kvmesh serve gateway`; `up` but where it runs)."""
+    from kvmesh.config.flags import ConfigFile, add_flags
+    from kvmesh.config.gateway import GatewayConfig
     from kvmesh.mesh import etcd_access, tls
 
-    p.add_argument("--etcd", required=True, help="etcd endpoint host:port or https://host:port")
-    p.add_argument("--cluster", default="default")
-    p.add_argument("--host", default="127.0.0.1")
-    tls.add_arguments(p)
-    etcd_access.add_arguments(p)
+    if not skip:  # a gateway of its own
+        p.add_argument("--config", action=ConfigFile, root=GatewayConfig, default=None,
+                       help="the gateway's config as JSON; flags after it win")  # fmt: skip
+    add_flags(p, GatewayConfig, skip=skip)
+    if not skip:
+        tls.add_arguments(p)
+        etcd_access.add_arguments(p)
 
 
 def _cpus_arg(p: argparse.ArgumentParser, flag: str, env_name: str, text: str) -> None:
@@ -92,8 +96,6 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     up.add_argument(
         "--demo", action="store_true", help="run the offline engine on a demo chat instead"
     )
-    up.add_argument("--routing", default="cache-aware", choices=ROUTINGS, help=ROUTING_HELP)
-    _tool_parser_arg(up)
     up.add_argument(
         "--kvstore",
         default="builtin",
@@ -103,11 +105,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     )
     up.add_argument("--kvstore-ram-mib", type=int, default=256)
     up.add_argument("--kvstore-disk-mib", type=int, default=1024)
-    up.add_argument("--session-ttl", type=int, default=600)
     up.add_argument("--tls", action="store_true",
                     help="TLS everywhere with a throwaway CA made for this run: clients reach the "
                     "gateway over https, services use mutual TLS")  # fmt: skip
-    gateway_front_args(up)
+    _gateway_flags(up, skip=("etcd", "cluster", "host", "http_port", "grpc_port", "model"))
     _up_worker_flags(up)
     for role in ("prefill", "decode"):
         up.add_argument(
@@ -144,28 +145,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     train.add_argument("--samples-per-prompt", type=int, default=2, help="greedy + sampled")
     train.add_argument("--draft-vocab", type=int, default=4096)
     train.add_argument("--limit-prompts", type=int, default=0, help="0: all training prompts")
-    gateway = serve_sub.add_parser("gateway")
-    _mesh_args(gateway)
-    gateway.add_argument("--model", default="smollm2-135m")
-    gateway.add_argument("--http-port", type=int, default=8000)
-    gateway.add_argument("--grpc-port", type=int, default=0)
-    gateway.add_argument("--session-ttl", type=int, default=600, help="x-session-affinity TTL (s)")
-    gateway.add_argument(
-        "--affinity-max-load-ratio",
-        type=float,
-        default=2.0,
-        help="affinity yields when the pinned worker's load exceeds this many times the least "
-        "loaded one's, plus --affinity-slack-tokens",
-    )
-    gateway.add_argument("--affinity-slack-tokens", type=int, default=2048)
-    gateway.add_argument(
-        "--routing",
-        default="cache-aware",
-        choices=ROUTINGS,
-        help=ROUTING_HELP,
-    )
-    _tool_parser_arg(gateway)
-    gateway_front_args(gateway)
+    gateway = serve_sub.add_parser("gateway", help="the gateway (REST and gRPC fronts, router)")
+    _gateway_flags(gateway)
     status = sub.add_parser("status", help="list the mesh's workers and their load")
     status.add_argument(
         "--etcd", default=None, help="host:port (default: the one `kvmesh up` started)"
@@ -282,57 +263,3 @@ class _Lazy:
         parser = sub.add_parser(path[1], help=text, description=text)
         if self.argv is None or self.argv[:2] == path:
             getattr(importlib.import_module(module), adder)(parser)
-
-
-def gateway_front_args(parser: argparse.ArgumentParser) -> None:
-    """The gateway's request-handling flags, on `serve gateway` and passed on by `up`."""
-    parser.add_argument(
-        "--migration-limit",
-        type=int,
-        default=3,
-        help="times a stream may move to another decode worker after its own died mid-stream "
-        "(0: the client gets the error)",
-    )
-    parser.add_argument(
-        "--max-inflight-requests", type=int, default=1024,
-        help="sequences the gateway streams at once; past it: 429 with Retry-After (0: no bound)",
-    )  # fmt: skip
-    parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
-                        help="larger request bodies get 413")  # fmt: skip
-    parser.add_argument("--max-prompt-tokens", type=int, default=0,
-                        help="longer prompts get 400 (0: the model's context length)")  # fmt: skip
-    parser.add_argument("--max-output-tokens", type=int, default=0,
-                        help="a larger max_tokens gets 400 (0: only the context length)")  # fmt: skip
-    parser.add_argument("--max-n", type=int, default=16, help="choices per request (n)")
-    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                        help="a key clients must send (Authorization: Bearer KEY, or x-api-key); "
-                        "repeatable (default: no keys)")  # fmt: skip
-    parser.add_argument("--api-keys-file", default=None, metavar="PATH",
-                        help="keys, one per line (# comments)")  # fmt: skip
-    parser.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
-                        help="a model id clients may ask for; repeatable, the first is listed "
-                        "first (default: the model's own name)")  # fmt: skip
-    parser.add_argument("--any-model", action="store_true",
-                        help="answer any model id with the served model (a single-model mesh: "
-                        "agents that name their own models work unchanged)")  # fmt: skip
-    parser.add_argument("--max-tokens-policy", choices=("clamp", "refuse"), default="clamp",
-                        help="a max_tokens beyond what the context leaves: clamped to it "
-                        "(x-kvmesh-max-tokens-clamped says so) or refused with 400")  # fmt: skip
-
-
-GATEWAY_FRONT = ("migration_limit", "max_inflight_requests", "max_request_body_bytes",
-                 "max_prompt_tokens", "max_output_tokens", "max_n", "api_key",
-                 "api_keys_file", "served_model_name", "any_model",
-                 "max_tokens_policy")  # fmt: skip
-# gateway_front_args' destinations, passed on by `up`
-
-
-def _tool_parser_arg(parser: argparse.ArgumentParser) -> None:
-    from kvmesh.agent.tool_parsers import PARSERS
-
-    parser.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=sorted(PARSERS),
-        help="the format of the model's tool calls (default: chosen from its chat template)",
-    )

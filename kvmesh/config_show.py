@@ -1,6 +1,6 @@
 """`kvmesh config show COMMAND [FLAGS]`: the config a command would run with, as JSON. For
-`kvmesh up`, every worker's (as each is handed it, its etcd filled in at start) and the other
-children's flags; nothing is started."""
+`kvmesh up`, every worker's and the gateway's (as each is handed it, its etcd and ports filled
+in at start) and the KV store's flags; nothing is started."""
 
 from __future__ import annotations
 
@@ -20,15 +20,19 @@ def effective_config(argv: Sequence[str]) -> dict:
         return {"engine": to_dict(from_namespace(EngineConfig, args))}
     if args.command == "serve" and args.service in ("prefill", "decode"):
         return {args.service: to_dict(from_namespace(WorkerConfig, args, role=args.service))}
+    if args.command == "serve" and args.service == "gateway":
+        from kvmesh.config.gateway import GatewayConfig
+
+        return {"gateway": to_dict(from_namespace(GatewayConfig, args))}
     if args.command == "up":
-        from kvmesh.cli import up_options
         from kvmesh.mesh.launcher import Mesh
+        from kvmesh.mesh.up_config import up_options
 
         mesh = Mesh(up_options(args))
         o = mesh.options
         return {
             **{name: to_dict(config) for name, config in mesh.child_configs().items()},
-            "gateway": {"argv": list(o.gateway_args)},
+            "gateway": to_dict(mesh.gateway_config()),
             "kvstore": {"kind": o.kvstore, "argv": list(o.kvstore_args)},
         }
     raise SystemExit(f"kvmesh config show: {' '.join(argv[:2])} has no config tree yet")

@@ -280,13 +280,13 @@ def run_agent_bench(args: argparse.Namespace) -> int:
 def _measure_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """One fresh mesh per mode, stopped before the next starts."""
     from kvmesh.mesh.launcher import Mesh, UpOptions
-    from kvmesh.mesh.up_config import worker_configs
+    from kvmesh.mesh.up_config import gateway_config, worker_configs
 
     options = UpOptions(
         workers=worker_configs("--model", args.model, "--kv-cache-mib", str(WORKER_KV_CACHE_MIB)),
         prefill=args.prefill,
         decode=args.decode,
-        gateway_args=("--routing", mode),
+        gateway=gateway_config("--routing", mode),
         kvstore=getattr(args, "kvstore", "builtin"),
     )
     mesh = Mesh(options)

@@ -131,7 +131,7 @@ def run_fuzz_bench(args: argparse.Namespace) -> int:
     fit in minutes), fuzzed over REST then gRPC, then asked one plain question."""
     from kvmesh.benchmarks.fuzz_edges import fuzz_edges
     from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
-    from kvmesh.mesh.up_config import worker_configs
+    from kvmesh.mesh.up_config import gateway_config, worker_configs
     from kvmesh.proto.v1 import decode_pb2, gateway_pb2, kvstore_pb2, prefill_pb2
 
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
@@ -142,7 +142,7 @@ def run_fuzz_bench(args: argparse.Namespace) -> int:
             prefill=1,
             decode=1,
             kvstore="builtin",
-            gateway_args=("--max-output-tokens", "4"),
+            gateway=gateway_config("--max-output-tokens", "4"),
         )
     )
     try:

@@ -21,12 +21,13 @@ import contextlib
 import gc
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvmesh.benchmarks.kv_quality import QUESTIONS, bench_quality, markdown
 from kvmesh.benchmarks.kv_runs import Run, lockstep_runs, timed_run
 from kvmesh.benchmarks.report import BenchRun, write_report
+from kvmesh.config.knobs import with_knobs
 
 TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "public_domain.txt"
 BF16_REQUESTS = 16  # the default budget holds this many requests' full context in BF16 pages
@@ -129,7 +130,7 @@ def bench_integrity(args, text: str, levels: list[int]):
         runs: dict[bool, list[Run]] = {False: [], True: []}
         for _ in range(args.repeats):
             for on in (False, True):
-                llm.engine.config = replace(config, kv_integrity=on)
+                llm.engine.config = with_knobs(config, kv_integrity=on)
                 runs[on].append(timed_run(llm, prompts, args.max_tokens))
         llm.engine.config = config
         assert all(r.check_calls == 0 for r in runs[False])

@@ -74,7 +74,7 @@ def workload_from(args: argparse.Namespace) -> PdWorkload:
 def run_mode(placement: Placement, args: argparse.Namespace, w: PdWorkload) -> dict[str, Any]:
     """A fresh mesh for `placement`, warmed up, then the workload once; stopped after."""
     from kvmesh.mesh.launcher import Mesh, UpOptions
-    from kvmesh.mesh.up_config import worker_configs
+    from kvmesh.mesh.up_config import gateway_config, worker_configs
 
     worker_args = ("--dtype", args.dtype, "--kv-cache-mib", str(args.kv_cache_mib))
     local = ("--local-prefill-tokens", str(args.local_prefill_tokens))
@@ -84,7 +84,7 @@ def run_mode(placement: Placement, args: argparse.Namespace, w: PdWorkload) -> d
         prefill=placement.prefill,
         decode=placement.decode,
         role_cpus=placement.cpus,
-        gateway_args=("--routing", "least-load"),
+        gateway=gateway_config("--routing", "least-load"),
     )
     mesh = Mesh(options)
     try:

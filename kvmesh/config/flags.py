@@ -64,6 +64,8 @@ def _argument(default: Any, spec: Knob, declared: Any) -> dict[str, Any]:
     value's type; `default`: the command's)."""
     if spec.style == "switch":
         return {"action": "store_true", "default": default, "help": spec.help}
+    if spec.style == "append":  # repeatable; None (not given) reads back as the default
+        return {"action": "append", "default": None, "help": spec.help, "metavar": spec.metavar}
     shown = {True: "on", False: "off"}.get(default, default) if spec.style == "on_off" else default
     text = spec.help if shown in (None, "") else f"{spec.help} (default: {shown})"
     kwargs: dict[str, Any] = {"default": default, "help": text, "metavar": spec.metavar}
@@ -78,7 +80,12 @@ def _argument(default: Any, spec: Knob, declared: Any) -> dict[str, Any]:
 
 def from_namespace(cls: type, args: argparse.Namespace, **given: Any) -> Any:
     """`cls`'s tree from the flags `add_flags` defined (a knob without a flag: its default)."""
-    values = {f.name: getattr(args, f.name) for _, f, _ in iter_knobs(cls) if hasattr(args, f.name)}
+    values = {}
+    for _, f, spec in iter_knobs(cls):
+        value = getattr(args, f.name, None if spec.style == "append" else f.default)
+        if spec.style == "append":
+            value = f.default if value is None else tuple(value)
+        values[f.name] = value
     return build(cls, **(values | given))
 
 
@@ -96,8 +103,8 @@ class ConfigFile(argparse.Action):
         except (OSError, ValueError, InvalidRequestError) as exc:
             parser.error(f"--config {values}: {exc}")
         setattr(namespace, self.dest, str(values))
-        for name, value in flat(config).items():
-            setattr(namespace, name, value)
+        for name, value in flat(config).items():  # a repeatable flag appends to a list
+            setattr(namespace, name, list(value) if isinstance(value, tuple) else value)
 
 
 def read_config(root: type, path: Path) -> Any:

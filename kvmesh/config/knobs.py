@@ -32,7 +32,9 @@ class Knob:
     parse: Callable[[str], Any] | None = None  # flag text -> value (default: the default's type)
     flag: str = ""  # default: --the-field-name
     metavar: str | None = None
-    style: str = "value"  # value | on_off (a bool spelled on/off) | switch (a bool, no value)
+    # value | on_off (a bool spelled on/off) | switch (a bool, no value) | append (a tuple of
+    # strings, the flag repeated)
+    style: str = "value"
     bounds: tuple[float | None, float | None] = (None, None)  # inclusive
     aliases: tuple[Alias, ...] = ()
 
@@ -119,7 +121,11 @@ def from_dict(cls: type, raw: dict[str, Any]) -> Any:
     kwargs = {}
     for name, value in raw.items():
         sub = fields[name].metadata.get("section") or _config_type(cls, name)
-        kwargs[name] = from_dict(sub, value) if sub is not None else value
+        if sub is not None:
+            value = from_dict(sub, value)
+        elif isinstance(value, list):  # JSON has no tuples (repeatable knobs)
+            value = tuple(value)
+        kwargs[name] = value
     return cls(**kwargs)
 
 
@@ -140,3 +146,8 @@ def flat(config: Any) -> dict[str, Any]:
         elif "knob" in f.metadata:
             out[f.name] = value
     return out
+
+
+def with_knobs(config: Any, **changes: Any) -> Any:
+    """`config` with some knobs changed, by name (dataclasses.replace across sections)."""
+    return build(type(config), **(flat(config) | changes))

@@ -4,10 +4,11 @@ ports) and how (request bound, drain, transfer protocol, local prefill, draft pl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvmesh.config.engine import EngineConfig
 from kvmesh.config.knobs import check, knob, section
+from kvmesh.config.placement import Placed, Placement
 from kvmesh.errors import InvalidRequestError
 
 ROLES = ("prefill", "decode")
@@ -15,14 +16,10 @@ PROTOCOLS = ("tcp", "rdma")
 
 
 @dataclass(frozen=True)
-class ServiceConfig:
-    """Where a service runs and registers (`kvmesh up` fills these in for its children)."""
+class ServiceConfig(Placement):
+    """Where a worker runs and registers (`kvmesh up` fills these in for its children)."""
 
-    etcd: str = knob("", "etcd endpoint host:port or https://host:port")
-    cluster: str = knob("default", "the mesh's name: its services' key prefix in etcd")
     worker_id: str = knob("", "this worker's name in etcd (default: role and a random suffix)")
-    host: str = knob("127.0.0.1", "address to listen on (0.0.0.0: every interface, with "
-                     "--advertise-host)")  # fmt: skip
     advertise_host: str = knob("", "address peers dial, in the etcd registration and the "
                                "transfer engine's session (default: --host)")  # fmt: skip
     port: int = knob(0, "gRPC port (0: a free one)", bounds=(0, 65535))
@@ -63,7 +60,7 @@ class ServingConfig:
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(Placed):
     role: str = "decode"  # the command's (serve prefill | serve decode), not a flag
     engine: EngineConfig = section(EngineConfig)
     service: ServiceConfig = section(ServiceConfig)
@@ -72,7 +69,3 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise InvalidRequestError(f"role must be prefill or decode, got {self.role!r}")
-
-    def placed(self, **service: object) -> WorkerConfig:
-        """This config with service fields set (etcd, worker_id, ...)."""
-        return replace(self, service=replace(self.service, **service))

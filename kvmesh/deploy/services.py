@@ -56,7 +56,7 @@ _gateway_command, _gateway_args = _serve(
     "gateway", "--model", MODEL, "--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT)
 )
 _store_command, _store_args = _serve(
-    "kvstore", "--model", MODEL, "--port", str(GRPC_PORT), "--metrics-port", str(METRICS_PORT)
+    "kvstore", "--port", str(GRPC_PORT), "--metrics-port", str(METRICS_PORT)
 )
 _draft_command, _draft_args = _serve(
     "draft", "--model", MODEL, "--port", str(GRPC_PORT), "--metrics-port", str(METRICS_PORT)

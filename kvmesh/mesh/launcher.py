@@ -19,15 +19,16 @@ import time
 import urllib.request
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvmesh.config import WorkerConfig
+from kvmesh.config.gateway import GatewayConfig
 from kvmesh.config.knobs import to_dict
 from kvmesh.config.worker import ROLES
 from kvmesh.engine.loader.resolve import served_name
-from kvmesh.env import kvmesh_home, num_threads, role_cpus
+from kvmesh.env import API_KEYS_ENV, kvmesh_home, num_threads, role_cpus
 from kvmesh.errors import LaunchError
 from kvmesh.mesh.affinity import decode_lead_cpu, worker_env
 from kvmesh.mesh.discovery import Registry, WorkerInfo
@@ -60,7 +61,8 @@ class UpOptions:
     cluster: str = "default"
     # CPU list per role, e.g. {"prefill": "0"} (else KVMESH_<ROLE>_CPUS): see mesh/affinity.py
     role_cpus: dict[str, str] = field(default_factory=dict)
-    gateway_args: tuple[str, ...] = ()  # passed through to the gateway (e.g. --routing least-load)
+    # the gateway's config (up_config.py); its model the workers', where it runs set at start
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
     kvstore: str = "none"  # "builtin": the KV store service; "mooncake": backed by Mooncake Store
     kvstore_args: tuple[str, ...] = ()
     ready_timeout: float = 180.0
@@ -131,7 +133,7 @@ class Mesh:
         self.grpc_port = self.options.grpc_port or free_port()
         self._write_state()
         if self.options.kvstore in ("builtin", "mooncake"):
-            args = [*self._kvstore_layout(), *self._kvstore_backend(), *self.options.kvstore_args]
+            args = [*self._kvstore_backend(), *self.options.kvstore_args]  # layout: the workers'
             self._spawn("kvstore", ["serve", "kvstore", *args])
         if self._remote_draft():
             head = self.options.workers["decode"].engine.spec.draft_model
@@ -186,9 +188,21 @@ class Mesh:
         return {"KVMESH_NUM_THREADS": str(share)} if share < cpus else {}
 
     def _spawn_gateway(self) -> None:
-        ports = ["--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
-        self._spawn("gateway", ["serve", "gateway", "--model", self.options.model, *ports,
-                                *self.options.gateway_args], cpus=self.cpus)  # fmt: skip
+        config = self.gateway_config()
+        keys = config.api.api_key  # in its environment, not in a file or argv (`ps` shows it)
+        config = replace(config, api=replace(config.api, api_key=()))
+        path = self.run_dir / "gateway.json"
+        path.write_text(json.dumps(to_dict(config)))
+        env = {API_KEYS_ENV: "\n".join(keys)} if keys else None
+        self._spawn("gateway", ["serve", "gateway", "--config", str(path)], env, self.cpus)
+
+    def gateway_config(self) -> GatewayConfig:
+        """The config the gateway is started with (its model: the workers')."""
+        etcd = self.etcd.endpoint if self.etcd is not None else "(the run's etcd)"
+        gateway = self.options.gateway
+        gateway = replace(gateway, api=replace(gateway.api, model=self.options.model))
+        return gateway.placed(etcd=etcd, cluster=self.options.cluster,
+                                           http_port=self.http_port, grpc_port=self.grpc_port)  # fmt: skip
 
     def _kvstore_backend(self) -> list[str]:
         """--kvstore mooncake: start mooncake_master; the store's second tier is Mooncake Store."""
@@ -200,12 +214,6 @@ class Mesh:
         self.master.start()
         self._write_state()
         return ["--backend", "mooncake", "--mooncake-master", self.master.address]
-
-    def _kvstore_layout(self) -> list[str]:
-        """The store must hold pages of exactly the workers' layout (model, page, dtype)."""
-        from kvmesh.mesh.kvstore_layout import store_layout
-
-        return store_layout(self.options.workers["decode"].engine).as_flags()
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
                cpus: frozenset[int] | None = None) -> None:  # fmt: skip
@@ -378,7 +386,8 @@ def _print_ready(mesh: Mesh, options: UpOptions) -> None:
     assert mesh.etcd is not None
     url = mesh.url
     cacert = f"--cacert {mesh.tls.ca} " if mesh.tls else ""
-    name = _flag(options.gateway_args, "--served-model-name") or served_name(options.model)
+    names = options.gateway.api.served_model_name
+    name = names[0] if names else served_name(options.model)
     precision = f"\n  precision: {options.precision}" if options.precision else ""
     say(
         f"""kvmesh is up: model {options.model}{precision}
@@ -388,8 +397,3 @@ def _print_ready(mesh: Mesh, options: UpOptions) -> None:
       -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
   Ctrl-C stops everything."""
     )
-
-
-def _flag(args: tuple[str, ...], name: str) -> str:
-    """The value following `name` in args ('' when absent)."""
-    return args[args.index(name) + 1] if name in args[:-1] else ""

@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvmesh.config import EngineConfig, ServingConfig, WorkerConfig
 from kvmesh.config.flags import from_namespace, parse_flags
+from kvmesh.config.gateway import GatewayConfig
 from kvmesh.config.knobs import build, flat
 from kvmesh.config.worker import ROLES
 from kvmesh.routing import UP_LOCAL_PREFILL_TOKENS
+
+if TYPE_CHECKING:
+    from kvmesh.mesh.launcher import UpOptions
 
 
 def worker_configs(
@@ -20,6 +25,16 @@ def worker_configs(
     """Each role's config from `kvmesh serve ROLE` flags: the common ones, then the role's."""
     own = {"prefill": prefill, "decode": decode}
     return {role: parse_flags(WorkerConfig, [*flags, *own[role]], role=role) for role in ROLES}
+
+
+def gateway_config(*flags: str) -> GatewayConfig:
+    """The gateway's config from `kvmesh serve gateway` flags."""
+    return parse_flags(GatewayConfig, flags)
+
+
+def up_gateway(args: argparse.Namespace) -> GatewayConfig:
+    """`kvmesh up`'s flags as its gateway's config (the model: the workers')."""
+    return from_namespace(GatewayConfig, args, model=args.model)
 
 
 def up_workers(args: argparse.Namespace) -> dict[str, WorkerConfig]:
@@ -57,3 +72,29 @@ def settle_precision(args: argparse.Namespace) -> str:
     chosen = serving_precision(args.model)
     args.dtype, args.weights = chosen.dtype, chosen.weights
     return f"{chosen.why} (the default; --dtype fp32 for fp32)"
+
+
+def up_options(args: argparse.Namespace) -> UpOptions:
+    """`kvmesh up`'s flags as the launcher's options (`kvmesh config show up` reads them too)."""
+    from kvmesh.mesh.launcher import UpOptions
+
+    precision = settle_precision(args)
+    return UpOptions(
+        workers=up_workers(args),
+        prefill=args.prefill,
+        decode=args.decode,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        cluster=args.cluster,
+        gateway=up_gateway(args),
+        kvstore=args.kvstore,
+        decode_lead_cpu=args.decode_lead_cpu,
+        tls=args.tls,
+        precision=precision,
+        kvstore_args=(
+            "--ram-mib",
+            str(args.kvstore_ram_mib),
+            "--disk-mib",
+            str(args.kvstore_disk_mib),
+        ),
+    )

@@ -127,6 +127,7 @@ async def serve_worker(
             **_precision(engine.config),
             "architecture": engine.model_config.architecture,
             "kv_spec": engine.kv_pages.spec.layout_key,
+            "page_bytes": str(engine.kv_pages.spec.page_bytes),  # a KV store adopts the layout
             "tensor_parallel": str(engine.config.parallel.tensor_parallel_size),
             "pipeline_parallel": str(engine.config.parallel.pipeline_parallel_size),
             "ranks": _ranks(engine),

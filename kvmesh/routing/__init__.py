@@ -3,11 +3,7 @@ which worker holds a prompt's pages; sessions.py: session pins) is shared by the
 `kvmesh sim`. This module, importable without grpc, names the policies (`--routing`, offered by
 the CLI's parser) and says which prompts `kvmesh up` leaves to the decode worker's own prefill."""
 
-ROUTINGS = ("cache-aware", "prefix-aware", "least-load", "round-robin")
-ROUTING_HELP = (
-    "cache-aware: session affinity over prefix scores; prefix-aware: prefix scores alone; "
-    "least-load: fewest tokens in flight; round-robin: each in turn (the last two are baselines)"
-)
+from kvmesh.config.gateway import ROUTING_HELP, ROUTINGS  # noqa: F401 (the routing names)
 
 # `kvmesh up`: prompts up to this many tokens are prefilled by the decode worker itself (Dynamo's
 # conditional disaggregation): such a prompt costs about what two to four decode steps at 16

@@ -28,7 +28,7 @@ import numpy as np
 
 from kvmesh.config import SchedulerConfig
 from kvmesh.mesh.launcher import Mesh, UpOptions, list_workers
-from kvmesh.mesh.up_config import worker_configs
+from kvmesh.mesh.up_config import gateway_config, worker_configs
 from kvmesh.mesh.worker_info import WorkerInfo
 from kvmesh.proto.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.sim.cost import LinearCost
@@ -66,7 +66,7 @@ class MeshSetup:
             ),
             prefill=1,
             decode=decode,
-            gateway_args=("--routing", self.routing),
+            gateway=gateway_config("--routing", self.routing),
         )
 
 

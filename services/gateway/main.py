@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from dataclasses import dataclass
 
 import structlog
 import uvicorn
 
 from kvmesh import event_loop
+from kvmesh.config.gateway import ApiConfig, GatewayConfig
 from kvmesh.engine.loader import read_config, resolve_model
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.mesh import metrics, tls
@@ -22,17 +22,7 @@ from kvmesh.routing.router import AffinityPolicy, make_router
 from kvmesh.routing.sessions import SessionStore
 from services.gateway import grpc_api
 from services.gateway.auth import ApiKeyInterceptor, ApiKeys
-from services.gateway.limits import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_N,
-    MaxTokensPolicy,
-    RequestLimits,
-)
-from services.gateway.mesh_backend import (
-    DEFAULT_MAX_INFLIGHT,
-    DEFAULT_MIGRATION_LIMIT,
-    MeshBackend,
-)
+from services.gateway.mesh_backend import MeshBackend
 from services.gateway.openai_api import create_app
 from services.gateway.readiness import MeshReadiness, follow
 from services.gateway.served import ModelNames, served_model
@@ -41,67 +31,40 @@ log = structlog.get_logger(__name__)
 GATEWAY_SERVICE = "kvmesh.v1.Gateway"
 
 
-@dataclass(frozen=True)
-class GatewayOptions:
-    etcd: str
-    cluster: str = "default"
-    model: str = "smollm2-135m"
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 0
-    session_ttl: int = 600
-    affinity_max_load_ratio: float = 2.0
-    affinity_slack_tokens: int = 2048
-    routing: str = "cache-aware"  # one of router.ROUTINGS
-    tool_call_parser: str | None = None  # None: chosen from the model's chat template
-    migration_limit: int = DEFAULT_MIGRATION_LIMIT
-    max_inflight_requests: int = DEFAULT_MAX_INFLIGHT
-    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_prompt_tokens: int = 0
-    max_output_tokens: int = 0
-    max_n: int = DEFAULT_MAX_N
-    api_key: tuple[str, ...] | list[str] = ()  # --api-key (repeatable)
-    api_keys_file: str | None = None
-    served_model_name: tuple[str, ...] | list[str] = ()  # --served-model-name (repeatable)
-    any_model: bool = False
-    max_tokens_policy: MaxTokensPolicy = "clamp"
-
-    @property
-    def limits(self) -> RequestLimits:
-        return RequestLimits(self.max_request_body_bytes, self.max_prompt_tokens,
-                             self.max_output_tokens, self.max_n, self.max_tokens_policy)  # fmt: skip
-
-    @property
-    def names(self) -> ModelNames:
-        return ModelNames(tuple(self.served_model_name), self.any_model)
+def model_names(api: ApiConfig) -> ModelNames:
+    return ModelNames(api.served_model_name, api.any_model)
 
 
-async def serve_gateway(options: GatewayOptions) -> None:
+async def serve_gateway(config: GatewayConfig) -> None:
     structlog.contextvars.bind_contextvars(service="gateway")
     metrics.init_series("gateway")
-    keys = ApiKeys.of(options.api_key, options.api_keys_file)
+    service, api, streams = config.service, config.api, config.streams
+    keys = ApiKeys.of(api.api_key, api.api_keys_file or None)
     guards = [ApiKeyInterceptor(keys, GATEWAY_SERVICE)] if keys is not None else []
-    source = resolve_model(options.model)
+    source = resolve_model(api.model)
     tokenizer = Tokenizer.from_source(source)
-    config = read_config(source)
-    async with Registry(options.etcd, options.cluster) as registry:
+    model_config = read_config(source)
+    parser, names = api.tool_call_parser or None, model_names(api)
+    async with Registry(service.etcd, service.cluster) as registry:
         watcher = WorkerWatcher(registry)
         await watcher.start()
         index = PrefixIndex()
-        affinity = AffinityPolicy(options.affinity_max_load_ratio, options.affinity_slack_tokens)
-        router = make_router(watcher.alive, options.routing, PrefixLookup(index), affinity)
+        routing = config.routing
+        affinity = AffinityPolicy(routing.affinity_max_load_ratio, routing.affinity_slack_tokens)
+        router = make_router(watcher.alive, routing.routing, PrefixLookup(index), affinity)
         follower = asyncio.create_task(KvEventFollower(index, watcher.alive).run())
-        sessions = SessionStore(registry, options.session_ttl)
-        backend = MeshBackend(router, source.name, config.max_position_embeddings, sessions,
-                              options.migration_limit, options.max_inflight_requests)  # fmt: skip
+        sessions = SessionStore(registry, routing.session_ttl)
+        backend = MeshBackend(router, source.name, model_config.max_position_embeddings,
+                              sessions, streams.migration_limit,
+                              streams.max_inflight_requests)  # fmt: skip
         counts = lambda: (len(watcher.alive("prefill")), len(watcher.alive("decode")))  # noqa: E731
         readiness = MeshReadiness(watcher.alive)
         served = served_model(backend.model_name, backend.max_model_len, tokenizer,
-                              options.limits, options.tool_call_parser, options.names)  # fmt: skip
+                              config.limits, parser, names)  # fmt: skip
         grpc_server, grpc_port, health = await start_server(
             [grpc_api.add_to(grpc_api.GatewayServicer(backend, tokenizer, counts, served))],
-            options.host,
-            options.grpc_port,
+            service.host,
+            service.grpc_port,
             serving=False,  # until `follow` sees the workers a request needs
             client_certs=False,  # a front for clients: TLS (when on) without their certificates
             interceptors=guards,
@@ -111,14 +74,14 @@ async def serve_gateway(options: GatewayOptions) -> None:
                 create_app(
                     backend,
                     tokenizer,
-                    options.limits,
+                    config.limits,
                     readiness,
-                    options.tool_call_parser,
+                    parser,
                     keys,
-                    options.names,
+                    names,
                 ),  # fmt: skip
-                host=options.host,
-                port=options.http_port,
+                host=service.host,
+                port=service.http_port,
                 log_level="warning",
                 lifespan="off",
                 **_https(),
@@ -130,8 +93,8 @@ async def serve_gateway(options: GatewayOptions) -> None:
         serving = asyncio.create_task(http.serve())
         log.info(
             "gateway.listening",
-            http=host_port(options.host, options.http_port),
-            grpc=host_port(options.host, grpc_port),
+            http=host_port(service.host, service.http_port),
+            grpc=host_port(service.host, grpc_port),
         )
         event_loop.freeze_heap()
         try:

@@ -15,6 +15,7 @@ import grpc
 import structlog
 from opentelemetry.trace import Span
 
+from kvmesh.config.gateway import StreamConfig
 from kvmesh.errors import (
     DeadlineExceededError,
     EngineFailure,
@@ -36,8 +37,8 @@ from services.gateway.delivery import Delivery
 
 log = structlog.get_logger(__name__)
 MAX_ATTEMPTS = 3  # workers tried before a request's first token
-DEFAULT_MIGRATION_LIMIT = 3  # moves of a stream after it started (--migration-limit)
-DEFAULT_MAX_INFLIGHT = 1024  # sequences streaming through one gateway (--max-inflight-requests)
+DEFAULT_MIGRATION_LIMIT = StreamConfig.migration_limit  # moves of a stream after it started
+DEFAULT_MAX_INFLIGHT = StreamConfig.max_inflight_requests  # sequences through one gateway
 REFUSED_RETRY_S = 5.0  # a delivery socket that refused a connection is tried again after this
 _now = time.monotonic
 

@@ -9,19 +9,17 @@ import contextlib
 import signal
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import structlog
 from prometheus_client import REGISTRY, start_http_server
 
-from kvmesh.config import EngineConfig
 from kvmesh.config.engine import KV_DTYPES
 from kvmesh.mesh import addresses, etcd_access, tls
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.kvstore_client import layout_key
-from kvmesh.mesh.kvstore_layout import store_layout
 from kvmesh.mesh.ports import free_port
 from kvmesh.mesh.transfer import KvTransferEngine, TransferConfig
 from kvmesh.mesh.transfer import add_arguments as add_transfer_arguments
@@ -37,12 +35,13 @@ _SWEEP_S = 1.0
 class KVStoreOptions:
     """`etcd` "" = do not register (a standalone store). `disk_dir` "" = a temporary directory
     removed on stop; `disk_mib` 0 = no disk tier. The layout (model, page_size, kv_dtype,
-    page_bytes) must equal the workers' or their calls fail with INVALID_ARGUMENT. `backend`
+    kv_spec, page_bytes) must equal the workers' or their calls fail with INVALID_ARGUMENT:
+    without `page_bytes` the store takes the layout a worker registers in etcd. `backend`
     "mooncake" keeps the second tier (disk_mib) in Mooncake Store behind the master at
     `mooncake_master` (host:port; none is started here)."""
 
     etcd: str
-    page_bytes: int
+    page_bytes: int | None = None  # None: the layout of the first worker registered in etcd
     cluster: str = "default"
     worker_id: str = ""
     host: str = "127.0.0.1"  # where it listens (0.0.0.0: every interface)
@@ -67,7 +66,11 @@ class KVStoreOptions:
     def __post_init__(self) -> None:
         if self.ram_mib <= 0 or self.disk_mib < 0 or self.page_size <= 0:
             raise ValueError("ram_mib and page_size must be > 0, disk_mib >= 0")
-        self.store_config()  # validates the rest
+        if self.page_bytes is None and not self.etcd:
+            raise ValueError("a KV store takes its page layout from the workers in etcd "
+                             "(--etcd) or from --page-bytes (and --kv-dtype, --kv-spec)")  # fmt: skip
+        if self.page_bytes is not None:
+            self.store_config()  # validates the rest
         self.transfer_config()
 
     def transfer_config(self) -> TransferConfig:
@@ -79,6 +82,7 @@ class KVStoreOptions:
         return layout_key(self.model, self.page_size, self.kv_dtype, self.kv_spec)
 
     def store_config(self) -> StoreConfig:
+        assert self.page_bytes is not None, "the layout is adopted first"
         return StoreConfig(
             layout_key=self.layout_key,
             page_bytes=self.page_bytes,
@@ -97,6 +101,12 @@ async def serve_kvstore(options: KVStoreOptions, stop: asyncio.Event | None = No
     worker_id = options.worker_id or f"kvstore-{uuid.uuid4().hex[:8]}"
     structlog.contextvars.bind_contextvars(service="kvstore", worker_id=worker_id)
     stop = stop or asyncio.Event()
+    if options.page_bytes is None:
+        with _signals_set(stop):
+            adopted = await _adopt_layout(options, stop)
+        if adopted is None:
+            return  # stopped before any worker registered
+        options = adopted
     transfer = KvTransferEngine(options.transfer_config())
     public = transfer.config.hostname  # what peers dial
     store = KVStore(options.store_config(), transfer)
@@ -120,6 +130,24 @@ async def serve_kvstore(options: KVStoreOptions, stop: asyncio.Event | None = No
             REGISTRY.unregister(collector)
         store.close()
         transfer.close()
+
+
+async def _adopt_layout(options: KVStoreOptions, stop: asyncio.Event) -> KVStoreOptions | None:
+    """The page layout of the first prefill or decode worker registered in etcd (each registers
+    its model, page size, KV dtype, KV spec key and page bytes); None if stopped first."""
+    log.info("kvstore.waiting_for_a_worker", etcd=options.etcd)
+    async with Registry(options.etcd, options.cluster) as registry:
+        while not stop.is_set():
+            for worker in await registry.list_workers():
+                if worker.role in ("prefill", "decode") and "page_bytes" in worker.extra:
+                    model, page_size, kv_dtype, kv_spec = worker.kv_layout
+                    log.info("kvstore.layout_adopted", worker=worker.worker_id, model=model,
+                             kv_dtype=kv_dtype, kv_spec=kv_spec)  # fmt: skip
+                    return replace(options, model=model, page_size=page_size, kv_dtype=kv_dtype,
+                                   kv_spec=kv_spec, page_bytes=int(worker.extra["page_bytes"]))  # fmt: skip
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+    return None
 
 
 async def _run(options: KVStoreOptions, info: WorkerInfo, store: KVStore, stop: asyncio.Event):
@@ -196,22 +224,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-id", default="")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=0)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page")
-    p.add_argument(
-        "--kv-dtype",
-        default="auto",
-        choices=["auto", *KV_DTYPES],
-        help="KV dtype of the pages (part of the layout key; auto: what the model's workers "
-        "store given --dtype / --weights; fp32 with an explicit --page-bytes)",
-    )
-    p.add_argument("--dtype", default="auto", help="the workers' --dtype (for the derived layout)")
-    p.add_argument("--weights", default="auto",
-                   help="the workers' --weights (for the derived layout)")  # fmt: skip
     p.add_argument("--page-bytes", type=int, default=None,
-                   help="bytes per KV page (default: derived from --model and --kv-dtype, as "
-                   "the workers lay their pages out)")  # fmt: skip
-    p.add_argument("--kv-spec", default="", help="the workers' KV spec key (layout key part)")
+                   help="an explicit page layout: bytes per KV page, with --model, --page-size, "
+                   "--kv-dtype and --kv-spec (default: the layout a worker registers in etcd)")  # fmt: skip
+    p.add_argument("--model", default="smollm2-135m", help="with --page-bytes: the model")
+    p.add_argument("--page-size", type=int, default=16, help="with --page-bytes: tokens per page")
+    p.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES,
+                   help="with --page-bytes: the pages' KV dtype")  # fmt: skip
+    p.add_argument("--kv-spec", default="", help="with --page-bytes: the KV spec key")
     p.add_argument("--ram-mib", type=int, default=256, help="RAM tier capacity")
     p.add_argument("--disk-mib", type=int, default=1024, help="disk tier capacity (0: none)")
     p.add_argument("--disk-dir", default="", help="disk tier directory (default: temporary)")
@@ -227,16 +247,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> KVStoreOptions:
     names = KVStoreOptions.__dataclass_fields__
-    values = {k: v for k, v in vars(args).items() if k in names}
-    if values["page_bytes"] is None:  # the layout of the model's workers
-        workers = EngineConfig.of(model=args.model, dtype=args.dtype, weights=args.weights,
-                                  kv_dtype=args.kv_dtype, page_size=args.page_size)  # fmt: skip
-        layout = store_layout(workers)
-        values.update(model=layout.model, kv_dtype=layout.kv_dtype, kv_spec=layout.kv_spec,
-                      page_bytes=layout.page_bytes)  # fmt: skip
-    elif values["kv_dtype"] == "auto":  # an explicit layout: the dtype as before (fp32)
-        values["kv_dtype"] = "fp32"
-    return KVStoreOptions(**values)
+    return KVStoreOptions(**{k: v for k, v in vars(args).items() if k in names})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

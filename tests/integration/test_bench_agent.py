@@ -9,7 +9,7 @@ import pytest
 
 from kvmesh.benchmarks.agent import Workload, hit_ratio, run_workload
 from kvmesh.mesh.launcher import Mesh, UpOptions
-from kvmesh.mesh.up_config import worker_configs
+from kvmesh.mesh.up_config import gateway_config, worker_configs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -22,7 +22,7 @@ def test_turns_reuse_the_session_prefix():
         workers=worker_configs("--kv-cache-mib", "128"),
         prefill=1,
         decode=1,
-        gateway_args=("--routing", "cache-aware"),
+        gateway=gateway_config("--routing", "cache-aware"),
     )
     mesh = Mesh(options)
     try:

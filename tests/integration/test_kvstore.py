@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("mooncake.engine")
 
 from kvmesh.engine.kv.pool_layout import PoolLayout, PoolShard  # noqa: E402
-from kvmesh.mesh.discovery import Registry  # noqa: E402
+from kvmesh.mesh.discovery import Registry, WorkerInfo  # noqa: E402
 from kvmesh.mesh.etcd_server import EtcdServer  # noqa: E402
 from kvmesh.mesh.grpc_server import start_server  # noqa: E402
 from kvmesh.mesh.kvstore_client import KVStoreClient, layout_key  # noqa: E402
@@ -233,6 +233,49 @@ def test_serve_kvstore_registers_in_etcd(tmp_path: Path) -> None:
 
     with EtcdServer() as etcd:
         run(scenario(etcd), timeout=45)
+
+
+def test_a_kvstore_without_a_layout_takes_the_one_a_worker_registers() -> None:
+    """`kvmesh up` starts its store before the workers: the first worker's registration (its
+    model, page size, KV dtype, KV spec key and page bytes) is the store's layout."""
+
+    async def scenario(etcd: EtcdServer) -> None:
+        stop = asyncio.Event()
+        options = KVStoreOptions(etcd=etcd.endpoint, ram_mib=1, disk_mib=0, ttl=2)
+        task = asyncio.create_task(serve_kvstore(options, stop))
+        try:
+            async with Registry(etcd.endpoint) as registry:
+                await asyncio.sleep(1.0)  # waiting for a worker: not registered yet
+                assert await registry.list_workers("kvstore") == [] and not task.done()
+                spec = "v1:2L:gqa:p32:bf16"
+                worker = WorkerInfo("decode", "d0", "127.0.0.1:1", model="tiny", page_size=32,
+                                    kv_dtype="bf16", capacity_tokens=64,
+                                    extra={"kv_spec": spec, "page_bytes": "8192"})  # fmt: skip
+                registration = await registry.register(worker, ttl=5)
+                (info,) = await asyncio.wait_for(_until_registered(registry), 15)
+                assert info.extra["layout_key"] == layout_key("tiny", 32, "bf16", spec)
+                assert info.extra["page_bytes"] == 8192 and info.extra["ram_pages"] == 128
+                await registration.close()
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+
+    with EtcdServer() as etcd:
+        run(scenario(etcd), timeout=45)
+
+
+def test_a_kvstore_waiting_for_a_worker_stops_when_told() -> None:
+    async def scenario(etcd: EtcdServer) -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(serve_kvstore(KVStoreOptions(etcd=etcd.endpoint), stop))
+        await asyncio.sleep(0.5)
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+    with EtcdServer() as etcd:
+        run(scenario(etcd), timeout=30)
+    with pytest.raises(ValueError, match="from the workers in etcd"):
+        KVStoreOptions(etcd="")
 
 
 class _NoTransfer:

@@ -17,7 +17,7 @@ import pytest
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.mesh.launcher import UpOptions, list_workers
-from kvmesh.mesh.up_config import worker_configs
+from kvmesh.mesh.up_config import gateway_config, worker_configs
 from kvmesh.proto.v1 import (
     common_pb2,
     decode_pb2,
@@ -44,7 +44,7 @@ def mesh():
         workers=worker_configs("--kv-cache-mib", "96", "--max-num-seqs", "16"),
         prefill=2,
         decode=2,
-        gateway_args=("--affinity-slack-tokens", "600"),
+        gateway=gateway_config("--affinity-slack-tokens", "600"),
     )
     with module_mesh(options) as running:
         yield running

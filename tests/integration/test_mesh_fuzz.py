@@ -14,7 +14,7 @@ from kvmesh import LLM, SamplingParams
 from kvmesh.benchmarks.fuzz import fuzz_grpc, fuzz_rest
 from kvmesh.benchmarks.fuzz_edges import fuzz_edges
 from kvmesh.mesh.launcher import UpOptions, list_workers
-from kvmesh.mesh.up_config import worker_configs
+from kvmesh.mesh.up_config import gateway_config, worker_configs
 from kvmesh.proto.v1 import decode_pb2, gateway_pb2, kvstore_pb2, prefill_pb2
 from tests.integration.mesh_probes import module_mesh, pages_in_use, wait_for
 
@@ -29,7 +29,7 @@ def mesh():
         prefill=1,
         decode=1,
         kvstore="builtin",
-        gateway_args=("--max-output-tokens", "4", "--max-prompt-tokens", "256"),
+        gateway=gateway_config("--max-output-tokens", "4", "--max-prompt-tokens", "256"),
     )
     with module_mesh(options) as running:
         yield running

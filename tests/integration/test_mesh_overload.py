@@ -17,7 +17,7 @@ import pytest
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.mesh.launcher import UpOptions
-from kvmesh.mesh.up_config import worker_configs
+from kvmesh.mesh.up_config import gateway_config, worker_configs
 from kvmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.integration.mesh_probes import mesh_with_env, pages_in_use, wait_for
 
@@ -45,7 +45,7 @@ def mesh(traces):
         prefill=1,
         decode=1,
         kvstore="none",
-        gateway_args=(
+        gateway=gateway_config(
             "--max-prompt-tokens",
             "200",
             "--max-output-tokens",

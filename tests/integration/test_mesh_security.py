@@ -20,6 +20,7 @@ from kvmesh.errors import DiscoveryError
 from kvmesh.mesh.certs import make_ca, make_leaf
 from kvmesh.mesh.etcd_access import EtcdAccess
 from kvmesh.mesh.launcher import UpOptions, list_workers
+from kvmesh.mesh.up_config import gateway_config
 from kvmesh.proto.v1 import (
     common_pb2,
     decode_pb2,
@@ -39,7 +40,7 @@ SECOND_KEY = "sk-test-second-tenant"
 @pytest.fixture(scope="module")
 def mesh():
     options = UpOptions(prefill=1, decode=1, kvstore="none", tls=True,
-                        gateway_args=("--api-key", KEY, "--api-key", SECOND_KEY))  # fmt: skip
+                        gateway=gateway_config("--api-key", KEY, "--api-key", SECOND_KEY))  # fmt: skip
     with module_mesh(options) as running:
         yield running
 

@@ -14,6 +14,7 @@ import pytest
 from kvmesh.cli_args import build_parser
 from kvmesh.config import EngineConfig, WorkerConfig
 from kvmesh.config.flags import from_namespace
+from kvmesh.config.gateway import GatewayConfig
 from kvmesh.config.knobs import Knob, flat, iter_knobs, knob_names, to_dict
 from kvmesh.errors import InvalidRequestError
 
@@ -30,6 +31,8 @@ def _sample(name: str, default, spec: Knob) -> tuple[list[str], object]:
     flag = spec.flag_of(name)
     if spec.style == "switch":
         return [flag], True
+    if spec.style == "append":
+        return [flag, "y", flag, "z"], ("y", "z")
     if spec.style == "on_off":
         return [flag, "off" if default else "on"], not default
     if spec.choices is not None:
@@ -164,3 +167,49 @@ def test_every_knob_default_is_valid_and_the_tree_round_trips():
     config = WorkerConfig()
     assert from_dict(WorkerConfig, json.loads(json.dumps(to_dict(config)))) == config
     assert isinstance(build_parser(), argparse.ArgumentParser)
+
+
+GATEWAY_KNOBS = [(f.name, f.default, spec) for _, f, spec in iter_knobs(GatewayConfig)]
+UP_PLACES = ("etcd", "cluster", "host", "http_port", "grpc_port", "model")  # up's own, or set
+
+
+@pytest.mark.parametrize("command", [("serve", "gateway", "--etcd", "e:1"), ("up",)], ids=str)
+@pytest.mark.parametrize(
+    ("name", "default", "spec"), GATEWAY_KNOBS, ids=[k[0] for k in GATEWAY_KNOBS]
+)
+def test_every_gateway_knob_is_a_flag_of_serve_gateway_and_up(command, name, default, spec):
+    if command[0] == "up" and name in UP_PLACES:
+        pytest.skip("kvmesh up places its gateway itself")
+    words, value = _sample(name, default, spec)
+    argv = [*command, *words]
+    args = build_parser(argv).parse_args(argv)
+    if command[0] == "up":
+        from kvmesh.mesh.up_config import up_gateway
+
+        config = up_gateway(args)
+    else:
+        config = from_namespace(GatewayConfig, args)
+    assert flat(config)[name] == value
+
+
+def test_kvmesh_up_hands_its_gateway_a_config_file_and_its_keys_in_the_environment(
+    tmp_path, monkeypatch
+):
+    from kvmesh.env import API_KEYS_ENV
+    from kvmesh.mesh.launcher import Mesh, UpOptions
+    from kvmesh.mesh.up_config import gateway_config, worker_configs
+
+    gateway = gateway_config("--api-key", "k1", "--routing", "least-load", "--max-n", "2")
+    options = UpOptions(workers=worker_configs("--model", "m"), gateway=gateway)
+    mesh = Mesh(options, run_dir=tmp_path)
+    spawned = {}
+    monkeypatch.setattr(mesh, "_spawn", lambda name, args, env, cpus: spawned.update(
+        args=args, env=env))  # fmt: skip
+    mesh._spawn_gateway()
+    assert spawned["args"] == ["serve", "gateway", "--config", str(tmp_path / "gateway.json")]
+    assert spawned["env"] == {API_KEYS_ENV: "k1"}
+    assert "k1" not in (tmp_path / "gateway.json").read_text()
+    argv = [*spawned["args"], "--etcd", "e:1"]
+    config = from_namespace(GatewayConfig, build_parser(argv).parse_args(argv))
+    assert (config.api.model, config.routing.routing, config.limits.max_n) == ("m", "least-load", 2)
+    assert config.api.api_key == ()

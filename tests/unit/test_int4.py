@@ -182,15 +182,11 @@ def test_compute_dtype_follows_weights_when_dtype_is_auto(dtype, weights, comput
                                            (("--weights", "int4"), "bf16"),
                                            (("--weights", "int4", "--dtype", "fp32"), "fp32")])  # fmt: skip
 def test_the_kv_store_is_told_the_workers_kv_layout(flags, kv):
-    from kvmesh.mesh.launcher import Mesh, UpOptions
+    """Each worker registers the KV dtype it resolved; a KV store adopts it (test_kvstore)."""
     from kvmesh.mesh.up_config import worker_configs
 
-    layout = Mesh(
-        UpOptions(
-            workers=worker_configs(*flags),
-        )
-    )._kvstore_layout()
-    assert layout[layout.index("--kv-dtype") + 1] == kv
+    for worker in worker_configs(*flags).values():
+        assert worker.engine.resolved_kv_dtype == kv
 
 
 def test_a_group_that_does_not_divide_the_inputs_is_a_model_format_error():

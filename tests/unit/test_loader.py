@@ -441,7 +441,7 @@ def test_the_banner_names_the_served_id_not_the_path(capsys, tmp_path):
 
     from kvmesh.engine.loader.resolve import served_name
     from kvmesh.mesh import launcher
-    from kvmesh.mesh.up_config import worker_configs
+    from kvmesh.mesh.up_config import gateway_config, worker_configs
 
     assert served_name("smollm2-135m") == "smollm2-135m"
     assert served_name(str(tmp_path / "tiny-llama")) == "tiny-llama"
@@ -450,7 +450,8 @@ def test_the_banner_names_the_served_id_not_the_path(capsys, tmp_path):
                            tls=None, grpc_port=1)  # fmt: skip
     for args, want in (((), "tiny-llama"), (("--served-model-name", "kimi"), "kimi")):
         options = launcher.UpOptions(
-            workers=worker_configs("--model", str(tmp_path / "tiny-llama")), gateway_args=args
+            workers=worker_configs("--model", str(tmp_path / "tiny-llama")),
+            gateway=gateway_config(*args),
         )
         launcher._print_ready(mesh, options)
         assert f'"model": "{want}"' in capsys.readouterr().out
