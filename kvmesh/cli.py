@@ -76,7 +76,7 @@ def _up(args: argparse.Namespace) -> int:
         from kvmesh.demo import run_demo
 
         return run_demo(args.model, args.dtype)
-    from kvmesh.mesh.launcher import run_up
+    from kvmesh.mesh.up_command import run_up
     from kvmesh.mesh.up_config import up_options
 
     return run_up(up_options(args))
@@ -210,9 +210,15 @@ def _train_eagle(args: argparse.Namespace) -> int:
 
     from kvmesh.engine.spec.eagle_train import TrainOptions, train
 
-    options = TrainOptions(model=args.model, output=Path(args.output), epochs=args.epochs,
-                           max_tokens=args.max_tokens, samples_per_prompt=args.samples_per_prompt,
-                           draft_vocab=args.draft_vocab, limit_prompts=args.limit_prompts)  # fmt: skip
+    options = TrainOptions(
+        model=args.model,
+        output=Path(args.output),
+        epochs=args.epochs,
+        max_tokens=args.max_tokens,
+        samples_per_prompt=args.samples_per_prompt,
+        draft_vocab=args.draft_vocab,
+        limit_prompts=args.limit_prompts,
+    )
     print(json.dumps(train(options)))
     return 0
 

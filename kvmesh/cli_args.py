@@ -25,9 +25,14 @@ def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     from kvmesh.config.worker import WorkerConfig
     from kvmesh.mesh import etcd_access, tls
 
-    p.add_argument("--config", action=ConfigFile, root=WorkerConfig, default=None,
-                   help="the worker's config as JSON (`kvmesh config show`, or what `kvmesh up` "
-                   "writes); flags after it win")  # fmt: skip
+    p.add_argument(
+        "--config",
+        action=ConfigFile,
+        root=WorkerConfig,
+        default=None,
+        help="the worker's config as JSON (`kvmesh config show`, or what `kvmesh up` "
+        "writes); flags after it win",
+    )
     add_flags(p, WorkerConfig, skip=() if role == "decode" else ("delivery_port",))
     tls.add_arguments(p)
     etcd_access.add_arguments(p)
@@ -40,8 +45,13 @@ def _up_worker_flags(p: argparse.ArgumentParser) -> None:
 
     _engine_flags(p, notes={"tensor_parallel_size": "; per role: --prefill-tp / --decode-tp"})
     auto = f" (default {UP_LOCAL_PREFILL_TOKENS}, 0 with --prefill-weights / --decode-weights)"
-    add_flags(p, ServingConfig, skip=("use_kvstore",),
-              defaults={"local_prefill_tokens": None}, notes={"local_prefill_tokens": auto})  # fmt: skip
+    add_flags(
+        p,
+        ServingConfig,
+        skip=("use_kvstore",),
+        defaults={"local_prefill_tokens": None},
+        notes={"local_prefill_tokens": auto},
+    )
 
 
 def _gateway_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -51,8 +61,13 @@ def _gateway_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> No
     from kvmesh.mesh import etcd_access, tls
 
     if not skip:  # a gateway of its own
-        p.add_argument("--config", action=ConfigFile, root=GatewayConfig, default=None,
-                       help="the gateway's config as JSON; flags after it win")  # fmt: skip
+        p.add_argument(
+            "--config",
+            action=ConfigFile,
+            root=GatewayConfig,
+            default=None,
+            help="the gateway's config as JSON; flags after it win",
+        )
     add_flags(p, GatewayConfig, skip=skip)
     if not skip:
         tls.add_arguments(p)
@@ -62,8 +77,14 @@ def _gateway_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> No
 def _cpus_arg(p: argparse.ArgumentParser, flag: str, env_name: str, text: str) -> None:
     from kvmesh.mesh.affinity import ExportCpus  # no torch, no structlog: parsing stays fast
 
-    p.add_argument(flag, action=ExportCpus, env_name=env_name, default=None, metavar="LIST",
-                   help=f"{text} (e.g. 0, 0-1, 0,2-3; exported as {env_name})")  # fmt: skip
+    p.add_argument(
+        flag,
+        action=ExportCpus,
+        env_name=env_name,
+        default=None,
+        metavar="LIST",
+        help=f"{text} (e.g. 0, 0-1, 0,2-3; exported as {env_name})",
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -105,9 +126,12 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     )
     up.add_argument("--kvstore-ram-mib", type=int, default=256)
     up.add_argument("--kvstore-disk-mib", type=int, default=1024)
-    up.add_argument("--tls", action="store_true",
-                    help="TLS everywhere with a throwaway CA made for this run: clients reach the "
-                    "gateway over https, services use mutual TLS")  # fmt: skip
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="TLS everywhere with a throwaway CA made for this run: clients reach the "
+        "gateway over https, services use mutual TLS",
+    )
     _gateway_flags(up, skip=("etcd", "cluster", "host", "http_port", "grpc_port", "model"))
     _up_worker_flags(up)
     for role in ("prefill", "decode"):
@@ -117,25 +141,52 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
             choices=["auto", "fp32", "bf16", "int4"],
             help=f"weight precision of the {role} workers only (default: --weights)",
         )
-        up.add_argument(f"--{role}-tp", type=int, default=None, metavar="N",
-                        help=f"tensor parallel size of the {role} workers only")  # fmt: skip
-        up.add_argument(f"--{role}-pp", type=int, default=None, metavar="N",
-                        help=f"pipeline parallel size of the {role} workers only")  # fmt: skip
-        _cpus_arg(up, f"--{role}-cpus", f"KVMESH_{role.upper()}_CPUS",
-                  f"pin every {role} worker to these CPUs, a torch thread per CPU")  # fmt: skip
-    up.add_argument("--decode-lead-cpu", default="auto", metavar="auto|off|CPU",
-                    help="a CPU the decode worker's engine thread keeps to itself, its OpenMP "
-                    "team and the gateway on the rest (auto: the last CPU, for one decode worker "
-                    "without --prefill-cpus/--decode-cpus on 2+ CPUs)")  # fmt: skip
+        up.add_argument(
+            f"--{role}-tp",
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"tensor parallel size of the {role} workers only",
+        )
+        up.add_argument(
+            f"--{role}-pp",
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"pipeline parallel size of the {role} workers only",
+        )
+        _cpus_arg(
+            up,
+            f"--{role}-cpus",
+            f"KVMESH_{role.upper()}_CPUS",
+            f"pin every {role} worker to these CPUs, a torch thread per CPU",
+        )
+    up.add_argument(
+        "--decode-lead-cpu",
+        default="auto",
+        metavar="auto|off|CPU",
+        help="a CPU the decode worker's engine thread keeps to itself, its OpenMP "
+        "team and the gateway on the rest (auto: the last CPU, for one decode worker "
+        "without --prefill-cpus/--decode-cpus on 2+ CPUs)",
+    )
     serve = sub.add_parser("serve", help="run one service of the mesh")
     serve_sub = serve.add_subparsers(dest="service", required=True)
     for role in ("prefill", "decode"):
         worker = serve_sub.add_parser(role, help=f"a {role} worker")
         _worker_flags(worker, role)
-        _cpus_arg(worker, "--cpus", "KVMESH_CPUS", "pin this worker to these CPUs; torch "
-                  "threads = their number unless KVMESH_NUM_THREADS says otherwise")  # fmt: skip
-    lazy.add(serve_sub, ("serve", "kvstore"), "the KV page store (RAM + disk tiers)",
-             "services.kvstore.main")  # fmt: skip
+        _cpus_arg(
+            worker,
+            "--cpus",
+            "KVMESH_CPUS",
+            "pin this worker to these CPUs; torch "
+            "threads = their number unless KVMESH_NUM_THREADS says otherwise",
+        )
+    lazy.add(
+        serve_sub,
+        ("serve", "kvstore"),
+        "the KV page store (RAM + disk tiers)",
+        "services.kvstore.main",
+    )
     lazy.add(serve_sub, ("serve", "draft"), "the EAGLE draft service", "services.draft.main")
     train = sub.add_parser("train-eagle", help="self-distil an EAGLE draft head on CPU")
     train.add_argument("--model", default="smollm2-135m")
@@ -186,38 +237,71 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 _BENCHES = {  # name: (help, module whose add_arguments defines its flags)
     "transfer": ("Mooncake TE vs gRPC bytes for KV pages", "kvmesh.benchmarks.transfer"),
-    "kv": ("FP8 vs BF16 KV throughput at one memory budget, integrity-check cost, FP8 quality",
-           "kvmesh.benchmarks.kv"),
-    "weights": ("INT4 vs bf16 vs fp32 weights: memory, decode tok/s, quality",
-                "kvmesh.benchmarks.weights"),
+    "kv": (
+        "FP8 vs BF16 KV throughput at one memory budget, integrity-check cost, FP8 quality",
+        "kvmesh.benchmarks.kv",
+    ),
+    "weights": (
+        "INT4 vs bf16 vs fp32 weights: memory, decode tok/s, quality",
+        "kvmesh.benchmarks.weights",
+    ),
     "spec": ("tokens/s with and without speculative decoding", "kvmesh.benchmarks.spec"),
-    "serve": ("TTFT/TPOT/tok/s of any OpenAI-compatible server (--url), or the mesh vs the engine",
-              "kvmesh.cli_args"),
-    "agent": ("multi-turn agent sessions: cache-aware vs least-load routing",
-              "kvmesh.benchmarks.agent"),
-    "coldstart": ("`kvmesh up` to the first streamed token, split by phase",
-                  "kvmesh.benchmarks.coldstart"),
-    "pd": ("steady decode streams + long prompts: colocated vs disaggregated P/D, pinned cores",
-           "kvmesh.benchmarks.pd"),
-    "kernels": ("the CPU kernels vs torch and vs the memory-read ceiling measured in the run",
-                "kvmesh.benchmarks.kernels"),
-    "step": ("a decode step split into model compute and host work, per concurrency",
-             "kvmesh.benchmarks.step"),
-    "compiled": ("the compiled decode step vs the eager one, side by side in one engine",
-                 "kvmesh.benchmarks.compiled"),
-    "agent-api": ("grammar cost per step, cold vs cached grammar TTFT, EAGLE on JSON with grammar",
-                  "kvmesh.benchmarks.agent_api"),
-    "parallel": ("one model on 1 rank vs split over N (tensor parallel): memory per rank, tok/s",
-                 "kvmesh.benchmarks.parallel"),
-    "fuzz": ("schemathesis over the gateway's OpenAPI document + hypothesis over every gRPC "
-             "service, on a live mesh", "kvmesh.benchmarks.fuzz"),
-    "chaos": ("streams under load while workers, etcd and the KV store are killed / stopped and "
-              "pages dropped or corrupted", "kvmesh.benchmarks.chaos"),
-    "overload": ("a mesh at its capacity, then 4x: 429s with Retry-After, TPOT of the accepted, RSS",
-                 "kvmesh.benchmarks.overload"),
-    "soak": ("many streams for a long time: errors, and the slopes of RSS, file descriptors and "
-             "pages after warm-up", "kvmesh.benchmarks.soak"),
-}  # fmt: skip
+    "serve": (
+        "TTFT/TPOT/tok/s of any OpenAI-compatible server (--url), or the mesh vs the engine",
+        "kvmesh.cli_args",
+    ),
+    "agent": (
+        "multi-turn agent sessions: cache-aware vs least-load routing",
+        "kvmesh.benchmarks.agent",
+    ),
+    "coldstart": (
+        "`kvmesh up` to the first streamed token, split by phase",
+        "kvmesh.benchmarks.coldstart",
+    ),
+    "pd": (
+        "steady decode streams + long prompts: colocated vs disaggregated P/D, pinned cores",
+        "kvmesh.benchmarks.pd",
+    ),
+    "kernels": (
+        "the CPU kernels vs torch and vs the memory-read ceiling measured in the run",
+        "kvmesh.benchmarks.kernels",
+    ),
+    "step": (
+        "a decode step split into model compute and host work, per concurrency",
+        "kvmesh.benchmarks.step",
+    ),
+    "compiled": (
+        "the compiled decode step vs the eager one, side by side in one engine",
+        "kvmesh.benchmarks.compiled",
+    ),
+    "agent-api": (
+        "grammar cost per step, cold vs cached grammar TTFT, EAGLE on JSON with grammar",
+        "kvmesh.benchmarks.agent_api",
+    ),
+    "parallel": (
+        "one model on 1 rank vs split over N (tensor parallel): memory per rank, tok/s",
+        "kvmesh.benchmarks.parallel",
+    ),
+    "fuzz": (
+        "schemathesis over the gateway's OpenAPI document + hypothesis over every gRPC "
+        "service, on a live mesh",
+        "kvmesh.benchmarks.fuzz",
+    ),
+    "chaos": (
+        "streams under load while workers, etcd and the KV store are killed / stopped and "
+        "pages dropped or corrupted",
+        "kvmesh.benchmarks.chaos",
+    ),
+    "overload": (
+        "a mesh at its capacity, then 4x: 429s with Retry-After, TPOT of the accepted, RSS",
+        "kvmesh.benchmarks.overload",
+    ),
+    "soak": (
+        "many streams for a long time: errors, and the slopes of RSS, file descriptors and "
+        "pages after warm-up",
+        "kvmesh.benchmarks.soak",
+    ),
+}
 
 
 _SIMS = {
@@ -257,8 +341,9 @@ class _Lazy:
 
     argv: tuple[str, ...] | None
 
-    def add(self, sub, path: tuple[str, str], text: str, module: str,
-            adder: str = "add_arguments") -> None:  # fmt: skip
+    def add(
+        self, sub, path: tuple[str, str], text: str, module: str, adder: str = "add_arguments"
+    ) -> None:
         """`sub.add_parser(path[1])`, filled by `module.adder` if argv starts with `path`."""
         parser = sub.add_parser(path[1], help=text, description=text)
         if self.argv is None or self.argv[:2] == path:

@@ -38,8 +38,12 @@ def die_with_parent() -> Callable[[], None] | None:
     return setup
 
 
-def spawn(cmd: list[str], log: IO[bytes], env: Mapping[str, str] | None = None,
-          cpus: frozenset[int] | None = None) -> subprocess.Popen:  # fmt: skip
+def spawn(
+    cmd: list[str],
+    log: IO[bytes],
+    env: Mapping[str, str] | None = None,
+    cpus: frozenset[int] | None = None,
+) -> subprocess.Popen:
     """Start `cmd` in its own session (so its whole group can be stopped) that dies with us;
     stdout and stderr go to `log`; `cpus`: every thread it will have runs on these only."""
     return subprocess.Popen(

@@ -91,8 +91,9 @@ def audit_fp32() -> None:
 
 def audit_fp8() -> None:
     for chunk in (1024, 16):
-        llm = LLM(dtype="fp32", kv_dtype="fp8_e4m3", kv_cache_bytes=48 << 20,
-                  max_num_batched_tokens=chunk)  # fmt: skip
+        llm = LLM(
+            dtype="fp32", kv_dtype="fp8_e4m3", kv_cache_bytes=48 << 20, max_num_batched_tokens=chunk
+        )
         cold, warm = [], []
         for persona in PERSONAS:
             prompt = chat(llm, "Describe your morning.", f"{persona} speaks.")

@@ -40,8 +40,12 @@ def measure(tree: Path, dtype: str, levels: str, max_tokens: int) -> dict[str, f
     env = {"PYTHONPATH": str(tree), "KVMESH_LOG_LEVEL": "ERROR"}
     proc = subprocess.run(
         [sys.executable, "-c", _MEASURE, dtype, levels, str(max_tokens)],
-        capture_output=True, text=True, check=True, env={**_base_env(), **env}, cwd=tree,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**_base_env(), **env},
+        cwd=tree,
+    )
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     if not result["source"].startswith(str(tree)):
         raise RuntimeError(f"measured {result['source']}, not the tree {tree}")
@@ -67,26 +71,38 @@ def main() -> int:
         trees = {}
         for label, rev in (("old", args.old), ("new", args.new)):
             trees[label] = Path(tmp) / label
-            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach",
-                            str(trees[label]), rev], check=True, capture_output=True)  # fmt: skip
+            subprocess.run(
+                ["git", "-C", str(REPO), "worktree", "add", "--detach", str(trees[label]), rev],
+                check=True,
+                capture_output=True,
+            )
         try:
             runs = _run(trees, args)
         finally:
             for tree in trees.values():
-                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
-                                str(tree)], check=False, capture_output=True)  # fmt: skip
-    print(f"{args.old} -> {args.new}: medians of {args.rounds} alternating rounds, "
-          f"{args.max_tokens} tokens per request; per-round ratios new / old (each round's "
-          "pair ran back to back)\n")  # fmt: skip
-    print("| dtype | concurrency | old tok/s | new tok/s | new / old (medians) | "
-          "median of per-round ratios | per-round ratios |")  # fmt: skip
+                subprocess.run(
+                    ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
+                    check=False,
+                    capture_output=True,
+                )
+    print(
+        f"{args.old} -> {args.new}: medians of {args.rounds} alternating rounds, "
+        f"{args.max_tokens} tokens per request; per-round ratios new / old (each round's "
+        "pair ran back to back)\n"
+    )
+    print(
+        "| dtype | concurrency | old tok/s | new tok/s | new / old (medians) | "
+        "median of per-round ratios | per-round ratios |"
+    )
     print("|---|---:|---:|---:|---:|---:|---|")
     for (dtype, c), by in sorted(runs.items()):
         old, new = statistics.median(by["old"]), statistics.median(by["new"])
         ratios = [n / o for n, o in zip(by["new"], by["old"], strict=True)]
         listed = ", ".join(f"{r:.2f}" for r in ratios)
-        print(f"| {dtype} | {c} | {old:.1f} | {new:.1f} | {new / old:.3f} | "
-              f"{statistics.median(ratios):.3f} | {listed} |")  # fmt: skip
+        print(
+            f"| {dtype} | {c} | {old:.1f} | {new:.1f} | {new / old:.3f} | "
+            f"{statistics.median(ratios):.3f} | {listed} |"
+        )
     return 0
 
 
@@ -96,8 +112,9 @@ def _run(trees: dict[str, Path], args) -> dict:
         for dtype in args.dtype.split(","):
             order = ("old", "new") if round_ % 2 == 0 else ("new", "old")
             for label in order:
-                for c, tok_s in measure(trees[label], dtype, args.concurrency,
-                                        args.max_tokens).items():  # fmt: skip
+                for c, tok_s in measure(
+                    trees[label], dtype, args.concurrency, args.max_tokens
+                ).items():
                     runs.setdefault((dtype, int(c)), {"old": [], "new": []})[label].append(tok_s)
                 print(f"round {round_} {dtype} {label} done", file=sys.stderr, flush=True)
     return runs

@@ -12,10 +12,14 @@ from kvmesh.errors import InvalidRequestError
 # JSON in json.dumps' style (", " and ": ", no other whitespace): what models write and what the
 # tool template shows them, so drafts (EAGLE, n-gram) still match; flexible whitespace would
 # let a small model spend every token on it
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
-              # oneOf held as anyOf (as xgrammar and Outlines do): exclusivity cannot be
-              # enforced token by token, and draft-06/07 schemas use oneOf for plain unions
-              "coerce_one_of": True}  # fmt: skip
+JSON_STYLE = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    # oneOf held as anyOf (as xgrammar and Outlines do): exclusivity cannot be
+    # enforced token by token, and draft-06/07 schemas use oneOf for plain unions
+    "coerce_one_of": True,
+}
 _DEFINITIONS = ("$defs", "definitions")
 
 

@@ -46,10 +46,13 @@ def _native(message: Message) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.tool_calls:
         out["tool_calls"] = [
-            {"id": call.id, "type": "function",
-             "function": {"name": call.name, "arguments": _arguments_value(call.arguments)}}
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": _arguments_value(call.arguments)},
+            }
             for call in message.tool_calls
-        ]  # fmt: skip
+        ]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     if message.name is not None:

@@ -31,18 +31,30 @@ def call_schema(conversation: Conversation) -> dict[str, Any] | None:
         return None
     forced = choice.mode in ("required", "named")
     options = [
-        {"type": "object",
-         "properties": {"name": {"const": t.name},
-                        "arguments": grammars.rooted(t.parameters, t.name)
-                        if forced or t.strict else {"type": "object"}},
-         "required": ["name", "arguments"], "additionalProperties": False}
-        for t in conversation.tools if choice.name in (None, t.name)
-    ]  # fmt: skip
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.name},
+                "arguments": grammars.rooted(t.parameters, t.name)
+                if forced or t.strict
+                else {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in conversation.tools
+        if choice.name in (None, t.name)
+    ]
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def reply_grammar(conversation: Conversation, parser_name: str, hf_tokenizer: Any,
-                  output: str | None, output_field: str) -> str | None:  # fmt: skip
+def reply_grammar(
+    conversation: Conversation,
+    parser_name: str,
+    hf_tokenizer: Any,
+    output: str | None,
+    output_field: str,
+) -> str | None:
     """The whole reply's grammar (None: unconstrained); `output` is the response format's
     grammar, named `output_field` in errors."""
     schema = call_schema(conversation)

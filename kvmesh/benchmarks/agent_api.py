@@ -28,9 +28,13 @@ def run_agent_api_bench(args: argparse.Namespace) -> int:
     run = BenchRun()
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=64)
     levels = [int(c) for c in args.concurrency.split(",")]
-    report = {**run.header(), "model": args.model, "dtype": args.dtype,
-              "grammar_cost": [_grammar_cost(llm, workloads(c)["chat"], args) for c in levels],
-              "ttft": _ttft(llm)}  # fmt: skip
+    report = {
+        **run.header(),
+        "model": args.model,
+        "dtype": args.dtype,
+        "grammar_cost": [_grammar_cost(llm, workloads(c)["chat"], args) for c in levels],
+        "ttft": _ttft(llm),
+    }
     del llm
     eagle = LLM(
         model=args.model,
@@ -51,8 +55,9 @@ def run_agent_api_bench(args: argparse.Namespace) -> int:
 def _params(args: argparse.Namespace, grammar: str | None, eos: bool = False):
     from kvmesh import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=not eos,
-                          grammar=grammar)  # fmt: skip
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=0.0, ignore_eos=not eos, grammar=grammar
+    )
 
 
 def _timed(llm, prompts: list[str], params) -> tuple[int, float]:
@@ -74,9 +79,12 @@ def _grammar_cost(llm, prompts: list[str], args: argparse.Namespace) -> dict:
             spent[name][0] += tokens
             spent[name][1] += seconds
     rate = {name: tokens / seconds for name, (tokens, seconds) in spent.items()}
-    return {"streams": len(prompts), "plain_tok_s": round(rate["plain"], 2),
-            "grammar_tok_s": round(rate["grammar"], 2),
-            "ratio": round(rate["grammar"] / rate["plain"], 3)}  # fmt: skip
+    return {
+        "streams": len(prompts),
+        "plain_tok_s": round(rate["plain"], 2),
+        "grammar_tok_s": round(rate["grammar"], 2),
+        "ratio": round(rate["grammar"] / rate["plain"], 3),
+    }
 
 
 def _ttft(llm) -> dict:
@@ -97,12 +105,17 @@ def _ttft(llm) -> dict:
             compiles.append(time.perf_counter() - started)
             if times is cold:  # forget it again: the request below compiles it
                 llm.engine.constraints._compiled.clear()
-            out = llm.generate_ids(prompt, SamplingParams(max_tokens=1, temperature=0.0,
-                                                          grammar=grammar))[0]  # fmt: skip
+            out = llm.generate_ids(
+                prompt, SamplingParams(max_tokens=1, temperature=0.0, grammar=grammar)
+            )[0]
             times.append(out.ttft_s)
     ms = lambda values: round(1000 * statistics.median(values), 2)  # noqa: E731
-    return {"ttft_cold_ms": ms(cold), "ttft_cached_ms": ms(warm),
-            "compile_cold_ms": ms(compile_cold), "compile_cached_ms": ms(compile_warm)}  # fmt: skip
+    return {
+        "ttft_cold_ms": ms(cold),
+        "ttft_cached_ms": ms(warm),
+        "compile_cold_ms": ms(compile_cold),
+        "compile_cached_ms": ms(compile_warm),
+    }
 
 
 def _eagle(llm, prompts: list[str], args: argparse.Namespace) -> list[dict]:
@@ -110,8 +123,10 @@ def _eagle(llm, prompts: list[str], args: argparse.Namespace) -> list[dict]:
 
     stats = llm.engine.speculator.stats
     rows = []
-    for name, grammar in (("no grammar", None),
-                          ("json_object grammar", grammars.json_schema({"type": "object"}, "b"))):  # fmt: skip
+    for name, grammar in (
+        ("no grammar", None),
+        ("json_object grammar", grammars.json_schema({"type": "object"}, "b")),
+    ):
         before = (stats.draft_tokens, stats.accepted_tokens)
         tokens, seconds = 0, 0.0
         for prompt in prompts:  # one stream
@@ -119,9 +134,15 @@ def _eagle(llm, prompts: list[str], args: argparse.Namespace) -> list[dict]:
             tokens, seconds = tokens + more, seconds + spent
         drafted = stats.draft_tokens - before[0]
         accepted = stats.accepted_tokens - before[1]
-        rows.append({"method": name, "tok_s": round(tokens / seconds, 2), "tokens": tokens,
-                     "drafted": drafted,
-                     "accepted_per_draft": round(accepted / drafted, 3) if drafted else None})  # fmt: skip
+        rows.append(
+            {
+                "method": name,
+                "tok_s": round(tokens / seconds, 2),
+                "tokens": tokens,
+                "drafted": drafted,
+                "accepted_per_draft": round(accepted / drafted, 3) if drafted else None,
+            }
+        )
     return rows
 
 

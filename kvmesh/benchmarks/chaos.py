@@ -19,11 +19,35 @@ from dataclasses import dataclass, field
 
 from kvmesh.benchmarks.report import BenchRun, write_report
 
-TOPICS = [f"Tell me a short story about {t}." for t in (
-    "a lighthouse", "a fox", "the sea", "a clock", "a train", "rain", "a garden", "snow",
-    "a violin", "a kite", "an owl", "a bridge", "the moon", "a desert", "a ship", "a forest")]  # fmt: skip
-FAULTS = ("kill:decode", "stop:prefill", "kill:kvstore", "restart:etcd", "kill:prefill",
-          "stop:decode")  # fmt: skip
+TOPICS = [
+    f"Tell me a short story about {t}."
+    for t in (
+        "a lighthouse",
+        "a fox",
+        "the sea",
+        "a clock",
+        "a train",
+        "rain",
+        "a garden",
+        "snow",
+        "a violin",
+        "a kite",
+        "an owl",
+        "a bridge",
+        "the moon",
+        "a desert",
+        "a ship",
+        "a forest",
+    )
+]
+FAULTS = (
+    "kill:decode",
+    "stop:prefill",
+    "kill:kvstore",
+    "restart:etcd",
+    "kill:prefill",
+    "stop:decode",
+)
 STOP_S = 3.0  # how long a SIGSTOPped worker stays stopped
 
 
@@ -33,8 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of load")
     parser.add_argument("--fault-every", type=float, default=10.0, help="seconds between faults")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--page-faults", default="drop_transfer@9,overwrite@60",
-                        help="KVMESH_FAULTS of every worker ('' for none)")  # fmt: skip
+    parser.add_argument(
+        "--page-faults",
+        default="drop_transfer@9,overwrite@60",
+        help="KVMESH_FAULTS of every worker ('' for none)",
+    )
     parser.add_argument("--output", default=None, help="also write the JSON results here")
 
 
@@ -84,8 +111,10 @@ def run_chaos_bench(args: argparse.Namespace) -> int:
         tally, faults = Tally(), []
         stop = threading.Event()
         with ThreadPoolExecutor(args.streams) as pool:
-            loops = [pool.submit(load_loop, mesh.url, args, expected, tally, stop, k)
-                     for k in range(args.streams)]  # fmt: skip
+            loops = [
+                pool.submit(load_loop, mesh.url, args, expected, tally, stop, k)
+                for k in range(args.streams)
+            ]
             faults = _break_things(mesh, args, tally, seen)
             stop.set()
             for loop in loops:
@@ -101,9 +130,16 @@ def run_chaos_bench(args: argparse.Namespace) -> int:
         seen.update(mesh.pids().values())
         mesh.stop()
     orphans = [pid for pid in seen if pid and _alive(pid)]
-    report = {**run.header(), "streams": args.streams, "duration_s": args.duration,
-              "outcomes": dict(tally.outcomes), "faults": faults, "page_faults_injected": injected,
-              "pages_in_use_after": pages, "orphan_processes": orphans} | run.footer()  # fmt: skip
+    report = {
+        **run.header(),
+        "streams": args.streams,
+        "duration_s": args.duration,
+        "outcomes": dict(tally.outcomes),
+        "faults": faults,
+        "page_faults_injected": injected,
+        "pages_in_use_after": pages,
+        "orphan_processes": orphans,
+    } | run.footer()
     print({k: report[k] for k in ("outcomes", "pages_in_use_after", "orphan_processes")})
     write_report(report, args.output)
     clean = tally.outcomes["wrong_text"] == 0 and not any(pages.values()) and not orphans
@@ -119,8 +155,9 @@ def expected_texts(args: argparse.Namespace) -> dict[str, str]:
     return {topic: out.text for topic, out in zip(TOPICS, outs, strict=True)}
 
 
-def load_loop(url: str, args, expected: dict[str, str], tally: Tally, stop: threading.Event,
-          offset: int) -> None:  # fmt: skip
+def load_loop(
+    url: str, args, expected: dict[str, str], tally: Tally, stop: threading.Event, offset: int
+) -> None:
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
@@ -130,9 +167,13 @@ def load_loop(url: str, args, expected: dict[str, str], tally: Tally, stop: thre
         topic = TOPICS[i % len(TOPICS)]
         try:
             stream = client.chat.completions.create(
-                model=args.model, messages=[{"role": "user", "content": topic}], stream=True,
-                max_tokens=args.max_tokens, temperature=0, extra_body={"ignore_eos": True},
-            )  # fmt: skip
+                model=args.model,
+                messages=[{"role": "user", "content": topic}],
+                stream=True,
+                max_tokens=args.max_tokens,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
             tally.add("exact" if text == expected[topic] else "wrong_text")
         except openai.APIError as exc:
@@ -164,8 +205,14 @@ def _break_things(mesh, args, tally: Tally, seen: set[int]) -> list[dict]:
                 _watch(mesh, seen, STOP_S)
                 os.kill(proc.pid, signal.SIGCONT)
         back = _until_registered(mesh, seen, target, before) if action == "kill" else None
-        faults.append({"fault": kind, "at_s": round(moment - started, 1), "moment": moment,
-                       "registered_again_s": back})  # fmt: skip
+        faults.append(
+            {
+                "fault": kind,
+                "at_s": round(moment - started, 1),
+                "moment": moment,
+                "registered_again_s": back,
+            }
+        )
         print(faults[-1], flush=True)
 
 
@@ -183,14 +230,18 @@ def _addresses(mesh, role: str) -> set[str]:
     from kvmesh.mesh.launcher import list_workers
 
     try:
-        return {w.grpc_address for w in asyncio.run(list_workers(mesh.etcd.endpoint, "default"))
-                if w.role == role}  # fmt: skip
+        return {
+            w.grpc_address
+            for w in asyncio.run(list_workers(mesh.etcd.endpoint, "default"))
+            if w.role == role
+        }
     except Exception:  # noqa: BLE001 - etcd may be restarting
         return set()
 
 
-def _until_registered(mesh, seen: set[int], role: str, before: set[str],
-                      limit_s: float = 120.0) -> float | None:  # fmt: skip
+def _until_registered(
+    mesh, seen: set[int], role: str, before: set[str], limit_s: float = 120.0
+) -> float | None:
     """Seconds until the killed `role` service registered again (under a new address)."""
     begun = time.monotonic()
     while time.monotonic() - begun < limit_s:
@@ -218,8 +269,11 @@ def _injected(mesh) -> float:
     from kvmesh.mesh.metrics_probe import metric_sum
 
     workers = asyncio.run(list_workers(mesh.etcd.endpoint, "default"))
-    return sum(metric_sum(w.metrics_address, "kvmesh_faults_injected_total") for w in workers
-               if w.role in ("prefill", "decode"))  # fmt: skip
+    return sum(
+        metric_sum(w.metrics_address, "kvmesh_faults_injected_total")
+        for w in workers
+        if w.role in ("prefill", "decode")
+    )
 
 
 def _alive(pid: int) -> bool:

@@ -44,8 +44,11 @@ _PROMPT = [{"role": "user", "content": "Say hello in one short sentence."}]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--meshes", default="1+1,2+2", help="prefill+decode worker counts")
-    p.add_argument("--variants", default="nocache,coldcache,cached,load1",
-                   help=f"comma-separated, of {', '.join(VARIANTS)}")  # fmt: skip
+    p.add_argument(
+        "--variants",
+        default="nocache,coldcache,cached,load1",
+        help=f"comma-separated, of {', '.join(VARIANTS)}",
+    )
     p.add_argument("--baseline-tree", default="", help="source tree of the baseline variant")
     p.add_argument("--repeats", type=int, default=1, help="runs per mesh and variant")
     p.add_argument("--model", default="smollm2-135m")
@@ -98,8 +101,13 @@ def _tree(args: argparse.Namespace, variant: str) -> Path | None:
 
 
 def _env(home: Path, variant: str, tree: Path | None, run_home: Path | None = None) -> dict:
-    env = {**os.environ, "KVMESH_HOME": str(run_home or home), "KVMESH_LOG_LEVEL": "INFO",
-           "KVMESH_LOG_JSON": "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "KVMESH_HOME": str(run_home or home),
+        "KVMESH_LOG_LEVEL": "INFO",
+        "KVMESH_LOG_JSON": "1",
+        "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+    }
     if variant == "nocache":
         env["KVMESH_MODEL_CACHE"] = "0"
     if variant == "threads1":
@@ -117,8 +125,13 @@ def help_seconds(tree: Path | None, times: int = 3) -> float:
     walls = []
     for _ in range(times):
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "kvmesh.cli", "--help"], cwd=tree, env=env,
-                       check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-m", "kvmesh.cli", "--help"],
+            cwd=tree,
+            env=env,
+            check=True,
+            capture_output=True,
+        )
         walls.append(time.perf_counter() - start)
     return round(statistics.median(walls), 3)
 
@@ -127,10 +140,26 @@ def prime_cache(args: argparse.Namespace, home: Path) -> float:
     """Fill the caches as the mesh will read them: the converted model and tokenizer (one
     `kvmesh generate`), the config (`kvmesh up` reads it for the KV store's layout)."""
     flags = [f for f in args.up_args.split() if f]
-    generate = [sys.executable, "-m", "kvmesh.cli", "generate", "--model", args.model,
-                "--prompt", "hi", "--max-tokens", "1", *_engine_flags(flags)]  # fmt: skip
-    config = [sys.executable, "-c", "import sys; from kvmesh.engine.loader import read_config, "
-              "resolve_model; read_config(resolve_model(sys.argv[1]))", args.model]  # fmt: skip
+    generate = [
+        sys.executable,
+        "-m",
+        "kvmesh.cli",
+        "generate",
+        "--model",
+        args.model,
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "1",
+        *_engine_flags(flags),
+    ]
+    config = [
+        sys.executable,
+        "-c",
+        "import sys; from kvmesh.engine.loader import read_config, "
+        "resolve_model; read_config(resolve_model(sys.argv[1]))",
+        args.model,
+    ]
     start = time.perf_counter()
     for cmd in (generate, config):
         subprocess.run(cmd, env=_env(home, "cached", None), check=True, capture_output=True)
@@ -151,14 +180,27 @@ def start_once(args: argparse.Namespace, home: Path, mesh: tuple[int, int], vari
 
     port, tree = free_port(), _tree(args, variant)
     run_home = _coldcache_home(home) if variant == "coldcache" else None
-    cmd = [sys.executable, "-m", "kvmesh.cli", "up", "--model", args.model, "--prefill",
-           str(mesh[0]), "--decode", str(mesh[1]), "--http-port", str(port),
-           *args.up_args.split()]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvmesh.cli",
+        "up",
+        "--model",
+        args.model,
+        "--prefill",
+        str(mesh[0]),
+        "--decode",
+        str(mesh[1]),
+        "--http-port",
+        str(port),
+        *args.up_args.split(),
+    ]
     env = _env(home, variant, tree, run_home) | {_MARKER: uuid.uuid4().hex}
     load = os.getloadavg()[0]  # other work on the box when this run started
     launched = time.time()
-    proc = subprocess.Popen(cmd, cwd=tree, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=tree, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     out, err = _Lines(proc.stdout), _Lines(proc.stderr)
     try:
         first = first_token(port, args.model, launched + args.timeout, proc)
@@ -172,10 +214,15 @@ def start_once(args: argparse.Namespace, home: Path, mesh: tuple[int, int], vari
     processes = phases.run_phases(run_dir, launched) if run_dir else []
     up = _up_marks(out.lines, err.lines, launched) | {"first_token_s": _since(first, launched)}
     output = sorted((round(t - launched, 3), line) for t, line in out.lines + err.lines)
-    return {"mesh": f"{mesh[0]}+{mesh[1]}", "variant": variant, "run_dir": str(run_dir),
-            "loadavg_1m": load,
-            "summary": phases.summary(processes, up), "processes": phases.process_rows(processes),
-            "up_output": output[:60]}  # fmt: skip
+    return {
+        "mesh": f"{mesh[0]}+{mesh[1]}",
+        "variant": variant,
+        "run_dir": str(run_dir),
+        "loadavg_1m": load,
+        "summary": phases.summary(processes, up),
+        "processes": phases.process_rows(processes),
+        "up_output": output[:60],
+    }
 
 
 def _coldcache_home(home: Path) -> Path:
@@ -205,8 +252,7 @@ def first_token(port: int, model: str, deadline: float, proc: subprocess.Popen) 
     or `kvmesh up` exited first."""
     import httpx
 
-    body = {"model": model, "messages": _PROMPT, "max_tokens": 8, "temperature": 0,
-            "stream": True}  # fmt: skip
+    body = {"model": model, "messages": _PROMPT, "max_tokens": 8, "temperature": 0, "stream": True}
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     while time.time() < deadline and proc.poll() is None:
         try:

@@ -27,8 +27,15 @@ _MARKS = {
     "gateway.listening": "ready",  # the newer name: HTTP and gRPC served
     "kvstore.ready": "ready",
 }
-MARKS = ("exec", "imports_done", "weights_loaded", "tokenizer_loaded", "model_built",
-         "engine_ready", "ready")  # fmt: skip
+MARKS = (
+    "exec",
+    "imports_done",
+    "weights_loaded",
+    "tokenizer_loaded",
+    "model_built",
+    "engine_ready",
+    "ready",
+)
 
 
 @dataclass(frozen=True)
@@ -71,8 +78,9 @@ def process_phases(log: Path, launched: float) -> ProcessPhases:
             marks["exec"] = round(line["exec_at"] - launched, 3)
         if event in caches:
             caches[event] = line.get("cache")
-    return ProcessPhases(log.stem, marks, caches["engine.weights_loaded"],
-                         caches["tokenizer.loaded"])  # fmt: skip
+    return ProcessPhases(
+        log.stem, marks, caches["engine.weights_loaded"], caches["tokenizer.loaded"]
+    )
 
 
 def run_phases(run_dir: Path, launched: float) -> list[ProcessPhases]:
@@ -80,8 +88,11 @@ def run_phases(run_dir: Path, launched: float) -> list[ProcessPhases]:
 
 
 def _latest(processes: list[ProcessPhases], mark: str, workers_only: bool = True) -> float | None:
-    values = [p.marks[mark] for p in processes
-              if not workers_only or p.name.startswith(("prefill", "decode"))]  # fmt: skip
+    values = [
+        p.marks[mark]
+        for p in processes
+        if not workers_only or p.name.startswith(("prefill", "decode"))
+    ]
     known = [v for v in values if v is not None]
     return max(known) if known and len(known) == len(values) else None
 
@@ -90,8 +101,9 @@ def summary(processes: list[ProcessPhases], up: dict[str, float | None]) -> dict
     """The critical path: `kvmesh up`'s own marks, then each phase's latest worker."""
     gateway = next((p for p in processes if p.name == "gateway"), None)
     out: dict[str, Any] = dict(up)
-    out["first_spawn_s"] = min((p.marks["exec"] for p in processes
-                                if p.marks["exec"] is not None), default=None)  # fmt: skip
+    out["first_spawn_s"] = min(
+        (p.marks["exec"] for p in processes if p.marks["exec"] is not None), default=None
+    )
     for mark in MARKS:
         out[f"workers_{mark}_s"] = _latest(processes, mark)
     out["first_pair_ready_s"] = _first_pair(processes)

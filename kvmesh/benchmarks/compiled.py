@@ -45,8 +45,14 @@ def _level(engine, compiled, streams: int, rounds: int, block: int, prompt_token
     while engine.has_unfinished():
         engine.step()
     eager, graph = statistics.median(ms["eager"]), statistics.median(ms["compiled"])
-    return {"streams": streams, "eager_ms": round(eager, 3), "compiled_ms": round(graph, 3),
-            "speedup": round(eager / graph, 3), "rounds": rounds, "block": block}  # fmt: skip
+    return {
+        "streams": streams,
+        "eager_ms": round(eager, 3),
+        "compiled_ms": round(graph, 3),
+        "speedup": round(eager / graph, 3),
+        "rounds": rounds,
+        "block": block,
+    }
 
 
 def run_compiled_bench(args: argparse.Namespace) -> int:
@@ -55,20 +61,35 @@ def run_compiled_bench(args: argparse.Namespace) -> int:
 
     run = BenchRun()
     levels = [int(c) for c in args.concurrency.split(",")]
-    engine = Engine(EngineConfig.of(model=args.model, dtype=args.dtype, weights=args.weights,
-                                 kv_dtype=args.kv_dtype, max_num_seqs=max(levels),
-                                 decode_step="compiled"))  # fmt: skip
+    engine = Engine(
+        EngineConfig.of(
+            model=args.model,
+            dtype=args.dtype,
+            weights=args.weights,
+            kv_dtype=args.kv_dtype,
+            max_num_seqs=max(levels),
+            decode_step="compiled",
+        )
+    )
     started = time.perf_counter()
     compiled = _ready(engine)
     print({"compile_s": round(time.perf_counter() - started, 1), "buckets": compiled.seconds})
     results = []
     for streams in levels:
-        results.append(_level(engine, compiled, streams, args.rounds, args.block,
-                              args.prompt_tokens))  # fmt: skip
+        results.append(
+            _level(engine, compiled, streams, args.rounds, args.block, args.prompt_tokens)
+        )
         print(results[-1], flush=True)
-    report = {**run.header(), "model": args.model, "dtype": args.dtype, "weights": args.weights,
-              "kv_dtype": args.kv_dtype, "compile_s": compiled.seconds, "levels": results,
-              **run.footer()}  # fmt: skip
+    report = {
+        **run.header(),
+        "model": args.model,
+        "dtype": args.dtype,
+        "weights": args.weights,
+        "kv_dtype": args.kv_dtype,
+        "compile_s": compiled.seconds,
+        "levels": results,
+        **run.footer(),
+    }
     write_report(report, args.output)
     return 0
 

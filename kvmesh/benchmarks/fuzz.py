@@ -22,8 +22,9 @@ GRPC_TIMEOUT_S = 2.0  # unary calls
 GRPC_STREAM_TIMEOUT_S = 0.3  # streams (some never end on their own: Deliver, SubscribeKvEvents)
 
 
-def fuzz_rest(base_url: str, examples: int, headers: dict[str, str] | None = None,
-              seed: int = 0) -> FuzzReport:  # fmt: skip
+def fuzz_rest(
+    base_url: str, examples: int, headers: dict[str, str] | None = None, seed: int = 0
+) -> FuzzReport:
     """`examples` generated requests per operation of the gateway's /openapi.json."""
     import schemathesis
 
@@ -36,15 +37,22 @@ def fuzz_rest(base_url: str, examples: int, headers: dict[str, str] | None = Non
     return report
 
 
-def _fuzz_operation(operation, base_url: str, headers: dict[str, str] | None, examples: int,
-                    seed: int, report: FuzzReport) -> None:  # fmt: skip
+def _fuzz_operation(
+    operation,
+    base_url: str,
+    headers: dict[str, str] | None,
+    examples: int,
+    seed: int,
+    report: FuzzReport,
+) -> None:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as fixed_seed
     from schemathesis.specs.openapi.checks import positive_data_acceptance
 
     @fixed_seed(seed)
-    @settings(max_examples=examples, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(case=operation.as_strategy())
     def run(case) -> None:
         report.requests += 1
@@ -57,28 +65,36 @@ def _fuzz_operation(operation, base_url: str, headers: dict[str, str] | None, ex
         try:  # a schema-valid request may still be refused (an unknown model, n > context)
             case.validate_response(response, excluded_checks=[positive_data_acceptance])
         except Exception as exc:  # noqa: BLE001 - schemathesis' check failures, collected
-            report.fail(f"{operation.label} -> {response.status_code}: "
-                        f"{str(exc).splitlines()[0][:300]}")  # fmt: skip
+            report.fail(
+                f"{operation.label} -> {response.status_code}: {str(exc).splitlines()[0][:300]}"
+            )
 
     run()
 
 
-def fuzz_grpc(targets: list[tuple[str, ServiceDescriptor]], examples: int,
-              credentials: grpc.ChannelCredentials | None = None) -> FuzzReport:  # fmt: skip
+def fuzz_grpc(
+    targets: list[tuple[str, ServiceDescriptor]],
+    examples: int,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> FuzzReport:
     """`examples` generated messages per method of each (address, service)."""
     report = FuzzReport()
     started = time.monotonic()
     for address, service in targets:
-        with (grpc.insecure_channel(address) if credentials is None
-              else grpc.secure_channel(address, credentials)) as channel:  # fmt: skip
+        with (
+            grpc.insecure_channel(address)
+            if credentials is None
+            else grpc.secure_channel(address, credentials)
+        ) as channel:
             for method in service.methods:
                 _fuzz_method(channel, service, method, examples, report)
     report.seconds = time.monotonic() - started
     return report
 
 
-def _fuzz_method(channel: grpc.Channel, service: ServiceDescriptor, method, examples: int,
-                 report: FuzzReport) -> None:  # fmt: skip
+def _fuzz_method(
+    channel: grpc.Channel, service: ServiceDescriptor, method, examples: int, report: FuzzReport
+) -> None:
     from hypothesis import HealthCheck, given, settings
 
     from kvmesh.benchmarks.proto_strategies import message
@@ -87,11 +103,15 @@ def _fuzz_method(channel: grpc.Channel, service: ServiceDescriptor, method, exam
     response_cls = GetMessageClass(method.output_type)
     path = f"/{service.full_name}/{method.name}"
     make = channel.unary_stream if method.server_streaming else channel.unary_unary
-    call = make(path, request_serializer=request_cls.SerializeToString,
-                response_deserializer=response_cls.FromString)  # fmt: skip
+    call = make(
+        path,
+        request_serializer=request_cls.SerializeToString,
+        response_deserializer=response_cls.FromString,
+    )
 
-    @settings(max_examples=examples, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(fields=message(method.input_type))
     def run(fields) -> None:
         report.requests += 1
@@ -118,11 +138,18 @@ def _invoke(call, request, streaming: bool) -> grpc.StatusCode:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--rest-examples", type=int, default=400,
-                        help="generated requests per REST operation (8 operations)")  # fmt: skip
-    parser.add_argument("--grpc-examples", type=int, default=150,
-                        help="generated messages per gRPC method (gateway, decode, prefill, "
-                        "KV store)")  # fmt: skip
+    parser.add_argument(
+        "--rest-examples",
+        type=int,
+        default=400,
+        help="generated requests per REST operation (8 operations)",
+    )
+    parser.add_argument(
+        "--grpc-examples",
+        type=int,
+        default=150,
+        help="generated messages per gRPC method (gateway, decode, prefill, KV store)",
+    )
     parser.add_argument("--output", default=None, help="also write the JSON results here")
 
 
@@ -152,27 +179,39 @@ def run_fuzz_bench(args: argparse.Namespace) -> int:
         edges = fuzz_edges(mesh.url, args.model)
         print(f"REST edges: {_summary(edges)}", flush=True)
         workers = {w.role: w for w in asyncio.run(list_workers(mesh.etcd.endpoint, "default"))}
-        targets = [(f"127.0.0.1:{mesh.grpc_port}", gateway_pb2.DESCRIPTOR.services_by_name["Gateway"]),
-                   (workers["decode"].grpc_address, decode_pb2.DESCRIPTOR.services_by_name["Decode"]),
-                   (workers["prefill"].grpc_address, prefill_pb2.DESCRIPTOR.services_by_name["Prefill"]),
-                   (workers["kvstore"].grpc_address, kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"])]  # fmt: skip
+        targets = [
+            (f"127.0.0.1:{mesh.grpc_port}", gateway_pb2.DESCRIPTOR.services_by_name["Gateway"]),
+            (workers["decode"].grpc_address, decode_pb2.DESCRIPTOR.services_by_name["Decode"]),
+            (workers["prefill"].grpc_address, prefill_pb2.DESCRIPTOR.services_by_name["Prefill"]),
+            (workers["kvstore"].grpc_address, kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"]),
+        ]
         rpc = fuzz_grpc(targets, args.grpc_examples)
         print(f"gRPC: {_summary(rpc)}", flush=True)
         alive = all(proc.poll() is None for proc in mesh.procs.values())
     finally:
         mesh.stop()
-    report = {**run.header(), "rest": _as_dict(rest), "rest_edges": _as_dict(edges),
-              "grpc": _as_dict(rpc), "services_alive_after": alive} | run.footer()  # fmt: skip
+    report = {
+        **run.header(),
+        "rest": _as_dict(rest),
+        "rest_edges": _as_dict(edges),
+        "grpc": _as_dict(rpc),
+        "services_alive_after": alive,
+    } | run.footer()
     write_report(report, args.output)
     return 0 if alive and not (rest.failures or edges.failures or rpc.failures) else 1
 
 
 def _summary(report: FuzzReport) -> str:
-    return (f"{report.requests} requests in {report.seconds:.0f} s, outcomes "
-            f"{dict(sorted(report.outcomes.items(), key=str))}, {len(report.failures)} failures")  # fmt: skip
+    return (
+        f"{report.requests} requests in {report.seconds:.0f} s, outcomes "
+        f"{dict(sorted(report.outcomes.items(), key=str))}, {len(report.failures)} failures"
+    )
 
 
 def _as_dict(report: FuzzReport) -> dict:
-    return {"requests": report.requests, "seconds": round(report.seconds, 1),
-            "outcomes": {str(k): v for k, v in report.outcomes.items()},
-            "failures": report.failures}  # fmt: skip
+    return {
+        "requests": report.requests,
+        "seconds": round(report.seconds, 1),
+        "outcomes": {str(k): v for k, v in report.outcomes.items()},
+        "failures": report.failures,
+    }

@@ -16,13 +16,23 @@ import httpx
 from kvmesh.benchmarks.fuzz_report import REST_TIMEOUT_S, FuzzReport
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
-NUMERIC = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-           "frequency_penalty", "max_tokens", "seed")  # fmt: skip
+NUMERIC = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "max_tokens",
+    "seed",
+)
 EDGES = ("NaN", "Infinity", "-Infinity", "1e308", "-1e308", "1e-320", "18446744073709551617")
 
 
-def fuzz_edges(base_url: str, model: str, headers: dict[str, str] | None = None,
-               quick: bool = False) -> FuzzReport:  # fmt: skip
+def fuzz_edges(
+    base_url: str, model: str, headers: dict[str, str] | None = None, quick: bool = False
+) -> FuzzReport:
     """Every case once (`quick`: a sample, for the test suite); a 5xx, a hang or a dropped
     connection is a failure."""
     report = FuzzReport()
@@ -31,8 +41,9 @@ def fuzz_edges(base_url: str, model: str, headers: dict[str, str] | None = None,
         for label, path, body in cases(model, quick):
             report.requests += 1
             try:
-                response = client.post(path, content=body,
-                                       headers={"content-type": "application/json"})  # fmt: skip
+                response = client.post(
+                    path, content=body, headers={"content-type": "application/json"}
+                )
             except httpx.HTTPError as exc:
                 report.fail(f"{label}: no answer: {exc!r}")
                 continue
@@ -85,16 +96,25 @@ def tool_schemas() -> list[tuple[str, dict[str, Any]]]:
     class Pet(pydantic.BaseModel):
         pet: Cat | Dog = pydantic.Field(discriminator="kind")
 
-    draft06 = {"$schema": "http://json-schema.org/draft-06/schema#",
-               "definitions": {"a": {"type": "object", "properties": {"x": {"type": "integer"}}},
-                               "b": {"type": "object", "properties": {"y": {"type": "string"}}}},
-               "type": "object", "properties": {"v": {"oneOf": [{"$ref": "#/definitions/a"},
-                                                                {"$ref": "#/definitions/b"}]}}}  # fmt: skip
+    draft06 = {
+        "$schema": "http://json-schema.org/draft-06/schema#",
+        "definitions": {
+            "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "b": {"type": "object", "properties": {"y": {"type": "string"}}},
+        },
+        "type": "object",
+        "properties": {"v": {"oneOf": [{"$ref": "#/definitions/a"}, {"$ref": "#/definitions/b"}]}},
+    }
     deep: dict[str, Any] = {"type": "string"}
     for _ in range(40):
         deep = {"type": "object", "properties": {"d": deep}, "required": ["d"]}
-    return [("nested", Trip.model_json_schema()), ("recursive", Node.model_json_schema()),
-            ("discriminated", Pet.model_json_schema()), ("draft06", draft06), ("deep40", deep)]  # fmt: skip
+    return [
+        ("nested", Trip.model_json_schema()),
+        ("recursive", Node.model_json_schema()),
+        ("discriminated", Pet.model_json_schema()),
+        ("draft06", draft06),
+        ("deep40", deep),
+    ]
 
 
 def _base(model: str, path: str) -> dict[str, Any]:
@@ -126,8 +146,14 @@ def _with_tool(model: str, path: str, schema: dict[str, Any], choice: str) -> di
     function = {"name": "f", "parameters": schema, "strict": strict}
     if path == "/v1/responses":
         picks = {"required": "required", "named": {"type": "function", "name": "f"}}
-        return {**body, "tools": [{"type": "function", **function}],
-                "tool_choice": picks.get(choice, "auto")}  # fmt: skip
+        return {
+            **body,
+            "tools": [{"type": "function", **function}],
+            "tool_choice": picks.get(choice, "auto"),
+        }
     picks = {"required": "required", "named": {"type": "function", "function": {"name": "f"}}}
-    return {**body, "tools": [{"type": "function", "function": function}],
-            "tool_choice": picks.get(choice, "auto")}  # fmt: skip
+    return {
+        **body,
+        "tools": [{"type": "function", "function": function}],
+        "tool_choice": picks.get(choice, "auto"),
+    }

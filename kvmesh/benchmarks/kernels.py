@@ -88,8 +88,10 @@ def linears(ops, rows_levels: list[int], repeats: int, peak: float) -> list[dict
     bf16 = [[torch.randn(n, k).bfloat16() for n, k in SHAPES] for _ in range(LAYERS)]
     bf16.append([torch.randn(VOCAB, HIDDEN).bfloat16()])
     weights = [w for layer in bf16 for w in layer]
-    int4 = [Int4Linear(Int4Weight.quantize(w.float(), 32, search=False), torch.bfloat16)
-            for w in weights[:-1]]  # fmt: skip
+    int4 = [
+        Int4Linear(Int4Weight.quantize(w.float(), 32, search=False), torch.bfloat16)
+        for w in weights[:-1]
+    ]
     dense_bytes = sum(w.nbytes for w in weights)
     int4_bytes = sum(q.nbytes for q in int4)
     out = []
@@ -97,9 +99,12 @@ def linears(ops, rows_levels: list[int], repeats: int, peak: float) -> list[dict
         xs = {k: torch.randn(rows, k).bfloat16() for k in (576, 1536)}
         torch_s = best(partial(_dense, torch.nn.functional.linear, xs, weights), repeats)
         kernel_s = best(partial(_dense, ops.linear_bf16, xs, weights), repeats)
-        row = {"rows": rows, "bf16_torch_gbs": dense_bytes / torch_s / 1e9,
-               "bf16_kernel_gbs": dense_bytes / kernel_s / 1e9,
-               "bf16_kernel_gflops": rows * dense_bytes / kernel_s / 1e9}  # fmt: skip
+        row = {
+            "rows": rows,
+            "bf16_torch_gbs": dense_bytes / torch_s / 1e9,
+            "bf16_kernel_gbs": dense_bytes / kernel_s / 1e9,
+            "bf16_kernel_gflops": rows * dense_bytes / kernel_s / 1e9,
+        }
         if has_amx() and rows <= AMX_ROWS:
             amx_s = best(partial(_dense, ops.linear_bf16_amx, xs, weights), repeats)
             row["bf16_amx_gbs"] = dense_bytes / amx_s / 1e9
@@ -160,8 +165,9 @@ def attention(streams: int, tokens: int, repeats: int, layers: int = 1) -> list[
         random.Random(0).shuffle(order)
         per = tokens // 16
         tables = tuple(tuple(order[i * per : (i + 1) * per]) for i in range(streams))
-        layout = BatchLayout(streams, tables, (tokens - 1,) * streams, (1,) * streams, 16,
-                             cache.null_page)  # fmt: skip
+        layout = BatchLayout(
+            streams, tables, (tokens - 1,) * streams, (1,) * streams, 16, cache.null_page
+        )
         q = torch.randn(streams, 9, 64).bfloat16()
         k = torch.randn(streams, 3, 64).bfloat16()
         ms = {}
@@ -170,10 +176,17 @@ def attention(streams: int, tokens: int, repeats: int, layers: int = 1) -> list[
             meta = backend.build_metadata(layout)
             step = partial(_attend, backend, q, k, cache.layers, meta)
             ms[name] = 1e3 * best(step, repeats) / layers
-        out.append({"kv_dtype": kv_dtype, "streams": streams, "tokens": tokens, "layers": layers,
-                    "torch_ms_per_layer": round(ms["torch"], 3),
-                    "kernel_ms_per_layer": round(ms["cpu"], 3),
-                    "speedup": round(ms["torch"] / ms["cpu"], 2)})  # fmt: skip
+        out.append(
+            {
+                "kv_dtype": kv_dtype,
+                "streams": streams,
+                "tokens": tokens,
+                "layers": layers,
+                "torch_ms_per_layer": round(ms["torch"], 3),
+                "kernel_ms_per_layer": round(ms["cpu"], 3),
+                "speedup": round(ms["torch"] / ms["cpu"], 2),
+            }
+        )
         print(out[-1], flush=True)
         del cache
     return out
@@ -206,8 +219,11 @@ def run_kernels_bench(args: argparse.Namespace) -> int:
     run = BenchRun()
     peak = ceiling(args.repeats)
     gemm = gemm_ceiling(args.repeats)
-    print(f"memory-read ceiling (fastest GEMV over 256 MiB): {peak:.1f} GB/s; bf16 GEMM ceiling "
-          f"(torch, 512 rows): {gemm:.0f} GFLOP/s", flush=True)  # fmt: skip
+    print(
+        f"memory-read ceiling (fastest GEMV over 256 MiB): {peak:.1f} GB/s; bf16 GEMM ceiling "
+        f"(torch, 512 rows): {gemm:.0f} GFLOP/s",
+        flush=True,
+    )
     report = {
         **run.header(),
         "ceiling_gbs": round(peak, 2),

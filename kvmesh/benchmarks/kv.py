@@ -94,10 +94,16 @@ def bench_throughput(args, text: str, levels: list[int], budget: int) -> list[Th
     from kvmesh import LLM
 
     llms = {
-        kv: LLM(model=args.model, dtype=args.dtype, kv_dtype=kv, kv_cache_bytes=budget,
-                page_size=args.page_size, max_num_seqs=max(levels))
+        kv: LLM(
+            model=args.model,
+            dtype=args.dtype,
+            kv_dtype=kv,
+            kv_cache_bytes=budget,
+            page_size=args.page_size,
+            max_num_seqs=max(levels),
+        )
         for kv in ("bf16", "fp8_e4m3")
-    }  # fmt: skip
+    }
     for llm in llms.values():
         timed_run(llm, sized_prompts(llm.tokenizer, 2, 32, text), 4)  # warm-up
     rows: list[ThroughputRow] = []
@@ -107,9 +113,18 @@ def bench_throughput(args, text: str, levels: list[int], budget: int) -> list[Th
         base = runs["bf16"].tok_s
         for kv, llm in llms.items():
             run, cache = runs[kv], llm.engine.kv_cache
-            rows.append(ThroughputRow(c, kv, cache.capacity_tokens, cache.nbytes, run.max_running,
-                                      run.preemptions, round(run.tok_s, 1),
-                                      round(run.tok_s / base, 2) if kv != "bf16" else None))  # fmt: skip
+            rows.append(
+                ThroughputRow(
+                    c,
+                    kv,
+                    cache.capacity_tokens,
+                    cache.nbytes,
+                    run.max_running,
+                    run.preemptions,
+                    round(run.tok_s, 1),
+                    round(run.tok_s / base, 2) if kv != "bf16" else None,
+                )
+            )
             print(json.dumps(asdict(rows[-1])), flush=True)
     return rows
 
@@ -120,8 +135,13 @@ def bench_integrity(args, text: str, levels: list[int]):
     the FP32 KV reference of the quality table."""
     from kvmesh import LLM
 
-    llm = LLM(model=args.model, dtype=args.integrity_dtype, page_size=args.page_size,
-              max_num_seqs=max(levels), kv_integrity=True)  # fmt: skip
+    llm = LLM(
+        model=args.model,
+        dtype=args.integrity_dtype,
+        page_size=args.page_size,
+        max_num_seqs=max(levels),
+        kv_integrity=True,
+    )
     config = llm.engine.config
     timed_run(llm, sized_prompts(llm.tokenizer, 2, 32, text), 4)  # warm-up
     rows: list[IntegrityRow] = []
@@ -138,9 +158,16 @@ def bench_integrity(args, text: str, levels: list[int]):
         check = sum(r.check_seconds for r in runs[True])
         calls = sum(r.check_calls for r in runs[True])
         wall = sum(r.seconds for r in runs[True])
-        rows.append(IntegrityRow(c, round(off, 1), round(on, 1), round(on / off, 3),
-                                 round(1e6 * check / max(calls, 1), 1),
-                                 round(check / wall, 5)))  # fmt: skip
+        rows.append(
+            IntegrityRow(
+                c,
+                round(off, 1),
+                round(on, 1),
+                round(on / off, 3),
+                round(1e6 * check / max(calls, 1), 1),
+                round(check / wall, 5),
+            )
+        )
         print(json.dumps(asdict(rows[-1])), flush=True)
     return rows, llm
 
@@ -182,8 +209,15 @@ def run_kv_bench(args: argparse.Namespace) -> int:
     spec = spec_rows(args.model, args.page_size, budget)
     print(spec_markdown(args.model, spec, budget), flush=True)
     if args.spec_only:
-        write_report({**run.header(), "model": args.model, "kv_budget_bytes": budget,
-                      "spec": [asdict(r) for r in spec]}, args.output)  # fmt: skip
+        write_report(
+            {
+                **run.header(),
+                "model": args.model,
+                "kv_budget_bytes": budget,
+                "spec": [asdict(r) for r in spec],
+            },
+            args.output,
+        )
         return 0
     with weights_loaded_once():
         levels = [int(c) for c in args.concurrency.split(",")]

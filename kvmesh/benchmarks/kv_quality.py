@@ -40,9 +40,18 @@ def bench_quality(args, text: str, reference) -> tuple[list[QualityRow], int]:
     rows: list[QualityRow] = []
     ref_tokens = ref_argmax = ref_ppl = None
     for kv in ("fp32", "bf16", "fp8_e4m3"):
-        llm = reference if kv == "fp32" else LLM(
-            model=args.model, dtype=args.integrity_dtype, kv_dtype=kv,
-            page_size=args.page_size, kv_cache_bytes=128 << 20, max_num_seqs=len(prompts))  # fmt: skip
+        llm = (
+            reference
+            if kv == "fp32"
+            else LLM(
+                model=args.model,
+                dtype=args.integrity_dtype,
+                kv_dtype=kv,
+                page_size=args.page_size,
+                kv_cache_bytes=128 << 20,
+                max_num_seqs=len(prompts),
+            )
+        )
         llm.engine.block_manager.reset_prefix_cache()
         tokens = [o.token_ids for o in llm.generate_ids(prompts, greedy)]
         logits = llm.engine.score(ids)[:-1]
@@ -51,8 +60,15 @@ def bench_quality(args, text: str, reference) -> tuple[list[QualityRow], int]:
         if ref_tokens is None:
             ref_tokens, ref_argmax, ref_ppl = tokens, argmax, ppl
         prefix = tuple(common_prefix(a, b) for a, b in zip(tokens, ref_tokens, strict=True))
-        rows.append(QualityRow(kv, round(ppl, 4), round(ppl / ref_ppl - 1, 5),
-                               round((argmax == ref_argmax).float().mean().item(), 4), prefix))  # fmt: skip
+        rows.append(
+            QualityRow(
+                kv,
+                round(ppl, 4),
+                round(ppl / ref_ppl - 1, 5),
+                round((argmax == ref_argmax).float().mean().item(), 4),
+                prefix,
+            )
+        )
         print(json.dumps(asdict(rows[-1])), flush=True)
         if llm is not reference:
             del llm
@@ -75,13 +91,24 @@ def markdown(report: dict) -> str:
         f"model {r['model']}; `{r['command']}`",
         f"\nThroughput, {r['dtype']} model, KV budget {r['kv_budget_bytes']:,} bytes "
         f"({r['kv_budget']}), ~{r['prompt_tokens']}-token prompts, {r['max_tokens']} tokens each\n",
-        _line("concurrency", "KV", "capacity tok", "max running", "preemptions", "tok/s", "FP8 / BF16"),
+        _line(
+            "concurrency", "KV", "capacity tok", "max running", "preemptions", "tok/s", "FP8 / BF16"
+        ),
         _line("---:", "---", "---:", "---:", "---:", "---:", "---:"),
-    ]  # fmt: skip
+    ]
     for t in r["throughput"]:
         ratio = "" if t["fp8_over_bf16"] is None else f"**{t['fp8_over_bf16']}**"
-        out.append(_line(t["concurrency"], t["kv_dtype"], f"{t['capacity_tokens']:,}",
-                         t["max_running"], t["preemptions"], t["tok_s"], ratio))  # fmt: skip
+        out.append(
+            _line(
+                t["concurrency"],
+                t["kv_dtype"],
+                f"{t['capacity_tokens']:,}",
+                t["max_running"],
+                t["preemptions"],
+                t["tok_s"],
+                ratio,
+            )
+        )
     out += [
         f"\nIntegrity check, {r['integrity_dtype']} model, default KV, best of {r['repeats']} "
         "runs per mode (off/on alternating)\n",
@@ -89,8 +116,16 @@ def markdown(report: dict) -> str:
         _line("---:", "---:", "---:", "---:", "---:", "---:"),
     ]
     for i in r["integrity"]:
-        out.append(_line(i["concurrency"], i["off_tok_s"], i["on_tok_s"], i["on_over_off"],
-                         i["check_us_per_step"], f"{100 * i['check_fraction']:.3f} %"))  # fmt: skip
+        out.append(
+            _line(
+                i["concurrency"],
+                i["off_tok_s"],
+                i["on_tok_s"],
+                i["on_over_off"],
+                i["check_us_per_step"],
+                f"{100 * i['check_fraction']:.3f} %",
+            )
+        )
     out += [
         f"\nQuality, {r['integrity_dtype']} model: perplexity on the first {r['text_tokens']} "
         f"tokens of the text; greedy tokens equal to FP32 KV's (of {r['quality_tokens']})\n",
@@ -98,6 +133,13 @@ def markdown(report: dict) -> str:
         _line("---", "---:", "---:", "---:", "---"),
     ]
     for q in r["quality"]:
-        out.append(_line(q["kv_dtype"], f"{q['perplexity']:.3f}", f"{100 * q['ppl_vs_fp32']:+.2f} %",
-                         f"{100 * q['top1_agree']:.1f} %", ", ".join(map(str, q["greedy_prefix"]))))  # fmt: skip
+        out.append(
+            _line(
+                q["kv_dtype"],
+                f"{q['perplexity']:.3f}",
+                f"{100 * q['ppl_vs_fp32']:+.2f} %",
+                f"{100 * q['top1_agree']:.1f} %",
+                ", ".join(map(str, q["greedy_prefix"])),
+            )
+        )
     return "\n".join(out)

@@ -30,10 +30,18 @@ def spec_rows(model: str, page_size: int, budget: int) -> list[SpecRow]:
     rows = []
     for dtype, spec in specs.items():
         layer = spec.layers[0]
-        rows.append(SpecRow(dtype, layer.kind, layer.num_heads,
-                            layer.parts * layer.num_heads * layer.head_dim,
-                            spec.bytes_per_token(), spec.page_bytes, capacity[dtype],
-                            round(capacity[dtype] / capacity["bf16"], 3)))  # fmt: skip
+        rows.append(
+            SpecRow(
+                dtype,
+                layer.kind,
+                layer.num_heads,
+                layer.parts * layer.num_heads * layer.head_dim,
+                spec.bytes_per_token(),
+                spec.page_bytes,
+                capacity[dtype],
+                round(capacity[dtype] / capacity["bf16"], 3),
+            )
+        )
     return rows
 
 
@@ -45,7 +53,9 @@ def spec_markdown(model: str, rows: list[SpecRow], budget: int) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r.kv_dtype} | {r.kind} | {r.heads} | {r.values_per_token} | "
-                     f"{r.bytes_per_token_layer} | {r.page_bytes:,} | {r.capacity_tokens:,} | "
-                     f"{r.vs_bf16} |")  # fmt: skip
+        lines.append(
+            f"| {r.kv_dtype} | {r.kind} | {r.heads} | {r.values_per_token} | "
+            f"{r.bytes_per_token_layer} | {r.page_bytes:,} | {r.capacity_tokens:,} | "
+            f"{r.vs_bf16} |"
+        )
     return "\n".join(lines)

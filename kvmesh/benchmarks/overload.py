@@ -47,17 +47,25 @@ def run_overload_bench(args: argparse.Namespace) -> int:
     try:
         mesh.start()
         rss_before = _rss(mesh)
-        for name, clients in (("at_capacity", args.capacity),
-                              ("overloaded", args.capacity * args.factor)):  # fmt: skip
+        for name, clients in (
+            ("at_capacity", args.capacity),
+            ("overloaded", args.capacity * args.factor),
+        ):
             phases[name] = _phase(mesh.url, args, clients)
             print(name, {k: v for k, v in phases[name].items() if k != "tpot_s"}, flush=True)
         rss_after = _rss(mesh)
     finally:
         mesh.stop()
     base, over = phases["at_capacity"]["tpot_p90_s"], phases["overloaded"]["tpot_p90_s"]
-    report = {**run.header(), "capacity": args.capacity, "factor": args.factor,
-              "phases": phases, "tpot_p90_ratio": round(over / base, 3) if base else None,
-              "rss_mib_before": rss_before, "rss_mib_after": rss_after} | run.footer()  # fmt: skip
+    report = {
+        **run.header(),
+        "capacity": args.capacity,
+        "factor": args.factor,
+        "phases": phases,
+        "tpot_p90_ratio": round(over / base, 3) if base else None,
+        "rss_mib_before": rss_before,
+        "rss_mib_after": rss_after,
+    } | run.footer()
     print({k: report[k] for k in ("tpot_p90_ratio", "rss_mib_before", "rss_mib_after")})
     write_report(report, args.output)
     return 0
@@ -68,9 +76,14 @@ def _phase(url: str, args: argparse.Namespace, clients: int) -> dict:
 
     lock, tpots, statuses, retry_after = threading.Lock(), [], {}, set()
     end = time.monotonic() + args.seconds
-    body = {"model": args.model, "max_tokens": args.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True,
-            "messages": [{"role": "user", "content": "Tell me a story."}]}  # fmt: skip
+    body = {
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+    }
 
     def client() -> None:
         with httpx.Client(base_url=url, timeout=120) as http:
@@ -90,11 +103,15 @@ def _phase(url: str, args: argparse.Namespace, clients: int) -> dict:
         for future in [pool.submit(client) for _ in range(clients)]:
             future.result()
     tpots.sort()
-    return {"clients": clients, "statuses": statuses, "retry_after": sorted(map(str, retry_after)),
-            "completed": len(tpots),
-            "tpot_p50_s": round(statistics.median(tpots), 4) if tpots else None,
-            "tpot_p90_s": round(tpots[int(0.9 * (len(tpots) - 1))], 4) if tpots else None,
-            "tpot_s": [round(t, 4) for t in tpots]}  # fmt: skip
+    return {
+        "clients": clients,
+        "statuses": statuses,
+        "retry_after": sorted(map(str, retry_after)),
+        "completed": len(tpots),
+        "tpot_p50_s": round(statistics.median(tpots), 4) if tpots else None,
+        "tpot_p90_s": round(tpots[int(0.9 * (len(tpots) - 1))], 4) if tpots else None,
+        "tpot_s": [round(t, 4) for t in tpots],
+    }
 
 
 def _rss(mesh) -> dict[str, float | None]:

@@ -40,8 +40,13 @@ def run_parallel_bench(args: argparse.Namespace) -> int:
         row["tokens_equal_first"] = tokens == reference
         rows.append(row)
         print(row, flush=True)
-    report = {**run.header(), "dtype": args.dtype, "weights": args.weights,
-              "max_tokens": args.max_tokens, "runs": rows} | run.footer()  # fmt: skip
+    report = {
+        **run.header(),
+        "dtype": args.dtype,
+        "weights": args.weights,
+        "max_tokens": args.max_tokens,
+        "runs": rows,
+    } | run.footer()
     write_report(report, args.output)
     return 0
 
@@ -65,30 +70,48 @@ def _random_moe() -> str:
     from kvmesh.tools.tiny_configs import TinySize, TinySpec
     from kvmesh.tools.tiny_models import make_tiny_model
 
-    size = TinySize(hidden_size=512, intermediate_size=1536, moe_intermediate_size=512,
-                    num_layers=6, num_heads=8, num_experts=16)  # fmt: skip
+    size = TinySize(
+        hidden_size=512,
+        intermediate_size=1536,
+        moe_intermediate_size=512,
+        num_layers=6,
+        num_heads=8,
+        num_experts=16,
+    )
     path = kvmesh_home() / "models" / "bench-moe-deepseek-v3"
     if not (path / "config.json").is_file():
         make_tiny_model(TinySpec("deepseek_v3", size=size), path)
     return str(path)
 
 
-def _measure(options: dict, size: int, stages: int, experts: bool,
-             micro: int) -> tuple[dict, list[int]]:  # fmt: skip
+def _measure(
+    options: dict, size: int, stages: int, experts: bool, micro: int
+) -> tuple[dict, list[int]]:
     """One rank count's row (and its greedy tokens), in a process of its own."""
     from kvmesh import LLM, SamplingParams
     from kvmesh.engine.loader.memory import process_memory_mib
 
     streams = [int(n) for n in options["concurrency"].split(",")]
     params = SamplingParams(max_tokens=options["max_tokens"], temperature=0.0, ignore_eos=True)
-    with LLM(model=options["model"], dtype=options["dtype"], weights=options["weights"],
-             max_num_seqs=max(streams), tensor_parallel_size=size,
-             pipeline_parallel_size=stages, enable_expert_parallel=experts,
-             pipeline_micro_batches=micro,
-             kv_cache_bytes=KV_BYTES) as llm:  # fmt: skip
-        row = {"model": options["model"], "tensor_parallel": size, "pipeline_parallel": stages,
-               "expert_parallel": experts, "micro_batches": llm.engine.config.parallel.micro_batches,
-               "rank0_weight_mib": round(llm.engine.runner.model.weight_bytes / 2**20, 1)}  # fmt: skip
+    with LLM(
+        model=options["model"],
+        dtype=options["dtype"],
+        weights=options["weights"],
+        max_num_seqs=max(streams),
+        tensor_parallel_size=size,
+        pipeline_parallel_size=stages,
+        enable_expert_parallel=experts,
+        pipeline_micro_batches=micro,
+        kv_cache_bytes=KV_BYTES,
+    ) as llm:
+        row = {
+            "model": options["model"],
+            "tensor_parallel": size,
+            "pipeline_parallel": stages,
+            "expert_parallel": experts,
+            "micro_batches": llm.engine.config.parallel.micro_batches,
+            "rank0_weight_mib": round(llm.engine.runner.model.weight_bytes / 2**20, 1),
+        }
         for n in streams:
             llm.generate([PROMPT] * n, SamplingParams(max_tokens=4, temperature=0.0))  # warm
             started = time.perf_counter()

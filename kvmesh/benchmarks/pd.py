@@ -49,9 +49,13 @@ def placements(cpus: frozenset[int]) -> dict[str, Placement]:
     half = len(ordered) // 2
     return {
         "colocated": Placement("colocated", 0, 1, {"decode": format_cpus(ordered)}),
-        "disaggregated": Placement("disaggregated", 1, 1, {"prefill": format_cpus(ordered[:half]),
-                                                           "decode": format_cpus(ordered[half:])}),
-    }  # fmt: skip
+        "disaggregated": Placement(
+            "disaggregated",
+            1,
+            1,
+            {"prefill": format_cpus(ordered[:half]), "decode": format_cpus(ordered[half:])},
+        ),
+    }
 
 
 def default_cpus() -> str:
@@ -115,20 +119,31 @@ def markdown(report: dict[str, Any]) -> str:
         "| steady tok/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    keys = ("steady_tpot_p50_ms", "steady_tpot_p90_ms", "steady_itl_p50_ms", "steady_itl_p90_ms",
-            "steady_itl_p99_ms", "steady_ttft_p50_ms", "steady_ttft_p90_ms", "long_ttft_p50_ms",
-            "long_ttft_p90_ms")  # fmt: skip
+    keys = (
+        "steady_tpot_p50_ms",
+        "steady_tpot_p90_ms",
+        "steady_itl_p50_ms",
+        "steady_itl_p90_ms",
+        "steady_itl_p99_ms",
+        "steady_ttft_p50_ms",
+        "steady_ttft_p90_ms",
+        "long_ttft_p50_ms",
+        "long_ttft_p90_ms",
+    )
     for m in report["modes"]:
         cpus = " ".join(f"{role} {c}" for role, c in m["cpus"].items())
         cells = " | ".join(str(m[k]) for k in keys)
-        lines.append(f"| {m['mode']} | {cpus} | {m['steady_requests']} | {cells} "
-                     f"| {m['steady_tok_s']} |")  # fmt: skip
+        lines.append(
+            f"| {m['mode']} | {cpus} | {m['steady_requests']} | {cells} | {m['steady_tok_s']} |"
+        )
     r = report["ratios"]
     if r:
         cells = " | ".join(str(r[k.removesuffix("_ms")]) for k in keys)
         lines.append(f"| disaggregated / colocated | | | {cells} | |")
-        lines.append(f"p90 TPOT ratio {r['steady_tpot_p90']} (target <= {TPOT_P90_TARGET}: "
-                     f"{'met' if report['target_met'] else 'missed'})")  # fmt: skip
+        lines.append(
+            f"p90 TPOT ratio {r['steady_tpot_p90']} (target <= {TPOT_P90_TARGET}: "
+            f"{'met' if report['target_met'] else 'missed'})"
+        )
     return "\n".join(lines)
 
 
@@ -146,9 +161,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-long", type=float, default=4.0, help="s of streams alone first")
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument(
-        "--local-prefill-tokens", type=int, default=0,
+        "--local-prefill-tokens",
+        type=int,
+        default=0,
         help="disaggregated: the decode worker prefills prompts this short itself",
-    )  # fmt: skip
+    )
     parser.add_argument("--output", default=None, help="also write the JSON report here")
 
 

@@ -40,8 +40,13 @@ class PdWorkload:
     stagger_s: float = 0.5
 
     def __post_init__(self) -> None:
-        counts = (self.streams, self.stream_tokens, self.long_prompts, self.long_prompt_tokens,
-                  self.long_output_tokens)  # fmt: skip
+        counts = (
+            self.streams,
+            self.stream_tokens,
+            self.long_prompts,
+            self.long_prompt_tokens,
+            self.long_output_tokens,
+        )
         if min(counts) < 1 or self.interval_s <= 0 or min(self.first_long_s, self.stagger_s) < 0:
             raise ValueError(f"PdWorkload needs counts >= 1 and times >= 0: {self}")
 

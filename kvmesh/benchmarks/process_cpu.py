@@ -38,14 +38,20 @@ class CpuMeter:
 
     def sample(self) -> dict[str, float]:
         own = resource.getrusage(resource.RUSAGE_SELF)
-        return {**{name: tree_cpu_s(pid) for name, pid in self.pids.items()},
-                CLIENT: own.ru_utime + own.ru_stime}  # fmt: skip
+        return {
+            **{name: tree_cpu_s(pid) for name, pid in self.pids.items()},
+            CLIENT: own.ru_utime + own.ru_stime,
+        }
 
     @staticmethod
-    def per_token(before: Mapping[str, float], after: Mapping[str, float],
-                  tokens: int) -> dict[str, float]:  # fmt: skip
+    def per_token(
+        before: Mapping[str, float], after: Mapping[str, float], tokens: int
+    ) -> dict[str, float]:
         """CPU milliseconds per output token of each process between two samples."""
         if tokens <= 0:
             return {}
-        return {name: round((after[name] - before[name]) * 1e3 / tokens, 3)
-                for name in after if name in before}  # fmt: skip
+        return {
+            name: round((after[name] - before[name]) * 1e3 / tokens, 3)
+            for name in after
+            if name in before
+        }

@@ -12,8 +12,18 @@ from google.protobuf.message_factory import GetMessageClass
 from hypothesis import strategies as st
 
 _ADDRESS_WORDS = ("address", "session", "endpoint")
-_LOCAL = st.sampled_from(["", "127.0.0.1:1", "127.0.0.1:9", "localhost:0", "127.0.0.1", ":",
-                          "not-an-address", "127.0.0.1:99999"])  # fmt: skip
+_LOCAL = st.sampled_from(
+    [
+        "",
+        "127.0.0.1:1",
+        "127.0.0.1:9",
+        "localhost:0",
+        "127.0.0.1",
+        ":",
+        "not-an-address",
+        "127.0.0.1:99999",
+    ]
+)
 _INTS = {
     FieldDescriptor.TYPE_INT32: st.integers(-(2**31), 2**31 - 1),
     FieldDescriptor.TYPE_SINT32: st.integers(-(2**31), 2**31 - 1),

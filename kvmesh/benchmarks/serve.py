@@ -99,16 +99,20 @@ def markdown(report: dict[str, Any]) -> str:
         )
     if report.get("bandwidth"):
         b = report["bandwidth"]
-        lines.append(f"\nsingle stream / weight-bandwidth bound: {b['of_bound']} (median of "
-                     f"{b['of_bound_per_request']}: each request against the mean memory-read "
-                     f"ceiling before and after it, {' / '.join(map(str, b['ceiling_gbs']))} "
-                     f"GB/s, over {b['weight_bytes']} weight bytes; median bound "
-                     f"{b['bound_tok_s']} tok/s)")  # fmt: skip
+        lines.append(
+            f"\nsingle stream / weight-bandwidth bound: {b['of_bound']} (median of "
+            f"{b['of_bound_per_request']}: each request against the mean memory-read "
+            f"ceiling before and after it, {' / '.join(map(str, b['ceiling_gbs']))} "
+            f"GB/s, over {b['weight_bytes']} weight bytes; median bound "
+            f"{b['bound_tok_s']} tok/s)"
+        )
     if report.get("compute"):
         c = report["compute"]
-        lines.append(f"\naggregate / compute bound ({c['bound_tok_s']} tok/s: bf16 GEMM "
-                     f"{c['gemm_gflops']} GFLOP/s, 2 FLOPs per weight element): "
-                     + ", ".join(f"{k} streams {v}" for k, v in c["of_bound"].items()))  # fmt: skip
+        lines.append(
+            f"\naggregate / compute bound ({c['bound_tok_s']} tok/s: bf16 GEMM "
+            f"{c['gemm_gflops']} GFLOP/s, 2 FLOPs per weight element): "
+            + ", ".join(f"{k} streams {v}" for k, v in c["of_bound"].items())
+        )
     for r in report["levels"]:
         if r.get("cpu_ms_per_token"):
             split = ", ".join(f"{k} {v}" for k, v in r["cpu_ms_per_token"].items())
@@ -156,14 +160,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers (no --url)")
     parser.add_argument("--decode", type=int, default=1, help="decode workers (no --url)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="no --url")
-    parser.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int4"],
-                        help="no --url: the workers' and the engine's weights")  # fmt: skip
-    parser.add_argument("--local-prefill-tokens", type=int, default=UP_LOCAL_PREFILL_TOKENS,
-                        help="no --url: decode prefills prompts up to this many tokens itself "
-                        "(default: kvmesh up's)")  # fmt: skip
-    parser.add_argument("--decode-lead-cpu", default="auto", metavar="auto|off|CPU",
-                        help="no --url: kvmesh up's --decode-lead-cpu (the client then keeps "
-                        "off that CPU, as a remote one would)")  # fmt: skip
+    parser.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "int4"],
+        help="no --url: the workers' and the engine's weights",
+    )
+    parser.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=UP_LOCAL_PREFILL_TOKENS,
+        help="no --url: decode prefills prompts up to this many tokens itself "
+        "(default: kvmesh up's)",
+    )
+    parser.add_argument(
+        "--decode-lead-cpu",
+        default="auto",
+        metavar="auto|off|CPU",
+        help="no --url: kvmesh up's --decode-lead-cpu (the client then keeps "
+        "off that CPU, as a remote one would)",
+    )
     parser.add_argument("--output", default=None, help="also write the JSON report here")
 
 
@@ -231,14 +247,22 @@ def _measure(args: argparse.Namespace, model: str, levels: list[int], compared: 
         if compared:
             with thread_kept_to(client_cpus):
                 event_loop.run(client_loops(target, list(level_prompts(0, 2)), 2, 8))  # warm-up
-            engine, paired = measure_paired(target, args.dtype, compared, args.requests_per_level,
-                                            args.max_tokens, args.weights, client_cpus)  # fmt: skip
+            engine, paired = measure_paired(
+                target,
+                args.dtype,
+                compared,
+                args.requests_per_level,
+                args.max_tokens,
+                args.weights,
+                client_cpus,
+            )
         from kvmesh.benchmarks.kernels import Ceiling
         from kvmesh.benchmarks.serve_bounds import measure_bounds
 
         probe = Ceiling()  # with the mesh idle, beside each single-stream request
-        suite = measure_suite(target, args, levels, "mesh", CpuMeter(mesh.pids()), probe,
-                              client_cpus)  # fmt: skip
+        suite = measure_suite(
+            target, args, levels, "mesh", CpuMeter(mesh.pids()), probe, client_cpus
+        )
         del probe
         suite.update(measure_bounds(suite, model, args.dtype, args.weights))
         return suite, engine, paired
@@ -274,23 +298,31 @@ def _on_cpus(cpus: frozenset[int], probe: Callable[[], float]) -> float:
         return probe()
 
 
-def _suite(target: Target, args: argparse.Namespace, levels: list[int], path: str,
-           meter: CpuMeter | None, probe: Callable[[], float] | None) -> dict[str, Any]:  # fmt: skip
+def _suite(
+    target: Target,
+    args: argparse.Namespace,
+    levels: list[int],
+    path: str,
+    meter: CpuMeter | None,
+    probe: Callable[[], float] | None,
+) -> dict[str, Any]:
     event_loop.run(client_loops(target, list(level_prompts(0, 2)), 2, 8))
     n, tokens = args.requests_per_level, args.max_tokens
     single = long = None
     if args.single_stream_requests:
         single = measure_single_stream(target, args.single_stream_requests, tokens, probe)
     if args.long_prompt_requests:
-        long = measure_long_prompt(target, args.long_prompt_requests, args.long_prompt_tokens,
-                                   LONG_PROMPT_OUTPUT)  # fmt: skip
+        long = measure_long_prompt(
+            target, args.long_prompt_requests, args.long_prompt_tokens, LONG_PROMPT_OUTPUT
+        )
     rows = []
     for c in levels:
         before = meter.sample() if meter else {}
         rows.append(measure_target_level(target, c, requests_for(c, n), tokens, path))
         if meter:
-            rows[-1]["cpu_ms_per_token"] = meter.per_token(before, meter.sample(),
-                                                           rows[-1]["output_tokens"])  # fmt: skip
+            rows[-1]["cpu_ms_per_token"] = meter.per_token(
+                before, meter.sample(), rows[-1]["output_tokens"]
+            )
     return {"single_stream": single, "long_prompt": long, "levels": rows}
 
 

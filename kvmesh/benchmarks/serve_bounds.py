@@ -43,10 +43,13 @@ def measure_bounds(
         gbs, rates = single["ceilings_gbs"], single["request_tok_s"]
         bounds = [(gbs[i] + gbs[i + 1]) / 2 * 1e9 / nbytes for i in range(len(rates))]
         ratios = [rate / bound for rate, bound in zip(rates, bounds, strict=True) if rate]
-        out["bandwidth"] = {"ceiling_gbs": gbs, "weight_bytes": nbytes,
-                            "bound_tok_s": round(float(np.median(bounds)), 1),
-                            "of_bound_per_request": [round(r, 3) for r in ratios],
-                            "of_bound": round(float(np.median(ratios)), 3) if ratios else None}  # fmt: skip
+        out["bandwidth"] = {
+            "ceiling_gbs": gbs,
+            "weight_bytes": nbytes,
+            "bound_tok_s": round(float(np.median(bounds)), 1),
+            "of_bound_per_request": [round(r, 3) for r in ratios],
+            "of_bound": round(float(np.median(ratios)), 3) if ratios else None,
+        }
     size = ELEMENT_BYTES.get(weights if weights != "auto" else dtype)
     net = llm.engine.runner.model
     if (
@@ -57,7 +60,11 @@ def measure_bounds(
         untied = net.embed.nbytes if net.embed is not net.lm_head else 0
         gflops = gemm_gflops()
         bound = gflops * 1e9 / (2 * (nbytes - untied) / size)
-        out["compute"] = {"gemm_gflops": round(gflops, 1), "bound_tok_s": round(bound, 1),
-                          "of_bound": {str(r["concurrency"]): round(r["output_tok_s"] / bound, 3)
-                                       for r in suite["levels"]}}  # fmt: skip
+        out["compute"] = {
+            "gemm_gflops": round(gflops, 1),
+            "bound_tok_s": round(bound, 1),
+            "of_bound": {
+                str(r["concurrency"]): round(r["output_tok_s"] / bound, 3) for r in suite["levels"]
+            },
+        }
     return out

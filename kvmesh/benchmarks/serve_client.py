@@ -81,8 +81,9 @@ class Streamed:
         first, last = self.arrivals[0], self.arrivals[-1]
         tpot = (last - first) / (self.tokens - 1) if self.tokens > 1 else None
         counted_by = "usage" if self.usage_tokens is not None else "deltas"
-        return RequestTiming(first, tpot, self.tokens, self.prompt_tokens, counted_by,
-                             self.tokens == self.max_tokens)  # fmt: skip
+        return RequestTiming(
+            first, tpot, self.tokens, self.prompt_tokens, counted_by, self.tokens == self.max_tokens
+        )
 
 
 def root_url(url: str) -> str:
@@ -147,8 +148,14 @@ async def stream_request(
     await post_events(endpoint(target), body, target.headers, on_chunk, timeout_s)
     if not arrivals:
         raise ServeBenchError(f"the stream from {endpoint(target)} carried no content")
-    return Streamed(tuple(arrivals), usage.get("completion_tokens"), usage.get("prompt_tokens"),
-                    max_tokens, finish, start)  # fmt: skip
+    return Streamed(
+        tuple(arrivals),
+        usage.get("completion_tokens"),
+        usage.get("prompt_tokens"),
+        max_tokens,
+        finish,
+        start,
+    )
 
 
 def _content(choice: dict[str, Any]) -> str:

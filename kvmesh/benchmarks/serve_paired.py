@@ -22,20 +22,34 @@ MIN_ROUNDS = 3
 
 def paired_prompts(concurrency: int, n: int) -> list[Messages]:
     """Their own text, so neither the levels nor the rounds share a prefix-cache entry."""
-    return [[{"role": "user", "content": f"Pair {concurrency}, request {i}: write a short story "
-              f"about {TOPICS[i % len(TOPICS)]}."}] for i in range(n)]  # fmt: skip
+    return [
+        [
+            {
+                "role": "user",
+                "content": f"Pair {concurrency}, request {i}: write a short story "
+                f"about {TOPICS[i % len(TOPICS)]}.",
+            }
+        ]
+        for i in range(n)
+    ]
 
 
-def measure_paired(target: Target, dtype: str, levels: list[int], requests_per_level: int | None,
-                   max_tokens: int, weights: str = "auto",
-                   client_cpus: frozenset[int] | None = None,
-                   ) -> tuple[dict[int, dict], dict[int, dict]]:  # fmt: skip
+def measure_paired(
+    target: Target,
+    dtype: str,
+    levels: list[int],
+    requests_per_level: int | None,
+    max_tokens: int,
+    weights: str = "auto",
+    client_cpus: frozenset[int] | None = None,
+) -> tuple[dict[int, dict], dict[int, dict]]:
     """(engine, mesh) summaries per level, from the same interleaved rounds; the mesh's client
     on `client_cpus` (the engine on every CPU, as a worker's)."""
     from kvmesh import LLM, SamplingParams
 
-    llm = LLM(model=target.model, dtype=dtype, weights=weights,
-              kv_cache_bytes=WORKER_KV_CACHE_BYTES)  # fmt: skip
+    llm = LLM(
+        model=target.model, dtype=dtype, weights=weights, kv_cache_bytes=WORKER_KV_CACHE_BYTES
+    )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.chat(paired_prompts(0, 2), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     engine, mesh = {}, {}

@@ -118,8 +118,12 @@ def measure_single_stream(
     row = summarize("single_stream", 1, timings, wall)
     measured = [r for r in rates if r]
     extra = {"ceilings_gbs": [round(c, 2) for c in ceilings]} if probe else {}
-    return {"decode_tok_s": round(float(np.median(measured)), 2) if measured else None,
-            "request_tok_s": [round(r, 2) for r in rates], **extra, **row}  # fmt: skip
+    return {
+        "decode_tok_s": round(float(np.median(measured)), 2) if measured else None,
+        "request_tok_s": [round(r, 2) for r in rates],
+        **extra,
+        **row,
+    }
 
 
 def measure_long_prompt(

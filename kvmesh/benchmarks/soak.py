@@ -20,8 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--minutes", type=float, default=30.0)
-    parser.add_argument("--warmup-minutes", type=float, default=3.0,
-                        help="samples before this are left out of the slopes")  # fmt: skip
+    parser.add_argument(
+        "--warmup-minutes",
+        type=float,
+        default=3.0,
+        help="samples before this are left out of the slopes",
+    )
     parser.add_argument("--sample-s", type=float, default=10.0)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--output", default=None, help="also write the JSON results here")
@@ -49,8 +53,10 @@ def run_soak_bench(args: argparse.Namespace) -> int:
         mesh.start()
         tally, stop = Tally(), threading.Event()
         with ThreadPoolExecutor(args.streams) as pool:
-            loops = [pool.submit(load_loop, mesh.url, args, expected, tally, stop, k)
-                     for k in range(args.streams)]  # fmt: skip
+            loops = [
+                pool.submit(load_loop, mesh.url, args, expected, tally, stop, k)
+                for k in range(args.streams)
+            ]
             begun = time.monotonic()
             while (elapsed := time.monotonic() - begun) < args.minutes * 60:
                 samples.append({"t_min": elapsed / 60, **_sample(mesh)})
@@ -64,10 +70,17 @@ def run_soak_bench(args: argparse.Namespace) -> int:
     steady = [s for s in samples if s["t_min"] >= args.warmup_minutes] or samples
     series = sorted({key for s in steady for key in s} - {"t_min"})
     slopes = {key: _slope([(s["t_min"], s[key]) for s in steady if key in s]) for key in series}
-    report = {**run.header(), "streams": args.streams, "minutes": args.minutes,
-              "outcomes": dict(tally.outcomes), "completed": len(tally.completed_at),
-              "slopes_per_minute": slopes, "first": steady[0] if steady else None,
-              "last": steady[-1] if steady else None, "samples": samples} | run.footer()  # fmt: skip
+    report = {
+        **run.header(),
+        "streams": args.streams,
+        "minutes": args.minutes,
+        "outcomes": dict(tally.outcomes),
+        "completed": len(tally.completed_at),
+        "slopes_per_minute": slopes,
+        "first": steady[0] if steady else None,
+        "last": steady[-1] if steady else None,
+        "samples": samples,
+    } | run.footer()
     print({k: report[k] for k in ("outcomes", "completed", "slopes_per_minute")})
     write_report(report, args.output)
     return 0 if set(tally.outcomes) == {"exact"} else 1

@@ -44,8 +44,10 @@ def workloads(per: int) -> dict[str, list[str]]:
     """`per` prompts of each workload, the held-out ones cycled."""
     _, held = split(chat_prompts() + structured_prompts(), 24)
     chat, structured = set(chat_prompts()), set(structured_prompts())
-    pools = {"chat": [p for p in held if p in chat],
-             "structured": [p for p in held if p in structured]}  # fmt: skip
+    pools = {
+        "chat": [p for p in held if p in chat],
+        "structured": [p for p in held if p in structured],
+    }
     return {name: [pool[i % len(pool)] for i in range(per)] for name, pool in pools.items()}
 
 
@@ -55,10 +57,15 @@ def _engine(method: str, args: argparse.Namespace, draft_address: str, max_seqs:
     from kvmesh.mesh.draft_client import RemoteProposer
 
     spec = {"none": "none", "ngram": "ngram"}.get(method, "eagle")
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mib << 20,
-              max_num_seqs=max_seqs, speculative=spec,
-              num_speculative_tokens=args.num_speculative_tokens,
-              draft=RemoteProposer(draft_address) if method == "eagle-remote" else None)  # fmt: skip
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_mib << 20,
+        max_num_seqs=max_seqs,
+        speculative=spec,
+        num_speculative_tokens=args.num_speculative_tokens,
+        draft=RemoteProposer(draft_address) if method == "eagle-remote" else None,
+    )
     if method == "eagle-fixed":
         llm.engine.speculator.policy = FixedPolicy(args.num_speculative_tokens)
     return llm
@@ -78,8 +85,12 @@ def _lockstep(engines: dict, prompts: list[str], max_tokens: int) -> dict[str, d
         for rid, prompt in zip(ids, prompts, strict=True):
             conv = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}])
             llm.engine.add_request(rid, conv, params)
-        runs[name] = {"out": {rid: [] for rid in ids}, "seconds": 0.0, "cpu_s": 0.0,
-                      "before": _counters(llm)}  # fmt: skip
+        runs[name] = {
+            "out": {rid: [] for rid in ids},
+            "seconds": 0.0,
+            "cpu_s": 0.0,
+            "before": _counters(llm),
+        }
 
     def collect(name: str, outputs: list) -> None:
         for out in outputs:
@@ -94,8 +105,13 @@ def _lockstep(engines: dict, prompts: list[str], max_tokens: int) -> dict[str, d
 def _result(run: dict, llm) -> dict:
     outs = list(run["out"].values())
     delta = {k: v - run["before"][k] for k, v in _counters(llm).items()}
-    return {"tokens": sum(map(len, outs)), "seconds": run["seconds"], "cpu_s": run["cpu_s"],
-            "outputs": outs, **delta}  # fmt: skip
+    return {
+        "tokens": sum(map(len, outs)),
+        "seconds": run["seconds"],
+        "cpu_s": run["cpu_s"],
+        "outputs": outs,
+        **delta,
+    }
 
 
 def _counters(llm) -> dict[str, int]:
@@ -107,9 +123,22 @@ def _draft_service(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     from kvmesh.mesh.ports import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "serve", "draft", "--port",
-                             str(port), "--model", args.model], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "serve",
+            "draft",
+            "--port",
+            str(port),
+            "--model",
+            args.model,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     return proc, f"127.0.0.1:{port}"
 
 
@@ -163,22 +192,30 @@ def _sweep(engines: dict, levels: list[int], args: argparse.Namespace) -> list[d
 def _row(workload: str, level: int, method: str, runs: list[dict], base: list[dict]) -> dict:
     total = {k: sum(r[k] for r in runs) for k in ("tokens", "seconds", "cpu_s", *COUNTERS)}
     ref = {k: sum(r[k] for r in base) for k in ("tokens", "seconds", "cpu_s")}
-    paired = [(r["tokens"] / r["seconds"]) / (b["tokens"] / b["seconds"])
-              for r, b in zip(runs, base, strict=True)]  # fmt: skip
+    paired = [
+        (r["tokens"] / r["seconds"]) / (b["tokens"] / b["seconds"])
+        for r, b in zip(runs, base, strict=True)
+    ]
     steps, drafts, policy = total["steps"], total["draft_tokens"], total["policy_steps"]
-    return {"workload": workload, "concurrency": level, "method": method,
-            "tok_s": round(total["tokens"] / total["seconds"], 2),
-            "ratio": round(_rate(total, "seconds") / _rate(ref, "seconds"), 3),
-            "ratio_cpu": round(_rate(total, "cpu_s") / _rate(ref, "cpu_s"), 3),
-            "run_ratios": [round(r, 3) for r in paired],
-            "accepted_per_draft": round(total["accepted_tokens"] / drafts, 3) if drafts else None,
-            "acceptance_length": round((total["accepted_tokens"] + steps) / steps, 2)
-            if steps else None,
-            "drafts_per_step": round(drafts / policy, 2) if policy else None,
-            "off_steps": round(total["off_steps"] / policy, 3) if policy else None,
-            "shadow_hit_rate": round(total["shadow_hits"] / total["shadow_drafts"], 3)
-            if total["shadow_drafts"] else None,
-            "lossless": all(r["outputs"] == b["outputs"] for r, b in zip(runs, base, strict=True))}  # fmt: skip
+    return {
+        "workload": workload,
+        "concurrency": level,
+        "method": method,
+        "tok_s": round(total["tokens"] / total["seconds"], 2),
+        "ratio": round(_rate(total, "seconds") / _rate(ref, "seconds"), 3),
+        "ratio_cpu": round(_rate(total, "cpu_s") / _rate(ref, "cpu_s"), 3),
+        "run_ratios": [round(r, 3) for r in paired],
+        "accepted_per_draft": round(total["accepted_tokens"] / drafts, 3) if drafts else None,
+        "acceptance_length": round((total["accepted_tokens"] + steps) / steps, 2)
+        if steps
+        else None,
+        "drafts_per_step": round(drafts / policy, 2) if policy else None,
+        "off_steps": round(total["off_steps"] / policy, 3) if policy else None,
+        "shadow_hit_rate": round(total["shadow_hits"] / total["shadow_drafts"], 3)
+        if total["shadow_drafts"]
+        else None,
+        "lossless": all(r["outputs"] == b["outputs"] for r, b in zip(runs, base, strict=True)),
+    }
 
 
 def _rate(total: dict, clock: str) -> float:
@@ -186,28 +223,45 @@ def _rate(total: dict, clock: str) -> float:
 
 
 def _line(rows: list[dict]) -> str:
-    return "  ".join(f"{r['workload']}@{r['concurrency']} {r['method']}: {r['tok_s']} tok/s "
-                     f"x{r['ratio']} (cpu x{r['ratio_cpu']})" for r in rows)  # fmt: skip
+    return "  ".join(
+        f"{r['workload']}@{r['concurrency']} {r['method']}: {r['tok_s']} tok/s "
+        f"x{r['ratio']} (cpu x{r['ratio_cpu']})"
+        for r in rows
+    )
 
 
 def _report(args: argparse.Namespace, rows: list[dict], remote_ms: list) -> dict:
-    lines = ["| workload | streams | method | tok/s | vs none (wall) | vs none (CPU time) | "
-             "accepted / draft | acceptance length | drafts / step | steps off | shadow hits |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "| workload | streams | method | tok/s | vs none (wall) | vs none (CPU time) | "
+        "accepted / draft | acceptance length | drafts / step | steps off | shadow hits |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['workload']} | {r['concurrency']} | {r['method']} | {r['tok_s']} | "
-                     f"{r['ratio']}x | {r['ratio_cpu']}x | {_dash(r['accepted_per_draft'])} | "
-                     f"{_dash(r['acceptance_length'])} | {_dash(r['drafts_per_step'])} | "
-                     f"{_dash(r['off_steps'])} | {_dash(r['shadow_hit_rate'])} |")  # fmt: skip
+        lines.append(
+            f"| {r['workload']} | {r['concurrency']} | {r['method']} | {r['tok_s']} | "
+            f"{r['ratio']}x | {r['ratio_cpu']}x | {_dash(r['accepted_per_draft'])} | "
+            f"{_dash(r['acceptance_length'])} | {_dash(r['drafts_per_step'])} | "
+            f"{_dash(r['off_steps'])} | {_dash(r['shadow_hit_rate'])} |"
+        )
     lossless = all(r["lossless"] for r in rows)
-    lines.append(f"\nremote draft round trip: {remote_ms[0]} ms per step (mean of {remote_ms[1]} "
-                 f"Propose calls); greedy outputs identical across methods: {lossless}")  # fmt: skip
-    return {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-            "command": " ".join(["kvmesh", *sys.argv[1:]]), "model": args.model, "dtype": args.dtype,
-            "max_tokens": args.max_tokens, "num_speculative_tokens": args.num_speculative_tokens,
-            "rounds": args.rounds, "rows": rows, "remote_round_trip_ms": remote_ms,
-            "lossless": lossless, "markdown": "\n".join(lines)}  # fmt: skip
+    lines.append(
+        f"\nremote draft round trip: {remote_ms[0]} ms per step (mean of {remote_ms[1]} "
+        f"Propose calls); greedy outputs identical across methods: {lossless}"
+    )
+    return {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "command": " ".join(["kvmesh", *sys.argv[1:]]),
+        "model": args.model,
+        "dtype": args.dtype,
+        "max_tokens": args.max_tokens,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "rounds": args.rounds,
+        "rows": rows,
+        "remote_round_trip_ms": remote_ms,
+        "lossless": lossless,
+        "markdown": "\n".join(lines),
+    }
 
 
 def _dash(value) -> str:
@@ -216,19 +270,32 @@ def _dash(value) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="every engine's compute dtype (and weights)")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="every engine's compute dtype (and weights)",
+    )
     p.add_argument("--concurrency", default="1,8,16,64", help="streams at once, comma list")
     p.add_argument("--workloads", default="chat,structured", help="chat and/or structured")
-    p.add_argument("--methods", default="none,ngram,eagle,eagle-remote",
-                   help=f"comma list of {', '.join(METHODS)}")  # fmt: skip
+    p.add_argument(
+        "--methods",
+        default="none,ngram,eagle,eagle-remote",
+        help=f"comma list of {', '.join(METHODS)}",
+    )
     p.add_argument("--rounds", type=int, default=2, help="passes over each cell's prompts")
-    p.add_argument("--min-prompts", type=int, default=4,
-                   help="prompts per cell at least (1 stream: run one after another)")  # fmt: skip
+    p.add_argument(
+        "--min-prompts",
+        type=int,
+        default=4,
+        help="prompts per cell at least (1 stream: run one after another)",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--kv-cache-mib", type=int, default=768)
-    p.add_argument("--cost-profile", action="store_true",
-                   help="instead: step seconds by batch and drafts per sequence (the policy's "
-                        "prior shape)")  # fmt: skip
+    p.add_argument(
+        "--cost-profile",
+        action="store_true",
+        help="instead: step seconds by batch and drafts per sequence (the policy's prior shape)",
+    )
     p.add_argument("--output", default="")

@@ -35,9 +35,14 @@ def run_cost_profile(args: argparse.Namespace) -> int:
 
     batches = [int(c) for c in args.concurrency.split(",")]
     drafts = sorted({0, 1, 2, args.num_speculative_tokens})
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mib << 20,
-              max_num_seqs=max(batches), speculative="ngram",
-              num_speculative_tokens=max(drafts) or 1)  # fmt: skip
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_mib << 20,
+        max_num_seqs=max(batches),
+        speculative="ngram",
+        num_speculative_tokens=max(drafts) or 1,
+    )
     engine, proposer = llm.engine, _FixedDrafts()
     engine.speculator.proposer, engine.speculator.policy = proposer, FixedPolicy(max(drafts))
     params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
@@ -72,8 +77,10 @@ def _report(args: argparse.Namespace, seconds: dict[tuple[int, int], float]) -> 
         rows = batch * (1 + k)
         print(f"| {batch} | {k} | {rows} | {1000 * value:.1f} | {value / unit:.2f} |")
     if args.output:
-        table = [{"batch": b, "drafts": k, "rows": b * (1 + k), "seconds": v}
-                 for (b, k), v in sorted(seconds.items())]  # fmt: skip
+        table = [
+            {"batch": b, "drafts": k, "rows": b * (1 + k), "seconds": v}
+            for (b, k), v in sorted(seconds.items())
+        ]
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps({"cost_profile": table}, indent=1))
     return 0

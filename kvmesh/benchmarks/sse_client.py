@@ -34,16 +34,24 @@ async def post_events(
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     data = orjson.dumps(body)
     host = parts.hostname + (f":{parts.port}" if parts.port else "")  # never the URL's credentials
-    head = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
-            "Accept: text/event-stream", f"Content-Length: {len(data)}", "Connection: close"]  # fmt: skip
+    head = [
+        f"POST {path} HTTP/1.1",
+        f"Host: {host}",
+        "Content-Type: application/json",
+        "Accept: text/event-stream",
+        f"Content-Length: {len(data)}",
+        "Connection: close",
+    ]
     head += [f"{name}: {value}" for name, value in headers.items()]
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
     async with asyncio.timeout(timeout_s):
         transport, _ = await loop.create_connection(
-            lambda: _EventStream(url, done, on_event), parts.hostname, port,
+            lambda: _EventStream(url, done, on_event),
+            parts.hostname,
+            port,
             ssl=True if parts.scheme == "https" else None,
-        )  # fmt: skip
+        )
         try:
             sock = transport.get_extra_info("socket")
             if sock is not None:

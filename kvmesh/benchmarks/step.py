@@ -83,10 +83,15 @@ def measure(engine, concurrency: int, steps: int, prompt_tokens: int) -> dict:
         engine.abort(seq.seq_id)
     while engine.has_unfinished():
         engine.step()
-    for owner, name in ((runner.model, "forward"), (runner.model, "logits"),
-                        (runner.fused, "forward"), (runner.attention, "build_metadata"),
-                        (engine.scheduler, "schedule"), (engine.scheduler, "update"),
-                        (engine, "_check_integrity")):  # fmt: skip
+    for owner, name in (
+        (runner.model, "forward"),
+        (runner.model, "logits"),
+        (runner.fused, "forward"),
+        (runner.attention, "build_metadata"),
+        (engine.scheduler, "schedule"),
+        (engine.scheduler, "update"),
+        (engine, "_check_integrity"),
+    ):
         if owner is not None:
             vars(owner).pop(name, None)
     engine_module.sample_step = sample_step
@@ -178,12 +183,18 @@ def _f32_gemv(engine):
 
 
 # name -> (engine -> switch): switch(True / False) turns it on / off, switch(None) restores
-TOGGLES = {"amx": _amx, "fused": _fused, "linear-kernels": _linear_kernels,
-           "weight-left": _weight_left, "f32-gemv": _f32_gemv}  # fmt: skip
+TOGGLES = {
+    "amx": _amx,
+    "fused": _fused,
+    "linear-kernels": _linear_kernels,
+    "weight-left": _weight_left,
+    "f32-gemv": _f32_gemv,
+}
 
 
-def compare(engine, toggle: str, concurrency: int, rounds: int, block: int,
-            prompt_tokens: int) -> dict:  # fmt: skip
+def compare(
+    engine, toggle: str, concurrency: int, rounds: int, block: int, prompt_tokens: int
+) -> dict:
     """Blocks of `block` steps with `toggle` on, then off, `rounds` times over the same
     requests: median ms per step of each (TOGGLES)."""
     from kvmesh.engine.sampling_params import SamplingParams
@@ -209,8 +220,13 @@ def compare(engine, toggle: str, concurrency: int, rounds: int, block: int,
     while engine.has_unfinished():
         engine.step()
     on, off = (float(np.median(spent[a])) * 1e3 for a in (True, False))
-    return {"streams": concurrency, "compare": toggle, "on_ms": round(on, 3),
-            "off_ms": round(off, 3), "speedup": round(off / on, 3)}  # fmt: skip
+    return {
+        "streams": concurrency,
+        "compare": toggle,
+        "on_ms": round(on, 3),
+        "off_ms": round(off, 3),
+        "speedup": round(off / on, 3),
+    }
 
 
 def run_step_bench(args: argparse.Namespace) -> int:
@@ -218,9 +234,16 @@ def run_step_bench(args: argparse.Namespace) -> int:
     from kvmesh.engine.engine import Engine
 
     run = BenchRun()
-    engine = Engine(EngineConfig.of(model=args.model, dtype=args.dtype, weights=args.weights,
-                                 kv_dtype=args.kv_dtype, max_num_seqs=256,
-                                 attention_backend=args.attention_backend))  # fmt: skip
+    engine = Engine(
+        EngineConfig.of(
+            model=args.model,
+            dtype=args.dtype,
+            weights=args.weights,
+            kv_dtype=args.kv_dtype,
+            max_num_seqs=256,
+            attention_backend=args.attention_backend,
+        )
+    )
     levels = [int(c) for c in args.concurrency.split(",")]
     results = []
     for c in levels:
@@ -229,9 +252,16 @@ def run_step_bench(args: argparse.Namespace) -> int:
         else:
             results.append(measure(engine, c, args.steps, args.prompt_tokens))
         print(results[-1], flush=True)
-    report = {**run.header(), "model": args.model, "dtype": args.dtype, "weights": args.weights,
-              "kv_dtype": args.kv_dtype, "attention_backend": args.attention_backend,
-              "levels": results, **run.footer()}  # fmt: skip
+    report = {
+        **run.header(),
+        "model": args.model,
+        "dtype": args.dtype,
+        "weights": args.weights,
+        "kv_dtype": args.kv_dtype,
+        "attention_backend": args.attention_backend,
+        "levels": results,
+        **run.footer(),
+    }
     write_report(report, args.output)
     return 0
 

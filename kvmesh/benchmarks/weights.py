@@ -32,11 +32,15 @@ CONFIGS: dict[str, dict] = {
     "bf16": {"dtype": "bf16"},
     "int4": {"dtype": "bf16", "weights": "int4"},
     "int4+emb": {"dtype": "bf16", "weights": "int4", "int4_embeddings": True},
-    "int4-g64+emb": {"dtype": "bf16", "weights": "int4", "int4_group_size": 64,
-                     "int4_embeddings": True},
+    "int4-g64+emb": {
+        "dtype": "bf16",
+        "weights": "int4",
+        "int4_group_size": 64,
+        "int4_embeddings": True,
+    },
     # not in the default run: INT4 with fp32 activations (BF16 KV, to pair with bf16 prefill)
     "int4-fp32act": {"dtype": "fp32", "weights": "int4", "kv_dtype": "bf16"},
-}  # fmt: skip
+}
 DEFAULT_CONFIGS = ("fp32", "bf16", "int4", "int4+emb", "int4-g64+emb")
 
 
@@ -114,13 +118,26 @@ def load_engines(args) -> tuple[dict, list[MemoryRow]]:
     engines, rows = {}, []
     for name in args.configs.split(","):
         start = time.perf_counter()
-        engines[name] = Engine(EngineConfig.of(model=args.model, kv_cache_bytes=args.kv_cache_bytes,
-                                            max_num_seqs=args.max_num_seqs, **CONFIGS[name]))  # fmt: skip
-        rows.append(MemoryRow(name, engines[name].runner.model.weight_bytes, 0.0,
-                              round(time.perf_counter() - start, 1)))  # fmt: skip
+        engines[name] = Engine(
+            EngineConfig.of(
+                model=args.model,
+                kv_cache_bytes=args.kv_cache_bytes,
+                max_num_seqs=args.max_num_seqs,
+                **CONFIGS[name],
+            )
+        )
+        rows.append(
+            MemoryRow(
+                name,
+                engines[name].runner.model.weight_bytes,
+                0.0,
+                round(time.perf_counter() - start, 1),
+            )
+        )
     base = next((r.weight_bytes for r in rows if r.config == "bf16"), rows[0].weight_bytes)
-    rows = [MemoryRow(r.config, r.weight_bytes, round(r.weight_bytes / base, 3), r.load_s)
-            for r in rows]  # fmt: skip
+    rows = [
+        MemoryRow(r.config, r.weight_bytes, round(r.weight_bytes / base, 3), r.load_s) for r in rows
+    ]
     for row in rows:
         print(json.dumps(asdict(row)), flush=True)
     return engines, rows
@@ -166,8 +183,14 @@ def run_weights_bench(args: argparse.Namespace) -> int:
     speed = bench_prefill(args, engines, tokenizer) + bench_speed(args, engines, tokenizer)
     gc.collect()
     pairs = quality_pairs(list(engines))
-    quality, text_tokens = bench_quality(engines, pairs, tokenizer,
-                            Path(args.text).read_text(), args.text_tokens, args.quality_tokens)  # fmt: skip
+    quality, text_tokens = bench_quality(
+        engines,
+        pairs,
+        tokenizer,
+        Path(args.text).read_text(),
+        args.text_tokens,
+        args.quality_tokens,
+    )
     report = {
         **run.header(),
         "model": args.model,
@@ -198,15 +221,26 @@ def markdown(report: dict) -> str:
     out = [
         f"{r['date']} {r['machine']}, torch {r['torch']} ({r['torch_threads']} threads), "
         f"model {r['model']}; `{r['command']}`\n",
-        _line("weights", "weight bytes", "vs bf16", "load s",
-              *(title.get(c, f"decode tok/s @{c} (vs bf16)") for c in levels)),
+        _line(
+            "weights",
+            "weight bytes",
+            "vs bf16",
+            "load s",
+            *(title.get(c, f"decode tok/s @{c} (vs bf16)") for c in levels),
+        ),
         _line("---", "---:", "---:", "---:", *("---:" for _ in levels)),
-    ]  # fmt: skip
+    ]
     for m in r["memory"]:
         speeds = {s["concurrency"]: s for s in r["speed"] if s["config"] == m["config"]}
-        out.append(_line(m["config"], f"{m['weight_bytes']:,}", f"**{m['vs_bf16']}x**",
-                         m["load_s"], *(f"{speeds[c]['decode_tok_s']} (**{speeds[c]['vs_bf16']}x**)"
-                                        for c in levels)))  # fmt: skip
+        out.append(
+            _line(
+                m["config"],
+                f"{m['weight_bytes']:,}",
+                f"**{m['vs_bf16']}x**",
+                m["load_s"],
+                *(f"{speeds[c]['decode_tok_s']} (**{speeds[c]['vs_bf16']}x**)" for c in levels),
+            )
+        )
     ref = r["quality_reference"]
     out += [
         f"\nQuality: perplexity of tokens {r['text_tokens'] // 2 + 1}..{r['text_tokens'] - 1} of "
@@ -216,9 +250,16 @@ def markdown(report: dict) -> str:
         _line("---", "---", "---:", "---:", "---:", "---"),
     ]
     for q in r["quality"]:
-        out.append(_line(q["prefill"], q["decode"], f"{q['perplexity']:.3f}",
-                         f"{100 * q['ppl_vs_reference']:+.2f} %", q["greedy_mean"],
-                         ", ".join(map(str, q["greedy_prefix"]))))  # fmt: skip
+        out.append(
+            _line(
+                q["prefill"],
+                q["decode"],
+                f"{q['perplexity']:.3f}",
+                f"{100 * q['ppl_vs_reference']:+.2f} %",
+                q["greedy_mean"],
+                ", ".join(map(str, q["greedy_prefix"])),
+            )
+        )
     return "\n".join(out)
 
 
@@ -227,8 +268,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {list(CONFIGS)}")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--prefill-tokens", type=int, default=2000,
-                        help="one prompt this long, prefilled per configuration (0: skip)")  # fmt: skip
+    parser.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=2000,
+        help="one prompt this long, prefilled per configuration (0: skip)",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--kv-cache-bytes", type=int, default=320 << 20)

@@ -49,8 +49,11 @@ def split_logits(prefill, decode, ids: list[int], context: int):
             raise RuntimeError("the text does not fit in the decode engine's pages")
         try:
             first = ChunkPlan(head.seq_id, 0, context, True)
-            prefill.runner.score(StepPlan.one_shot(head.seq_id, head.token_ids,
-                                                   head.block_table, head.page_tags, first))  # fmt: skip
+            prefill.runner.score(
+                StepPlan.one_shot(
+                    head.seq_id, head.token_ids, head.block_table, head.page_tags, first
+                )
+            )
             pages = len(head.block_table)
             _copy_pages(prefill, head.block_table, decode, whole.block_table[:pages])
             rest = ChunkPlan(whole.seq_id, context, len(ids) - context, True)
@@ -110,8 +113,14 @@ def _copy_pages(src, src_pages: list[int], dst, dst_pages: list[int]) -> None:
     dst.kv_cache.pool[dst_pages] = src.kv_cache.pool[src_pages]
 
 
-def bench_quality(engines: dict, pairs: list[tuple[str, str]], tokenizer, text: str,
-                  text_tokens: int, max_tokens: int) -> tuple[list[QualityRow], int]:  # fmt: skip
+def bench_quality(
+    engines: dict,
+    pairs: list[tuple[str, str]],
+    tokenizer,
+    text: str,
+    text_tokens: int,
+    max_tokens: int,
+) -> tuple[list[QualityRow], int]:
     """One row per (prefill, decode) pair of engine names, and the number of text tokens used.
     The first pair is the reference the rows are compared with (fp32 in the full run)."""
     import torch
@@ -133,7 +142,15 @@ def bench_quality(engines: dict, pairs: list[tuple[str, str]], tokenizer, text: 
         if ref_ppl is None:
             ref_ppl, ref_tokens = ppl, tokens
         prefix = tuple(common_prefix(a, b) for a, b in zip(tokens, ref_tokens, strict=True))
-        rows.append(QualityRow(p, d, round(ppl, 4), round(ppl / ref_ppl - 1, 5), prefix,
-                               round(sum(prefix) / len(prefix), 1)))  # fmt: skip
+        rows.append(
+            QualityRow(
+                p,
+                d,
+                round(ppl, 4),
+                round(ppl / ref_ppl - 1, 5),
+                prefix,
+                round(sum(prefix) / len(prefix), 1),
+            )
+        )
         print(json.dumps(asdict(rows[-1])), flush=True)
     return rows, len(ids)

@@ -48,19 +48,34 @@ class LoadConfig:
     """What is loaded, and in which precision."""
 
     model: str = knob(DEFAULT_MODEL, "alias, .gguf file or HF safetensors folder")
-    dtype: str = knob("auto", "activations and dense weights (auto: bf16 with --weights int4, "
-                      "else fp32)", choices=("auto", *DTYPES))  # fmt: skip
-    weights: str = knob("auto", "weight precision (auto: --dtype; int4: group-wise INT4, "
-                        "activations in --dtype; with --dtype fp32 the CPU kernel is several "
-                        "times slower than with bf16)", choices=WEIGHTS)  # fmt: skip
-    int4_group_size: int = knob(0, "INT4 group size (auto: a GGUF's own Q4 blocks as they are, "
-                                "else 32; regrouping GGUF blocks requantizes them)",
-                                choices=INT4_GROUPS, parse=_int4_group,
-                                metavar="auto|32|64|128")  # fmt: skip
-    int4_embeddings: bool = knob(False, "INT4 token embedding and LM head too (default off: "
-                                 "they keep --dtype)", style="on_off")  # fmt: skip
-    max_model_len: int | None = knob(None, "context length (default: the model's)", parse=int,
-                                     bounds=(2, None))  # fmt: skip
+    dtype: str = knob(
+        "auto",
+        "activations and dense weights (auto: bf16 with --weights int4, else fp32)",
+        choices=("auto", *DTYPES),
+    )
+    weights: str = knob(
+        "auto",
+        "weight precision (auto: --dtype; int4: group-wise INT4, "
+        "activations in --dtype; with --dtype fp32 the CPU kernel is several "
+        "times slower than with bf16)",
+        choices=WEIGHTS,
+    )
+    int4_group_size: int = knob(
+        0,
+        "INT4 group size (auto: a GGUF's own Q4 blocks as they are, "
+        "else 32; regrouping GGUF blocks requantizes them)",
+        choices=INT4_GROUPS,
+        parse=_int4_group,
+        metavar="auto|32|64|128",
+    )
+    int4_embeddings: bool = knob(
+        False,
+        "INT4 token embedding and LM head too (default off: they keep --dtype)",
+        style="on_off",
+    )
+    max_model_len: int | None = knob(
+        None, "context length (default: the model's)", parse=int, bounds=(2, None)
+    )
     seed: int = knob(0, "the engine's random seed (sampling without a per-request seed)")
 
     def __post_init__(self) -> None:
@@ -86,8 +101,11 @@ class CacheConfig:
     """The KV page pool: page size, storage format, budget, and the pages' integrity check."""
 
     page_size: int = knob(16, "tokens per KV page (a power of two)", bounds=(1, 4096))
-    kv_dtype: str = knob("auto", "KV page storage (auto: the model dtype; fp8_e4m3: half of "
-                         "BF16's bytes)", choices=("auto", *KV_DTYPES))  # fmt: skip
+    kv_dtype: str = knob(
+        "auto",
+        "KV page storage (auto: the model dtype; fp8_e4m3: half of BF16's bytes)",
+        choices=("auto", *KV_DTYPES),
+    )
     kv_cache_bytes: int = knob(
         512 << 20,
         "KV page pool budget, e.g. 256MiB or 2GiB (default 512MiB)",
@@ -96,19 +114,30 @@ class CacheConfig:
         metavar="SIZE",
         aliases=(Alias("--kv-cache-mib", lambda mib: int(mib) << 20, "the same budget in MiB"),),
     )
-    num_pages: int | None = knob(None, "KV pages (default: as many as --kv-cache-memory holds)",
-                                 parse=int, bounds=(1, None))  # fmt: skip
-    kv_hugepages: bool = knob(False, "the KV page pool on 2 MiB hugepages (reserved beforehand: "
-                              "sysctl vm.nr_hugepages, a pod's hugepages-2Mi); fewer pages for an "
-                              "RDMA NIC to map", style="on_off")  # fmt: skip
-    kv_integrity: bool = knob(True, "check every KV page's integrity tag before each step",
-                              style="on_off")  # fmt: skip
-    kv_integrity_action: str = knob("recompute", "a request holding a page that fails its tag: "
-                                    "recompute its KV from its tokens and go on (the output "
-                                    "equals a fault-free run), or abort it with a kv_integrity "
-                                    "error", choices=("recompute", "abort"))  # fmt: skip
-    enable_prefix_caching: bool = knob(True, "reuse cached pages of a shared prompt prefix",
-                                       style="on_off")  # fmt: skip
+    num_pages: int | None = knob(
+        None, "KV pages (default: as many as --kv-cache-memory holds)", parse=int, bounds=(1, None)
+    )
+    kv_hugepages: bool = knob(
+        False,
+        "the KV page pool on 2 MiB hugepages (reserved beforehand: "
+        "sysctl vm.nr_hugepages, a pod's hugepages-2Mi); fewer pages for an "
+        "RDMA NIC to map",
+        style="on_off",
+    )
+    kv_integrity: bool = knob(
+        True, "check every KV page's integrity tag before each step", style="on_off"
+    )
+    kv_integrity_action: str = knob(
+        "recompute",
+        "a request holding a page that fails its tag: "
+        "recompute its KV from its tokens and go on (the output "
+        "equals a fault-free run), or abort it with a kv_integrity "
+        "error",
+        choices=("recompute", "abort"),
+    )
+    enable_prefix_caching: bool = knob(
+        True, "reuse cached pages of a shared prompt prefix", style="on_off"
+    )
 
     def __post_init__(self) -> None:
         check(self)
@@ -124,8 +153,9 @@ class SchedulerConfig:
     """Batching limits of a step."""
 
     max_num_seqs: int = knob(64, "sequences in a step at most", bounds=(1, None))
-    max_num_batched_tokens: int = knob(1024, "tokens in a step at most (prefill chunks)",
-                                       bounds=(1, None))  # fmt: skip
+    max_num_batched_tokens: int = knob(
+        1024, "tokens in a step at most (prefill chunks)", bounds=(1, None)
+    )
 
     def __post_init__(self) -> None:
         check(self)
@@ -133,13 +163,20 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    speculative: str = knob("none", "speculative decoding: n-gram prompt lookup or the EAGLE "
-                            "draft head", choices=SPECULATIVE)  # fmt: skip
-    num_speculative_tokens: int = knob(4, "drafts per step (at most, when adaptive)",
-                                       bounds=(1, 16))  # fmt: skip
-    speculative_policy: str = knob("adaptive", "draft lengths per step from measured acceptance "
-                                   "and step costs, or always --num-speculative-tokens",
-                                   choices=SPEC_POLICIES)  # fmt: skip
+    speculative: str = knob(
+        "none",
+        "speculative decoding: n-gram prompt lookup or the EAGLE draft head",
+        choices=SPECULATIVE,
+    )
+    num_speculative_tokens: int = knob(
+        4, "drafts per step (at most, when adaptive)", bounds=(1, 16)
+    )
+    speculative_policy: str = knob(
+        "adaptive",
+        "draft lengths per step from measured acceptance "
+        "and step costs, or always --num-speculative-tokens",
+        choices=SPEC_POLICIES,
+    )
     draft_model: str = knob("", "EAGLE head file (default: the shipped one)")
 
     def __post_init__(self) -> None:
@@ -148,17 +185,26 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = knob(1, "rank processes the model's layers are split over "
-                                     "(their sums through shared memory on one host)",
-                                     bounds=(1, 8))  # fmt: skip
-    pipeline_parallel_size: int = knob(1, "stages of contiguous layers, each of "
-                                       "--tensor-parallel-size ranks", bounds=(1, 8))  # fmt: skip
-    enable_expert_parallel: bool = knob(False, "MoE: each rank holds whole experts (a share of "
-                                        "them) instead of a slice of every expert",
-                                        style="switch")  # fmt: skip
+    tensor_parallel_size: int = knob(
+        1,
+        "rank processes the model's layers are split over "
+        "(their sums through shared memory on one host)",
+        bounds=(1, 8),
+    )
+    pipeline_parallel_size: int = knob(
+        1, "stages of contiguous layers, each of --tensor-parallel-size ranks", bounds=(1, 8)
+    )
+    enable_expert_parallel: bool = knob(
+        False,
+        "MoE: each rank holds whole experts (a share of them) instead of a slice of every expert",
+        style="switch",
+    )
     # 1 by default: on 2 cores the groups' extra passes cost more than their overlap gives
-    pipeline_micro_batches: int = knob(1, "a step's rows through the pipeline stages in this "
-                                       "many groups (0: one per stage)", bounds=(0, 64))  # fmt: skip
+    pipeline_micro_batches: int = knob(
+        1,
+        "a step's rows through the pipeline stages in this many groups (0: one per stage)",
+        bounds=(0, 64),
+    )
 
     def __post_init__(self) -> None:
         check(self)
@@ -183,11 +229,18 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = knob("cpu", "where the engine runs", choices=DEVICES)
-    attention_backend: str = knob("auto", "attention kernels (auto: the paged CPU kernels where "
-                                  "they build, else torch)", choices=ATTENTION_BACKENDS)  # fmt: skip
-    decode_step: str = knob("fused", "fused: decode-only steps of dense GQA models as one C++ op "
-                            "(the eager bits; other models run eager); compiled: torch.compile "
-                            "them (opt-in; see docs/benchmarks.md)", choices=DECODE_STEPS)  # fmt: skip
+    attention_backend: str = knob(
+        "auto",
+        "attention kernels (auto: the paged CPU kernels where they build, else torch)",
+        choices=ATTENTION_BACKENDS,
+    )
+    decode_step: str = knob(
+        "fused",
+        "fused: decode-only steps of dense GQA models as one C++ op "
+        "(the eager bits; other models run eager); compiled: torch.compile "
+        "them (opt-in; see docs/benchmarks.md)",
+        choices=DECODE_STEPS,
+    )
 
     def __post_init__(self) -> None:
         check(self)

@@ -55,8 +55,9 @@ def add_flags(
         group.add_argument(spec.flag_of(f.name), dest=f.name, **argument)
         for alias in spec.aliases:
             metavar = alias.flag.rsplit("-", 1)[-1].upper()  # --kv-cache-mib: MIB
-            group.add_argument(alias.flag, dest=f.name, type=_typed(alias.parse), help=alias.help,
-                               metavar=metavar)  # fmt: skip
+            group.add_argument(
+                alias.flag, dest=f.name, type=_typed(alias.parse), help=alias.help, metavar=metavar
+            )
 
 
 def _argument(default: Any, spec: Knob, declared: Any) -> dict[str, Any]:

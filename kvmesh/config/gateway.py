@@ -34,9 +34,13 @@ class GatewayService(Placement):
 class RoutingConfig:
     routing: str = knob("cache-aware", ROUTING_HELP, choices=ROUTINGS)
     session_ttl: int = knob(600, "x-session-affinity TTL (s)", bounds=(1, None))
-    affinity_max_load_ratio: float = knob(2.0, "affinity yields when the pinned worker's load "
-                                          "exceeds this many times the least loaded one's, plus "
-                                          "--affinity-slack-tokens", bounds=(1, None))  # fmt: skip
+    affinity_max_load_ratio: float = knob(
+        2.0,
+        "affinity yields when the pinned worker's load "
+        "exceeds this many times the least loaded one's, plus "
+        "--affinity-slack-tokens",
+        bounds=(1, None),
+    )
     affinity_slack_tokens: int = knob(2048, "see --affinity-max-load-ratio", bounds=(0, None))
 
     def __post_init__(self) -> None:
@@ -48,17 +52,24 @@ class RequestLimits:
     """What one request may ask for: above a limit it is refused (400, or 413 for the body)
     with a message naming the limit."""
 
-    max_body_bytes: int = knob(4 << 20, "larger request bodies get 413",
-                               flag="--max-request-body-bytes", bounds=(1, None))  # fmt: skip
-    max_prompt_tokens: int = knob(0, "longer prompts get 400 (0: the model's context length)",
-                                  bounds=(0, None))  # fmt: skip
-    max_output_tokens: int = knob(0, "a larger max_tokens gets 400 (0: only the context length)",
-                                  bounds=(0, None))  # fmt: skip
+    max_body_bytes: int = knob(
+        4 << 20, "larger request bodies get 413", flag="--max-request-body-bytes", bounds=(1, None)
+    )
+    max_prompt_tokens: int = knob(
+        0, "longer prompts get 400 (0: the model's context length)", bounds=(0, None)
+    )
+    max_output_tokens: int = knob(
+        0, "a larger max_tokens gets 400 (0: only the context length)", bounds=(0, None)
+    )
     max_n: int = knob(16, "choices per request (n)", bounds=(1, None))
     # agents send 32k-64k whatever the model; llama.cpp clamps too, vLLM refuses
-    max_tokens_policy: str = knob("clamp", "a max_tokens beyond what the context leaves: clamped "
-                                  "to it (x-kvmesh-max-tokens-clamped says so) or refused with "
-                                  "400", choices=MAX_TOKENS_POLICIES)  # fmt: skip
+    max_tokens_policy: str = knob(
+        "clamp",
+        "a max_tokens beyond what the context leaves: clamped "
+        "to it (x-kvmesh-max-tokens-clamped says so) or refused with "
+        "400",
+        choices=MAX_TOKENS_POLICIES,
+    )
 
     def __post_init__(self) -> None:
         check(self)
@@ -80,12 +91,17 @@ class RequestLimits:
 
 @dataclass(frozen=True)
 class StreamConfig:
-    migration_limit: int = knob(3, "times a stream may move to another decode worker after its "
-                                "own died mid-stream (0: the client gets the error)",
-                                bounds=(0, None))  # fmt: skip
-    max_inflight_requests: int = knob(1024, "sequences the gateway streams at once; past it: "
-                                      "429 with Retry-After (0: no bound)",
-                                      bounds=(0, None))  # fmt: skip
+    migration_limit: int = knob(
+        3,
+        "times a stream may move to another decode worker after its "
+        "own died mid-stream (0: the client gets the error)",
+        bounds=(0, None),
+    )
+    max_inflight_requests: int = knob(
+        1024,
+        "sequences the gateway streams at once; past it: 429 with Retry-After (0: no bound)",
+        bounds=(0, None),
+    )
 
     def __post_init__(self) -> None:
         check(self)
@@ -96,17 +112,30 @@ class ApiConfig:
     """What clients see: the model, its names, its tool-call format, the keys they need."""
 
     model: str = knob(DEFAULT_MODEL, "the mesh's model (alias, .gguf file or HF folder)")
-    tool_call_parser: str = knob("", "the format of the model's tool calls (default: chosen "
-                                 "from its chat template)")  # fmt: skip
-    served_model_name: tuple[str, ...] = knob((), "a model id clients may ask for; repeatable, "
-                                              "the first is listed first (default: the model's "
-                                              "own name)", style="append", metavar="NAME")  # fmt: skip
-    any_model: bool = knob(False, "answer any model id with the served model (a single-model "
-                           "mesh: agents that name their own models work unchanged)",
-                           style="switch")  # fmt: skip
-    api_key: tuple[str, ...] = knob((), "a key clients must send (Authorization: Bearer KEY, or "
-                                    "x-api-key); repeatable (default: no keys)", style="append",
-                                    metavar="KEY")  # fmt: skip
+    tool_call_parser: str = knob(
+        "", "the format of the model's tool calls (default: chosen from its chat template)"
+    )
+    served_model_name: tuple[str, ...] = knob(
+        (),
+        "a model id clients may ask for; repeatable, "
+        "the first is listed first (default: the model's "
+        "own name)",
+        style="append",
+        metavar="NAME",
+    )
+    any_model: bool = knob(
+        False,
+        "answer any model id with the served model (a single-model "
+        "mesh: agents that name their own models work unchanged)",
+        style="switch",
+    )
+    api_key: tuple[str, ...] = knob(
+        (),
+        "a key clients must send (Authorization: Bearer KEY, or "
+        "x-api-key); repeatable (default: no keys)",
+        style="append",
+        metavar="KEY",
+    )
     api_keys_file: str = knob("", "keys, one per line (# comments)", metavar="PATH")
 
 

@@ -20,14 +20,19 @@ class ServiceConfig(Placement):
     """Where a worker runs and registers (`kvmesh up` fills these in for its children)."""
 
     worker_id: str = knob("", "this worker's name in etcd (default: role and a random suffix)")
-    advertise_host: str = knob("", "address peers dial, in the etcd registration and the "
-                               "transfer engine's session (default: --host)")  # fmt: skip
+    advertise_host: str = knob(
+        "",
+        "address peers dial, in the etcd registration and the "
+        "transfer engine's session (default: --host)",
+    )
     port: int = knob(0, "gRPC port (0: a free one)", bounds=(0, 65535))
     metrics_port: int = knob(0, "Prometheus port (0: a free one)", bounds=(0, 65535))
-    delivery_port: int = knob(0, "decode: the delivery socket's port (0: a free one)",
-                              bounds=(0, 65535))  # fmt: skip
-    lease_ttl: int = knob(5, "seconds the etcd registration outlives a silent worker",
-                          bounds=(1, 300))  # fmt: skip
+    delivery_port: int = knob(
+        0, "decode: the delivery socket's port (0: a free one)", bounds=(0, 65535)
+    )
+    lease_ttl: int = knob(
+        5, "seconds the etcd registration outlives a silent worker", bounds=(1, 300)
+    )
 
     def __post_init__(self) -> None:
         check(self)
@@ -37,21 +42,37 @@ class ServiceConfig(Placement):
 class ServingConfig:
     """How a worker takes requests and moves pages."""
 
-    max_queued_requests: int = knob(256, "requests a worker holds at once (running, waiting, "
-                                    "prefilling); past it a request is refused as overloaded and "
-                                    "the gateway tries another worker or answers 429 (0: no "
-                                    "bound)", bounds=(0, None))  # fmt: skip
-    drain_timeout: float = knob(30.0, "on SIGTERM: seconds the requests in flight get to "
-                                "finish (the rest migrate)", bounds=(0, None))  # fmt: skip
-    local_prefill_tokens: int = knob(0, "decode prefills prompts up to this many tokens itself",
-                                     bounds=(0, None))  # fmt: skip
-    draft: str = knob("local", "EAGLE head in the decode process, or on the draft service "
-                      "found in etcd", choices=("local", "remote"))  # fmt: skip
+    max_queued_requests: int = knob(
+        256,
+        "requests a worker holds at once (running, waiting, "
+        "prefilling); past it a request is refused as overloaded and "
+        "the gateway tries another worker or answers 429 (0: no "
+        "bound)",
+        bounds=(0, None),
+    )
+    drain_timeout: float = knob(
+        30.0,
+        "on SIGTERM: seconds the requests in flight get to finish (the rest migrate)",
+        bounds=(0, None),
+    )
+    local_prefill_tokens: int = knob(
+        0, "decode prefills prompts up to this many tokens itself", bounds=(0, None)
+    )
+    draft: str = knob(
+        "local",
+        "EAGLE head in the decode process, or on the draft service found in etcd",
+        choices=("local", "remote"),
+    )
     protocol: str = knob("tcp", "transfer engine protocol", choices=PROTOCOLS)
-    rdma_devices: str = knob("", "--protocol rdma: the RDMA NICs to use, e.g. mlx5_0,mlx5_1 "
-                             "(default: the transfer engine finds them)", metavar="NICS")  # fmt: skip
-    use_kvstore: bool = knob(True, "pull/push pages from/to a KV store registered in etcd, if "
-                             "any", style="on_off")  # fmt: skip
+    rdma_devices: str = knob(
+        "",
+        "--protocol rdma: the RDMA NICs to use, e.g. mlx5_0,mlx5_1 "
+        "(default: the transfer engine finds them)",
+        metavar="NICS",
+    )
+    use_kvstore: bool = knob(
+        True, "pull/push pages from/to a KV store registered in etcd, if any", style="on_off"
+    )
 
     def __post_init__(self) -> None:
         check(self)

@@ -81,8 +81,10 @@ def build_base_os() -> None:
     if _exists(BASE_OS):
         return
     with tempfile.TemporaryDirectory(prefix="kvmesh-rootfs-") as rootfs:
-        _run(["debootstrap", "--variant=minbase", f"--include={PACKAGES}", SUITE, rootfs,
-              _mirror()], stdout=subprocess.DEVNULL)  # fmt: skip
+        _run(
+            ["debootstrap", "--variant=minbase", f"--include={PACKAGES}", SUITE, rootfs, _mirror()],
+            stdout=subprocess.DEVNULL,
+        )
         shutil.rmtree(Path(rootfs) / "var/cache/apt/archives", ignore_errors=True)
         tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
         _run(["podman", "import", "-", BASE_OS], stdin=tar.stdout, stdout=subprocess.DEVNULL)
@@ -99,19 +101,43 @@ def build_base() -> None:
     if Path(CA_BUNDLE).is_file():  # the host's bundle (it may hold a local CA) for pip only
         mounts.append(f"--volume={CA_BUNDLE}:{CA_BUNDLE}:ro")
     if links := os.environ.get("PIP_FIND_LINKS"):  # e.g. a directory holding the CPU torch wheel
-        mounts += [f"--build-arg=PIP_FIND_LINKS={links}",
-                   *(f"--volume={p}:{p}:ro" for p in links.split() if Path(p).is_dir())]  # fmt: skip
-    _run(["podman", "build", "--format=docker", "--network=host", *mounts,
-          f"--build-arg=BASE_OS={BASE_OS}", "-f", str(IMAGES / "base.Containerfile"),
-          "-t", BASE, str(WORK)])  # fmt: skip
+        mounts += [
+            f"--build-arg=PIP_FIND_LINKS={links}",
+            *(f"--volume={p}:{p}:ro" for p in links.split() if Path(p).is_dir()),
+        ]
+    _run(
+        [
+            "podman",
+            "build",
+            "--format=docker",
+            "--network=host",
+            *mounts,
+            f"--build-arg=BASE_OS={BASE_OS}",
+            "-f",
+            str(IMAGES / "base.Containerfile"),
+            "-t",
+            BASE,
+            str(WORK),
+        ]
+    )
 
 
 def build(names: list[str]) -> None:
     build_base_os()
     build_base()
     for name in names:
-        _run(["podman", "build", "--format=docker",  # (docker format: it keeps HEALTHCHECK)
-              "-f", str(IMAGES / f"{name}.Containerfile"), "-t", image(name), str(WORK)])  # fmt: skip
+        _run(
+            [
+                "podman",
+                "build",
+                "--format=docker",  # (docker format: it keeps HEALTHCHECK)
+                "-f",
+                str(IMAGES / f"{name}.Containerfile"),
+                "-t",
+                image(name),
+                str(WORK),
+            ]
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

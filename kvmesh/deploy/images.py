@@ -36,16 +36,20 @@ RUN /opt/kvmesh/bin/pip install -q /tmp/dist/kvmesh-*.whl \\
 def _healthcheck(svc: Service) -> str:
     port = next(iter(svc.ports.values()))
     kind = {"http": "http", "grpc": "grpc"}.get(svc.probe, "tcp")
-    return (f'HEALTHCHECK --interval=10s --timeout=5s --start-period=600s --retries=3 \\\n'
-            f'  CMD ["python", "-m", "kvmesh.deploy.probe", "{kind}", "{port}"]\n')  # fmt: skip
+    return (
+        f"HEALTHCHECK --interval=10s --timeout=5s --start-period=600s --retries=3 \\\n"
+        f'  CMD ["python", "-m", "kvmesh.deploy.probe", "{kind}", "{port}"]\n'
+    )
 
 
 def containerfile(svc: Service) -> str:
     entry = ", ".join(f'"{part}"' for part in (*svc.command, *svc.image_flags))
     ports = " ".join(str(p) for p in svc.ports.values())
-    return (f"{HEADER}FROM localhost/kvmesh-base:latest\nUSER {USER_ID}:{USER_ID}\n"
-            f"VOLUME {MODEL_DIR}\nEXPOSE {ports}\n{_healthcheck(svc)}"
-            f"ENTRYPOINT [{entry}]\n")  # fmt: skip
+    return (
+        f"{HEADER}FROM localhost/kvmesh-base:latest\nUSER {USER_ID}:{USER_ID}\n"
+        f"VOLUME {MODEL_DIR}\nEXPOSE {ports}\n{_healthcheck(svc)}"
+        f"ENTRYPOINT [{entry}]\n"
+    )
 
 
 def files() -> dict[str, str]:

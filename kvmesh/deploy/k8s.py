@@ -66,7 +66,7 @@ def _container(svc: Service, args: list[str] | None = None) -> Manifest:
         "volumeMounts": [
             {"name": "models", "mountPath": MODEL_DIR},
             {"name": "tmp", "mountPath": "/tmp"},
-        ],  # fmt: skip
+        ],
     }
 
 
@@ -86,7 +86,7 @@ def _pod(svc: Service, container: Manifest) -> Manifest:
             "containers": [container],
             "volumes": [{"name": "models", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}],
         },
-    }  # fmt: skip
+    }
 
 
 def deployment(name: str, replicas: int = 1) -> Manifest:
@@ -101,7 +101,7 @@ def deployment(name: str, replicas: int = 1) -> Manifest:
             "strategy": {
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
-            },  # fmt: skip
+            },
             "template": _pod(svc, _container(svc)),
         },
     }
@@ -115,8 +115,12 @@ def cluster_service(name: str, headless: bool = False) -> Manifest:
     }
     if headless:
         spec = {"clusterIP": "None", "publishNotReadyAddresses": True, **spec}
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": name, "labels": {LABEL: name, **PART_OF}}, "spec": spec}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": {LABEL: name, **PART_OF}},
+        "spec": spec,
+    }
 
 
 def etcd_statefulset(replicas: int = 1) -> Manifest:
@@ -150,13 +154,17 @@ def etcd_statefulset(replicas: int = 1) -> Manifest:
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": {LABEL: "etcd"}},
             "template": pod,
-            "volumeClaimTemplates": [{
-                "metadata": {"name": "data"},
-                "spec": {"accessModes": ["ReadWriteOnce"],
-                         "resources": {"requests": {"storage": "1Gi"}}},
-            }],
+            "volumeClaimTemplates": [
+                {
+                    "metadata": {"name": "data"},
+                    "spec": {
+                        "accessModes": ["ReadWriteOnce"],
+                        "resources": {"requests": {"storage": "1Gi"}},
+                    },
+                }
+            ],
         },
-    }  # fmt: skip
+    }
 
 
 def mooncake_master() -> list[Manifest]:

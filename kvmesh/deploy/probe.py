@@ -34,8 +34,9 @@ def ready(kind: str, port: int, at: str | None = None) -> bool:
         if kind == "http":
             context = _ssl_context()
             scheme = "https" if context else "http"
-            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
-                                                 urllib.request.HTTPSHandler(context=context))  # fmt: skip
+            opener = urllib.request.build_opener(
+                urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context)
+            )
             with opener.open(f"{scheme}://{address}:{port}/health", timeout=TIMEOUT_S) as resp:
                 return resp.status == 200
         with socket.create_connection((address, port), timeout=TIMEOUT_S):

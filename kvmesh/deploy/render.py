@@ -29,19 +29,43 @@ def rendered() -> dict[str, str]:
     out.update({f"k8s/base/{name}": _yaml(docs) for name, docs in base.items()})
     out["k8s/base/kustomization.yaml"] = _kustomization(sorted(base))
     out["k8s/components/mooncake-store/mooncake-master.yaml"] = _yaml(k8s.mooncake_master())
-    store_args = [{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": v}
-                  for v in ("--backend", "mooncake", "--mooncake-master",
-                            f"mooncake-master:{MASTER_PORT}")]  # fmt: skip
+    store_args = [
+        {"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": v}
+        for v in ("--backend", "mooncake", "--mooncake-master", f"mooncake-master:{MASTER_PORT}")
+    ]
     out["k8s/components/mooncake-store/kustomization.yaml"] = _kustomization(
-        ["mooncake-master.yaml"], kind="Component",
-        patches=[{"target": {"kind": "Deployment", "name": "kvstore"},
-                  "patch": yaml.safe_dump(store_args, sort_keys=False)}],
-    )  # fmt: skip
+        ["mooncake-master.yaml"],
+        kind="Component",
+        patches=[
+            {
+                "target": {"kind": "Deployment", "name": "kvstore"},
+                "patch": yaml.safe_dump(store_args, sort_keys=False),
+            }
+        ],
+    )
     etcd = k8s.etcd_statefulset(replicas=3)
-    out["k8s/overlays/production/etcd-members.yaml"] = _yaml([{
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "etcd"},
-        "spec": {"replicas": 3, "template": {"spec": {"containers": [
-            {"name": "kvmesh", "args": etcd["spec"]["template"]["spec"]["containers"][0]["args"]}
-        ]}}},
-    }])  # fmt: skip
+    out["k8s/overlays/production/etcd-members.yaml"] = _yaml(
+        [
+            {
+                "apiVersion": "apps/v1",
+                "kind": "StatefulSet",
+                "metadata": {"name": "etcd"},
+                "spec": {
+                    "replicas": 3,
+                    "template": {
+                        "spec": {
+                            "containers": [
+                                {
+                                    "name": "kvmesh",
+                                    "args": etcd["spec"]["template"]["spec"]["containers"][0][
+                                        "args"
+                                    ],
+                                }
+                            ]
+                        }
+                    },
+                },
+            }
+        ]
+    )
     return out

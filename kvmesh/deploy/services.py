@@ -40,9 +40,17 @@ def _serve(role: str, *args: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def _worker(role: str) -> Service:
-    command, args = _serve(role, "--model", MODEL, "--port", str(GRPC_PORT),
-                           "--metrics-port", str(METRICS_PORT),
-                           "--drain-timeout", str(DRAIN_TIMEOUT_S))  # fmt: skip
+    command, args = _serve(
+        role,
+        "--model",
+        MODEL,
+        "--port",
+        str(GRPC_PORT),
+        "--metrics-port",
+        str(METRICS_PORT),
+        "--drain-timeout",
+        str(DRAIN_TIMEOUT_S),
+    )
     return Service(
         role,
         command,
@@ -63,24 +71,45 @@ _draft_command, _draft_args = _serve(
 )
 
 _PORT_FLAGS = ("--port", str(GRPC_PORT), "--metrics-port", str(METRICS_PORT))
-_ETCD_FLAGS = ("--data-dir=/var/lib/etcd/data",
-               f"--listen-client-urls=http://0.0.0.0:{ETCD_CLIENT_PORT}",
-               f"--advertise-client-urls=http://127.0.0.1:{ETCD_CLIENT_PORT}")  # fmt: skip
+_ETCD_FLAGS = (
+    "--data-dir=/var/lib/etcd/data",
+    f"--listen-client-urls=http://0.0.0.0:{ETCD_CLIENT_PORT}",
+    f"--advertise-client-urls=http://127.0.0.1:{ETCD_CLIENT_PORT}",
+)
 _METRICS = {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
 
 SERVICES: tuple[Service, ...] = (
-    Service("gateway", _gateway_command, _gateway_args, {"http": HTTP_PORT, "grpc": GRPC_PORT},
-            probe="http",
-            image_flags=("--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT))),
+    Service(
+        "gateway",
+        _gateway_command,
+        _gateway_args,
+        {"http": HTTP_PORT, "grpc": GRPC_PORT},
+        probe="http",
+        image_flags=("--http-port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT)),
+    ),
     _worker("prefill"),
     _worker("decode"),
     Service("kvstore", _store_command, _store_args, _METRICS, image_flags=_PORT_FLAGS),
     Service("draft", _draft_command, _draft_args, _METRICS, image_flags=_PORT_FLAGS),
-    Service("etcd", ("etcd",), (), {"client": ETCD_CLIENT_PORT, "peer": ETCD_PEER_PORT},
-            probe="tcp", kvmesh_cli=False, image_flags=_ETCD_FLAGS),
-    Service("mooncake-master", ("mooncake_master",), (), {"rpc": MASTER_PORT}, probe="tcp",
-            kvmesh_cli=False, image_flags=(f"--rpc_port={MASTER_PORT}",)),
-)  # fmt: skip
+    Service(
+        "etcd",
+        ("etcd",),
+        (),
+        {"client": ETCD_CLIENT_PORT, "peer": ETCD_PEER_PORT},
+        probe="tcp",
+        kvmesh_cli=False,
+        image_flags=_ETCD_FLAGS,
+    ),
+    Service(
+        "mooncake-master",
+        ("mooncake_master",),
+        (),
+        {"rpc": MASTER_PORT},
+        probe="tcp",
+        kvmesh_cli=False,
+        image_flags=(f"--rpc_port={MASTER_PORT}",),
+    ),
+)
 
 
 def service(name: str) -> Service:

@@ -15,15 +15,17 @@ import contextvars
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import structlog
 
 from kvmesh.engine.engine import Engine, Reservation, TokenOutput
+from kvmesh.engine.engine_load import EngineLoad, measure_load
 from kvmesh.engine.engine_thread import Call
-from kvmesh.engine.kv.events import KvEvent, PagesStored
+from kvmesh.engine.kv.events import KvEvent
 from kvmesh.engine.kv_cache import PagedKVCache
+from kvmesh.engine.kv_event_fanout import KvEventFanOut
 from kvmesh.engine.kv_pages import KvPages
 from kvmesh.engine.output_streams import OutputStream, Tap, flush_all, put_all
 from kvmesh.engine.page_io import PageIO
@@ -40,18 +42,6 @@ log = structlog.get_logger(__name__)
 _IDLE_WAIT_S = 1.0
 
 
-@dataclass(frozen=True)
-class EngineLoad:
-    num_running: int
-    num_waiting: int
-    prefill_tokens_queued: int
-    kv_tokens_active: int
-    kv_pages_used: int
-    kv_pages_total: int
-    kv_capacity_tokens: int
-    kv_pages_hashed: int  # what the KV events describe (a router's index should match)
-
-
 class AsyncEngine:
     def __init__(self, engine: Engine, on_thread_start: Callable[[], None] | None = None) -> None:
         self._engine = engine
@@ -65,9 +55,9 @@ class AsyncEngine:
         self._streams: dict[str, OutputStream] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
-        self._subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        self._kv_events = KvEventFanOut()
         self._load = self._measure_load()  # published under the lock, read without it
-        engine.kv_event_sink = self._fan_out
+        engine.kv_event_sink = self._kv_events.publish
 
     def start(self) -> None:
         self._closed = False
@@ -202,8 +192,9 @@ class AsyncEngine:
 
         def add() -> None:  # not once aborted: an abort that came first found nothing to stop
             if not stream.aborted:
-                self._engine.add_request(request_id, prompt, params, keep_pages, cache_salt,
-                                         resumed)  # fmt: skip
+                self._engine.add_request(
+                    request_id, prompt, params, keep_pages, cache_salt, resumed
+                )
 
         try:
             await self._prepare(params)
@@ -215,8 +206,14 @@ class AsyncEngine:
             async for out in drain:
                 yield out
 
-    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      cache_salt: str = "", resumed: Sequence[int] = ()) -> TokenOutput:  # fmt: skip
+    async def prefill(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        cache_salt: str = "",
+        resumed: Sequence[int] = (),
+    ) -> TokenOutput:
         """Compute the KV of the prompt (and `resumed`) and the next token; the pages stay held
         until `release`."""
         last = None
@@ -226,8 +223,14 @@ class AsyncEngine:
         assert last is not None and last.finished
         return last
 
-    async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      cache_salt: str = "", resumed: Sequence[int] = ()) -> Reservation | None:  # fmt: skip
+    async def reserve(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        cache_salt: str = "",
+        resumed: Sequence[int] = (),
+    ) -> Reservation | None:
         await self._prepare(params)
         return await self.call(
             self._engine.reserve, request_id, prompt, params, cache_salt, resumed
@@ -317,26 +320,9 @@ class AsyncEngine:
     async def cancel_reservation(self, request_id: str) -> None:
         await self.call(self._engine.cancel_reservation, request_id)
 
-    def _fan_out(self, events: list[KvEvent]) -> None:
-        """Engine thread, under the lock: hand a step's KV events to every subscriber."""
-        for loop, queue in list(self._subscribers):
-            loop.call_soon_threadsafe(queue.put_nowait, events)
-
-    async def kv_events(self) -> AsyncIterator[tuple[bool, list[KvEvent]]]:
+    def kv_events(self) -> AsyncIterator[tuple[bool, list[KvEvent]]]:
         """(is_snapshot, events): first the whole prefix cache as one PagesStored, then changes."""
-        entry = (asyncio.get_running_loop(), asyncio.Queue())
-
-        def subscribe() -> list[int]:
-            self._subscribers.append(entry)
-            return self._engine.block_manager.cached_hashes()
-
-        snapshot = await self.call(subscribe)
-        try:
-            yield True, [PagesStored(tuple(snapshot), None, ())]
-            while True:
-                yield False, await entry[1].get()
-        finally:
-            self._subscribers.remove(entry)
+        return self._kv_events.follow(self.call, self._engine.block_manager.cached_hashes)
 
     async def lost(self, every_s: float = 0.25) -> None:
         """Return once the engine can serve no more (a tensor-parallel rank died); never for
@@ -398,15 +384,4 @@ class AsyncEngine:
         return self._load
 
     def _measure_load(self) -> EngineLoad:  # under the lock (or before the thread starts)
-        scheduler, pool = self._engine.scheduler, self._engine.block_manager
-        queued, active = scheduler.token_loads()
-        return EngineLoad(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            prefill_tokens_queued=queued,
-            kv_tokens_active=active,
-            kv_pages_used=pool.num_used_pages,
-            kv_pages_total=pool.config.num_pages,
-            kv_capacity_tokens=self._engine.kv_cache.capacity_tokens,
-            kv_pages_hashed=pool.num_hashed_pages,
-        )
+        return measure_load(self._engine)

@@ -84,8 +84,9 @@ class CompiledDecode:
 
     def _run(self, input_ids, positions, meta, kv_caches, attention, capture):
         with torch.no_grad():
-            return self._compiled(self.model, input_ids, positions, meta, kv_caches, attention,
-                                  capture)  # fmt: skip
+            return self._compiled(
+                self.model, input_ids, positions, meta, kv_caches, attention, capture
+            )
 
     def warm_up(self, run_bucket) -> None:
         """Compile every bucket, smallest first: `run_bucket(bucket, forward)` runs one step of
@@ -104,8 +105,9 @@ class CompiledDecode:
             log.info("compile.ready", bucket=bucket, seconds=self.seconds[bucket])
 
     def start(self, run_bucket) -> threading.Thread:
-        thread = threading.Thread(target=self.warm_up, args=(run_bucket,), name="kvmesh-compile",
-                                  daemon=True)  # fmt: skip
+        thread = threading.Thread(
+            target=self.warm_up, args=(run_bucket,), name="kvmesh-compile", daemon=True
+        )
         thread.start()
         return thread
 

@@ -123,8 +123,13 @@ class Constraints:
             return True
         accepted = matcher.try_consume_tokens(list(tokens))
         if accepted != len(tokens):
-            log.error("grammar.rejected", request_id=seq_id, tokens=list(tokens),
-                      accepted=accepted, error=matcher.get_error())  # fmt: skip
+            log.error(
+                "grammar.rejected",
+                request_id=seq_id,
+                tokens=list(tokens),
+                accepted=accepted,
+                error=matcher.get_error(),
+            )
             return False
         return True
 

@@ -127,8 +127,11 @@ class Engine(HandOver):
             self.tokenizer.eos_token_ids,
         )
         backend = get_backend(config.device.attention_backend, spec.layers[0].kind)
-        self.runner = (LeaderRunner(model, self.kv_cache, backend, self.ranks) if self.ranks
-                       else ModelRunner(model, self.kv_cache, backend))  # fmt: skip
+        self.runner = (
+            LeaderRunner(model, self.kv_cache, backend, self.ranks)
+            if self.ranks
+            else ModelRunner(model, self.kv_cache, backend)
+        )
         self.runner.micro_batches = config.parallel.micro_batches
         self.sampler = Sampler()
         self.constraints = Constraints(self.tokenizer.hf, self.model_config.vocab_size)
@@ -261,9 +264,17 @@ class Engine(HandOver):
         for seq in seqs:  # no call per row here: host work per step is one of issue 14's bars
             seq_id, done = seq.seq_id, seq.seq_id in finished
             emitted = tokens[seq_id]
-            outputs.append(TokenOutput(seq_id, emitted, logprobs[seq_id][: len(emitted)], done,
-                                       seq.finish_reason if done else None,
-                                       len(seq.prompt_token_ids), seq.num_cached_tokens))  # fmt: skip
+            outputs.append(
+                TokenOutput(
+                    seq_id,
+                    emitted,
+                    logprobs[seq_id][: len(emitted)],
+                    done,
+                    seq.finish_reason if done else None,
+                    len(seq.prompt_token_ids),
+                    seq.num_cached_tokens,
+                )
+            )
         return outputs + failed
 
     def _cut_drafts(self) -> None:
@@ -288,10 +299,17 @@ class Engine(HandOver):
         for index, pages in mismatched:
             seq = seqs[index]
             reported = seq.finalizing is not None  # its finish was already delivered
-            recompute = (self.config.cache.kv_integrity_action == "recompute" and not reported
-                         and seq.integrity_recomputes < MAX_INTEGRITY_RECOMPUTES)  # fmt: skip
-            log.error("kv.integrity_failure", request_id=seq.seq_id, pages=pages,
-                      action="recompute" if recompute else "abort")  # fmt: skip
+            recompute = (
+                self.config.cache.kv_integrity_action == "recompute"
+                and not reported
+                and seq.integrity_recomputes < MAX_INTEGRITY_RECOMPUTES
+            )
+            log.error(
+                "kv.integrity_failure",
+                request_id=seq.seq_id,
+                pages=pages,
+                action="recompute" if recompute else "abort",
+            )
             self.block_manager.discard_cached(pages)
             if self.on_integrity_failure is not None:
                 self.on_integrity_failure(seq.seq_id)
@@ -306,6 +324,16 @@ class Engine(HandOver):
                     "integrity tag this request expects (reallocated, overwritten or not "
                     "fully transferred)"
                 )
-                failed.append(TokenOutput(seq.seq_id, [], [], True, FinishReason.ABORT,
-                                          seq.num_prompt_tokens, seq.num_cached_tokens, error))  # fmt: skip
+                failed.append(
+                    TokenOutput(
+                        seq.seq_id,
+                        [],
+                        [],
+                        True,
+                        FinishReason.ABORT,
+                        seq.num_prompt_tokens,
+                        seq.num_cached_tokens,
+                        error,
+                    )
+                )
         return output.without({seqs[index].seq_id for index, _ in mismatched}), failed

@@ -35,8 +35,9 @@ class LoadedEngineModel:
     context_note: str  # why the context is shorter than the model's, for error messages
 
 
-def load_engine_model(config: EngineConfig, load_weights: Any,
-                      shard: TensorShard | None = None) -> LoadedEngineModel:  # fmt: skip
+def load_engine_model(
+    config: EngineConfig, load_weights: Any, shard: TensorShard | None = None
+) -> LoadedEngineModel:
     """`load_weights` is the weight-format registry (a bench may substitute it); `shard`: this
     rank's part of a tensor-parallel model (whose layers the caller joins to its ranks:
     parallel/group.py all_reduced_layers)."""
@@ -47,14 +48,18 @@ def load_engine_model(config: EngineConfig, load_weights: Any,
     log.info("engine.weights_loaded", cache=loaded.cache, seconds=round(loaded.seconds, 3))
     model_config = loaded.config
     tokenizer = Tokenizer(load_hf_tokenizer(source), model_config.eos_token_ids)
-    max_len = min(config.load.max_model_len or model_config.max_position_embeddings,
-                  model_config.max_position_embeddings)  # fmt: skip
+    max_len = min(
+        config.load.max_model_len or model_config.max_position_embeddings,
+        model_config.max_position_embeddings,
+    )
     note = ""
     if model_config.indexer is not None:  # DSA runs as dense MLA: see models/moe.py
         max_len = min(max_len, model_config.indexer.topk)
-        note = (" (DeepSeek Sparse Attention's top-k indexer is not supported: this engine runs "
-                f"the model as dense MLA, exact up to index_topk = {model_config.indexer.topk} "
-                "tokens)")  # fmt: skip
+        note = (
+            " (DeepSeek Sparse Attention's top-k indexer is not supported: this engine runs "
+            f"the model as dense MLA, exact up to index_topk = {model_config.indexer.topk} "
+            "tokens)"
+        )
     window = model_config.sliding_window
     if window is not None and window < max_len:  # exact while every token sees all before it
         max_len = window
@@ -74,9 +79,14 @@ def load_engine_model(config: EngineConfig, load_weights: Any,
             weights = StageState(weights, model_config, shard)
         if shard.world > 1:  # its part of each split tensor
             weights = ShardedState(weights, model_config, shard)
-        model = build_model(shard.local_config(model_config), weights, dtype, max_len,
-                            int4=config.int4)  # fmt: skip
-    log.info("engine.model_built", seconds=round(time.perf_counter() - built, 3),
-             weight_mib=model.weight_bytes >> 20, rss_mib=(current_rss_bytes() or 0) >> 20,
-             peak_rss_mib=peak_rss_bytes() >> 20)  # fmt: skip
+        model = build_model(
+            shard.local_config(model_config), weights, dtype, max_len, int4=config.int4
+        )
+    log.info(
+        "engine.model_built",
+        seconds=round(time.perf_counter() - built, 3),
+        weight_mib=model.weight_bytes >> 20,
+        rss_mib=(current_rss_bytes() or 0) >> 20,
+        peak_rss_mib=peak_rss_bytes() >> 20,
+    )
     return LoadedEngineModel(source, model_config, tokenizer, model, max_len, note)

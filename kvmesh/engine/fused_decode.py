@@ -80,10 +80,18 @@ class FusedDecode:
                 tensors += parts
                 int4 += group_and_block
         c = model.config
-        ops.register_decoder(self.key, model.embed, tensors, int4,
-                             [int(kv.layer.key) for kv in kv_caches], c.num_heads,
-                             c.num_kv_heads, c.head_dim, c.rms_norm_eps,
-                             model.layers[0].attention.scale)  # fmt: skip
+        ops.register_decoder(
+            self.key,
+            model.embed,
+            tensors,
+            int4,
+            [int(kv.layer.key) for kv in kv_caches],
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.rms_norm_eps,
+            model.layers[0].attention.scale,
+        )
         weakref.finalize(self, ops.forget_decoder, self.key)
 
     def kernels(self, rows: int) -> list[int]:
@@ -95,9 +103,18 @@ class FusedDecode:
         """`DecoderModel.forward` of a step whose rows are all decode rows (one token each)."""
         cos, sin = self.model.rope.tables(positions)
         slots, kernels = meta.slot_mapping, self.kernels(input_ids.shape[0])
-        out = cpu_ops().decoder_forward(self.key, input_ids, cos, sin, slots.page, slots.offset,
-                                        meta.block_tables, meta.lengths, kernels,
-                                        list(capture))  # fmt: skip
+        out = cpu_ops().decoder_forward(
+            self.key,
+            input_ids,
+            cos,
+            sin,
+            slots.page,
+            slots.offset,
+            meta.block_tables,
+            meta.lengths,
+            kernels,
+            list(capture),
+        )
         return out[0], torch.cat(out[1:], dim=-1) if len(out) > 1 else None
 
 

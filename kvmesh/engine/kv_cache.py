@@ -145,8 +145,10 @@ class PagedKVCache:
         if pool is None:
             pool = torch.zeros(rows, spec.page_bytes, dtype=torch.uint8, device=device)
         elif pool.shape != (rows, spec.page_bytes) or pool.dtype != torch.uint8:
-            raise ValueError(f"a pool of {num_pages} pages needs [{rows}, {spec.page_bytes}] "
-                             f"uint8, got {list(pool.shape)} {pool.dtype}")  # fmt: skip
+            raise ValueError(
+                f"a pool of {num_pages} pages needs [{rows}, {spec.page_bytes}] "
+                f"uint8, got {list(pool.shape)} {pool.dtype}"
+            )
         self.pool = pool
         self.tags = torch.zeros(rows, dtype=torch.int32, device=device)
         blocks = self.pool.view(rows, spec.num_heads, spec.head_block_bytes)

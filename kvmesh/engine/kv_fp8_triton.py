@@ -30,8 +30,9 @@ def _round_to_e4m3_grid(x):
 
 
 @triton.jit
-def _quantize_rows(x_ptr, q_ptr, e_ptr, D: tl.constexpr, FMAX: tl.constexpr,
-                   EMIN: tl.constexpr, EMAX: tl.constexpr):  # fmt: skip
+def _quantize_rows(
+    x_ptr, q_ptr, e_ptr, D: tl.constexpr, FMAX: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr
+):
     row = tl.program_id(0)
     cols = tl.arange(0, D)
     x = tl.load(x_ptr + row * D + cols).to(tl.float32)

@@ -15,8 +15,13 @@ from kvmesh.engine.kv_cache import PagedKVCache
 
 
 class KvPages:
-    def __init__(self, spec: KVCacheSpec, pools: Sequence[torch.Tensor],
-                 spans: Sequence[tuple[range, ...]], region: torch.Tensor) -> None:  # fmt: skip
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        pools: Sequence[torch.Tensor],
+        spans: Sequence[tuple[range, ...]],
+        region: torch.Tensor,
+    ) -> None:
         """spec: the logical page's (every head and layer); pools[r]: rank r's [pages, bytes],
         holding the whole page's `spans[r]` end to end (pool_layout.shard_spans); region:
         memory holding every pool (what a transfer engine registers)."""

@@ -103,9 +103,12 @@ class LLM:
                     rid, list(prompt), logprobs=[] if one.logprobs is not None else None
                 )
                 detoks[rid] = IncrementalDetokenizer(
-                    self.tokenizer, one.stop, one.include_stop_str_in_output,
-                    one.skip_special_tokens, prompt,
-                )  # fmt: skip
+                    self.tokenizer,
+                    one.stop,
+                    one.include_stop_str_in_output,
+                    one.skip_special_tokens,
+                    prompt,
+                )
             while self.engine.has_unfinished():
                 for step in self.engine.step():
                     self._absorb(outputs[step.request_id], detoks[step.request_id], step, start)

@@ -44,5 +44,8 @@ class TokenOutput:
     def followed_by(self, then: TokenOutput) -> TokenOutput:
         """This output's tokens then `then`'s, with `then`'s state: one message for two steps
         (a stream consumer that fell behind)."""
-        return replace(then, new_token_ids=[*self.new_token_ids, *then.new_token_ids],
-                       new_logprobs=[*self.new_logprobs, *then.new_logprobs])  # fmt: skip
+        return replace(
+            then,
+            new_token_ids=[*self.new_token_ids, *then.new_token_ids],
+            new_logprobs=[*self.new_logprobs, *then.new_logprobs],
+        )

@@ -49,8 +49,12 @@ class PageIO:
     ) -> ImportPlan | None:
         """None when the local cache already has every reusable page or the pool is full."""
         bm = self.engine.block_manager
-        seq = Sequence(f"import-{request_id}", list(prompt), SamplingParams(max_tokens=1),
-                       cache_salt=cache_salt)  # fmt: skip
+        seq = Sequence(
+            f"import-{request_id}",
+            list(prompt),
+            SamplingParams(max_tokens=1),
+            cache_salt=cache_salt,
+        )
         prefix = bm.match_prefix(seq)
         wanted = (len(prompt) - 1) // bm.config.page_size
         matched = len(prefix.page_ids)

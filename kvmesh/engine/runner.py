@@ -57,8 +57,7 @@ class ModelRunner:
             tables.add(new.req_id, new.block_table, new.page_tags)
         for diff in plan.diffs:
             tokens[diff.req_id] += diff.new_token_ids
-            tables.update(diff.req_id, diff.num_blocks_kept, diff.new_block_ids,
-                          diff.new_page_tags)  # fmt: skip
+            tables.update(diff.req_id, diff.num_blocks_kept, diff.new_block_ids, diff.new_page_tags)
 
     def _forget(self, req_id: str) -> None:
         self.tokens.pop(req_id, None)
@@ -151,8 +150,9 @@ class ModelRunner:
         hidden = self._run_model(ids, starts, [1] * total, tables, total, bucket)
         return hidden, sampling, req_ids, [1] * len(sampling)
 
-    def _decode_tables(self, req_ids: list[str], starts: list[int],
-                       bucket: int | None) -> np.ndarray:  # fmt: skip
+    def _decode_tables(
+        self, req_ids: list[str], starts: list[int], bucket: int | None
+    ) -> np.ndarray:
         """The decode rows' block tables as one null-padded [rows, W] array, gathered from the
         persistent tables; W covers each row's pages and the compiled step's width; padding
         rows of a bucket hold the scratch page."""
@@ -178,8 +178,15 @@ class ModelRunner:
         width = self.compiled.max_pages if bucket is not None else 0
         if not isinstance(tables, np.ndarray):
             tables = tuple(tables)
-        layout = BatchLayout(num_decode, tables, tuple(starts), tuple(widths),
-                             self.page_size, self.kv.null_page, width)  # fmt: skip
+        layout = BatchLayout(
+            num_decode,
+            tables,
+            tuple(starts),
+            tuple(widths),
+            self.page_size,
+            self.kv.null_page,
+            width,
+        )
         meta = self.attention.build_metadata(layout)
         args = (int_tensor(ids), positions, meta, self.kv.layers, self.attention, self.capture)
         out = None
@@ -196,8 +203,15 @@ class ModelRunner:
         """One step of `bucket` padding rows only (their KV into the scratch page) through
         `forward`: how the compiled step is warmed up without touching any request's pages."""
         scratch = self.kv.scratch_page
-        layout = BatchLayout(bucket, ((scratch,),) * bucket, (0,) * bucket, (1,) * bucket,
-                             self.page_size, self.kv.null_page, self.compiled.max_pages)  # fmt: skip
+        layout = BatchLayout(
+            bucket,
+            ((scratch,),) * bucket,
+            (0,) * bucket,
+            (1,) * bucket,
+            self.page_size,
+            self.kv.null_page,
+            self.compiled.max_pages,
+        )
         meta = self.attention.build_metadata(layout)
         ids, positions = (
             torch.zeros(bucket, dtype=torch.long),
@@ -223,8 +237,9 @@ def _verify_rows_as_decode_rows(ordered, starts, tables):
     attending over the context up to its own token: causal attention through the paged kernel,
     so a verified row gets the bits of the same token decoded alone wherever the linears' kernel
     is the same at both row counts (always on AVX2; up to 32 rows without AMX; 4 with it)."""
-    rows = [(s + i, t) for c, s, t in zip(ordered, starts, tables, strict=True)
-            for i in range(c.width)]  # fmt: skip
+    rows = [
+        (s + i, t) for c, s, t in zip(ordered, starts, tables, strict=True) for i in range(c.width)
+    ]
     return [r[0] for r in rows], [1] * len(rows), [r[1] for r in rows]
 
 

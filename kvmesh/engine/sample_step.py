@@ -22,10 +22,13 @@ from kvmesh.engine.spec.verify import verify_greedy, verify_sampled
 
 
 def sample_step(
-    result: StepResult, seqs: list[Sequence], sampler: Sampler,
-    drafts: dict[str, tuple[int, ...]], stats: SpecStats | None,
+    result: StepResult,
+    seqs: list[Sequence],
+    sampler: Sampler,
+    drafts: dict[str, tuple[int, ...]],
+    stats: SpecStats | None,
     constraints: Constraints | None = None,
-) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob | None]]]:  # fmt: skip
+) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob | None]]]:
     """Tokens (and logprobs) each sampling sequence emits this step (`seqs`: the sequences of
     `result.req_ids`), after the logits processors (grammar masks, logit bias)."""
     if result.logits.shape[0] == len(seqs) and not any(s.params.has_processors for s in seqs):
@@ -46,8 +49,9 @@ def sample_step(
         rows = result.logits if every else result.logits[torch.tensor([starts[i] for i in plain])]
         plain_seqs = [seqs[i] for i in plain]
         sampled = sampler(rows, plain_seqs)
-        for seq, token, logprob in zip(plain_seqs, sampled.token_ids, sampled.logprobs,
-                                       strict=True):  # fmt: skip
+        for seq, token, logprob in zip(
+            plain_seqs, sampled.token_ids, sampled.logprobs, strict=True
+        ):
             tokens[seq.seq_id], logprobs[seq.seq_id] = [token], [logprob]
     skip = set(checked)
     for i, count in enumerate(result.rows):
@@ -79,8 +83,13 @@ def sample_step(
     return tokens, logprobs
 
 
-def process_logits(result: StepResult, seqs: list[Sequence], starts: list[int],
-                   drafts: dict[str, tuple[int, ...]], constraints: Constraints) -> list[int]:  # fmt: skip
+def process_logits(
+    result: StepResult,
+    seqs: list[Sequence],
+    starts: list[int],
+    drafts: dict[str, tuple[int, ...]],
+    constraints: Constraints,
+) -> list[int]:
     """Each constrained sequence's rows biased and, unless its greedy choice is checked after
     the draw (the indices returned), masked by its grammar (the row verifying draft i by the
     grammar's state after drafts[:i]), in place."""
@@ -102,8 +111,13 @@ def process_logits(result: StepResult, seqs: list[Sequence], starts: list[int],
     return checked
 
 
-def _grammar_checked(constraints: Constraints, seq_id: str, rows: torch.Tensor,
-                     draft: tuple[int, ...], choices: list[int]) -> list[int]:  # fmt: skip
+def _grammar_checked(
+    constraints: Constraints,
+    seq_id: str,
+    rows: torch.Tensor,
+    draft: tuple[int, ...],
+    choices: list[int],
+) -> list[int]:
     """The greedy tokens of `rows` (one row, or one per draft prefix) under the grammar, given
     each row's argmax (`choices`): the argmax where the grammar surely allows it after the drafts
     before it, else the argmax of that row masked; verification goes on while the choice is the

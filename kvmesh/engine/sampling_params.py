@@ -113,8 +113,12 @@ class SamplingParams:
     def argmax_only(self) -> bool:
         """Greedy without penalties or logprobs: the row's argmax is all the sampler reads of
         it (asked of every row every step, hence computed once)."""
-        return (self.greedy and not self.needs_penalties and self.logprobs is None
-                and not self.has_processors)  # fmt: skip
+        return (
+            self.greedy
+            and not self.needs_penalties
+            and self.logprobs is None
+            and not self.has_processors
+        )
 
     @cached_property
     def has_processors(self) -> bool:

@@ -274,8 +274,11 @@ class Scheduler:
         step so that page's KV is computed and cached: the next turn of a conversation then hits
         the whole history. The finish is reported now; the pages are freed after that step."""
         page_size = self.block_manager.config.page_size
-        if (seq.keep_pages or not self.block_manager.config.enable_prefix_caching
-                or seq.num_tokens % page_size):  # fmt: skip
+        if (
+            seq.keep_pages
+            or not self.block_manager.config.enable_prefix_caching
+            or seq.num_tokens % page_size
+        ):
             return False
         seq.finalizing = seq.finish_reason = reason
         return True

@@ -61,8 +61,14 @@ class StepPlan:
     finished: tuple[str, ...]
 
     @classmethod
-    def one_shot(cls, req_id: str, token_ids: Iterable[int], block_table: Iterable[int],
-                 page_tags: Iterable[int], chunk: ChunkPlan) -> StepPlan:  # fmt: skip
+    def one_shot(
+        cls,
+        req_id: str,
+        token_ids: Iterable[int],
+        block_table: Iterable[int],
+        page_tags: Iterable[int],
+        chunk: ChunkPlan,
+    ) -> StepPlan:
         """A request sent and run once (the runner's `score` forgets it afterwards)."""
         new = NewRequest(req_id, tuple(token_ids), tuple(block_table), tuple(page_tags))
         return cls((new,), (), (chunk,), ())
@@ -88,8 +94,11 @@ class StepDiffer:
             del self._pages[req_id]
             self._finished.append(req_id)
 
-    def plan(self, requests: Iterable[tuple[str, list[int], list[int], list[int]]],
-             chunks: tuple[ChunkPlan, ...]) -> StepPlan:  # fmt: skip
+    def plan(
+        self,
+        requests: Iterable[tuple[str, list[int], list[int], list[int]]],
+        chunks: tuple[ChunkPlan, ...],
+    ) -> StepPlan:
         """requests: (req_id, token ids, block table, page tags) of every request a chunk
         names."""
         new, diffs = [], []
@@ -114,8 +123,14 @@ class StepDiffer:
         finished, self._finished = tuple(self._finished), []
         return StepPlan(tuple(new), tuple(diffs), chunks, finished)
 
-    def _diff(self, req_id: str, fresh: tuple[int, ...], table: list[int], tags: list[int],
-              sent: tuple[list[int], list[int]]) -> RequestDiff:  # fmt: skip
+    def _diff(
+        self,
+        req_id: str,
+        fresh: tuple[int, ...],
+        table: list[int],
+        tags: list[int],
+        sent: tuple[list[int], list[int]],
+    ) -> RequestDiff:
         """A page whose id stays but whose tag changed (freed by a trim, allocated again at
         the same place) counts as changed: the runner must expect its new tag."""
         was, now = zip(*sent, strict=True), zip(table, tags, strict=True)

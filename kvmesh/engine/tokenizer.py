@@ -45,17 +45,21 @@ class Tokenizer:
         return self.hf.convert_ids_to_tokens(list(token_ids))
 
     def render_chat(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
         **template_kwargs: Any,
-    ) -> str:  # fmt: skip
+    ) -> str:
         """The chat template over messages; template_kwargs (e.g. tools) go to the template."""
         if not self.hf.chat_template:
             raise InvalidRequestError("this model has no chat template; use a plain prompt")
         _check_messages(messages)
         return self.hf.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+            list(messages),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
             **template_kwargs,
-        )  # fmt: skip
+        )
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], **template_kwargs: Any) -> list[int]:
         """Render the chat template and tokenize it; the template adds special tokens itself."""

@@ -88,8 +88,10 @@ def _advise_huge_pages(address: int, size: int) -> bool:
     if libc is None or not hasattr(libc, "madvise"):
         return False
     length = size // HUGE_PAGE * HUGE_PAGE
-    return length > 0 and libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length),
-                                       MADV_HUGEPAGE) == 0  # fmt: skip
+    return (
+        length > 0
+        and libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
+    )
 
 
 def _trim_heap() -> None:

@@ -19,8 +19,12 @@ DEFAULT_TTL_S = 120.0  # longer than a call can wait for a worker's gate
 class AbortedIds:
     """A set of request ids that forgets each one `ttl_s` seconds after it was added."""
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY, ttl_s: float = DEFAULT_TTL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        capacity: int = DEFAULT_CAPACITY,
+        ttl_s: float = DEFAULT_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if capacity < 1 or ttl_s <= 0:
             raise ValueError(f"capacity must be >= 1 and ttl_s > 0, got {capacity}, {ttl_s}")
         self._capacity = capacity

@@ -47,8 +47,14 @@ def advertised(host: str, advertise_host: str = "", transfer: bool = False) -> s
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`--host` and `--advertise-host` of a service that registers in etcd."""
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (0.0.0.0: every interface, with --advertise-host)")  # fmt: skip
-    p.add_argument("--advertise-host", default="",
-                   help="address peers dial, in the etcd registration and the transfer engine's "
-                   "session (default: --host)")  # fmt: skip
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (0.0.0.0: every interface, with --advertise-host)",
+    )
+    p.add_argument(
+        "--advertise-host",
+        default="",
+        help="address peers dial, in the etcd registration and the transfer engine's "
+        "session (default: --host)",
+    )

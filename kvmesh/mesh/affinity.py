@@ -80,8 +80,10 @@ def decode_lead_cpu(choice: str, decode_workers: int, roles_placed: bool) -> int
         return None
     if choice != "auto":
         if not choice.isdigit() or int(choice) not in allowed:
-            raise LaunchError(f"--decode-lead-cpu: {choice!r} is not one of the CPUs here "
-                              f"({format_cpus(allowed)}), auto or off")  # fmt: skip
+            raise LaunchError(
+                f"--decode-lead-cpu: {choice!r} is not one of the CPUs here "
+                f"({format_cpus(allowed)}), auto or off"
+            )
         return int(choice)
     if decode_workers != 1 or roles_placed or len(allowed) < 2:
         return None
@@ -128,8 +130,13 @@ def apply_worker_cpus() -> WorkerCpus:
     torch.set_num_threads(threads)
     placed = WorkerCpus(frozenset(os.sched_getaffinity(0)), threads, wanted is not None)
     log = structlog.get_logger(__name__)
-    log.info("worker.cpus", cpus=format_cpus(placed.cpus), torch_threads=threads,
-             pinned=placed.pinned, lead_cpu=env.lead_cpu())  # fmt: skip
+    log.info(
+        "worker.cpus",
+        cpus=format_cpus(placed.cpus),
+        torch_threads=threads,
+        pinned=placed.pinned,
+        lead_cpu=env.lead_cpu(),
+    )
     return placed
 
 

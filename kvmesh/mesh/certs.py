@@ -31,8 +31,12 @@ def make_ca(directory: Path, name: str = "kvmesh throwaway CA") -> tuple[Path, P
     return _write(directory, "ca", cert, key)
 
 
-def make_leaf(directory: Path, name: str, ca: tuple[Path, Path],
-              hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> TlsFiles:  # fmt: skip
+def make_leaf(
+    directory: Path,
+    name: str,
+    ca: tuple[Path, Path],
+    hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
+) -> TlsFiles:
     """A certificate `name`.pem (+ .key) signed by `ca`, valid for `hosts`, as TlsFiles."""
     ca_cert = x509.load_pem_x509_certificate(ca[0].read_bytes())
     ca_key = serialization.load_pem_private_key(ca[1].read_bytes(), password=None)
@@ -48,7 +52,7 @@ def make_leaf(directory: Path, name: str, ca: tuple[Path, Path],
                 [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
             ),
             critical=False,
-        )  # fmt: skip
+        )
         .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
     )
     cert_path, key_path = _write(directory, name, cert, key)
@@ -70,10 +74,16 @@ def _builder(subject: x509.Name, issuer: x509.Name, public_key) -> x509.Certific
 
 def _key_usage(ca: bool) -> x509.KeyUsage:
     return x509.KeyUsage(
-        digital_signature=True, content_commitment=False, key_encipherment=not ca,
-        data_encipherment=False, key_agreement=False, key_cert_sign=ca, crl_sign=ca,
-        encipher_only=False, decipher_only=False,
-    )  # fmt: skip
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=not ca,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=ca,
+        crl_sign=ca,
+        encipher_only=False,
+        decipher_only=False,
+    )
 
 
 def _san(host: str) -> x509.GeneralName:
@@ -88,7 +98,11 @@ def _write(directory: Path, name: str, cert: x509.Certificate, key) -> tuple[Pat
     cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_path.touch(mode=0o600)
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))  # fmt: skip
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     return cert_path, key_path

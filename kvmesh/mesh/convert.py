@@ -100,8 +100,14 @@ def feature_rows_to_pb(
     import torch
 
     data = rows.detach().to(torch.float16).contiguous().numpy().tobytes()
-    return draft_pb2.FeatureRows(start_position=start, data=data, rows=rows.shape[0],
-                                 width=rows.shape[1], fused=fused, next_tokens=next_tokens)  # fmt: skip
+    return draft_pb2.FeatureRows(
+        start_position=start,
+        data=data,
+        rows=rows.shape[0],
+        width=rows.shape[1],
+        fused=fused,
+        next_tokens=next_tokens,
+    )
 
 
 def feature_rows_from_pb(msg: draft_pb2.FeatureRows) -> torch.Tensor:
@@ -114,20 +120,29 @@ def feature_rows_from_pb(msg: draft_pb2.FeatureRows) -> torch.Tensor:
 
 def shards_to_pb(layout: PoolLayout) -> list[prefill_pb2.KvShard]:
     """A sharded pool's shards as KvDestination.shards (byte spans of the whole page)."""
-    return [prefill_pb2.KvShard(address=s.address, starts=[r.start for r in s.spans],
-                                stops=[r.stop for r in s.spans]) for s in layout.shards]  # fmt: skip
+    return [
+        prefill_pb2.KvShard(
+            address=s.address, starts=[r.start for r in s.spans], stops=[r.stop for r in s.spans]
+        )
+        for s in layout.shards
+    ]
 
 
 def destination_side(dest: prefill_pb2.KvDestination, pages: list[int]) -> PageSide:
     """`pages` of a decode worker's pool as one side of a copy: whole pages at pool_address, or
     its shards (a tensor-parallel worker)."""
     if not dest.shards:
-        return PageSide.whole([dest.pool_address + p * dest.page_bytes for p in pages],
-                              dest.page_bytes)  # fmt: skip
+        return PageSide.whole(
+            [dest.pool_address + p * dest.page_bytes for p in pages], dest.page_bytes
+        )
     spans = tuple(shard_spans_of(s) for s in dest.shards)
     sizes = [sum(len(r) for r in s) for s in spans]
-    return PageSide(spans, tuple(tuple(s.address + p * n for p in pages)
-                                 for s, n in zip(dest.shards, sizes, strict=True)))  # fmt: skip
+    return PageSide(
+        spans,
+        tuple(
+            tuple(s.address + p * n for p in pages) for s, n in zip(dest.shards, sizes, strict=True)
+        ),
+    )
 
 
 def shard_spans_of(shard: prefill_pb2.KvShard) -> tuple[range, ...]:

@@ -31,9 +31,10 @@ class RemoteProposer:
         self.timeout_s = timeout_s
         files = tls.current()
         self._channel = (
-            grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if files is None
+            grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            if files is None
             else grpc.secure_channel(address, files.channel_credentials(), options=CHANNEL_OPTIONS)
-        )  # fmt: skip
+        )
         self._stub = draft_pb2_grpc.DraftStub(self._channel)
         self._pending: dict[str, list[draft_pb2.FeatureRows]] = {}  # sent with the next call
         # Seconds per Propose call, the latest ROUND_TRIPS_KEPT (bench: the remote cost).
@@ -50,8 +51,9 @@ class RemoteProposer:
             )
         return tuple(info.capture_layers)
 
-    def observe(self, seq_id: str, features: torch.Tensor, next_tokens: list[int],
-                start: int) -> None:  # fmt: skip
+    def observe(
+        self, seq_id: str, features: torch.Tensor, next_tokens: list[int], start: int
+    ) -> None:
         self._add(seq_id, features, next_tokens, start, fused=False)
 
     def seed(self, seq_id: str, fused: torch.Tensor, start: int, next_tokens: list[int]) -> None:
@@ -75,13 +77,17 @@ class RemoteProposer:
         for seq_id in ids:  # the service applies inputs in order; drafts come with the last
             rows = self._pending.get(seq_id) or [None]
             inputs += [draft_pb2.DraftInput(request_id=seq_id, committed=r) for r in rows[:-1]]
-            inputs.append(draft_pb2.DraftInput(request_id=seq_id, committed=rows[-1],
-                                               num_draft_tokens=wanted.get(seq_id, 0)))  # fmt: skip
+            inputs.append(
+                draft_pb2.DraftInput(
+                    request_id=seq_id, committed=rows[-1], num_draft_tokens=wanted.get(seq_id, 0)
+                )
+            )
         self._pending.clear()
         started = time.perf_counter()
         try:
-            reply = self._stub.Propose(draft_pb2.ProposeRequest(inputs=inputs),
-                                       timeout=self.timeout_s)  # fmt: skip
+            reply = self._stub.Propose(
+                draft_pb2.ProposeRequest(inputs=inputs), timeout=self.timeout_s
+            )
         except grpc.RpcError as exc:
             log.warning("draft.remote_failed", address=self.address, error=str(exc.code()))
             return [[] for _ in requests]

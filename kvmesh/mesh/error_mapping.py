@@ -83,9 +83,15 @@ def http_headers(exc: BaseException) -> dict[str, str]:
     return {}
 
 
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-                    429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 def anthropic_error_body(exc: BaseException) -> dict[str, Any]:

@@ -49,8 +49,9 @@ class EtcdAccess:
                 raise InvalidRequestError(f"etcd TLS file {path} does not exist")
 
     @classmethod
-    def of_mesh(cls, files: tls.TlsFiles, user: str | None = None,
-                password: str | None = None) -> EtcdAccess:  # fmt: skip
+    def of_mesh(
+        cls, files: tls.TlsFiles, user: str | None = None, password: str | None = None
+    ) -> EtcdAccess:
         """Reach etcd with the mesh's own certificate (what `kvmesh up --tls` does)."""
         return cls(files.ca, files.cert, files.key, user, password)
 
@@ -95,13 +96,24 @@ class EtcdAccess:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """--etcd-ca / --etcd-cert / --etcd-key / --etcd-user, next to every --etcd."""
-    p.add_argument("--etcd-ca", default=None, metavar="PEM",
-                   help="CA of etcd's certificate, for an https:// --etcd (default: --tls-ca)")  # fmt: skip
-    p.add_argument("--etcd-cert", default=None, metavar="PEM",
-                   help="client certificate shown to etcd (default: --tls-cert)")  # fmt: skip
+    p.add_argument(
+        "--etcd-ca",
+        default=None,
+        metavar="PEM",
+        help="CA of etcd's certificate, for an https:// --etcd (default: --tls-ca)",
+    )
+    p.add_argument(
+        "--etcd-cert",
+        default=None,
+        metavar="PEM",
+        help="client certificate shown to etcd (default: --tls-cert)",
+    )
     p.add_argument("--etcd-key", default=None, metavar="PEM", help="its private key")
-    p.add_argument("--etcd-user", default=None,
-                   help=f"etcd user (authentication on); password in ${env.ETCD_PASSWORD_ENV}")  # fmt: skip
+    p.add_argument(
+        "--etcd-user",
+        default=None,
+        help=f"etcd user (authentication on); password in ${env.ETCD_PASSWORD_ENV}",
+    )
 
 
 def configure_from(args: argparse.Namespace) -> None:
@@ -110,8 +122,15 @@ def configure_from(args: argparse.Namespace) -> None:
         return Path(value) if value else None
 
     user = getattr(args, "etcd_user", None)
-    configure(EtcdAccess(path("etcd_ca"), path("etcd_cert"), path("etcd_key"), user,
-                         env.take_etcd_password() if user else None))  # fmt: skip
+    configure(
+        EtcdAccess(
+            path("etcd_ca"),
+            path("etcd_cert"),
+            path("etcd_key"),
+            user,
+            env.take_etcd_password() if user else None,
+        )
+    )
 
 
 _current = EtcdAccess()

@@ -63,8 +63,15 @@ def _logged_in(name: str) -> Callable[..., Awaitable[Any]]:
 class EtcdClient(aetcd.Client):
     """aetcd's client over a TLS channel where credentials are given."""
 
-    def __init__(self, host: str, port: int, credentials: grpc.ChannelCredentials | None,
-                 user: str | None, password: str | None, **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        credentials: grpc.ChannelCredentials | None,
+        user: str | None,
+        password: str | None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(host=host, port=port, username=user, password=password, **kwargs)
         self._credentials = credentials
         self._generation = 0  # logins so far (a failed call logs in again only once)

@@ -154,8 +154,12 @@ class EtcdServer:
         peer = f"http://127.0.0.1:{self._peer_port}"  # one member: no peer traffic
         tls = []
         if self.tls is not None:
-            tls = [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}",
-                   f"--trusted-ca-file={self.tls.ca}", "--client-cert-auth"]  # fmt: skip
+            tls = [
+                f"--cert-file={self.tls.cert}",
+                f"--key-file={self.tls.key}",
+                f"--trusted-ca-file={self.tls.ca}",
+                "--client-cert-auth",
+            ]
         return [
             str(etcd_binary()),
             *tls,
@@ -220,8 +224,13 @@ class EtcdServer:
         if self.tls is not None:
             files = [f"--cacert={self.tls.ca}", f"--cert={self.tls.cert}", f"--key={self.tls.key}"]
         ctl = etcd_binary().with_name("etcdctl")
-        done = subprocess.run([str(ctl), f"--endpoints={self.url}", *files, *command],
-                              input=stdin, capture_output=True, text=True, timeout=15)  # fmt: skip
+        done = subprocess.run(
+            [str(ctl), f"--endpoints={self.url}", *files, *command],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
         if done.returncode != 0:
             raise EtcdError(f"etcdctl {command[:2]} failed: {done.stderr.strip()}")
 

@@ -27,7 +27,6 @@ from kvmesh.config import WorkerConfig
 from kvmesh.config.gateway import GatewayConfig
 from kvmesh.config.knobs import to_dict
 from kvmesh.config.worker import ROLES
-from kvmesh.engine.loader.resolve import served_name
 from kvmesh.env import API_KEYS_ENV, kvmesh_home, num_threads, role_cpus
 from kvmesh.errors import LaunchError
 from kvmesh.mesh.affinity import decode_lead_cpu, worker_env
@@ -37,7 +36,7 @@ from kvmesh.mesh.etcd_server import EtcdServer
 from kvmesh.mesh.ports import free_port
 from kvmesh.mesh.supervisor import Supervisor
 from kvmesh.mesh.tls import TlsFiles
-from kvmesh.processes import StopSignal, StopSignals
+from kvmesh.processes import StopSignals
 
 MESH_CERT_NAME = "mesh"  # `up --tls`: the common name of every service's certificate
 CRITICAL = frozenset({"gateway"})  # with etcd: the mesh stops when one of them dies
@@ -110,8 +109,9 @@ class Mesh:
         placed = any(o.role_cpus.get(r) or role_cpus(r) for r in ("prefill", "decode"))
         self.lead = decode_lead_cpu(o.decode_lead_cpu, o.decode, placed)
         self.cpus = None if self.lead is None else frozenset(os.sched_getaffinity(0)) - {self.lead}
-        self.supervisor = Supervisor(env, say, critical=CRITICAL, defer=self._deferred,
-                                     on_change=self._write_state)  # fmt: skip
+        self.supervisor = Supervisor(
+            env, say, critical=CRITICAL, defer=self._deferred, on_change=self._write_state
+        )
 
     @property
     def procs(self) -> dict[str, Any]:
@@ -153,21 +153,25 @@ class Mesh:
                 name = f"{role}-{i}"
                 path = self.run_dir / f"{name}.json"
                 path.write_text(json.dumps(to_dict(self.child_config(role, name))))
-                self._spawn(name, ["serve", role, "--config", str(path)],
-                            pinned or self._threads(role))  # fmt: skip
+                self._spawn(
+                    name, ["serve", role, "--config", str(path)], pinned or self._threads(role)
+                )
 
     def child_config(self, role: str, name: str) -> WorkerConfig:
         """The config the worker `name` of `role` is started with."""
         etcd = self.etcd.endpoint if self.etcd is not None else "(the run's etcd)"
-        return self.options.workers[role].placed(etcd=etcd, cluster=self.options.cluster,
-                                                 worker_id=name)  # fmt: skip
+        return self.options.workers[role].placed(
+            etcd=etcd, cluster=self.options.cluster, worker_id=name
+        )
 
     def child_configs(self) -> dict[str, WorkerConfig]:
         """Every worker's config, by name (`kvmesh config show up ...`)."""
         o = self.options
-        return {f"{role}-{i}": self.child_config(role, f"{role}-{i}")
-                for role, count in (("prefill", o.prefill), ("decode", o.decode))
-                for i in range(count)}  # fmt: skip
+        return {
+            f"{role}-{i}": self.child_config(role, f"{role}-{i}")
+            for role, count in (("prefill", o.prefill), ("decode", o.decode))
+            for i in range(count)
+        }
 
     def _crowded(self) -> bool:
         """Fewer than two CPUs per engine process on this machine."""
@@ -201,8 +205,12 @@ class Mesh:
         etcd = self.etcd.endpoint if self.etcd is not None else "(the run's etcd)"
         gateway = self.options.gateway
         gateway = replace(gateway, api=replace(gateway.api, model=self.options.model))
-        return gateway.placed(etcd=etcd, cluster=self.options.cluster,
-                                           http_port=self.http_port, grpc_port=self.grpc_port)  # fmt: skip
+        return gateway.placed(
+            etcd=etcd,
+            cluster=self.options.cluster,
+            http_port=self.http_port,
+            grpc_port=self.grpc_port,
+        )
 
     def _kvstore_backend(self) -> list[str]:
         """--kvstore mooncake: start mooncake_master; the store's second tier is Mooncake Store."""
@@ -215,12 +223,25 @@ class Mesh:
         self._write_state()
         return ["--backend", "mooncake", "--mooncake-master", self.master.address]
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
-               cpus: frozenset[int] | None = None) -> None:  # fmt: skip
+    def _spawn(
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        cpus: frozenset[int] | None = None,
+    ) -> None:
         assert self.etcd is not None
-        cmd = [sys.executable, "-m", "kvmesh.cli", *args,
-               "--etcd", self.etcd.endpoint, "--cluster", self.options.cluster,
-               *(self.tls.as_flags() if self.tls else ())]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            *args,
+            "--etcd",
+            self.etcd.endpoint,
+            "--cluster",
+            self.options.cluster,
+            *(self.tls.as_flags() if self.tls else ()),
+        ]
         self.supervisor.spawn(name, cmd, self.run_dir / f"{name}.log", env, cpus)
 
     def _deferred(self) -> AbstractContextManager[None]:
@@ -316,8 +337,10 @@ class Mesh:
         if self.master is None or self.master.alive or self._master_reported:
             return
         self._master_reported = True
-        say(f"kvmesh: mooncake_master exited (log: {self.master.log_path}); the KV store's "
-            "Mooncake tier is gone (cache misses), not restarted")  # fmt: skip
+        say(
+            f"kvmesh: mooncake_master exited (log: {self.master.log_path}); the KV store's "
+            "Mooncake tier is gone (cache misses), not restarted"
+        )
 
     def stop(self) -> None:
         """Stop everything started here, gateway first; idempotent, and no signal cuts it."""
@@ -348,8 +371,9 @@ def gateway_ready(url: str, tls: TlsFiles | None = None) -> bool:
     opener = _OPENER
     if tls is not None:
         context = ssl.create_default_context(cafile=str(tls.ca))
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
-                                             urllib.request.HTTPSHandler(context=context))  # fmt: skip
+        opener = urllib.request.build_opener(
+            urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context)
+        )
     try:
         with opener.open(f"{url}/health", timeout=2) as response:
             return response.status == 200
@@ -361,39 +385,3 @@ def say(text: str) -> None:
     """CLI output; a closed terminal (SIGHUP) must not cut a stop short."""
     with contextlib.suppress(OSError):
         print(text, flush=True)
-
-
-def run_up(options: UpOptions) -> int:
-    signals = StopSignals()
-    signals.install()  # first of all: from here on a signal stops whatever was started
-    mesh = Mesh(options, signals=signals)
-    try:
-        say(f"kvmesh: starting etcd, 1 gateway, {options.prefill} prefill, {options.decode} "
-            f"decode (logs in {mesh.run_dir}) ...")  # fmt: skip
-        mesh.start()
-        _print_ready(mesh, options)
-        return mesh.wait()
-    except StopSignal as stop:
-        say(f"kvmesh: {stop} received, stopping everything ...")
-        return 0
-    finally:
-        mesh.stop()
-        say("kvmesh: stopped")
-        signals.restore()
-
-
-def _print_ready(mesh: Mesh, options: UpOptions) -> None:
-    assert mesh.etcd is not None
-    url = mesh.url
-    cacert = f"--cacert {mesh.tls.ca} " if mesh.tls else ""
-    names = options.gateway.api.served_model_name
-    name = names[0] if names else served_name(options.model)
-    precision = f"\n  precision: {options.precision}" if options.precision else ""
-    say(
-        f"""kvmesh is up: model {options.model}{precision}
-  REST (OpenAI): {url}/v1    gRPC Gateway: 127.0.0.1:{mesh.grpc_port}    etcd: {mesh.etcd.endpoint}
-  try:
-    curl -s {cacert}{url}/v1/chat/completions -H 'Content-Type: application/json' \\
-      -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
-  Ctrl-C stops everything."""
-    )

@@ -109,18 +109,42 @@ def observe_message(service: str, size: int) -> None:
 
 # Label values known before the first event (keep in step with the code that writes them).
 _OUTCOMES = ("ok", "client_error", "server_error", "cancelled")  # gateway openai_api._outcome
-_ROUTING_REASONS = ("least_tokens", "prefix_hit", "affinity", "affinity_worker_gone",
-                    "affinity_yield_load")  # kvmesh/routing/router.py policies  # fmt: skip
+_ROUTING_REASONS = (
+    "least_tokens",
+    "prefix_hit",
+    "affinity",
+    "affinity_worker_gone",
+    "affinity_yield_load",
+)  # kvmesh/routing/router.py policies
 _PREFIX_TIERS = ("prefill_local", "decode", "kvstore")
 _BY_SERVICE = {
-    "gateway": (REQUEST_TTFT, REQUEST_TPOT, PROMPT_TOKENS, PROMPT_CACHED_TOKENS, GENERATION_TOKENS,
-                REQUESTS_IN_FLIGHT),
-    "prefill": (KV_TRANSFER_BYTES, KV_INTEGRITY_FAILURES, GRPC_MESSAGE_BYTES_MAX,
-                KV_STORE_OFFERS_IN_FLIGHT, REQUESTS_IN_FLIGHT),
-    "decode": (GENERATION_TOKENS, KV_INTEGRITY_FAILURES, KV_PAGES_USED, GRPC_MESSAGE_BYTES_MAX,
-               SPEC_DRAFT_TOKENS, SPEC_ACCEPTED_TOKENS, SPEC_ACCEPT_LENGTH,
-               KV_STORE_OFFERS_IN_FLIGHT, REQUESTS_IN_FLIGHT),
-}  # fmt: skip
+    "gateway": (
+        REQUEST_TTFT,
+        REQUEST_TPOT,
+        PROMPT_TOKENS,
+        PROMPT_CACHED_TOKENS,
+        GENERATION_TOKENS,
+        REQUESTS_IN_FLIGHT,
+    ),
+    "prefill": (
+        KV_TRANSFER_BYTES,
+        KV_INTEGRITY_FAILURES,
+        GRPC_MESSAGE_BYTES_MAX,
+        KV_STORE_OFFERS_IN_FLIGHT,
+        REQUESTS_IN_FLIGHT,
+    ),
+    "decode": (
+        GENERATION_TOKENS,
+        KV_INTEGRITY_FAILURES,
+        KV_PAGES_USED,
+        GRPC_MESSAGE_BYTES_MAX,
+        SPEC_DRAFT_TOKENS,
+        SPEC_ACCEPTED_TOKENS,
+        SPEC_ACCEPT_LENGTH,
+        KV_STORE_OFFERS_IN_FLIGHT,
+        REQUESTS_IN_FLIGHT,
+    ),
+}
 
 
 def init_series(service: str, fault_kinds: Iterable[str] = ()) -> None:

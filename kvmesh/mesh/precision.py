@@ -38,6 +38,10 @@ def serving_precision(model: str, cpu: set[str] | None = None) -> Precision:
         four_bit = sum(kinds[q] for q in FOUR_BIT)
         if four_bit and four_bit >= sum(kinds.values()) // 2:
             held = "/".join(q for q in FOUR_BIT if kinds[q])
-            return Precision("bf16", "int4", f"INT4 weights holding the GGUF's {held} values, "
-                             "bf16 activations (this CPU has no bf16 dot product)")  # fmt: skip
+            return Precision(
+                "bf16",
+                "int4",
+                f"INT4 weights holding the GGUF's {held} values, "
+                "bf16 activations (this CPU has no bf16 dot product)",
+            )
     return Precision("bf16", "auto", "bf16 weights and activations")

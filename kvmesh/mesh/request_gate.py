@@ -18,8 +18,13 @@ log = structlog.get_logger(__name__)
 
 
 class RequestGate:
-    def __init__(self, max_requests: int = 0, on_change: Callable[[int], None] | None = None,
-                 holder: str = "the worker", flag: str = "--max-queued-requests") -> None:  # fmt: skip
+    def __init__(
+        self,
+        max_requests: int = 0,
+        on_change: Callable[[int], None] | None = None,
+        holder: str = "the worker",
+        flag: str = "--max-queued-requests",
+    ) -> None:
         self.max_requests = max_requests  # 0: no bound
         self._limit = (holder, flag)  # named in the refusal
         self._on_change = on_change or (lambda _: None)  # told the count at each change

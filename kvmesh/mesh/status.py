@@ -35,8 +35,10 @@ def run_status(etcd: str | None, cluster: str | None, as_json: bool) -> int:
             f"running={load.get('numRunning', 0)} pages={load.get('kvPagesUsed', 0)}/{load.get('kvPagesTotal', 0)}"
         )
         for rank in w["ranks"]:
-            print(f"{'':8} rank {rank['rank']} pid={rank['pid']} device={rank['device']} "
-                  f"anon={rank.get('rssanon', '?')}MiB shmem={rank.get('rssshmem', '?')}MiB")  # fmt: skip
+            print(
+                f"{'':8} rank {rank['rank']} pid={rank['pid']} device={rank['device']} "
+                f"anon={rank.get('rssanon', '?')}MiB shmem={rank.get('rssshmem', '?')}MiB"
+            )
     return 0
 
 

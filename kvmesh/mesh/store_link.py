@@ -28,8 +28,13 @@ class StoreLinkOptions:
 
 
 class StoreLink:
-    def __init__(self, options: StoreLinkOptions, engine: AsyncEngine, transfer: KvTransferEngine,
-                 service: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        options: StoreLinkOptions,
+        engine: AsyncEngine,
+        transfer: KvTransferEngine,
+        service: str,
+    ) -> None:
         self.options = options
         self.engine = engine
         self.transfer = transfer

@@ -79,22 +79,31 @@ class Supervisor:
         return {name: child.proc.pid for name, child in self.children.items()}
 
     def spawn(
-        self, name: str, cmd: list[str], log_path: Path, env: Mapping[str, str] | None = None,
+        self,
+        name: str,
+        cmd: list[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
         cpus: frozenset[int] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Start child `name`; `env` (e.g. its KVMESH_CPUS) is added to the supervisor's
         environment, for this child and its restarts; `cpus`: where its threads run."""
         child_env = {**self.env, **env} if env else None
         with self.defer():
             proc = self._start(cmd, log_path, "w", child_env, cpus)
-            self.children[name] = Child(name, cmd, log_path, proc, time.monotonic(), child_env,
-                                        cpus)  # fmt: skip
+            self.children[name] = Child(
+                name, cmd, log_path, proc, time.monotonic(), child_env, cpus
+            )
         self.on_change()
 
     def _start(
-        self, cmd: list[str], log_path: Path, mode: str, env: Mapping[str, str] | None,
+        self,
+        cmd: list[str],
+        log_path: Path,
+        mode: str,
+        env: Mapping[str, str] | None,
         cpus: frozenset[int] | None,
-    ) -> subprocess.Popen:  # fmt: skip
+    ) -> subprocess.Popen:
         with log_path.open(mode + "b") as log:  # the child keeps its own copy of the fd
             return spawn(cmd, log, self.env if env is None else env, cpus)
 
@@ -129,8 +138,9 @@ class Supervisor:
             self.say(f"{died}; restarted {child.restarts} times already, giving up on it")
             return
         child.restart_at = now + delay
-        self.say(f"{died}; restarting it in {delay:g}s "
-                 f"({child.restarts + 1}/{self.policy.max_restarts})")  # fmt: skip
+        self.say(
+            f"{died}; restarting it in {delay:g}s ({child.restarts + 1}/{self.policy.max_restarts})"
+        )
 
     def _restart(self, child: Child) -> None:
         with self.defer():
@@ -142,8 +152,10 @@ class Supervisor:
 
     def stop(self, grace: float, first: tuple[str, ...] = ()) -> None:
         """Stop the children named in `first` (in that order), then all others together."""
-        order = [*(self.children[n] for n in first if n in self.children),
-                 *(c for n, c in self.children.items() if n not in first)]  # fmt: skip
+        order = [
+            *(self.children[n] for n in first if n in self.children),
+            *(c for n, c in self.children.items() if n not in first),
+        ]
         stop_groups([child.proc for child in order], grace)
 
 

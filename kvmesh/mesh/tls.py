@@ -65,20 +65,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """--tls-cert / --tls-key / --tls-ca, on every service; defaults from $KVMESH_TLS_CERT /
     _KEY / _CA (a container sets them once for its service and its health check)."""
     cert, key, ca = env.tls_paths()
-    p.add_argument("--tls-cert", default=cert, metavar="PEM",
-                   help="this service's certificate: TLS on its gRPC (and the gateway's REST) "
-                   "port, mutual TLS to the other services (with --tls-key, --tls-ca; "
-                   "default $KVMESH_TLS_CERT)")  # fmt: skip
-    p.add_argument("--tls-key", default=key, metavar="PEM",
-                   help="its private key (default $KVMESH_TLS_KEY)")  # fmt: skip
-    p.add_argument("--tls-ca", default=ca, metavar="PEM",
-                   help="the CA every other service's certificate must chain to "
-                   "(default $KVMESH_TLS_CA)")  # fmt: skip
+    p.add_argument(
+        "--tls-cert",
+        default=cert,
+        metavar="PEM",
+        help="this service's certificate: TLS on its gRPC (and the gateway's REST) "
+        "port, mutual TLS to the other services (with --tls-key, --tls-ca; "
+        "default $KVMESH_TLS_CERT)",
+    )
+    p.add_argument(
+        "--tls-key", default=key, metavar="PEM", help="its private key (default $KVMESH_TLS_KEY)"
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=ca,
+        metavar="PEM",
+        help="the CA every other service's certificate must chain to (default $KVMESH_TLS_CA)",
+    )
 
 
 def configure_from(args: argparse.Namespace) -> None:
-    configure(TlsFiles.of(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
-                          getattr(args, "tls_ca", None)))  # fmt: skip
+    configure(
+        TlsFiles.of(
+            getattr(args, "tls_cert", None),
+            getattr(args, "tls_key", None),
+            getattr(args, "tls_ca", None),
+        )
+    )
 
 
 _current: TlsFiles | None = None

@@ -29,8 +29,9 @@ def setup(service: str) -> bool:
 
     provider = TracerProvider(resource=Resource.create({"service.name": f"kvmesh-{service}"}))
     simple = os.environ.get("KVMESH_OTEL_FILE")  # a file: each span written as it ends
-    provider.add_span_processor(SimpleSpanProcessor(exporter) if simple else
-                                BatchSpanProcessor(exporter))  # fmt: skip
+    provider.add_span_processor(
+        SimpleSpanProcessor(exporter) if simple else BatchSpanProcessor(exporter)
+    )
     trace.set_tracer_provider(provider)
     return True
 
@@ -75,8 +76,9 @@ def span(name: str, parent: Context | None = None, **attributes: Any) -> Iterato
         yield current
 
 
-def start_span(name: str, parent: trace.Span | Context | None = None,
-               **attributes: Any) -> trace.Span:  # fmt: skip
+def start_span(
+    name: str, parent: trace.Span | Context | None = None, **attributes: Any
+) -> trace.Span:
     """A span not made current: the caller ends it (`span.end()`) and passes it on."""
     if isinstance(parent, trace.Span):
         parent = trace.set_span_in_context(parent)

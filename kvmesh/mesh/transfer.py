@@ -69,9 +69,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The transfer engine's flags (dest names: TransferConfig's `protocol`, `rdma_devices` for
     its `device`), for the workers and the KV store."""
     p.add_argument("--protocol", default="tcp", choices=PROTOCOLS, help="transfer engine protocol")
-    p.add_argument("--rdma-devices", default="", metavar="NICS",
-                   help="--protocol rdma: the RDMA NICs to use, e.g. mlx5_0,mlx5_1 (default: "
-                   "the transfer engine finds them)")  # fmt: skip
+    p.add_argument(
+        "--rdma-devices",
+        default="",
+        metavar="NICS",
+        help="--protocol rdma: the RDMA NICs to use, e.g. mlx5_0,mlx5_1 (default: "
+        "the transfer engine finds them)",
+    )
 
 
 class Segments(NamedTuple):

@@ -131,7 +131,7 @@ async def serve_worker(
             "tensor_parallel": str(engine.config.parallel.tensor_parallel_size),
             "pipeline_parallel": str(engine.config.parallel.pipeline_parallel_size),
             "ranks": _ranks(engine),
-        },  # fmt: skip
+        },
     )
     lost = False
     try:
@@ -177,8 +177,12 @@ async def _until_stopped_or_lost(engine: AsyncEngine) -> bool:
 def _ranks(engine: Engine) -> str:
     """Each rank's process, device and resident memory after load (`kvmesh status`), JSON."""
     pids = [os.getpid(), *engine.rank_pids]
-    return json.dumps([{"rank": r, "pid": pid, "device": "cpu", **process_memory_mib(pid)}
-                       for r, pid in enumerate(pids)])  # fmt: skip
+    return json.dumps(
+        [
+            {"rank": r, "pid": pid, "device": "cpu", **process_memory_mib(pid)}
+            for r, pid in enumerate(pids)
+        ]
+    )
 
 
 def _spec_metrics(role: str):

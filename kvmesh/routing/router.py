@@ -67,8 +67,10 @@ class PrefixAwarePolicy:
     ) -> Decision | None:
         if not candidates:
             return None
-        best = min(candidates, key=lambda c: (c.load_tokens + cost_tokens - c.cached_tokens,
-                                              c.info.worker_id))  # fmt: skip
+        best = min(
+            candidates,
+            key=lambda c: (c.load_tokens + cost_tokens - c.cached_tokens, c.info.worker_id),
+        )
         return Decision(best.info, "prefix_hit" if best.cached_tokens else "least_tokens")
 
 
@@ -193,8 +195,9 @@ class Router:
             return 0
         return self.prefix.cached_tokens(worker, prompt)
 
-    def prefilled(self, prompt: PromptKey, decode: WorkerInfo, prefill: WorkerInfo | None,
-                  cached: int = 0) -> None:  # fmt: skip
+    def prefilled(
+        self, prompt: PromptKey, decode: WorkerInfo, prefill: WorkerInfo | None, cached: int = 0
+    ) -> None:
         """A request's first token came: the prompt's full pages are cached on both workers (in
         the prefix index at once, ahead of their KV events), and the prefill worker is done with
         the prompt (its last polled load may still count the `cached`-less part it computed).

@@ -112,16 +112,23 @@ async def probe(address: str, vocab: int, reps: int = 2, seed: int = 1) -> Probe
         decode, finish = [], []
         for batch in DECODE_BATCHES:
             for length in DECODE_LENGTHS:
-                runs = await asyncio.gather(*await _streams(client, fresh, batch, length,
-                                                            DECODE_TOKENS))  # fmt: skip
+                runs = await asyncio.gather(
+                    *await _streams(client, fresh, batch, length, DECODE_TOKENS)
+                )
                 decode.append((batch, length, statistics.median(_steady(r) for r, _ in runs)))
                 finish += [_last_gap(r) - _steady(r) for r, _ in runs]
         beside_prefill, beside_decode = await _contended(client, fresh)
     return Probes(prefill, decode, beside_prefill, beside_decode, statistics.median(finish))
 
 
-async def _streams(client: MeshClient, fresh, batch: int, length: int, tokens: int,
-                   started: list[asyncio.Event] | None = None) -> list:  # fmt: skip
+async def _streams(
+    client: MeshClient,
+    fresh,
+    batch: int,
+    length: int,
+    tokens: int,
+    started: list[asyncio.Event] | None = None,
+) -> list:
     """`batch` stream calls (not awaited) whose prompts share a `length`-token prefix, computed
     once first: each then has only SUFFIX tokens to prefill."""
     prefix = fresh(length)
@@ -168,10 +175,10 @@ def fit(probes: Probes, source: str) -> LinearCost:
     # relative errors: short prompts (most of an agent's turns) fit as well as long ones
     weight = np.array([1 / t for _, t in probes.prefill])
     p = np.array([[1.0, n, n * n / 2] for n, _ in probes.prefill]) * weight[:, None]
-    a, token, pair = np.linalg.lstsq(p, np.array([t for _, t in probes.prefill]) * weight,
-                                     None)[0]  # fmt: skip
-    base, row, token, pair, context = (max(0.0, float(v)) for v in (base, row, token, pair,
-                                                                      context))  # fmt: skip
+    a, token, pair = np.linalg.lstsq(p, np.array([t for _, t in probes.prefill]) * weight, None)[0]
+    base, row, token, pair, context = (
+        max(0.0, float(v)) for v in (base, row, token, pair, context)
+    )
     finish = max(0.0, probes.finish_s)
     rpc = max(0.0, (float(a) - base - finish) / 4)  # a 1-token reply's token is its last
     streams, length, tokens = CONTENDED
@@ -184,15 +191,24 @@ def fit(probes: Probes, source: str) -> LinearCost:
     waits = alone_step * (1 + decode_slowdown)
     stepped = probes.prefill_beside_decode - 4 * rpc - finish - waits
     return LinearCost(
-        name="fitted", base_s=base, per_token_s=token, per_row_s=row, per_context_s=context,
-        per_pair_s=pair, transfer_page_s=0.0, rpc_s=rpc, finish_s=finish,
+        name="fitted",
+        base_s=base,
+        per_token_s=token,
+        per_row_s=row,
+        per_context_s=context,
+        per_pair_s=pair,
+        transfer_page_s=0.0,
+        rpc_s=rpc,
+        finish_s=finish,
         decode_slowdown=decode_slowdown,
-        prefill_slowdown=max(0.0, stepped / alone_prompt - 1), source=source,
-    )  # fmt: skip
+        prefill_slowdown=max(0.0, stepped / alone_prompt - 1),
+        source=source,
+    )
 
 
-async def worker_spec(mesh: Mesh, setup: MeshSetup,
-                      max_model_len: int) -> tuple[WorkerSpec, WorkerInfo]:  # fmt: skip
+async def worker_spec(
+    mesh: Mesh, setup: MeshSetup, max_model_len: int
+) -> tuple[WorkerSpec, WorkerInfo]:
     """The pool and limits of the mesh's decode worker (its pages from GetLoads; the context
     length from the gateway's GetModelInfo, which the caller has)."""
     from kvmesh.mesh.grpc_server import channel
@@ -202,15 +218,24 @@ async def worker_spec(mesh: Mesh, setup: MeshSetup,
     decode = next(w for w in workers if w.role == "decode")
     async with channel(decode.grpc_address) as ch:
         loads = await decode_pb2_grpc.DecodeStub(ch).GetLoads(decode_pb2.GetLoadsRequest())
-    spec = WorkerSpec(loads.loads[0].kv_pages_total, decode.page_size, setup.max_num_seqs,
-                      SchedulerConfig.max_num_batched_tokens, max_model_len)  # fmt: skip
+    spec = WorkerSpec(
+        loads.loads[0].kv_pages_total,
+        decode.page_size,
+        setup.max_num_seqs,
+        SchedulerConfig.max_num_batched_tokens,
+        max_model_len,
+    )
     return spec, decode
 
 
 def preset_json(preset: Preset) -> dict:
     """What `load_preset(FILE)` reads back."""
-    return {"kind": "linear", **asdict(preset.cost), "worker": asdict(preset.worker),
-            "mesh": {"model": preset.model, "kv_dtype": preset.kv_dtype}}  # fmt: skip
+    return {
+        "kind": "linear",
+        **asdict(preset.cost),
+        "worker": asdict(preset.worker),
+        "mesh": {"model": preset.model, "kv_dtype": preset.kv_dtype},
+    }
 
 
 def fitted(cost: LinearCost, spec: WorkerSpec, info: WorkerInfo) -> Preset:

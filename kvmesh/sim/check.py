@@ -21,12 +21,28 @@ from kvmesh.sim.report import Figures
 from kvmesh.sim.workload import AgentWorkload
 
 TIMING_BOUND = 0.30  # TTFT and TPOT means of the sim within this share of the mesh's
-CHECK_WORKLOAD = AgentWorkload(sessions=6, turns=6, system_tokens=384, message_tokens=48,
-                               reply_tokens=16, think_s=3.0, start_s=4.0, seed=7)  # fmt: skip
+CHECK_WORKLOAD = AgentWorkload(
+    sessions=6,
+    turns=6,
+    system_tokens=384,
+    message_tokens=48,
+    reply_tokens=16,
+    think_s=3.0,
+    start_s=4.0,
+    seed=7,
+)
 # Routing with a choice: 1 prefill + 2 decode workers, sessions over two system prompts.
-ROUTING_WORKLOAD = AgentWorkload(sessions=8, turns=4, system_tokens=256, systems=2,
-                                 message_tokens=48, reply_tokens=8, think_s=1.0, start_s=4.0,
-                                 seed=11)  # fmt: skip
+ROUTING_WORKLOAD = AgentWorkload(
+    sessions=8,
+    turns=4,
+    system_tokens=256,
+    systems=2,
+    message_tokens=48,
+    reply_tokens=8,
+    think_s=1.0,
+    start_s=4.0,
+    seed=11,
+)
 
 
 def machine() -> str:
@@ -51,19 +67,26 @@ def run_check(setup: MeshSetup) -> dict:
     real, sim = Figures.of(mesh_timing), Figures.of(sim_timing)
     real_r, sim_r = Figures.of(mesh_routing), Figures.of(sim_routing)
     return {
-        "date": started, "machine": machine(), "workload": timing.__dict__,
+        "date": started,
+        "machine": machine(),
+        "workload": timing.__dict__,
         "routing_workload": routing.__dict__,
         "preset": preset_json(preset),
-        "mesh": real.__dict__, "sim": sim.__dict__,
-        "mesh_routing": real_r.__dict__, "sim_routing": sim_r.__dict__,
-        "records": {"mesh": [_row(r) for r in mesh_timing], "sim": [_row(r) for r in sim_timing],
-                    "mesh_routing": [_row(r) for r in mesh_routing],
-                    "sim_routing": [_row(r) for r in sim_routing]},
+        "mesh": real.__dict__,
+        "sim": sim.__dict__,
+        "mesh_routing": real_r.__dict__,
+        "sim_routing": sim_r.__dict__,
+        "records": {
+            "mesh": [_row(r) for r in mesh_timing],
+            "sim": [_row(r) for r in sim_timing],
+            "mesh_routing": [_row(r) for r in mesh_routing],
+            "sim_routing": [_row(r) for r in sim_routing],
+        },
         "hit_ratio_points": 100 * abs(sim.hit_ratio - real.hit_ratio),
         "routing_hit_ratio_points": 100 * abs(sim_r.hit_ratio - real_r.hit_ratio),
         "ttft_rel": abs(sim.ttft_mean_s - real.ttft_mean_s) / real.ttft_mean_s,
         "tpot_rel": abs(sim.tpot_mean_s - real.tpot_mean_s) / real.tpot_mean_s,
-    }  # fmt: skip
+    }
 
 
 def _row(r: Record) -> tuple:

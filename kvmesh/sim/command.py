@@ -18,16 +18,27 @@ from kvmesh.sim.workload import AgentWorkload, ChatWorkload
 
 # The claims' scenario: peak load on 8 nodes of 8 H100s (one worker each) serving a
 # Kimi-K2-class model to agents of 4 apps (8k-token system prompts, 1.5k-token tool results).
-PEAK = AgentWorkload(sessions=200, turns=10, system_tokens=8000, systems=4, message_tokens=1500,
-                     reply_tokens=200, think_s=2.0, start_s=60.0)  # fmt: skip
+PEAK = AgentWorkload(
+    sessions=200,
+    turns=10,
+    system_tokens=8000,
+    systems=4,
+    message_tokens=1500,
+    reply_tokens=200,
+    think_s=2.0,
+    start_s=60.0,
+)
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     _common(p)
     p.add_argument("--prefill", type=int, default=4, help="prefill workers (0: colocated)")
     p.add_argument("--decode", type=int, default=4, help="decode (or colocated) workers")
-    p.add_argument("--routing", default=",".join(ROUTINGS),
-                   help=f"comma-separated, side by side: {', '.join(ROUTINGS)}")  # fmt: skip
+    p.add_argument(
+        "--routing",
+        default=",".join(ROUTINGS),
+        help=f"comma-separated, side by side: {', '.join(ROUTINGS)}",
+    )
 
 
 def add_claims_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,8 +68,9 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default=None, help="also write the JSON report here")
 
 
-def _common(p: argparse.ArgumentParser, preset: str = "h100-kimi-k2", sessions: int = 200,
-            turns: int = 10) -> None:  # fmt: skip
+def _common(
+    p: argparse.ArgumentParser, preset: str = "h100-kimi-k2", sessions: int = 200, turns: int = 10
+) -> None:
     p.add_argument(
         "--preset",
         default=preset,
@@ -66,8 +78,12 @@ def _common(p: argparse.ArgumentParser, preset: str = "h100-kimi-k2", sessions: 
     )
     p.add_argument("--kv-pages", type=int, default=None, help="pages per worker (default: preset)")
     p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--local-prefill-tokens", type=int, default=None,
-                   help="decode workers compute prompts up to this long themselves (default 0)")  # fmt: skip
+    p.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=None,
+        help="decode workers compute prompts up to this long themselves (default 0)",
+    )
     p.add_argument("--workload", default="agent", choices=["agent", "chat", "burst"])
     p.add_argument("--sessions", type=int, default=sessions, help="agent sessions")
     p.add_argument("--turns", type=int, default=turns)
@@ -86,13 +102,29 @@ def _common(p: argparse.ArgumentParser, preset: str = "h100-kimi-k2", sessions: 
 
 def _workload(args: argparse.Namespace, scale: float = 1.0):
     if args.workload == "agent":
-        return AgentWorkload(max(1, round(args.sessions * scale)), args.turns, args.system_tokens,
-                             args.systems, args.message_tokens, args.reply_tokens, args.think_s,
-                             args.start_s, not args.no_affinity, seed=args.seed)  # fmt: skip
+        return AgentWorkload(
+            max(1, round(args.sessions * scale)),
+            args.turns,
+            args.system_tokens,
+            args.systems,
+            args.message_tokens,
+            args.reply_tokens,
+            args.think_s,
+            args.start_s,
+            not args.no_affinity,
+            seed=args.seed,
+        )
     burst = 10.0 if args.workload == "burst" else 0.0
-    return ChatWorkload(args.rate * scale, args.duration_s, args.system_tokens,
-                        max(1, args.systems), args.message_tokens, args.reply_tokens, burst,
-                        seed=args.seed)  # fmt: skip
+    return ChatWorkload(
+        args.rate * scale,
+        args.duration_s,
+        args.system_tokens,
+        max(1, args.systems),
+        args.message_tokens,
+        args.reply_tokens,
+        burst,
+        seed=args.seed,
+    )
 
 
 def _preset(args: argparse.Namespace) -> Preset:
@@ -108,8 +140,11 @@ def _side_by_side(fleets: list[Fleet], preset: Preset, workload) -> list[tuple[S
         began = time.perf_counter()
         summary = summarize(simulate(fleet, preset, workload.build()))
         out.append((summary, time.perf_counter() - began))
-        print(f"  {fleet.label}: {summary.requests} requests, simulated {summary.sim_s:,.0f} s "
-              f"in {out[-1][1]:,.1f} s", flush=True)  # fmt: skip
+        print(
+            f"  {fleet.label}: {summary.requests} requests, simulated {summary.sim_s:,.0f} s "
+            f"in {out[-1][1]:,.1f} s",
+            flush=True,
+        )
     return out
 
 
@@ -118,18 +153,32 @@ def _report(args: argparse.Namespace, title: str, rows, extra: dict | None = Non
     print(table([s for s, _ in rows]))
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps({
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args),
-            "runs": [{**s.as_dict(), "wall_s": round(w, 2)} for s, w in rows], **(extra or {}),
-        }, indent=1, default=str) + "\n")  # fmt: skip
+        Path(args.output).write_text(
+            json.dumps(
+                {
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "args": vars(args),
+                    "runs": [{**s.as_dict(), "wall_s": round(w, 2)} for s, w in rows],
+                    **(extra or {}),
+                },
+                indent=1,
+                default=str,
+            )
+            + "\n"
+        )
 
 
 def run_sim(args: argparse.Namespace) -> int:
     from kvmesh.log import configure_logging
 
     configure_logging("sim", "WARNING")  # the router logs every decision at info
-    return {"run": _run, "claims": _claims, "sweep": _sweep, "calibrate": _calibrate,
-            "check": _check}[args.sim](args)  # fmt: skip
+    return {
+        "run": _run,
+        "claims": _claims,
+        "sweep": _sweep,
+        "calibrate": _calibrate,
+        "check": _check,
+    }[args.sim](args)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -159,11 +208,15 @@ def _claims(args: argparse.Namespace) -> int:
         "hit_ratio_cache_aware_colocated": by[f"{colo}, cache-aware"].hit_ratio,
         "hit_ratio_least_load_disaggregated": by[f"{disagg}, least-load"].hit_ratio,
         "hit_ratio_cache_aware_disaggregated": by[f"{disagg}, cache-aware"].hit_ratio,
-        "tpot_p90_colocated_round_robin_over_disaggregated_least_load":
-            by[f"{colo}, round-robin"].tpot_p90_s / by[f"{disagg}, least-load"].tpot_p90_s,
-        "tpot_p90_colocated_round_robin_over_disaggregated_cache_aware":
-            by[f"{colo}, round-robin"].tpot_p90_s / by[f"{disagg}, cache-aware"].tpot_p90_s,
-    }  # fmt: skip
+        "tpot_p90_colocated_round_robin_over_disaggregated_least_load": by[
+            f"{colo}, round-robin"
+        ].tpot_p90_s
+        / by[f"{disagg}, least-load"].tpot_p90_s,
+        "tpot_p90_colocated_round_robin_over_disaggregated_cache_aware": by[
+            f"{colo}, round-robin"
+        ].tpot_p90_s
+        / by[f"{disagg}, cache-aware"].tpot_p90_s,
+    }
     _report(args, f"claims on {preset.cost.name}", rows, {"claims": claims})
     for name, value in claims.items():
         print(f"{name}: {value:.3f}")
@@ -214,8 +267,10 @@ def _check(args: argparse.Namespace) -> int:
         f"TPOT {result['tpot_rel']:.0%}"
     )
     real, sim = result["mesh_routing"], result["sim_routing"]
-    print(f"1 prefill + 2 decode: hit ratio mesh {real['hit_ratio']:.1%}, sim {sim['hit_ratio']:.1%} "
-          f"({result['routing_hit_ratio_points']:.1f} points apart)")  # fmt: skip
+    print(
+        f"1 prefill + 2 decode: hit ratio mesh {real['hit_ratio']:.1%}, sim {sim['hit_ratio']:.1%} "
+        f"({result['routing_hit_ratio_points']:.1f} points apart)"
+    )
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
     if max(result["ttft_rel"], result["tpot_rel"]) > TIMING_BOUND:

@@ -87,10 +87,13 @@ class LinearCost:
 
     def step_s(self, shape: StepShape) -> float:
         scale = self.decode_scale if shape.prefill_tokens == 0 else 1.0
-        return scale * (self.base_s + self.per_token_s * shape.prefill_tokens
-                + self.per_row_s * shape.decode_rows
-                + self.per_context_s * shape.decode_context
-                + self.per_pair_s * shape.prefill_pairs)  # fmt: skip
+        return scale * (
+            self.base_s
+            + self.per_token_s * shape.prefill_tokens
+            + self.per_row_s * shape.decode_rows
+            + self.per_context_s * shape.decode_context
+            + self.per_pair_s * shape.prefill_pairs
+        )
 
     def transfer_s(self, pages: int, page_size: int) -> float:
         return self.transfer_page_s * pages
@@ -162,11 +165,15 @@ class RooflineCost:
             shape.prefill_pairs + shape.decode_context
         )
         touched = m.experts * (1 - (1 - m.experts_per_token / m.experts) ** shape.tokens)
-        weights = (m.always_read_params * m.dense_weight_bytes
-                   + touched * m.expert_params * m.expert_weight_bytes)  # fmt: skip
+        weights = (
+            m.always_read_params * m.dense_weight_bytes
+            + touched * m.expert_params * m.expert_weight_bytes
+        )
         kv = (shape.decode_context + shape.prefill_context) * m.kv_bytes_per_token
-        return (compute / (hw.gpus * hw.flops * hw.mfu),
-                (weights + kv) / (hw.gpus * hw.hbm_bytes_s * hw.mbu))  # fmt: skip
+        return (
+            compute / (hw.gpus * hw.flops * hw.mfu),
+            (weights + kv) / (hw.gpus * hw.hbm_bytes_s * hw.mbu),
+        )
 
     def step_s(self, shape: StepShape) -> float:
         return max(self.bounds(shape)) + self.hardware.step_overhead_s

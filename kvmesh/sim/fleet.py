@@ -40,16 +40,19 @@ class Run:
     sim_s: float  # simulated time until the last reply
 
 
-def simulate(fleet: Fleet, preset: Preset, sessions: list[Session],
-             horizon_s: float | None = None) -> Run:  # fmt: skip
+def simulate(
+    fleet: Fleet, preset: Preset, sessions: list[Session], horizon_s: float | None = None
+) -> Run:
     """Run `sessions` through the fleet to the end (or to `horizon_s` of simulated time)."""
     clock, index = Clock(), PrefixIndex()
     workers = _workers(fleet, preset, clock, index)
-    by_role = {role: [w.info for w in workers if w.info.role == role]
-               for role in ("prefill", "decode")}  # fmt: skip
+    by_role = {
+        role: [w.info for w in workers if w.info.role == role] for role in ("prefill", "decode")
+    }
     affinity = AffinityPolicy(fleet.affinity_max_load_ratio, fleet.affinity_slack_tokens)
-    router = make_router(lambda role: by_role.get(role, []), fleet.routing, PrefixLookup(index),
-                         affinity)  # fmt: skip
+    router = make_router(
+        lambda role: by_role.get(role, []), fleet.routing, PrefixLookup(index), affinity
+    )
     gateway = SimGateway(clock, router, {w.worker_id: w for w in workers}, preset)
     left = [len(sessions)]
 
@@ -81,9 +84,15 @@ def _workers(fleet: Fleet, preset: Preset, clock: Clock, index: PrefixIndex) -> 
     out = []
     for role, count in (("prefill", fleet.prefill), ("decode", fleet.decode)):
         for i in range(count):
-            info = WorkerInfo(role, f"{role}-{i}", f"sim:{role}-{i}", model=preset.model,
-                              page_size=spec.page_size, kv_dtype=preset.kv_dtype,
-                              capacity_tokens=spec.kv_pages * spec.page_size)  # fmt: skip
+            info = WorkerInfo(
+                role,
+                f"{role}-{i}",
+                f"sim:{role}-{i}",
+                model=preset.model,
+                page_size=spec.page_size,
+                kv_dtype=preset.kv_dtype,
+                capacity_tokens=spec.kv_pages * spec.page_size,
+            )
             out.append(SimWorker(info, preset, clock, index))
     if preset.shared_host:  # the fitted model: every worker on this machine's CPUs
         for worker in out:

@@ -68,8 +68,9 @@ class _Flight:
 
 
 class SimGateway:
-    def __init__(self, clock: Clock, router: Router, workers: dict[str, SimWorker],
-                 preset: Preset) -> None:  # fmt: skip
+    def __init__(
+        self, clock: Clock, router: Router, workers: dict[str, SimWorker], preset: Preset
+    ) -> None:
         self.clock, self.router, self.workers = clock, router, workers
         self.preset = preset
         self.rpc_s = preset.cost.rpc_s
@@ -93,8 +94,9 @@ class SimGateway:
         key = self._key(session.session_id, prompt)
         pin = self.pins.get(session.affinity_id or "")
         try:
-            decode = self.router.pick("decode", len(prompt) + len(reply), (),
-                                      pin and pin.decode, key).worker  # fmt: skip
+            decode = self.router.pick(
+                "decode", len(prompt) + len(reply), (), pin and pin.decode, key
+            ).worker
         except WorkerUnavailableError as exc:
             record.error = str(exc)
             done(None)
@@ -105,9 +107,18 @@ class SimGateway:
         if prefill is not None:
             prefilling.enter_context(self.router.holding(prefill.worker_id, len(prompt)))
         record.decode, record.prefill = decode.worker_id, prefill.worker_id if prefill else ""
-        flight = _Flight(record, prompt, key, reply, self.workers[decode.worker_id],
-                         self.workers[prefill.worker_id] if prefill else None, done, holds,
-                         prefilling, session.affinity_id)  # fmt: skip
+        flight = _Flight(
+            record,
+            prompt,
+            key,
+            reply,
+            self.workers[decode.worker_id],
+            self.workers[prefill.worker_id] if prefill else None,
+            done,
+            holds,
+            prefilling,
+            session.affinity_id,
+        )
         self.clock.after(self.rpc_s, self._at_decode, flight)
 
     def _refused(self, prompt: int, reply: int) -> str:
@@ -131,8 +142,9 @@ class SimGateway:
 
     def _pick_prefill(self, key: PromptKey, decode, preferred: str | None):
         try:
-            return self.router.pick("prefill", len(key.token_ids), (), preferred or None, key,
-                                    paired_with=decode).worker  # fmt: skip
+            return self.router.pick(
+                "prefill", len(key.token_ids), (), preferred or None, key, paired_with=decode
+            ).worker
         except WorkerUnavailableError:
             return None
 
@@ -213,8 +225,9 @@ class SimGateway:
             self.router.prefilled(f.key, decode, prefill, cached)
             f.prefilling.close()
             if f.affinity_id:
-                self.pins[f.affinity_id] = Pin(prefill.worker_id if prefill else "",
-                                               decode.worker_id)  # fmt: skip
+                self.pins[f.affinity_id] = Pin(
+                    prefill.worker_id if prefill else "", decode.worker_id
+                )
         f.tokens.append(token)
         record.token_times.append(self.clock.now)
         if ends:

@@ -30,9 +30,14 @@ class MeshClient:
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    async def generate(self, prompt: list[int], max_tokens: int, session_id: str | None = None,
-                       label: tuple[str, int] = ("", 0),
-                       first: asyncio.Event | None = None) -> tuple[Record, list[int]]:  # fmt: skip
+    async def generate(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        session_id: str | None = None,
+        label: tuple[str, int] = ("", 0),
+        first: asyncio.Event | None = None,
+    ) -> tuple[Record, list[int]]:
         """One request: its record (times from this client's start) and the reply tokens;
         `first` is set when the first token came."""
         stub = gateway_pb2_grpc.GatewayStub(self._channel)
@@ -40,7 +45,7 @@ class MeshClient:
             token_ids=gateway_pb2.TokenIds(ids=prompt),
             sampling=common_pb2.SamplingParams(
                 max_tokens=max_tokens, temperature=0.0, ignore_eos=True
-            ),  # fmt: skip
+            ),
             session_id=session_id or "",
         )
         record = Record(label[0], label[1], self.now(), len(prompt))
@@ -68,9 +73,12 @@ async def run_sessions(address: str, sessions: list[Session]) -> list[Record]:
             await asyncio.sleep(max(0.0, session.start_s - client.now()))
             while True:
                 max_tokens = len(session.replies[session.turn])
-                record, reply = await client.generate(session.prompt(), max_tokens,
-                                                      session.affinity_id,
-                                                      (session.session_id, session.turn + 1))  # fmt: skip
+                record, reply = await client.generate(
+                    session.prompt(),
+                    max_tokens,
+                    session.affinity_id,
+                    (session.session_id, session.turn + 1),
+                )
                 records.append(record)
                 if record.error or not session.replied(reply):
                     return

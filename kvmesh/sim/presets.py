@@ -42,10 +42,17 @@ class Preset:
 
 
 KIMI_K2 = ModelShape(
-    name="kimi-k2", total_params=1.03e12, active_params=32.6e9, expert_params=2.64e9,
-    experts=384, experts_per_token=8, expert_weight_bytes=0.53, dense_weight_bytes=2.0,
-    kv_bytes_per_token=(512 + 64) * 61, attn_flops_per_pair=2 * (576 + 512) * 64 * 61,
-)  # fmt: skip
+    name="kimi-k2",
+    total_params=1.03e12,
+    active_params=32.6e9,
+    expert_params=2.64e9,
+    experts=384,
+    experts_per_token=8,
+    expert_weight_bytes=0.53,
+    dense_weight_bytes=2.0,
+    kv_bytes_per_token=(512 + 64) * 61,
+    attn_flops_per_pair=2 * (576 + 512) * 64 * 61,
+)
 H100 = Hardware("h100", 8, flops=989e12, hbm_bytes_s=3.35e12, hbm_bytes=80e9, link_bytes_s=400e9)
 H200 = Hardware("h200", 8, flops=989e12, hbm_bytes_s=4.8e12, hbm_bytes=141e9, link_bytes_s=400e9)
 ROOFLINES = {"h100-kimi-k2": (H100, KIMI_K2), "h200-kimi-k2": (H200, KIMI_K2)}
@@ -56,13 +63,20 @@ def preset_names() -> list[str]:
     return list(ROOFLINES)
 
 
-def load_preset(name: str, kv_pages: int | None = None, max_num_seqs: int | None = None,
-                local_prefill_tokens: int | None = None) -> Preset:  # fmt: skip
+def load_preset(
+    name: str,
+    kv_pages: int | None = None,
+    max_num_seqs: int | None = None,
+    local_prefill_tokens: int | None = None,
+) -> Preset:
     """A preset by name, or a LinearCost JSON file by path (its worker fields inside it); the
     worker fields given override the preset's."""
     preset = _load(name)
-    changes = {"kv_pages": kv_pages, "max_num_seqs": max_num_seqs,
-               "local_prefill_tokens": local_prefill_tokens}  # fmt: skip
+    changes = {
+        "kv_pages": kv_pages,
+        "max_num_seqs": max_num_seqs,
+        "local_prefill_tokens": local_prefill_tokens,
+    }
     worker = replace(preset.worker, **{k: v for k, v in changes.items() if v is not None})
     return replace(preset, worker=worker)
 
@@ -74,14 +88,15 @@ def _load(name: str) -> Preset:
         return Preset(cost, spec, "kimi-k2", "fp8")
     path = Path(name)
     if not path.is_file():
-        raise InvalidRequestError(f"unknown cost preset {name!r}: one of {', '.join(preset_names())} "
-                         "or a JSON file from `kvmesh sim calibrate`")  # fmt: skip
+        raise InvalidRequestError(
+            f"unknown cost preset {name!r}: one of {', '.join(preset_names())} "
+            "or a JSON file from `kvmesh sim calibrate`"
+        )
     try:
         raw = json.loads(path.read_text())
         worker, mesh = raw.pop("worker"), raw.pop("mesh")
         cost = LinearCost(**{k: v for k, v in raw.items() if k != "kind"})
-        return Preset(cost, WorkerSpec(**worker), mesh["model"], mesh["kv_dtype"],
-                      shared_host=True)  # fmt: skip
+        return Preset(cost, WorkerSpec(**worker), mesh["model"], mesh["kv_dtype"], shared_host=True)
     except (ValueError, KeyError, TypeError) as exc:
         raise InvalidRequestError(
             f"{path}: not a preset from `kvmesh sim calibrate` ({exc})"

@@ -62,21 +62,29 @@ def summarize(run: Run) -> Summary:
     decode = [w for w in run.workers if w.info.role == "decode"]
     prefill = [w for w in run.workers if w.info.role == "prefill"]
     return Summary(
-        run.fleet.label, len(run.records), len(run.records) - len(done),
+        run.fleet.label,
+        len(run.records),
+        len(run.records) - len(done),
         sum(r.cached_tokens for r in done) / prompt if prompt else 0.0,
-        percentile(ttft, 50), percentile(ttft, 90), percentile(tpot, 50), percentile(tpot, 90),
+        percentile(ttft, 50),
+        percentile(ttft, 90),
+        percentile(tpot, 50),
+        percentile(tpot, 90),
         sum(len(r.token_times) for r in done) / length,
         tuple(round(w.busy_s / length, 4) for w in decode),
         tuple(round(w.busy_s / length, 4) for w in prefill),
         tuple(served.get(w.worker_id, 0) for w in decode),
-        sum(w.preemptions for w in run.workers), run.sim_s,
-    )  # fmt: skip
+        sum(w.preemptions for w in run.workers),
+        run.sim_s,
+    )
 
 
 def table(summaries: list[Summary]) -> str:
     ms = lambda v: "-" if v is None else f"{v * 1000:,.1f}"  # noqa: E731
-    head = ("| fleet, routing | requests | hit ratio | TTFT p50 / p90 ms | TPOT p50 / p90 ms | "
-            "out tok/s | decode busy min-max | spread |")  # fmt: skip
+    head = (
+        "| fleet, routing | requests | hit ratio | TTFT p50 / p90 ms | TPOT p50 / p90 ms | "
+        "out tok/s | decode busy min-max | spread |"
+    )
     rows = [head, "|" + "---|" * 8]
     for s in summaries:
         busy = f"{min(s.decode_busy):.2f}-{max(s.decode_busy):.2f}" if s.decode_busy else "-"

@@ -15,8 +15,16 @@ from kvmesh.sim.presets import Preset
 from kvmesh.sim.report import Figures
 from kvmesh.sim.workload import AgentWorkload
 
-TUNE_WORKLOAD = AgentWorkload(sessions=6, turns=6, system_tokens=384, message_tokens=48,
-                              reply_tokens=16, think_s=3.0, start_s=4.0, seed=3)  # fmt: skip
+TUNE_WORKLOAD = AgentWorkload(
+    sessions=6,
+    turns=6,
+    system_tokens=384,
+    message_tokens=48,
+    reply_tokens=16,
+    think_s=3.0,
+    start_s=4.0,
+    seed=3,
+)
 MAX_SLOWDOWN = 6.0  # the prefill slowdown's range: 0 to this
 SCALES = (0.6, 2.6)  # the decode scale's range
 GRID = 20  # steps over each range
@@ -30,8 +38,9 @@ def means(records: list[Record]) -> tuple[float, float]:
     return figures.ttft_mean_s, figures.tpot_mean_s
 
 
-def tune(preset: Preset, workload: AgentWorkload, measured: list[Record],
-         fleet: Fleet = ONE_AND_ONE) -> Preset:  # fmt: skip
+def tune(
+    preset: Preset, workload: AgentWorkload, measured: list[Record], fleet: Fleet = ONE_AND_ONE
+) -> Preset:
     """The prefill slowdown and the decode scale on a grid that bring the simulated mean TTFT
     and TPOT closest to the measured ones (sum of squared relative errors): both depend on both
     (a slower decode step also delays reservations and commits), so they are chosen together.
@@ -40,8 +49,11 @@ def tune(preset: Preset, workload: AgentWorkload, measured: list[Record],
     best, chosen = float("inf"), preset
     for i in range(GRID + 1):
         for j in range(GRID + 1):
-            cost = replace(preset.cost, prefill_slowdown=i * MAX_SLOWDOWN / GRID,
-                           decode_scale=SCALES[0] + j * (SCALES[1] - SCALES[0]) / GRID)  # fmt: skip
+            cost = replace(
+                preset.cost,
+                prefill_slowdown=i * MAX_SLOWDOWN / GRID,
+                decode_scale=SCALES[0] + j * (SCALES[1] - SCALES[0]) / GRID,
+            )
             candidate = replace(preset, cost=cost)
             got_ttft, got_tpot = means(simulate(fleet, candidate, workload.build()).records)
             error = (got_ttft / ttft - 1) ** 2 + (got_tpot / tpot - 1) ** 2

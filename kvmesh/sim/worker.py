@@ -80,8 +80,12 @@ class SimWorker:
         Returns the pages read (those it did not hold already)."""
         page_size = self.spec.page_size
         # one token past the pages: match_prefix leaves a token to compute
-        probe = Sequence(f"{seq_id}:import", tokens[: pages * page_size + 1], SamplingParams(),
-                         block_hashes=hashes[:pages])  # fmt: skip
+        probe = Sequence(
+            f"{seq_id}:import",
+            tokens[: pages * page_size + 1],
+            SamplingParams(),
+            block_hashes=hashes[:pages],
+        )
         have = self.pool.match_prefix(probe)
         need = pages * page_size - have.num_tokens
         if need <= 0 or not self.pool.allocate(probe, need, have):

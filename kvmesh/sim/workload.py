@@ -71,14 +71,22 @@ class AgentWorkload:
         systems = [tokens(self.system_tokens) for _ in range(self.systems)]
         out = []
         for i in range(self.sessions):
-            lengths = [rng.randint(self.message_tokens // 2, self.message_tokens * 3 // 2)
-                       for _ in range(self.turns)]  # fmt: skip
+            lengths = [
+                rng.randint(self.message_tokens // 2, self.message_tokens * 3 // 2)
+                for _ in range(self.turns)
+            ]
             thinks = [timing.uniform(0.5, 1.5) * self.think_s for _ in lengths]
-            out.append(Session(
-                f"s{self.seed}-{i}", timing.uniform(0, self.start_s), systems[i % self.systems],
-                [tokens(n) for n in lengths], [tokens(self.reply_tokens) for _ in lengths],
-                thinks, self.affinity,
-            ))  # fmt: skip
+            out.append(
+                Session(
+                    f"s{self.seed}-{i}",
+                    timing.uniform(0, self.start_s),
+                    systems[i % self.systems],
+                    [tokens(n) for n in lengths],
+                    [tokens(self.reply_tokens) for _ in lengths],
+                    thinks,
+                    self.affinity,
+                )
+            )
         return sorted(out, key=lambda s: s.start_s)
 
 
@@ -111,5 +119,14 @@ class ChatWorkload:
             if start >= self.duration_s:
                 return out
             n = rng.randint(self.prompt_tokens // 2, self.prompt_tokens * 3 // 2)
-            out.append(Session(f"c{self.seed}-{len(out)}", start, rng.choice(prefixes), [tokens(n)],
-                               [tokens(self.reply_tokens)], [0.0], False))  # fmt: skip
+            out.append(
+                Session(
+                    f"c{self.seed}-{len(out)}",
+                    start,
+                    rng.choice(prefixes),
+                    [tokens(n)],
+                    [tokens(self.reply_tokens)],
+                    [0.0],
+                    False,
+                )
+            )

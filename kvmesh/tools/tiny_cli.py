@@ -8,8 +8,14 @@ from pathlib import Path
 
 from kvmesh.tools.tiny_configs import ARCHS, DTYPES, QUANTIZE, TinySize, TinySpec
 
-SIZE_FLAGS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_heads",
-              "num_experts", "experts_per_token")  # fmt: skip
+SIZE_FLAGS = (
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_heads",
+    "num_experts",
+    "experts_per_token",
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,17 +35,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--qk-norm", default="on", choices=["on", "off"], help="glm4_moe use_qk_norm")
     p.add_argument("--index-topk", type=int, default=16, help="glm_moe_dsa: keys kept per query")
-    p.add_argument("--max-position-embeddings", type=int, default=1024,
-                   help="the context length (default 1024; agents' prompts need 32768 or more)")  # fmt: skip
+    p.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=1024,
+        help="the context length (default 1024; agents' prompts need 32768 or more)",
+    )
 
 
 def spec_from_args(args: argparse.Namespace) -> TinySpec:
     size = TinySize(
         num_layers=args.num_layers, **{name: getattr(args, name) for name in SIZE_FLAGS}
     )
-    return TinySpec(arch=args.arch, seed=args.seed, size=size, quantize=args.quantize,
-                    dtype=args.dtype, qk_norm=args.qk_norm == "on", index_topk=args.index_topk,
-                    max_position_embeddings=args.max_position_embeddings)  # fmt: skip
+    return TinySpec(
+        arch=args.arch,
+        seed=args.seed,
+        size=size,
+        quantize=args.quantize,
+        dtype=args.dtype,
+        qk_norm=args.qk_norm == "on",
+        index_topk=args.index_topk,
+        max_position_embeddings=args.max_position_embeddings,
+    )
 
 
 def run_make_tiny_model(args: argparse.Namespace) -> int:

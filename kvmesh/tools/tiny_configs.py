@@ -33,8 +33,14 @@ class TinySize:
     experts_per_token: int = 2
 
     def __post_init__(self) -> None:
-        sizes = (self.hidden_size, self.intermediate_size, self.moe_intermediate_size,
-                 self.num_heads, self.num_experts, self.experts_per_token)  # fmt: skip
+        sizes = (
+            self.hidden_size,
+            self.intermediate_size,
+            self.moe_intermediate_size,
+            self.num_heads,
+            self.num_experts,
+            self.experts_per_token,
+        )
         if min(sizes) < 1 or (self.num_layers is not None and self.num_layers < 1):
             raise InvalidRequestError(f"model sizes must be positive: {self}")
         if self.hidden_size % self.num_heads or self.num_heads % 2:
@@ -132,14 +138,26 @@ def _moe(spec: TinySpec) -> dict[str, Any]:
 def _routed(spec: TinySpec, scaling: float) -> dict[str, Any]:
     """DeepSeek-style routing: sigmoid scores + e_score_correction_bias for the choice, one
     group, one shared expert, layer 0 dense."""
-    return {**_moe(spec), "n_routed_experts": spec.size.num_experts, "n_shared_experts": 1,
-            "n_group": 1, "topk_group": 1, "routed_scaling_factor": scaling}  # fmt: skip
+    return {
+        **_moe(spec),
+        "n_routed_experts": spec.size.num_experts,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": scaling,
+    }
 
 
 def _mla(spec: TinySpec, v_head_dim: int) -> dict[str, Any]:
     """kv_lora_rank + rope (80) != qk_nope + rope (48): the softmax scale must be the latter."""
-    return {"num_key_value_heads": spec.size.num_heads, "q_lora_rank": 32, "kv_lora_rank": 64,
-            "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": v_head_dim}  # fmt: skip
+    return {
+        "num_key_value_heads": spec.size.num_heads,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 64,
+        "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": v_head_dim,
+    }
 
 
 def _dense_first(spec: TinySpec) -> list[str]:
@@ -155,8 +173,13 @@ def _qwen3(spec: TinySpec) -> dict[str, Any]:
 
 
 def _qwen3_moe(spec: TinySpec) -> dict[str, Any]:
-    return {**_qwen3(spec), **_moe(spec), "num_experts": spec.size.num_experts,
-            "decoder_sparse_step": 1, "mlp_only_layers": [0]}  # fmt: skip
+    return {
+        **_qwen3(spec),
+        **_moe(spec),
+        "num_experts": spec.size.num_experts,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+    }
 
 
 KIMI_K2_YARN = {  # Kimi K2's rope_scaling (beta 1/1, mscale 1/1) on a 256-token original context
@@ -179,22 +202,40 @@ def _kimi_yarn(spec: TinySpec) -> dict[str, Any]:
 
 def _deepseek_v3(spec: TinySpec) -> dict[str, Any]:
     """Kimi K2's shape: noaux_tc sigmoid routing scaled by 2.827, yarn, interleaved rope."""
-    return {**_routed(spec, 2.827), **_mla(spec, 32), "first_k_dense_replace": 1,
-            "rope_parameters": _kimi_yarn(spec), "rope_interleave": True, "num_mtp_layers": 0,
-            "topk_method": "noaux_tc", "scoring_func": "sigmoid"}  # fmt: skip
+    return {
+        **_routed(spec, 2.827),
+        **_mla(spec, 32),
+        "first_k_dense_replace": 1,
+        "rope_parameters": _kimi_yarn(spec),
+        "rope_interleave": True,
+        "num_mtp_layers": 0,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+    }
 
 
 def _glm4_moe(spec: TinySpec) -> dict[str, Any]:
     """GLM-4.5/4.6: half the head dims rotated, q/k/v biases, optional q/k norms."""
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
-    return {**_routed(spec, 2.5), "head_dim": 32, "attention_bias": True, "first_k_dense_replace": 1,
-            "use_qk_norm": spec.qk_norm, "rope_parameters": rope, "num_mtp_layers": 0}  # fmt: skip
+    return {
+        **_routed(spec, 2.5),
+        "head_dim": 32,
+        "attention_bias": True,
+        "first_k_dense_replace": 1,
+        "use_qk_norm": spec.qk_norm,
+        "rope_parameters": rope,
+        "num_mtp_layers": 0,
+    }
 
 
 def _glm4_moe_lite(spec: TinySpec) -> dict[str, Any]:
     """GLM-4.7-Flash: DeepSeek MLA (v_head_dim != qk_nope_head_dim) with GLM routing."""
-    return {**_routed(spec, 1.8), **_mla(spec, 48), "mlp_layer_types": _dense_first(spec),
-            "rope_interleave": True}  # fmt: skip
+    return {
+        **_routed(spec, 1.8),
+        **_mla(spec, 48),
+        "mlp_layer_types": _dense_first(spec),
+        "rope_interleave": True,
+    }
 
 
 GLM_DSA = {"index_head_dim": 32, "index_n_heads": 16}
@@ -204,8 +245,14 @@ sparse selection (shorter ones attend to every key, as dense attention)."""
 
 
 def _glm_moe_dsa(spec: TinySpec) -> dict[str, Any]:
-    return {**_routed(spec, 2.5), **_mla(spec, 48), **GLM_DSA, "index_topk": spec.index_topk,
-            "first_k_dense_replace": 1, "mlp_layer_types": _dense_first(spec)}  # fmt: skip
+    return {
+        **_routed(spec, 2.5),
+        **_mla(spec, 48),
+        **GLM_DSA,
+        "index_topk": spec.index_topk,
+        "first_k_dense_replace": 1,
+        "mlp_layer_types": _dense_first(spec),
+    }
 
 
 ARCHS: dict[str, tuple[str, Callable[[TinySpec], dict[str, Any]]]] = {

@@ -45,9 +45,14 @@ class TinyModel:
     safetensors_bytes: int
 
     def as_dict(self) -> dict[str, Any]:
-        return {"path": str(self.path), "arch": self.arch, "architecture": self.architecture,
-                "parameters": self.parameters, "files": list(self.files),
-                "safetensors_bytes": self.safetensors_bytes}  # fmt: skip
+        return {
+            "path": str(self.path),
+            "arch": self.arch,
+            "architecture": self.architecture,
+            "parameters": self.parameters,
+            "files": list(self.files),
+            "safetensors_bytes": self.safetensors_bytes,
+        }
 
 
 def make_tiny_model(spec: TinySpec, output: Path) -> TinyModel:

@@ -59,8 +59,12 @@ class Deliveries:
         return True
 
     @contextlib.contextmanager
-    def opened(self, delivery_id: str, write: Callable[[decode_pb2.DecodeResponses], None],
-               close: Callable[[], None] = lambda: None):  # fmt: skip
+    def opened(
+        self,
+        delivery_id: str,
+        write: Callable[[decode_pb2.DecodeResponses], None],
+        close: Callable[[], None] = lambda: None,
+    ):
         """Stream `delivery_id` is open inside the block. `write` gets each message on the
         thread that flushes it, under the stream's lock; an OSError from it ends the stream.
         `close` runs under the same lock as the block ends."""

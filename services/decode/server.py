@@ -29,8 +29,13 @@ _PAGES_USED = metrics.KV_PAGES_USED.labels("decode")
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, worker: DecodeWorker, worker_id: str, deliveries: Deliveries,
-                 gate: RequestGate | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        worker: DecodeWorker,
+        worker_id: str,
+        deliveries: Deliveries,
+        gate: RequestGate | None = None,
+    ) -> None:
         self.worker = worker
         self.gate = gate or RequestGate()
         self.engine: AsyncEngine = worker.engine
@@ -45,10 +50,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except KvmeshError as exc:
             await context.abort(grpc_status(exc), grpc_details(exc))
         tap = _DeliveryTap(self.deliveries, request.delivery_id, self.engine)
-        span = tracing.start_span("decode.generate",
-                                  tracing.incoming_context(context.invocation_metadata()),
-                                  request_id=request.request_id,
-                                  resumed=len(request.resume_token_ids))  # fmt: skip
+        span = tracing.start_span(
+            "decode.generate",
+            tracing.incoming_context(context.invocation_metadata()),
+            request_id=request.request_id,
+            resumed=len(request.resume_token_ids),
+        )
         try:
             with self.gate.admit():  # bounded; refused while draining
                 async for response in self._generate(request, params, tap, context, span):
@@ -65,23 +72,39 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             span.end()
             _PAGES_USED.set(self.engine.num_used_pages)
 
-    async def _generate(self, request: decode_pb2.DecodeRequest, params: SamplingParams,
-                        tap: _DeliveryTap, context: grpc.aio.ServicerContext, span: Span,
-                        ) -> AsyncIterator[decode_pb2.DecodeResponse]:  # fmt: skip
+    async def _generate(
+        self,
+        request: decode_pb2.DecodeRequest,
+        params: SamplingParams,
+        tap: _DeliveryTap,
+        context: grpc.aio.ServicerContext,
+        span: Span,
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         """The chunks to send on the Generate call (the others go on the delivery stream)."""
-        stream = self.worker.generate(DecodeJob(
-            request.request_id, list(request.prompt_token_ids), params,
-            request.prefill_address, request.cache_salt, tuple(request.resume_token_ids),
-            deadline_of(context), span,
-        ), tap if request.delivery_id else None)  # fmt: skip
+        stream = self.worker.generate(
+            DecodeJob(
+                request.request_id,
+                list(request.prompt_token_ids),
+                params,
+                request.prefill_address,
+                request.cache_salt,
+                tuple(request.resume_token_ids),
+                deadline_of(context),
+                span,
+            ),
+            tap if request.delivery_id else None,
+        )
         async with contextlib.aclosing(stream):  # an abort reaches the engine before we return
             async for out in stream:
                 response = _response(out, tap.generated)
                 tap.generated += len(out.new_token_ids)
                 _count(len(out.new_token_ids), self.engine)
                 # the last chunk on this call (the ones before on the delivery stream)
-                if (out.finished or not out.new_token_ids
-                        or not self.deliveries.send(request.delivery_id, response)):  # fmt: skip
+                if (
+                    out.finished
+                    or not out.new_token_ids
+                    or not self.deliveries.send(request.delivery_id, response)
+                ):
                     metrics.observe_message("decode", response.ByteSize())
                     yield response
 

@@ -129,8 +129,14 @@ class DecodeWorker:
     ) -> AsyncIterator[TokenOutput] | None:
         """The engine's output stream for the job, or None when it was aborted before."""
         if not job.prefill_address or job.num_tokens <= self.local_prefill_tokens:
-            return self.engine.generate(job.request_id, job.prompt, job.params,
-                                        cache_salt=job.cache_salt, tap=tap, resumed=job.resumed)  # fmt: skip
+            return self.engine.generate(
+                job.request_id,
+                job.prompt,
+                job.params,
+                cache_salt=job.cache_salt,
+                tap=tap,
+                resumed=job.resumed,
+            )
         try:
             reservation = await self._reserve(job, aborted)
             if reservation is None:

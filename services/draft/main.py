@@ -55,13 +55,18 @@ async def serve_draft(options: DraftOptions) -> None:
     )
     metrics_port = options.metrics_port or free_port()
     metrics.serve_metrics(metrics_port, options.host)
-    server, port, _ = await start_server([add_to(DraftServicer(proposer))], options.host,
-                                         options.port)  # fmt: skip
+    server, port, _ = await start_server(
+        [add_to(DraftServicer(proposer))], options.host, options.port
+    )
     public = addresses.advertised(options.host, options.advertise_host)
-    info = WorkerInfo(role="draft", worker_id=worker_id,
-                      grpc_address=addresses.host_port(public, port),
-                      metrics_address=addresses.host_port(public, metrics_port), model=model_name,
-                      extra={"window": proposer.head.config.window})  # fmt: skip
+    info = WorkerInfo(
+        role="draft",
+        worker_id=worker_id,
+        grpc_address=addresses.host_port(public, port),
+        metrics_address=addresses.host_port(public, metrics_port),
+        model=model_name,
+        extra={"window": proposer.head.config.window},
+    )
     try:
         if not options.etcd:
             log.info("draft.ready", grpc=info.grpc_address, registered=False)
@@ -89,7 +94,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def options_from(args: argparse.Namespace) -> DraftOptions:
-    return DraftOptions(etcd=args.etcd, cluster=args.cluster, model=args.model,
-                        draft_model=args.draft_model, host=args.host,
-                        advertise_host=args.advertise_host, port=args.port,
-                        metrics_port=args.metrics_port)  # fmt: skip
+    return DraftOptions(
+        etcd=args.etcd,
+        cluster=args.cluster,
+        model=args.model,
+        draft_model=args.draft_model,
+        host=args.host,
+        advertise_host=args.advertise_host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+    )

@@ -54,8 +54,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 else:
                     self.proposer.observe(item.request_id, features, tokens, rows.start_position)
             drafts = self.proposer.draft(item.request_id, item.num_draft_tokens)
-            outputs.append(draft_pb2.DraftOutput(request_id=item.request_id,
-                                                 draft_token_ids=drafts))  # fmt: skip
+            outputs.append(
+                draft_pb2.DraftOutput(request_id=item.request_id, draft_token_ids=drafts)
+            )
         return outputs
 
     async def Release(self, request, context) -> draft_pb2.ReleaseDraftResponse:
@@ -65,9 +66,12 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     async def GetInfo(self, request, context) -> draft_pb2.GetDraftInfoResponse:
         c = self.proposer.head.config
         return draft_pb2.GetDraftInfoResponse(
-            target=c.target, capture_layers=list(c.capture_layers), window=c.window,
-            hidden_size=c.hidden_size, draft_vocab_size=c.draft_vocab_size,
-        )  # fmt: skip
+            target=c.target,
+            capture_layers=list(c.capture_layers),
+            window=c.window,
+            hidden_size=c.hidden_size,
+            draft_vocab_size=c.draft_vocab_size,
+        )
 
 
 def add_to(servicer: DraftServicer):

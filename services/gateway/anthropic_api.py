@@ -38,8 +38,9 @@ _STOP = {"length": "max_tokens", "abort": "end_turn"}
 
 
 class AnthropicApi:
-    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, served: ServedModel,
-                 read_json) -> None:  # fmt: skip
+    def __init__(
+        self, backend: GenerateBackend, tokenizer: Tokenizer, served: ServedModel, read_json
+    ) -> None:
         self._backend = backend
         self._tokenizer = tokenizer
         self._served = served
@@ -60,8 +61,9 @@ class AnthropicApi:
             body = await self._read_json(request)
             parsed = await run_in_threadpool(parse_messages, body, self._tokenizer, self._served)
             routing = Routing.from_headers(request.headers)
-            generation = Generation(self._backend, self._tokenizer, parsed, request_id, started,
-                                    routing)  # fmt: skip
+            generation = Generation(
+                self._backend, self._tokenizer, parsed, request_id, started, routing
+            )
             reply = _Reply(parsed, "msg_" + request_id)
             deltas = generation.deltas()
             if not parsed.stream:
@@ -70,8 +72,11 @@ class AnthropicApi:
         except Exception as exc:
             return _error(exc)
         events = _events(reply, generation, first, deltas)
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache", **parsed.headers})  # fmt: skip
+        return StreamingResponse(
+            events,
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", **parsed.headers},
+        )
 
 
 class _Reply:
@@ -94,8 +99,10 @@ class _Reply:
         out = parse_output(self.parsed.tools.parser_object(), text)
         self.called = bool(out.tool_calls)
         blocks = [{"type": "text", "text": out.content}] if out.content else []
-        return blocks + [{"type": "tool_use", "id": _tool_id(c.id), "name": c.name,
-                          "input": _input(c.arguments)} for c in out.tool_calls]  # fmt: skip
+        return blocks + [
+            {"type": "tool_use", "id": _tool_id(c.id), "name": c.name, "input": _input(c.arguments)}
+            for c in out.tool_calls
+        ]
 
     def stop(self, delta: Delta) -> tuple[str, str | None]:
         if delta.stop_sequence is not None:
@@ -141,8 +148,9 @@ class _Reply:
         return [*out, ("content_block_start", start)]
 
 
-async def _whole(reply: _Reply, generation: Generation,
-                 deltas: AsyncGenerator[Delta, None]) -> dict[str, Any]:  # fmt: skip
+async def _whole(
+    reply: _Reply, generation: Generation, deltas: AsyncGenerator[Delta, None]
+) -> dict[str, Any]:
     texts, last = [], Delta("")
     try:
         async for delta in deltas:
@@ -152,14 +160,25 @@ async def _whole(reply: _Reply, generation: Generation,
         await deltas.aclose()
     content = reply.blocks("".join(texts))
     stop_reason, stop_sequence = reply.stop(last)
-    return {**reply.head(), "content": content, "stop_reason": stop_reason,
-            "stop_sequence": stop_sequence, "usage": _usage(generation)}  # fmt: skip
+    return {
+        **reply.head(),
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": _usage(generation),
+    }
 
 
-async def _events(reply: _Reply, generation: Generation, first: Delta,
-                  deltas: AsyncGenerator[Delta, None]) -> AsyncIterator[str]:  # fmt: skip
-    start = {**reply.head(), "content": [], "stop_reason": None, "stop_sequence": None,
-             "usage": {**_usage(generation), "output_tokens": 0}}  # fmt: skip
+async def _events(
+    reply: _Reply, generation: Generation, first: Delta, deltas: AsyncGenerator[Delta, None]
+) -> AsyncIterator[str]:
+    start = {
+        **reply.head(),
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {**_usage(generation), "output_tokens": 0},
+    }
     yield _sse("message_start", {"type": "message_start", "message": start})
     try:
         delta: Delta | None = first
@@ -170,9 +189,14 @@ async def _events(reply: _Reply, generation: Generation, first: Delta,
                 yield _sse(name, data)
             delta = await anext(deltas, None)
         stop_reason, stop_sequence = reply.stop(last)
-        yield _sse("message_delta", {"type": "message_delta",
-                                     "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                     "usage": _usage(generation)})  # fmt: skip
+        yield _sse(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                "usage": _usage(generation),
+            },
+        )
         yield _sse("message_stop", {"type": "message_stop"})
     except Exception as exc:  # in-band: the HTTP status is already sent
         log.info("request.failed_in_stream", error=str(exc))
@@ -184,10 +208,12 @@ async def _events(reply: _Reply, generation: Generation, first: Delta,
 
 def _usage(generation: Generation) -> dict[str, int]:
     usage = generation.usage
-    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
-            "output_tokens": usage.completion_tokens,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": usage.cached_tokens}  # fmt: skip
+    return {
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "output_tokens": usage.completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": usage.cached_tokens,
+    }
 
 
 def _delta(index: int, delta: dict[str, Any]) -> tuple[str, dict[str, Any]]:

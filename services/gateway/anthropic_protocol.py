@@ -46,8 +46,16 @@ def parse_messages(body: Any, tokenizer: Tokenizer, served: ServedModel) -> Pars
     if not isinstance(stream, bool):
         raise InvalidRequestError("'stream' must be a boolean")
     model = served_mod.check_model(body, served)
-    return ParsedRequest("chat", model, tuple(prompt), replace(params, stop=()), params.stop,
-                         stream, tools=tools, clamped_from=budget.clamped_from)  # fmt: skip
+    return ParsedRequest(
+        "chat",
+        model,
+        tuple(prompt),
+        replace(params, stop=()),
+        params.stop,
+        stream,
+        tools=tools,
+        clamped_from=budget.clamped_from,
+    )
 
 
 def count_tokens(body: Any, tokenizer: Tokenizer, served: ServedModel) -> int:
@@ -110,8 +118,11 @@ def _turn(i: int, message: Any) -> list[Message]:
                 f"'{at}.type' {kind!r} is not supported here (text, tool_use in assistant turns, "
                 "tool_result in user turns, thinking)"
             )
-    turn = ([Message(message["role"], "\n".join(texts), tuple(calls), source=where)]
-            if texts or calls else [])  # fmt: skip
+    turn = (
+        [Message(message["role"], "\n".join(texts), tuple(calls), source=where)]
+        if texts or calls
+        else []
+    )
     return results + turn  # a user turn's tool results answer the calls before its text
 
 

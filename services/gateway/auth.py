@@ -136,8 +136,10 @@ def _refusal(handler: grpc.RpcMethodHandler, exc: AuthenticationError) -> grpc.R
         await deny(request, context)
         yield  # pragma: no cover - an async generator; abort raised above
 
-    codecs = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}  # fmt: skip
+    codecs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(deny_stream, **codecs)
     return grpc.unary_unary_rpc_method_handler(deny, **codecs)

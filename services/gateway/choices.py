@@ -41,8 +41,9 @@ def choice_requests(parsed: ParsedRequest, request_id: str) -> list[tuple[str, P
 def total_usage(choices: list[Choice]) -> Usage:
     """The prompt once, the completions of every choice."""
     usages = [c.generation.usage for c in choices]
-    return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages),
-                 usages[0].cached_tokens)  # fmt: skip
+    return Usage(
+        usages[0].prompt_tokens, sum(u.completion_tokens for u in usages), usages[0].cached_tokens
+    )
 
 
 async def merged(streams: list[AsyncGenerator[Delta, None]]) -> AsyncIterator[tuple[int, Delta]]:
@@ -90,8 +91,9 @@ async def merged(streams: list[AsyncGenerator[Delta, None]]) -> AsyncIterator[tu
             await stream.aclose()
 
 
-def delta_events(meta: ResponseMeta, delta: Delta, choice: Choice,
-                 texts: resp.TextChunks) -> list[bytes]:  # fmt: skip
+def delta_events(
+    meta: ResponseMeta, delta: Delta, choice: Choice, texts: resp.TextChunks
+) -> list[bytes]:
     """The stream events of a choice's delta: its text (or tool-call parts, with logprobs where
     asked), then its finish."""
     finish = delta.finish_reason
@@ -117,5 +119,7 @@ def _delta_bodies(meta: ResponseMeta, delta: Delta, choice: Choice) -> list[dict
     parts = tools.delta_bodies(delta.text, final=delta.finish_reason is not None)
     if logprobs is not None and not parts:
         parts = [{}]  # the tokens' logprobs even where they added no certain text yet
-    return [resp.chunk_body(meta, None, logprobs=None if i else logprobs, delta=part, index=index)
-            for i, part in enumerate(parts)]  # fmt: skip
+    return [
+        resp.chunk_body(meta, None, logprobs=None if i else logprobs, delta=part, index=index)
+        for i, part in enumerate(parts)
+    ]

@@ -80,8 +80,14 @@ class ReplyDetokenizer:
     content), never the ones that end it (EOS, stop ids); its stop strings apply to its
     content only: a call's arguments are never cut."""
 
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, stop: tuple[str, ...],
-                 prompt: Sequence[int], tools: ToolParser | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        params: SamplingParams,
+        stop: tuple[str, ...],
+        prompt: Sequence[int],
+        tools: ToolParser | None,
+    ) -> None:
         skip_special = params.skip_special_tokens and tools is None
         hidden = (
             frozenset() if skip_special else tokenizer.eos_token_ids | set(params.stop_token_ids)
@@ -90,9 +96,13 @@ class ReplyDetokenizer:
             hidden |= tokenizer.all_special_ids - _token_ids(tokenizer, tools.delimiters)
         self._hidden = hidden
         self._inner = IncrementalDetokenizer(
-            tokenizer, stop, params.include_stop_str_in_output, skip_special, prompt,
+            tokenizer,
+            stop,
+            params.include_stop_str_in_output,
+            skip_special,
+            prompt,
             tools.call_start if tools is not None else None,
-        )  # fmt: skip
+        )
 
     def push(self, token_ids: Sequence[int], final: bool) -> DetokenizeResult:
         if self._hidden:
@@ -113,8 +123,15 @@ def _token_ids(tokenizer: Tokenizer, texts: Sequence[str]) -> frozenset[int]:
 class Generation:
     """One request's run through the backend; counts tokens and records latency metrics."""
 
-    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, parsed: ParsedRequest,
-                 request_id: str, started: float, routing: Routing) -> None:  # fmt: skip
+    def __init__(
+        self,
+        backend: GenerateBackend,
+        tokenizer: Tokenizer,
+        parsed: ParsedRequest,
+        request_id: str,
+        started: float,
+        routing: Routing,
+    ) -> None:
         self._backend = backend
         self._routing = routing
         self._parsed = parsed
@@ -122,8 +139,9 @@ class Generation:
         self._started = started
         params = parsed.params
         tools = parsed.tools.parser_object() if parsed.tools is not None else None
-        self._detok = ReplyDetokenizer(tokenizer, params, parsed.stop, parsed.prompt_token_ids,
-                                       tools)  # fmt: skip
+        self._detok = ReplyDetokenizer(
+            tokenizer, params, parsed.stop, parsed.prompt_token_ids, tools
+        )
         self._echo = parsed.echo
         self._first_token_at: float | None = None
         self._backend_finished = False
@@ -140,10 +158,13 @@ class Generation:
         """Text deltas; the last one has finish_reason. Aborts the backend if cut short."""
         timeout = self._routing.timeout_s
         request = GenerateInput(
-            self._request_id, list(self._parsed.prompt_token_ids), self._parsed.params,
-            self._routing.session_id, self._routing.cache_salt,
+            self._request_id,
+            list(self._parsed.prompt_token_ids),
+            self._parsed.params,
+            self._routing.session_id,
+            self._routing.cache_salt,
             None if timeout is None else self._started + timeout,
-        )  # fmt: skip
+        )
         stream = self._backend.generate(request)
         try:
             async for chunk in stream:

@@ -32,8 +32,9 @@ log = structlog.get_logger(__name__)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, live_counts,
-                 served: ServedModel) -> None:  # fmt: skip
+    def __init__(
+        self, backend: GenerateBackend, tokenizer: Tokenizer, live_counts, served: ServedModel
+    ) -> None:
         self.backend = backend
         self.served = served  # names, limits, tool-call format: as the REST front's
         self.tokenizer = tokenizer
@@ -59,8 +60,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if not running:
                 self._running.pop(owner, None)
 
-    async def _generate(self, request: gateway_pb2.GenerateRequest, request_id: str,
-                        mesh_id: str, context: grpc.aio.ServicerContext):  # fmt: skip
+    async def _generate(
+        self,
+        request: gateway_pb2.GenerateRequest,
+        request_id: str,
+        mesh_id: str,
+        context: grpc.aio.ServicerContext,
+    ):
         try:
             prompt, params, tools = self._parse(request)
         except KvmeshError as exc:
@@ -78,7 +84,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     params,
                     *_routing(request, context),
                     deadline=deadline_of(context),
-                )  # fmt: skip
+                )
             ):
                 completion += len(chunk.token_ids)
                 result = detok.push(chunk.token_ids, final=chunk.finish_reason is not None)
@@ -86,8 +92,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if result.stopped_on is not None and finish is None:
                     await self.backend.abort(mesh_id)
                     finish = "stop"
-                message = _response(request_id, chunk, result.delta, finish, len(prompt),
-                                    completion)  # fmt: skip
+                message = _response(
+                    request_id, chunk, result.delta, finish, len(prompt), completion
+                )
                 if calls is not None:
                     _read_calls(message, calls.push(result.delta, final=finish is not None))
                 yield message
@@ -119,8 +126,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise InvalidRequestError("the prompt is empty")
         params = convert.sampling_from_pb(request.sampling, tuple(request.stop))
         if conversation is not None:
-            grammar = reply_grammar(conversation, self.served.tool_parser, self.tokenizer.hf,
-                                    params.grammar, "sampling.grammar")  # fmt: skip
+            grammar = reply_grammar(
+                conversation,
+                self.served.tool_parser,
+                self.tokenizer.hf,
+                params.grammar,
+                "sampling.grammar",
+            )
             params = replace(params, grammar=grammar)
         if request.include_stop_str_in_output:
             params = replace(params, include_stop_str_in_output=True)

@@ -49,6 +49,10 @@ def _tool(i: int, tool: gateway_pb2.Tool) -> dict[str, Any]:
         )
     except ValueError as exc:
         raise InvalidRequestError(f"'tools[{i}].parameters_json' is not JSON: {exc}") from exc
-    function = {"name": tool.name, "description": tool.description, "parameters": parameters,
-                "strict": tool.strict}  # fmt: skip
+    function = {
+        "name": tool.name,
+        "description": tool.description,
+        "parameters": parameters,
+        "strict": tool.strict,
+    }
     return {"type": "function", "function": function}

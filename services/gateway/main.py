@@ -54,13 +54,19 @@ async def serve_gateway(config: GatewayConfig) -> None:
         router = make_router(watcher.alive, routing.routing, PrefixLookup(index), affinity)
         follower = asyncio.create_task(KvEventFollower(index, watcher.alive).run())
         sessions = SessionStore(registry, routing.session_ttl)
-        backend = MeshBackend(router, source.name, model_config.max_position_embeddings,
-                              sessions, streams.migration_limit,
-                              streams.max_inflight_requests)  # fmt: skip
+        backend = MeshBackend(
+            router,
+            source.name,
+            model_config.max_position_embeddings,
+            sessions,
+            streams.migration_limit,
+            streams.max_inflight_requests,
+        )
         counts = lambda: (len(watcher.alive("prefill")), len(watcher.alive("decode")))  # noqa: E731
         readiness = MeshReadiness(watcher.alive)
-        served = served_model(backend.model_name, backend.max_model_len, tokenizer,
-                              config.limits, parser, names)  # fmt: skip
+        served = served_model(
+            backend.model_name, backend.max_model_len, tokenizer, config.limits, parser, names
+        )
         grpc_server, grpc_port, health = await start_server(
             [grpc_api.add_to(grpc_api.GatewayServicer(backend, tokenizer, counts, served))],
             service.host,
@@ -79,7 +85,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
                     parser,
                     keys,
                     names,
-                ),  # fmt: skip
+                ),
                 host=service.host,
                 port=service.http_port,
                 log_level="warning",

@@ -66,8 +66,12 @@ class MeshBackend:
         self.router = router
         self.migration_limit = migration_limit
         # sequences streaming through this gateway at once
-        self.gate = RequestGate(max_inflight, metrics.REQUESTS_IN_FLIGHT.labels("gateway").set,
-                                "the gateway", "--max-inflight-requests")  # fmt: skip
+        self.gate = RequestGate(
+            max_inflight,
+            metrics.REQUESTS_IN_FLIGHT.labels("gateway").set,
+            "the gateway",
+            "--max-inflight-requests",
+        )
         self.sessions = sessions
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -85,8 +89,11 @@ class MeshBackend:
         (`resume_token_ids`), so the stream continues without a repeat or a gap."""
         with self.gate.admit():
             self._where[request.request_id] = {}  # an abort from here on is kept
-            root = tracing.start_span("gateway.generate", request_id=request.request_id,
-                                      prompt_tokens=len(request.prompt_token_ids))  # fmt: skip
+            root = tracing.start_span(
+                "gateway.generate",
+                request_id=request.request_id,
+                prompt_tokens=len(request.prompt_token_ids),
+            )
             try:  # closed here, not when collected: a leg cut short has its call cancelled now
                 async with contextlib.aclosing(self._generate(request, root)) as chunks:
                     async for chunk in chunks:
@@ -110,8 +117,9 @@ class MeshBackend:
                 return
             leg = self._leg(request, sent, migrations, nonce)
             try:
-                decode = self.router.pick("decode", self._decode_cost(request), bad_decode,
-                                          pin and pin.decode, leg.prompt).worker  # fmt: skip
+                decode = self.router.pick(
+                    "decode", self._decode_cost(request), bad_decode, pin and pin.decode, leg.prompt
+                ).worker
             except WorkerUnavailable as exc:
                 if full is None:
                     raise
@@ -139,8 +147,13 @@ class MeshBackend:
                 if sent:
                     outcome = "migrated" if migrations < self.migration_limit else "exhausted"
                     metrics.REQUEST_MIGRATIONS.labels("gateway", outcome).inc()
-                    log.warning("gateway.migrate", decode=decode.worker_id, sent=len(sent),
-                                outcome=outcome, error=str(exc))  # fmt: skip
+                    log.warning(
+                        "gateway.migrate",
+                        decode=decode.worker_id,
+                        sent=len(sent),
+                        outcome=outcome,
+                        error=str(exc),
+                    )
                     if outcome == "exhausted":
                         raise
                     migrations += 1
@@ -165,8 +178,9 @@ class MeshBackend:
             return None
         return await self.sessions.lookup(session_id)
 
-    def _pick_prefill(self, leg: Leg, decode: WorkerInfo, exclude: set[str],
-                      preferred: str | None) -> WorkerInfo | None:  # fmt: skip
+    def _pick_prefill(
+        self, leg: Leg, decode: WorkerInfo, exclude: set[str], preferred: str | None
+    ) -> WorkerInfo | None:
         """A prefill worker whose pages `decode` can take; None: decode prefills it itself."""
         try:
             cost = len(leg.prompt.token_ids)
@@ -180,8 +194,14 @@ class MeshBackend:
     def _decode_cost(request: GenerateInput) -> int:
         return len(request.prompt_token_ids) + request.params.max_tokens
 
-    async def _stream(self, request: GenerateInput, leg: Leg, decode: WorkerInfo,
-                      prefill: WorkerInfo | None, root: Span) -> AsyncIterator[GenerateChunk]:  # fmt: skip
+    async def _stream(
+        self,
+        request: GenerateInput,
+        leg: Leg,
+        decode: WorkerInfo,
+        prefill: WorkerInfo | None,
+        root: Span,
+    ) -> AsyncIterator[GenerateChunk]:
         stub = decode_pb2_grpc.DecodeStub(self._channel(decode.grpc_address))
         timeout = None
         if request.deadline is not None:
@@ -208,10 +228,12 @@ class MeshBackend:
         try:
             with self.router.holding(decode.worker_id, held), contextlib.ExitStack() as prefilling:
                 prefilling.enter_context(self._holding_prefill(prefill, len(prompt.token_ids)))
-                call_span = tracing.start_span("gateway.decode_call", root, decode=decode.worker_id,
-                                               resumed=len(leg.resumed))  # fmt: skip
-                call = stub.Generate(message, timeout=timeout,
-                                     metadata=tracing.outgoing_metadata(call_span))  # fmt: skip
+                call_span = tracing.start_span(
+                    "gateway.decode_call", root, decode=decode.worker_id, resumed=len(leg.resumed)
+                )
+                call = stub.Generate(
+                    message, timeout=timeout, metadata=tracing.outgoing_metadata(call_span)
+                )
                 responses = call if delivery is None else delivery.chunks(leg.request_id, call)
                 first = True
                 try:
@@ -288,8 +310,13 @@ class MeshBackend:
         return self._channels[address]
 
 
-def _exclude(exc: Exception, decode: WorkerInfo, prefill: WorkerInfo | None,
-             bad_decode: set[str], bad_prefill: set[str]) -> None:  # fmt: skip
+def _exclude(
+    exc: Exception,
+    decode: WorkerInfo,
+    prefill: WorkerInfo | None,
+    bad_decode: set[str],
+    bad_prefill: set[str],
+) -> None:
     """Leave the worker at fault out of the request's next tries: the prefill worker when it
     failed or was full (none left: the decode worker prefills itself), else the decode one."""
     if isinstance(exc, PrefillUnavailable | PrefillOverloadedError) and prefill is not None:

@@ -73,8 +73,9 @@ def create_app(
     until a request would succeed), /live (liveness), /metrics. `tool_parser`: the format of
     the model's tool calls (None: chosen from its chat template). With `api_keys` every /v1/
     request needs one (auth.py); GET /openapi.json describes it all."""
-    served = serving.served_model(backend.model_name, backend.max_model_len, tokenizer, limits,
-                                tool_parser, names)  # fmt: skip
+    served = serving.served_model(
+        backend.model_name, backend.max_model_len, tokenizer, limits, tool_parser, names
+    )
     api = _OpenAIApi(backend, tokenizer, served)
     read = lambda request: read_json(request, limits.max_body_bytes)  # noqa: E731
     anthropic = AnthropicApi(backend, tokenizer, api.served, read)
@@ -128,8 +129,9 @@ class RequestIdMiddleware:
 
 
 class _OpenAIApi:
-    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer,
-                 served: serving.ServedModel) -> None:  # fmt: skip
+    def __init__(
+        self, backend: GenerateBackend, tokenizer: Tokenizer, served: serving.ServedModel
+    ) -> None:
         self._backend = backend
         self._tokenizer = tokenizer
         self._max_body_bytes = served.limits.max_body_bytes
@@ -144,10 +146,15 @@ class _OpenAIApi:
 
     async def models(self, request: Request) -> Response:
         cards = [
-            {"id": name, "object": "model", "created": self._created, "owned_by": "kvmesh",
-             "max_model_len": self.served.max_model_len}
+            {
+                "id": name,
+                "object": "model",
+                "created": self._created,
+                "owned_by": "kvmesh",
+                "max_model_len": self.served.max_model_len,
+            }
             for name in self.served.names
-        ]  # fmt: skip
+        ]
         return JSONResponse({"object": "list", "data": cards})
 
     async def _generate(self, request: Request, kind: serving.Kind) -> Response:
@@ -158,15 +165,23 @@ class _OpenAIApi:
             parsed = await run_in_threadpool(
                 proto.parse_request, kind, body, self._tokenizer, self.served
             )
-            log.info("request.accepted", kind=kind, prompt_tokens=len(parsed.prompt_token_ids),
-                     max_tokens=parsed.params.max_tokens, stream=parsed.stream)  # fmt: skip
+            log.info(
+                "request.accepted",
+                kind=kind,
+                prompt_tokens=len(parsed.prompt_token_ids),
+                max_tokens=parsed.params.max_tokens,
+                stream=parsed.stream,
+            )
             routing = Routing.from_headers(request.headers)
             choices = [
-                Choice(i, Generation(self._backend, self._tokenizer, one, rid, started, routing),
-                       LogprobFormatter(kind, self._tokenizer, parsed.logprobs is not None),
-                       ToolReply(parsed.tools) if parsed.tools is not None else None)
+                Choice(
+                    i,
+                    Generation(self._backend, self._tokenizer, one, rid, started, routing),
+                    LogprobFormatter(kind, self._tokenizer, parsed.logprobs is not None),
+                    ToolReply(parsed.tools) if parsed.tools is not None else None,
+                )
                 for i, (rid, one) in enumerate(choice_requests(parsed, request_id))
-            ]  # fmt: skip
+            ]
             meta = ResponseMeta.for_request(parsed, request_id)
             if parsed.stream:
                 return await _stream(meta, choices, parsed.headers)
@@ -215,8 +230,12 @@ async def _stream(
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
-async def _sse_events(meta: ResponseMeta, choices: list[Choice], first: tuple[int, Delta],
-                      deltas: AsyncGenerator[tuple[int, Delta], None]) -> AsyncIterator[bytes]:  # fmt: skip
+async def _sse_events(
+    meta: ResponseMeta,
+    choices: list[Choice],
+    first: tuple[int, Delta],
+    deltas: AsyncGenerator[tuple[int, Delta], None],
+) -> AsyncIterator[bytes]:
     outcome = "cancelled"  # unless the loop below ends
     try:
         texts = [resp.TextChunks(meta, choice.index) for choice in choices]

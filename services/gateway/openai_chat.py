@@ -32,11 +32,13 @@ def parse_conversation(body: dict[str, Any], sources: list[str] | None = None) -
     if parallel is not None and not isinstance(parallel, bool):
         raise InvalidRequestError("'parallel_tool_calls' must be a boolean")
     return Conversation(
-        tuple(_message(sources[i] if sources else f"messages[{i}]", m)
-              for i, m in enumerate(messages)), tools,
+        tuple(
+            _message(sources[i] if sources else f"messages[{i}]", m) for i, m in enumerate(messages)
+        ),
+        tools,
         ToolChoice("none") if choice is None and not tools else choice or ToolChoice("auto"),
         not legacy and parallel is not False,
-    )  # fmt: skip
+    )
 
 
 def _message(where: str, message: Any) -> Message:
@@ -69,8 +71,11 @@ def _content(where: str, content: Any) -> str:
         raise InvalidRequestError(f"'{where}.content' must be a string or an array of parts")
     texts = []
     for j, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text")
-                and isinstance(part.get("text"), str)):  # fmt: skip
+        if not (
+            isinstance(part, dict)
+            and part.get("type") in ("text", "input_text", "output_text")
+            and isinstance(part.get("text"), str)
+        ):
             raise InvalidRequestError(
                 f'\'{where}.content[{j}]\' must be {{"type": "text", "text": <string>}} '
                 "(only text parts are supported)"
@@ -104,8 +109,10 @@ def _tools(body: dict[str, Any], field: str, legacy: bool) -> tuple[Tool, ...]:
         return ()
     if not isinstance(given, list):
         raise InvalidRequestError(f"'{field}' must be an array")
-    return tuple(_tool(f"{field}[{i}]", t if legacy else _function(f"{field}[{i}]", t))
-                 for i, t in enumerate(given))  # fmt: skip
+    return tuple(
+        _tool(f"{field}[{i}]", t if legacy else _function(f"{field}[{i}]", t))
+        for i, t in enumerate(given)
+    )
 
 
 def _function(where: str, tool: Any) -> Any:

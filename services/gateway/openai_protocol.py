@@ -109,14 +109,25 @@ def parse_request(
     budget = output_budget(kind, len(prompt), requested, served, _n(body))
     grammar = output_grammar(body)
     if conversation is not None:
-        grammar = reply_grammar(conversation, served.tool_parser, tokenizer.hf, grammar,
-                                "response_format")  # fmt: skip
+        grammar = reply_grammar(
+            conversation, served.tool_parser, tokenizer.hf, grammar, "response_format"
+        )
     bias = _logit_bias(body, tokenizer.vocab_size)
     params = _sampling(body, budget.max_tokens, logprobs, grammar, bias)
     return ParsedRequest(
-        kind, model, tuple(prompt), replace(params, stop=()), params.stop,
-        stream, include_usage, _get(body, "user", str), tools, echo, _n(body), budget.clamped_from,
-    )  # fmt: skip
+        kind,
+        model,
+        tuple(prompt),
+        replace(params, stop=()),
+        params.stop,
+        stream,
+        include_usage,
+        _get(body, "user", str),
+        tools,
+        echo,
+        _n(body),
+        budget.clamped_from,
+    )
 
 
 def _get(body: dict[str, Any], name: str, kind: type[T]) -> T | None:
@@ -183,8 +194,9 @@ def _completion_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
     return ids
 
 
-def _echo(body: dict[str, Any], prompt: list[int], tokenizer: Tokenizer,
-          logprobs: int | None) -> str:  # fmt: skip
+def _echo(
+    body: dict[str, Any], prompt: list[int], tokenizer: Tokenizer, logprobs: int | None
+) -> str:
     """The prompt as text (a string prompt exactly as sent) when 'echo' is true."""
     if not _get(body, "echo", bool):
         return ""
@@ -207,12 +219,23 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     return (top or 0) if enabled else None
 
 
-def _sampling(body: dict[str, Any], max_tokens: int, logprobs: int | None, grammar: str | None,
-              logit_bias: tuple[tuple[int, float], ...]) -> SamplingParams:  # fmt: skip
+def _sampling(
+    body: dict[str, Any],
+    max_tokens: int,
+    logprobs: int | None,
+    grammar: str | None,
+    logit_bias: tuple[tuple[int, float], ...],
+) -> SamplingParams:
     values = {n: _get(body, n, kind) for kind, names in _SAMPLING_FIELDS for n in names}
     given = {name: value for name, value in values.items() if value is not None}
-    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, stop=_stop(body),
-                          grammar=grammar, logit_bias=logit_bias, **given)  # fmt: skip
+    return SamplingParams(
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        stop=_stop(body),
+        grammar=grammar,
+        logit_bias=logit_bias,
+        **given,
+    )
 
 
 def _logit_bias(body: dict[str, Any], vocab: int) -> tuple[tuple[int, float], ...]:

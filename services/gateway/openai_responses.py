@@ -58,9 +58,13 @@ class ResponseMeta:
 
 
 def response_body(
-    meta: ResponseMeta, text: str, finish_reason: str | None, logprobs: Any, usage: Usage,
+    meta: ResponseMeta,
+    text: str,
+    finish_reason: str | None,
+    logprobs: Any,
+    usage: Usage,
     message: dict[str, Any] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """A whole chat.completion (`message`: one read for tool calls) or text_completion."""
     choice: dict[str, Any] = {"index": 0}
     if meta.kind == "chat":

@@ -13,8 +13,14 @@ _INT = {"type": "integer"}
 _STOP = {
     "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]
 }
-_TEXT_PARTS = {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
-    "type": {"type": "string"}, "text": {"type": "string"}}}}  # fmt: skip
+_TEXT_PARTS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["type"],
+        "properties": {"type": {"type": "string"}, "text": {"type": "string"}},
+    },
+}
 _CHAT_MESSAGE = {
     "type": "object",
     "required": ["role"],
@@ -26,48 +32,96 @@ _CHAT_MESSAGE = {
         "tool_calls": {"type": "array", "items": {"type": "object"}},
     },
 }
-_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
-    "type": {"const": "function"},
-    "function": {"type": "object", "required": ["name"], "properties": {
-        "name": {"type": "string"}, "description": {"type": "string"},
-        "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}}}  # fmt: skip
+_TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string"},
+                "description": {"type": "string"},
+                "parameters": {"type": "object"},
+                "strict": {"type": "boolean"},
+            },
+        },
+    },
+}
 
 
-def _sampling(model: str, limits: RequestLimits,
-              max_tokens_names: tuple[str, ...]) -> dict[str, Any]:  # fmt: skip
+def _sampling(
+    model: str, limits: RequestLimits, max_tokens_names: tuple[str, ...]
+) -> dict[str, Any]:
     """The sampling fields shared by the OpenAI endpoints."""
     tokens = {"type": "integer", "minimum": 1}
     if limits.max_output_tokens:
         tokens["maximum"] = limits.max_output_tokens
     fields: dict[str, Any] = {name: tokens for name in max_tokens_names}
-    fields |= {name: _NUMBER for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                                           "presence_penalty", "frequency_penalty")}  # fmt: skip
-    fields |= {"top_k": _INT, "seed": _INT, "ignore_eos": {"type": "boolean"}, "stop": _STOP,
-               "stream": {"type": "boolean"}, "stream_options": {"type": "object"},
-               "n": {"type": "integer", "minimum": 1, "maximum": limits.max_n},
-               "logit_bias": {"type": "object", "additionalProperties": _NUMBER},
-               "user": {"type": "string"}, "model": {"enum": [model]}}  # fmt: skip
+    fields |= {
+        name: _NUMBER
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        )
+    }
+    fields |= {
+        "top_k": _INT,
+        "seed": _INT,
+        "ignore_eos": {"type": "boolean"},
+        "stop": _STOP,
+        "stream": {"type": "boolean"},
+        "stream_options": {"type": "object"},
+        "n": {"type": "integer", "minimum": 1, "maximum": limits.max_n},
+        "logit_bias": {"type": "object", "additionalProperties": _NUMBER},
+        "user": {"type": "string"},
+        "model": {"enum": [model]},
+    }
     return fields
 
 
 def _schemas(model: str, limits: RequestLimits) -> dict[str, Any]:
     chat = _sampling(model, limits, ("max_tokens", "max_completion_tokens"))
-    chat |= {"messages": {"type": "array", "items": _CHAT_MESSAGE, "minItems": 1},
-             "tools": {"type": "array", "items": _TOOL}, "tool_choice": {},
-             "parallel_tool_calls": {"type": "boolean"}, "response_format": {"type": "object"},
-             "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer"}}  # fmt: skip
+    chat |= {
+        "messages": {"type": "array", "items": _CHAT_MESSAGE, "minItems": 1},
+        "tools": {"type": "array", "items": _TOOL},
+        "tool_choice": {},
+        "parallel_tool_calls": {"type": "boolean"},
+        "response_format": {"type": "object"},
+        "logprobs": {"type": "boolean"},
+        "top_logprobs": {"type": "integer"},
+    }
     completion = _sampling(model, limits, ("max_tokens",))
-    completion |= {"prompt": {"oneOf": [{"type": "string"}, {"type": "array"}]},
-                   "echo": {"type": "boolean"}, "logprobs": {"type": "integer"}}  # fmt: skip
+    completion |= {
+        "prompt": {"oneOf": [{"type": "string"}, {"type": "array"}]},
+        "echo": {"type": "boolean"},
+        "logprobs": {"type": "integer"},
+    }
     responses = _sampling(model, limits, ("max_output_tokens",))
-    responses |= {"input": {"oneOf": [{"type": "string"}, {"type": "array"}]},
-                  "instructions": {"type": "string"}, "tools": {"type": "array"},
-                  "text": {"type": "object"}}  # fmt: skip
-    messages = {"model": {"enum": [model]}, "messages": {"type": "array", "minItems": 1},
-                "system": {}, "max_tokens": _sampling(model, limits, ("max_tokens",))["max_tokens"],
-                "temperature": _NUMBER, "top_p": _NUMBER, "top_k": _INT,
-                "stop_sequences": {"type": "array", "items": {"type": "string"}},
-                "stream": {"type": "boolean"}, "tools": {"type": "array"}, "tool_choice": {}}  # fmt: skip
+    responses |= {
+        "input": {"oneOf": [{"type": "string"}, {"type": "array"}]},
+        "instructions": {"type": "string"},
+        "tools": {"type": "array"},
+        "text": {"type": "object"},
+    }
+    messages = {
+        "model": {"enum": [model]},
+        "messages": {"type": "array", "minItems": 1},
+        "system": {},
+        "max_tokens": _sampling(model, limits, ("max_tokens",))["max_tokens"],
+        "temperature": _NUMBER,
+        "top_p": _NUMBER,
+        "top_k": _INT,
+        "stop_sequences": {"type": "array", "items": {"type": "string"}},
+        "stream": {"type": "boolean"},
+        "tools": {"type": "array"},
+        "tool_choice": {},
+    }
     return {
         "ChatCompletionRequest": _object(chat, ["messages"]),
         "CompletionRequest": _object(completion, ["prompt"]),
@@ -75,7 +129,7 @@ def _schemas(model: str, limits: RequestLimits) -> dict[str, Any]:
         "MessagesRequest": _object(messages, ["model", "messages", "max_tokens"]),
         "CountTokensRequest": _object(
             {k: messages[k] for k in ("model", "messages", "system", "tools")}, ["messages"]
-        ),  # fmt: skip
+        ),
         "Error": _object(
             {
                 "error": _object(
@@ -89,7 +143,7 @@ def _schemas(model: str, limits: RequestLimits) -> dict[str, Any]:
                 )
             },
             ["error"],
-        ),  # fmt: skip
+        ),
         "AnthropicError": _object(
             {
                 "type": {"const": "error"},
@@ -98,7 +152,7 @@ def _schemas(model: str, limits: RequestLimits) -> dict[str, Any]:
                 ),
             },
             ["type", "error"],
-        ),  # fmt: skip
+        ),
     }
 
 
@@ -116,19 +170,32 @@ _POST_ERRORS = (400, 401, 404, 413, 429, 500, 503, 504)
 
 def _post(summary: str, request: str, error: str = "Error") -> dict[str, Any]:
     body = {"$ref": f"#/components/schemas/{request}"}
-    ok = {"description": "the result (JSON), or server-sent events when stream is true",
-          "content": {"application/json": {"schema": {"type": "object"}},
-                      "text/event-stream": {"schema": {"type": "string"}}}}  # fmt: skip
-    return {"post": {"summary": summary, "operationId": request,
-                     "requestBody": {"required": True,
-                                     "content": {"application/json": {"schema": body}}},
-                     "responses": {"200": ok, **_errors(error, _POST_ERRORS)}}}  # fmt: skip
+    ok = {
+        "description": "the result (JSON), or server-sent events when stream is true",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+    return {
+        "post": {
+            "summary": summary,
+            "operationId": request,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {"200": ok, **_errors(error, _POST_ERRORS)},
+        }
+    }
 
 
 def _get(summary: str, operation: str, errors: tuple[int, ...] = ()) -> dict[str, Any]:
     ok = {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}
-    return {"get": {"summary": summary, "operationId": operation,
-                    "responses": {"200": ok, **_errors("Error", errors)}}}  # fmt: skip
+    return {
+        "get": {
+            "summary": summary,
+            "operationId": operation,
+            "responses": {"200": ok, **_errors("Error", errors)},
+        }
+    }
 
 
 def openapi_document(model: str, limits: RequestLimits, version: str) -> dict[str, Any]:
@@ -138,7 +205,7 @@ def openapi_document(model: str, limits: RequestLimits, version: str) -> dict[st
             "title": "kvmesh gateway",
             "version": version,
             "description": f"OpenAI- and Anthropic-compatible API serving {model}",
-        },  # fmt: skip
+        },
         "paths": {
             "/v1/chat/completions": _post("OpenAI chat completion", "ChatCompletionRequest"),
             "/v1/completions": _post("OpenAI text completion", "CompletionRequest"),
@@ -146,7 +213,7 @@ def openapi_document(model: str, limits: RequestLimits, version: str) -> dict[st
             "/v1/messages": _post("Anthropic Messages", "MessagesRequest", "AnthropicError"),
             "/v1/messages/count_tokens": _post(
                 "Anthropic token count", "CountTokensRequest", "AnthropicError"
-            ),  # fmt: skip
+            ),
             "/v1/models": _get("the served model", "listModels", (401,)),
             "/health": _get("readiness: 200 once a request would succeed", "health", (503,)),
             "/live": _get("liveness", "live"),
@@ -156,6 +223,6 @@ def openapi_document(model: str, limits: RequestLimits, version: str) -> dict[st
             "securitySchemes": {
                 "bearer": {"type": "http", "scheme": "bearer"},
                 "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
-            },  # fmt: skip
+            },
         },
     }

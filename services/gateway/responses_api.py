@@ -38,8 +38,9 @@ log = structlog.get_logger(__name__)
 
 
 class ResponsesApi:
-    def __init__(self, backend: GenerateBackend, tokenizer: Tokenizer, served: ServedModel,
-                 read_json) -> None:  # fmt: skip
+    def __init__(
+        self, backend: GenerateBackend, tokenizer: Tokenizer, served: ServedModel, read_json
+    ) -> None:
         self._backend = backend
         self._tokenizer = tokenizer
         self._served = served
@@ -50,11 +51,18 @@ class ResponsesApi:
         started = time.monotonic()
         try:
             body = await self._read_json(request)
-            asked = await run_in_threadpool(parse_response_request, body, self._tokenizer,
-                                            self._served)  # fmt: skip
+            asked = await run_in_threadpool(
+                parse_response_request, body, self._tokenizer, self._served
+            )
             parsed, headers = asked.parsed, _headers(asked)
-            generation = Generation(self._backend, self._tokenizer, parsed, request_id, started,
-                                    Routing.from_headers(request.headers))  # fmt: skip
+            generation = Generation(
+                self._backend,
+                self._tokenizer,
+                parsed,
+                request_id,
+                started,
+                Routing.from_headers(request.headers),
+            )
             reply = _Reply(parsed, request_id, body, asked.tools)
             deltas = generation.deltas()
             if not parsed.stream:
@@ -63,16 +71,26 @@ class ResponsesApi:
         except Exception as exc:
             status = http_status(exc)
             log.info("request.rejected", status=status, error=str(exc))
-            return JSONResponse(openai_error_body(exc), status_code=status,
-                                headers=http_headers(exc))  # fmt: skip
-        return StreamingResponse(_events(reply, generation, first, deltas),
-                                 media_type="text/event-stream", headers=headers)  # fmt: skip
+            return JSONResponse(
+                openai_error_body(exc), status_code=status, headers=http_headers(exc)
+            )
+        return StreamingResponse(
+            _events(reply, generation, first, deltas),
+            media_type="text/event-stream",
+            headers=headers,
+        )
 
     async def refuse_websocket(self, websocket: WebSocket) -> None:
         """Codex tries a WebSocket to /v1/responses first: 426 sends it to HTTP at once (any
         other answer costs it seconds of retries, a 400 ends its run)."""
-        body = {"error": {"message": "WebSocket is not supported: POST /v1/responses",
-                          "type": "invalid_request_error", "param": None, "code": None}}  # fmt: skip
+        body = {
+            "error": {
+                "message": "WebSocket is not supported: POST /v1/responses",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            }
+        }
         await websocket.send_denial_response(JSONResponse(body, status_code=426))
 
 
@@ -88,8 +106,9 @@ def _headers(asked: ResponsesRequest) -> dict[str, str]:
 class _Reply:
     """The response object and its output items, built as the text arrives."""
 
-    def __init__(self, parsed: ParsedRequest, request_id: str, body: dict[str, Any],
-                 tools: ResponsesTools) -> None:  # fmt: skip
+    def __init__(
+        self, parsed: ParsedRequest, request_id: str, body: dict[str, Any], tools: ResponsesTools
+    ) -> None:
         parser = parsed.tools.parser_object() if parsed.tools else get_parser("hermes")
         self.stream = ToolCallStream(parser) if parsed.tools else None
         self.tools = tools
@@ -98,14 +117,22 @@ class _Reply:
         self.items: list[dict[str, Any]] = []
         self.sequence = 0
         self.base = {
-            "id": "resp_" + request_id, "object": "response", "created_at": int(time.time()),
-            "model": parsed.model, "output": [], "parallel_tool_calls": body.get(
-                "parallel_tool_calls", True) is not False,
-            "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
-            "instructions": body.get("instructions"), "max_output_tokens": parsed.params.max_tokens,
-            "temperature": parsed.params.temperature, "top_p": parsed.params.top_p,
-            "error": None, "incomplete_details": None, "metadata": {},
-        }  # fmt: skip
+            "id": "resp_" + request_id,
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": parsed.model,
+            "output": [],
+            "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
+            "tool_choice": body.get("tool_choice") or "auto",
+            "tools": body.get("tools") or [],
+            "instructions": body.get("instructions"),
+            "max_output_tokens": parsed.params.max_tokens,
+            "temperature": parsed.params.temperature,
+            "top_p": parsed.params.top_p,
+            "error": None,
+            "incomplete_details": None,
+            "metadata": {},
+        }
 
     def response(self, status: str, generation: Generation | None = None) -> dict[str, Any]:
         out = {**self.base, "status": status, "output": [i for i in self.items]}
@@ -113,11 +140,13 @@ class _Reply:
             out["incomplete_details"] = {"reason": "max_output_tokens"}
         if generation is not None:
             usage = generation.usage
-            out["usage"] = {"input_tokens": usage.prompt_tokens,
-                            "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-                            "output_tokens": usage.completion_tokens,
-                            "output_tokens_details": {"reasoning_tokens": 0},
-                            "total_tokens": usage.prompt_tokens + usage.completion_tokens}  # fmt: skip
+            out["usage"] = {
+                "input_tokens": usage.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+                "output_tokens": usage.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            }
         return out
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -133,8 +162,15 @@ class _Reply:
                 out += self._message_open()
                 item = self.items[-1]
                 item["content"][0]["text"] += part.text
-                out.append(self.event("response.output_text.delta", **self._at(), content_index=0,
-                                      delta=part.text, logprobs=[]))  # fmt: skip
+                out.append(
+                    self.event(
+                        "response.output_text.delta",
+                        **self._at(),
+                        content_index=0,
+                        delta=part.text,
+                        logprobs=[],
+                    )
+                )
             elif isinstance(part, CallStart):
                 out += self._close()
                 item = self.tools.call_item(part.name, part.id, "")
@@ -143,14 +179,22 @@ class _Reply:
                     {**item, "id": f"{prefix}_{part.id[5:]}", "status": "in_progress"}
                 )
                 self.arguments = ""
-                out.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
-                                      item=dict(self.items[-1])))  # fmt: skip
+                out.append(
+                    self.event(
+                        "response.output_item.added",
+                        output_index=len(self.items) - 1,
+                        item=dict(self.items[-1]),
+                    )
+                )
             elif isinstance(part, ArgumentsDelta):
                 self.arguments += part.text
                 if self.items[-1]["type"] == "function_call":  # a custom call's text: at its end
                     self.items[-1]["arguments"] = self.arguments
-                    out.append(self.event("response.function_call_arguments.delta", **self._at(),
-                                          delta=part.text))  # fmt: skip
+                    out.append(
+                        self.event(
+                            "response.function_call_arguments.delta", **self._at(), delta=part.text
+                        )
+                    )
         return out + (self._close() if final else [])
 
     def _at(self) -> dict[str, Any]:
@@ -165,13 +209,24 @@ class _Reply:
             return []
         out = self._close()
         part = {"type": "output_text", "text": "", "annotations": []}
-        self.items.append({"type": "message", "id": f"msg_{self.request_id}_{len(self.items)}",
-                           "status": "in_progress", "role": "assistant", "content": [part]})  # fmt: skip
+        self.items.append(
+            {
+                "type": "message",
+                "id": f"msg_{self.request_id}_{len(self.items)}",
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [part],
+            }
+        )
         added = {**self.items[-1], "content": []}
-        out.append(self.event("response.output_item.added", output_index=len(self.items) - 1,
-                              item=added))  # fmt: skip
-        out.append(self.event("response.content_part.added", **self._at(), content_index=0,
-                              part=dict(part)))  # fmt: skip
+        out.append(
+            self.event("response.output_item.added", output_index=len(self.items) - 1, item=added)
+        )
+        out.append(
+            self.event(
+                "response.content_part.added", **self._at(), content_index=0, part=dict(part)
+            )
+        )
         return out
 
     def _close(self) -> list[str]:
@@ -183,24 +238,43 @@ class _Reply:
         out = []
         if item["type"] == "message":
             part = item["content"][0]
-            out.append(self.event("response.output_text.done", **self._at(), content_index=0,
-                                  text=part["text"], logprobs=[]))  # fmt: skip
-            out.append(self.event("response.content_part.done", **self._at(), content_index=0,
-                                  part=part))  # fmt: skip
+            out.append(
+                self.event(
+                    "response.output_text.done",
+                    **self._at(),
+                    content_index=0,
+                    text=part["text"],
+                    logprobs=[],
+                )
+            )
+            out.append(
+                self.event("response.content_part.done", **self._at(), content_index=0, part=part)
+            )
         elif item["type"] == "custom_tool_call":
             item["input"] = custom_input(self.arguments)
-            out.append(self.event("response.custom_tool_call_input.done", **self._at(),
-                                  input=item["input"]))  # fmt: skip
+            out.append(
+                self.event(
+                    "response.custom_tool_call_input.done", **self._at(), input=item["input"]
+                )
+            )
         else:
-            out.append(self.event("response.function_call_arguments.done", **self._at(),
-                                  name=item["name"], arguments=item["arguments"]))  # fmt: skip
-        out.append(self.event("response.output_item.done", output_index=len(self.items) - 1,
-                              item=item))  # fmt: skip
+            out.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    **self._at(),
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
+        out.append(
+            self.event("response.output_item.done", output_index=len(self.items) - 1, item=item)
+        )
         return out
 
 
-async def _whole(reply: _Reply, generation: Generation,
-                 deltas: AsyncGenerator[Delta, None]) -> dict[str, Any]:  # fmt: skip
+async def _whole(
+    reply: _Reply, generation: Generation, deltas: AsyncGenerator[Delta, None]
+) -> dict[str, Any]:
     last = Delta("")
     try:
         async for delta in deltas:
@@ -211,8 +285,9 @@ async def _whole(reply: _Reply, generation: Generation,
     return reply.response(_status(last), generation)
 
 
-async def _events(reply: _Reply, generation: Generation, first: Delta,
-                  deltas: AsyncGenerator[Delta, None]) -> AsyncIterator[str]:  # fmt: skip
+async def _events(
+    reply: _Reply, generation: Generation, first: Delta, deltas: AsyncGenerator[Delta, None]
+) -> AsyncIterator[str]:
     yield reply.event("response.created", response=reply.response("in_progress"))
     yield reply.event("response.in_progress", response=reply.response("in_progress"))
     try:
@@ -230,8 +305,10 @@ async def _events(reply: _Reply, generation: Generation, first: Delta,
         log.info("request.failed_in_stream", error=str(exc))
         error = openai_error_body(exc)["error"]
         yield reply.event("error", code=error["code"], message=error["message"], param=None)
-        failed = {**reply.response("failed"), "error": {"code": error["code"] or error["type"],
-                                                        "message": error["message"]}}  # fmt: skip
+        failed = {
+            **reply.response("failed"),
+            "error": {"code": error["code"] or error["type"], "message": error["message"]},
+        }
         yield reply.event("response.failed", response=failed)
     finally:
         with anyio.CancelScope(shield=True):

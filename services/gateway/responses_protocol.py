@@ -51,17 +51,25 @@ def parse_response_request(
     if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool)):
         raise InvalidRequestError("'max_output_tokens' must be an integer")
     budget = served_mod.output_budget("chat", len(prompt), requested, served)
-    grammar = reply_grammar(conversation, served.tool_parser, tokenizer.hf, _text_format(body),
-                            "text.format")  # fmt: skip
+    grammar = reply_grammar(
+        conversation, served.tool_parser, tokenizer.hf, _text_format(body), "text.format"
+    )
     fields = {n: float(body[n]) for n in ("temperature", "top_p") if _number(body, n)}
     params = SamplingParams(max_tokens=budget.max_tokens, grammar=grammar, **fields)
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise InvalidRequestError("'stream' must be a boolean")
     model = served_mod.check_model(body, served)
-    parsed = ParsedRequest("chat", model, tuple(prompt), replace(params, stop=()), (), stream,
-                           tools=ToolSetup.of(conversation, served.tool_parser),
-                           clamped_from=budget.clamped_from)  # fmt: skip
+    parsed = ParsedRequest(
+        "chat",
+        model,
+        tuple(prompt),
+        replace(params, stop=()),
+        (),
+        stream,
+        tools=ToolSetup.of(conversation, served.tool_parser),
+        clamped_from=budget.clamped_from,
+    )
     return ResponsesRequest(parsed, tools)
 
 
@@ -82,9 +90,12 @@ def parse_conversation(body: dict[str, Any], tools: ResponsesTools | None = None
         made = _item(i, item, messages)
         messages.extend(made)
         sources.extend([f"input[{i}]"] * len(made))
-    chat = {"messages": messages, "tools": list(tools.functions),
-            "tool_choice": _choice(body.get("tool_choice")),
-            "parallel_tool_calls": body.get("parallel_tool_calls")}  # fmt: skip
+    chat = {
+        "messages": messages,
+        "tools": list(tools.functions),
+        "tool_choice": _choice(body.get("tool_choice")),
+        "parallel_tool_calls": body.get("parallel_tool_calls"),
+    }
     return parse_chat({k: v for k, v in chat.items() if v not in (None, [])}, sources)
 
 
@@ -117,8 +128,11 @@ def _call(item: dict[str, Any], kind: str, messages: list[dict[str, Any]]) -> li
     else:
         arguments = item.get("arguments", "{}")
     name = model_name(item.get("name"), item.get("namespace"))
-    call = {"id": item.get("call_id"), "type": "function",
-            "function": {"name": name, "arguments": arguments}}  # fmt: skip
+    call = {
+        "id": item.get("call_id"),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
     if messages and messages[-1]["role"] == "assistant" and not messages[-1].get("content"):
         messages[-1].setdefault("tool_calls", []).append(call)  # parallel calls: one turn
         return []
@@ -143,8 +157,12 @@ def _content(at: str, content: Any) -> Any:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return [{"type": "text", "text": p.get("text")} if isinstance(p, dict)
-                and p.get("type") in _TEXT_PARTS else p for p in content]  # fmt: skip
+        return [
+            {"type": "text", "text": p.get("text")}
+            if isinstance(p, dict) and p.get("type") in _TEXT_PARTS
+            else p
+            for p in content
+        ]
     raise InvalidRequestError(f"'{at}.content' must be a string or an array of text parts")
 
 

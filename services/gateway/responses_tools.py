@@ -22,8 +22,12 @@ from typing import Any
 
 from kvmesh.errors import InvalidRequestError
 
-CUSTOM_INPUT = {"type": "object", "properties": {"input": {"type": "string"}},
-                "required": ["input"], "additionalProperties": False}  # fmt: skip
+CUSTOM_INPUT = {
+    "type": "object",
+    "properties": {"input": {"type": "string"}},
+    "required": ["input"],
+    "additionalProperties": False,
+}
 
 
 @dataclass(frozen=True)

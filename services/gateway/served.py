@@ -43,8 +43,14 @@ class ServedModel:
     any_model: bool = False  # every other name too (a single-model mesh, as llama.cpp does)
 
     @classmethod
-    def named(cls, model_name: str, names: ModelNames, max_model_len: int, tool_parser: str,
-              limits: RequestLimits) -> ServedModel:  # fmt: skip
+    def named(
+        cls,
+        model_name: str,
+        names: ModelNames,
+        max_model_len: int,
+        tool_parser: str,
+        limits: RequestLimits,
+    ) -> ServedModel:
         first, *aliases = names.of(model_name)
         return cls(first, max_model_len, tool_parser, limits, tuple(aliases), names.any_model)
 
@@ -53,9 +59,14 @@ class ServedModel:
         return (self.name, *self.aliases)
 
 
-def served_model(model_name: str, max_model_len: int, tokenizer: Tokenizer,
-                 limits: RequestLimits = DEFAULT_LIMITS, tool_parser: str | None = None,
-                 names: ModelNames = DEFAULT_NAMES) -> ServedModel:  # fmt: skip
+def served_model(
+    model_name: str,
+    max_model_len: int,
+    tokenizer: Tokenizer,
+    limits: RequestLimits = DEFAULT_LIMITS,
+    tool_parser: str | None = None,
+    names: ModelNames = DEFAULT_NAMES,
+) -> ServedModel:
     """What the REST and gRPC fronts serve: `tool_parser` None: chosen from the chat template."""
     parser = tool_parser or parser_for(tokenizer.hf.chat_template)
     return ServedModel.named(model_name, names, max_model_len, parser, limits)
@@ -89,8 +100,9 @@ class OutputBudget:
     clamped_from: int | None = None  # what the client asked for, where it was clamped
 
 
-def output_budget(kind: Kind, prompt_len: int, requested: int | None, served: ServedModel,
-                  n: int = 1) -> OutputBudget:  # fmt: skip
+def output_budget(
+    kind: Kind, prompt_len: int, requested: int | None, served: ServedModel, n: int = 1
+) -> OutputBudget:
     """The completion's max_tokens: the default where none was asked; one beyond what the
     context leaves the prompt clamped to it (--max-tokens-policy clamp: the reply ends with
     finish reason `length` there) or refused (refuse). A prompt that fills the context alone
@@ -105,8 +117,9 @@ def output_budget(kind: Kind, prompt_len: int, requested: int | None, served: Se
     return OutputBudget(requested)
 
 
-def check_context(kind: Kind, prompt_len: int, max_tokens: int, served: ServedModel,
-                  n: int = 1) -> None:  # fmt: skip
+def check_context(
+    kind: Kind, prompt_len: int, max_tokens: int, served: ServedModel, n: int = 1
+) -> None:
     """The configured limits (RequestLimits), then the model's context length."""
     served.limits.check(prompt_len, max_tokens, n)
     limit = served.max_model_len

@@ -37,10 +37,13 @@ class ToolReply:
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
         if parsed.tool_calls:
             message["tool_calls"] = [
-                {"id": call.id, "type": "function",
-                 "function": {"name": call.name, "arguments": call.arguments}}
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
                 for call in parsed.tool_calls
-            ]  # fmt: skip
+            ]
         return message
 
 

@@ -67,15 +67,20 @@ class KVStoreOptions:
         if self.ram_mib <= 0 or self.disk_mib < 0 or self.page_size <= 0:
             raise ValueError("ram_mib and page_size must be > 0, disk_mib >= 0")
         if self.page_bytes is None and not self.etcd:
-            raise ValueError("a KV store takes its page layout from the workers in etcd "
-                             "(--etcd) or from --page-bytes (and --kv-dtype, --kv-spec)")  # fmt: skip
+            raise ValueError(
+                "a KV store takes its page layout from the workers in etcd "
+                "(--etcd) or from --page-bytes (and --kv-dtype, --kv-spec)"
+            )
         if self.page_bytes is not None:
             self.store_config()  # validates the rest
         self.transfer_config()
 
     def transfer_config(self) -> TransferConfig:
-        return TransferConfig(protocol=self.protocol, device=self.rdma_devices,
-                              hostname=addresses.advertised(self.host, self.advertise_host, True))  # fmt: skip
+        return TransferConfig(
+            protocol=self.protocol,
+            device=self.rdma_devices,
+            hostname=addresses.advertised(self.host, self.advertise_host, True),
+        )
 
     @property
     def layout_key(self) -> str:
@@ -141,10 +146,21 @@ async def _adopt_layout(options: KVStoreOptions, stop: asyncio.Event) -> KVStore
             for worker in await registry.list_workers():
                 if worker.role in ("prefill", "decode") and "page_bytes" in worker.extra:
                     model, page_size, kv_dtype, kv_spec = worker.kv_layout
-                    log.info("kvstore.layout_adopted", worker=worker.worker_id, model=model,
-                             kv_dtype=kv_dtype, kv_spec=kv_spec)  # fmt: skip
-                    return replace(options, model=model, page_size=page_size, kv_dtype=kv_dtype,
-                                   kv_spec=kv_spec, page_bytes=int(worker.extra["page_bytes"]))  # fmt: skip
+                    log.info(
+                        "kvstore.layout_adopted",
+                        worker=worker.worker_id,
+                        model=model,
+                        kv_dtype=kv_dtype,
+                        kv_spec=kv_spec,
+                    )
+                    return replace(
+                        options,
+                        model=model,
+                        page_size=page_size,
+                        kv_dtype=kv_dtype,
+                        kv_spec=kv_spec,
+                        page_bytes=int(worker.extra["page_bytes"]),
+                    )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
     return None
@@ -224,13 +240,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-id", default="")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=0)
-    p.add_argument("--page-bytes", type=int, default=None,
-                   help="an explicit page layout: bytes per KV page, with --model, --page-size, "
-                   "--kv-dtype and --kv-spec (default: the layout a worker registers in etcd)")  # fmt: skip
+    p.add_argument(
+        "--page-bytes",
+        type=int,
+        default=None,
+        help="an explicit page layout: bytes per KV page, with --model, --page-size, "
+        "--kv-dtype and --kv-spec (default: the layout a worker registers in etcd)",
+    )
     p.add_argument("--model", default="smollm2-135m", help="with --page-bytes: the model")
     p.add_argument("--page-size", type=int, default=16, help="with --page-bytes: tokens per page")
-    p.add_argument("--kv-dtype", default="fp32", choices=KV_DTYPES,
-                   help="with --page-bytes: the pages' KV dtype")  # fmt: skip
+    p.add_argument(
+        "--kv-dtype",
+        default="fp32",
+        choices=KV_DTYPES,
+        help="with --page-bytes: the pages' KV dtype",
+    )
     p.add_argument("--kv-spec", default="", help="with --page-bytes: the KV spec key")
     p.add_argument("--ram-mib", type=int, default=256, help="RAM tier capacity")
     p.add_argument("--disk-mib", type=int, default=1024, help="disk tier capacity (0: none)")

@@ -41,8 +41,14 @@ def segment_bytes(capacity_pages: int, page_bytes: int) -> int:
 class MooncakeTier:
     """`capacity_pages` pages of `page_bytes` in Mooncake Store behind the master at `master`."""
 
-    def __init__(self, master: str, layout_key: str, capacity_pages: int, page_bytes: int,
-                 transport: TransferConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        master: str,
+        layout_key: str,
+        capacity_pages: int,
+        page_bytes: int,
+        transport: TransferConfig | None = None,
+    ) -> None:
         """`transport`: the store's own transfer engine's (its address, protocol and NICs)."""
         if capacity_pages <= 0:
             raise ValueError(f"capacity_pages must be positive, got {capacity_pages}")
@@ -134,8 +140,15 @@ def _connect(master: str, capacity_pages: int, page_bytes: int, transport: Trans
     # as this process's transfer engine: its advertised address (not loopback), protocol, NICs
     if transport is None:
         transport = TransferConfig(hostname=os.environ.get("MC_TCP_BIND_ADDRESS", "127.0.0.1"))
-    rc = store.setup(transport.hostname, "P2PHANDSHAKE", segment, buffer, transport.protocol,
-                     transport.device, master)  # fmt: skip
+    rc = store.setup(
+        transport.hostname,
+        "P2PHANDSHAKE",
+        segment,
+        buffer,
+        transport.protocol,
+        transport.device,
+        master,
+    )
     if rc != 0:
         raise MooncakeTierError(f"Mooncake Store setup against master {master} failed: rc {rc}")
     log.info("kvstore.mooncake_connected", master=master, segment_bytes=segment)

@@ -19,8 +19,9 @@ log = structlog.get_logger(__name__)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, worker: PrefillWorker, worker_id: str,
-                 gate: RequestGate | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, worker: PrefillWorker, worker_id: str, gate: RequestGate | None = None
+    ) -> None:
         self.worker = worker
         self.gate = gate or RequestGate()
         self.worker_id = worker_id
@@ -33,8 +34,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             params = convert.sampling_from_pb(request.sampling)
             parent = tracing.incoming_context(context.invocation_metadata())
-            with (self.gate.admit(),  # bounded; refused while draining
-                  tracing.span("prefill.prefill", parent, request_id=request.request_id)):  # fmt: skip
+            with (
+                self.gate.admit(),  # bounded; refused while draining
+                tracing.span("prefill.prefill", parent, request_id=request.request_id),
+            ):
                 result = await self.worker.prefill(
                     request.request_id,
                     list(request.prompt_token_ids),
@@ -61,7 +64,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             response.draft_window.CopyFrom(
                 convert.feature_rows_to_pb(
                     fused, start, tokens[start + 1 : start + 1 + len(fused)], fused=True
-                )  # fmt: skip
+                )
             )
         if first.new_logprobs and first.new_logprobs[0] is not None:
             response.first_logprob.CopyFrom(convert.logprob_to_pb(first.new_logprobs[0]))

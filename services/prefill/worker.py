@@ -28,13 +28,19 @@ from kvmesh.proto.v1 import prefill_pb2
 log = structlog.get_logger(__name__)
 
 
-def read_tags(transfer: KvTransferEngine, session: str, tags_address: int, pages: list[int],
-              staging: torch.Tensor) -> list[int]:  # fmt: skip
+def read_tags(
+    transfer: KvTransferEngine,
+    session: str,
+    tags_address: int,
+    pages: list[int],
+    staging: torch.Tensor,
+) -> list[int]:
     """A peer's integrity tags of `pages` (int32 bit patterns), read from its tag array at
     `tags_address` into `staging` (registered int32s, at least len(pages))."""
     base = staging.data_ptr()
-    transfer.read_pages(session, [tags_address + 4 * p for p in pages],
-                        [base + 4 * i for i in range(len(pages))], 4)  # fmt: skip
+    transfer.read_pages(
+        session, [tags_address + 4 * p for p in pages], [base + 4 * i for i in range(len(pages))], 4
+    )
     return staging[: len(pages)].tolist()
 
 
@@ -47,8 +53,13 @@ class PrefillResult:
 
 
 class PrefillWorker:
-    def __init__(self, engine: AsyncEngine, transfer: KvTransferEngine, kv_dtype: str,
-                 store: StoreLink | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        transfer: KvTransferEngine,
+        kv_dtype: str,
+        store: StoreLink | None = None,
+    ) -> None:
         self.engine = engine
         self.transfer = transfer
         self.kv_dtype = kv_dtype
@@ -114,8 +125,9 @@ class PrefillWorker:
         if request_id in self._aborted:
             raise RequestAbortedError(f"prefill of {request_id} was aborted")
 
-    async def _import_prefix(self, request_id: str, prompt: list[int], cache_salt: str,
-                             dest: prefill_pb2.KvDestination) -> tuple[int, int]:  # fmt: skip
+    async def _import_prefix(
+        self, request_id: str, prompt: list[int], cache_salt: str, dest: prefill_pb2.KvDestination
+    ) -> tuple[int, int]:
         """Local prefix first; then pages the decode worker already holds (read over TE);
         then the KV store; whatever is still missing is computed by the prefill itself.
         Returns the pages imported from (decode, store)."""
@@ -145,8 +157,9 @@ class PrefillWorker:
         metrics.PREFIX_HIT_TOKENS.labels("kvstore").inc(from_store)
         metrics.PREFIX_HIT_TOKENS.labels("prefill_local").inc(cached - from_decode - from_store)
 
-    async def _read_from_decode(self, plan: ImportPlan, local: list[int],
-                                dest: prefill_pb2.KvDestination) -> int:  # fmt: skip
+    async def _read_from_decode(
+        self, plan: ImportPlan, local: list[int], dest: prefill_pb2.KvDestination
+    ) -> int:
         """Read the decode worker's pages into local pages (ids), each layout as it is."""
         if not local:
             return 0
@@ -159,8 +172,9 @@ class PrefillWorker:
             if not dest.tags_address or len(expected) != len(held):
                 return True  # (a decode worker that does not tag its pages)
             with self._tag_lock:  # read after the bytes: a page rewritten meanwhile shows
-                got = read_tags(self.transfer, dest.te_session, dest.tags_address, held,
-                                self._tag_staging)  # fmt: skip
+                got = read_tags(
+                    self.transfer, dest.te_session, dest.tags_address, held, self._tag_staging
+                )
             return got == as_int32(expected).tolist()
 
         try:

@@ -29,14 +29,18 @@ def cases() -> list[dict[str, Any]]:
 def body(case: dict[str, Any], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
     """The chat request of one case: greedy, with its response format or its tools."""
     fields: dict[str, Any] = {
-        "model": MODEL, "max_tokens": max_tokens, "temperature": 0,
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "temperature": 0,
         "messages": [{"role": "user", "content": case["prompt"]}],
-    }  # fmt: skip
+    }
     if "system" in case:
         fields["messages"].insert(0, {"role": "system", "content": case["system"]})
     if "schema" in case:
-        fields["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": case["name"], "schema": case["schema"], "strict": True}}  # fmt: skip
+        fields["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": case["name"], "schema": case["schema"], "strict": True},
+        }
     else:
         fields["tools"], fields["tool_choice"] = case["tools"], case["tool_choice"]
         fields["parallel_tool_calls"] = case.get("parallel_tool_calls", True)
@@ -63,8 +67,9 @@ def engine_answers(llm: Any, bodies: list[dict[str, Any]]) -> list[Answer]:
     """The engine's answers, all requests batched as the mesh would see them at once."""
     served = ServedModel(MODEL, llm.engine.max_model_len)
     parsed = [parse_request("chat", b, llm.tokenizer, served) for b in bodies]
-    outputs = llm.generate_ids([list(p.prompt_token_ids) for p in parsed],
-                               [p.params for p in parsed])  # fmt: skip
+    outputs = llm.generate_ids(
+        [list(p.prompt_token_ids) for p in parsed], [p.params for p in parsed]
+    )
     answers = []
     for request, out in zip(parsed, outputs, strict=True):
         # as the gateway shows a reply read for calls: special tokens kept, EOS never
@@ -114,9 +119,11 @@ def check(case: dict[str, Any], answer: Answer) -> None:
 # Three earlier turns of the currency case, each a call, its result and an answer: after them
 # the model opens its reply with a call of its own under tool_choice auto (SmolLM2 answers the
 # bare prompt with prose), so the lazy trigger of a strict tool is crossed for real.
-_EARLIER = [("Convert 20 USD to GBP.", 20, "USD", "GBP", "16.0"),
-            ("Convert 75 JPY to EUR.", 75, "JPY", "EUR", "0.46"),
-            ("Convert 9 CHF to USD.", 9, "CHF", "USD", "10.2")]  # fmt: skip
+_EARLIER = [
+    ("Convert 20 USD to GBP.", 20, "USD", "GBP", "16.0"),
+    ("Convert 75 JPY to EUR.", 75, "JPY", "EUR", "0.46"),
+    ("Convert 9 CHF to USD.", 9, "CHF", "USD", "10.2"),
+]
 
 
 def called_history(case: dict[str, Any]) -> list[dict[str, Any]]:
@@ -127,9 +134,18 @@ def called_history(case: dict[str, Any]) -> list[dict[str, Any]]:
         arguments = json.dumps({"amount": amount, "from": source, "to": target})
         messages += [
             {"role": "user", "content": question},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{i}",
-             "type": "function", "function": {"name": name, "arguments": arguments}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": f"call_{i}",
+                        "type": "function",
+                        "function": {"name": name, "arguments": arguments},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": f"call_{i}", "content": result},
             {"role": "assistant", "content": f"{amount} {source} is {result} {target}."},
-        ]  # fmt: skip
+        ]
     return [*messages, {"role": "user", "content": case["prompt"]}]

@@ -6,8 +6,9 @@ import openai
 
 
 def client_for(mesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="x",
-                         max_retries=0, timeout=120)  # fmt: skip
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="x", max_retries=0, timeout=120
+    )
 
 
 def chat_text(client: openai.OpenAI, stream: bool, **kwargs) -> str:
@@ -18,12 +19,23 @@ def chat_text(client: openai.OpenAI, stream: bool, **kwargs) -> str:
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
-def ask_or_error(client: openai.OpenAI, messages, stream: bool, model: str, max_tokens: int,
-                 headers: dict[str, str] | None = None) -> tuple[str, str | None]:  # fmt: skip
+def ask_or_error(
+    client: openai.OpenAI,
+    messages,
+    stream: bool,
+    model: str,
+    max_tokens: int,
+    headers: dict[str, str] | None = None,
+) -> tuple[str, str | None]:
     """(text received, error code or None): greedy, streamed or not."""
     text = ""
-    kwargs = dict(model=model, messages=messages, max_tokens=max_tokens, temperature=0.0,
-                  extra_headers=headers)  # fmt: skip
+    kwargs = dict(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        extra_headers=headers,
+    )
     try:
         if not stream:
             return client.chat.completions.create(**kwargs).choices[0].message.content, None

@@ -29,11 +29,23 @@ from kvmesh.engine.loader.memory import current_rss_bytes, peak_rss_bytes
 from kvmesh.engine.models import build_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096,
-         "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 20,
-         "num_attention_heads": 16, "num_key_value_heads": 4, "rms_norm_eps": 1e-5,
-         "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False,
-         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}  # fmt: skip
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 4096,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 20,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
 SHARDS = 4
 
 
@@ -48,23 +60,37 @@ def measure(model: str, weights: str) -> dict:
     del loaded
     built = build_model(config, state, DTYPES[dtype], config.max_position_embeddings, int4)
     del state
-    return {"baseline": baseline, "peak": peak_rss_bytes(), "after": current_rss_bytes(),
-            "weight_bytes": built.weight_bytes, "cache": cache,
-            "seconds": round(time.perf_counter() - start, 2)}  # fmt: skip
+    return {
+        "baseline": baseline,
+        "peak": peak_rss_bytes(),
+        "after": current_rss_bytes(),
+        "weight_bytes": built.weight_bytes,
+        "cache": cache,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
 
 
 def llama_shapes(c: dict = LLAMA) -> dict[str, tuple[int, ...]]:
     h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
-              "lm_head.weight": (v, h)}  # fmt: skip
+    shapes = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (v, h),
+    }
     for n in range(c["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                   p + "mlp.down_proj.weight": (h, i)}  # fmt: skip
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
     return shapes
 
 

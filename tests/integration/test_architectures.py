@@ -56,8 +56,13 @@ def test_prefill_then_decode_equal_transformers(checkpoints, arch):
         tokens = driver.tokens[f"r{i}"]
         reference = reference_logits(hf, tokens)[len(prompt) :]
         torch.testing.assert_close(torch.stack(steps[f"r{i}"]), reference, atol=ATOL, rtol=0)
-        generated = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0].tolist()  # fmt: skip
+        generated = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0].tolist()
         assert tokens == generated
 
 

@@ -17,8 +17,18 @@ def test_a_small_agent_api_bench_writes_every_section(tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     out = tmp_path / "agent.json"
-    args = ["--concurrency", "1,2", "--max-tokens", "8", "--rounds", "1", "--eagle-prompts", "1",
-            "--output", str(out)]  # fmt: skip
+    args = [
+        "--concurrency",
+        "1,2",
+        "--max-tokens",
+        "8",
+        "--rounds",
+        "1",
+        "--eagle-prompts",
+        "1",
+        "--output",
+        str(out),
+    ]
     assert run_agent_api_bench(parser.parse_args(args)) == 0
     report = json.loads(out.read_text())
     assert [row["streams"] for row in report["grammar_cost"]] == [1, 2]

@@ -20,14 +20,31 @@ def test_a_small_parallel_bench_reports_each_rank(tmp_path):
     add_arguments(parser)
     out = tmp_path / "parallel.json"
     moe = make_tiny_model(TinySpec("deepseek_v3"), tmp_path / "moe").path
-    args = parser.parse_args(["--concurrency", "1", "--max-tokens", "4", "--output", str(out),
-                              "--tensor-parallel", "1,2", "--moe-layouts", "1,ep2,pp2",
-                              "--moe-model", str(moe)])  # fmt: skip
+    args = parser.parse_args(
+        [
+            "--concurrency",
+            "1",
+            "--max-tokens",
+            "4",
+            "--output",
+            str(out),
+            "--tensor-parallel",
+            "1,2",
+            "--moe-layouts",
+            "1,ep2,pp2",
+            "--moe-model",
+            str(moe),
+        ]
+    )
     assert run_parallel_bench(args) == 0
     runs = json.loads(out.read_text())["runs"]
-    assert [(r["tensor_parallel"], r["pipeline_parallel"], r["expert_parallel"])
-            for r in runs] == [(1, 1, False), (2, 1, False), (1, 1, False), (2, 1, True),
-                               (1, 2, False)]  # fmt: skip
+    assert [(r["tensor_parallel"], r["pipeline_parallel"], r["expert_parallel"]) for r in runs] == [
+        (1, 1, False),
+        (2, 1, False),
+        (1, 1, False),
+        (2, 1, True),
+        (1, 2, False),
+    ]
     assert [len(r["rssanon_mib_per_rank"]) for r in runs] == [1, 2, 1, 2, 2]
     for one, split in ((runs[0], runs[1]), (runs[2], runs[3]), (runs[2], runs[4])):
         assert split["rank0_weight_mib"] < one["rank0_weight_mib"]

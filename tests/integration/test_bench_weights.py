@@ -49,8 +49,10 @@ def test_handed_over_pages_continue_as_in_one_engine(llm, monkeypatch):
     ids += ids[:8]
     want = split_logits(a, a, ids, 10)  # summation order differs: a chunk vs the whole text
     torch.testing.assert_close(split_logits(a, b, ids, 10), want, atol=1e-3, rtol=0)
-    prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": q}])
-               for q in ("Name three rivers.", "What is a prime number?")]  # fmt: skip
+    prompts = [
+        llm.tokenizer.encode_chat([{"role": "user", "content": q}])
+        for q in ("Name three rivers.", "What is a prime number?")
+    ]
     assert split_greedy(a, b, prompts, 16) == split_greedy(a, a, prompts, 16)
     b.block_manager.reset_prefix_cache()  # no cached pages, no stale KV from the run above
     b.kv_cache.pool.zero_()

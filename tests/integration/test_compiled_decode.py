@@ -58,8 +58,9 @@ def _checking_bits(llm: LLM) -> list[bool]:
 
     def both(ids, starts, widths, tables, num_decode, bucket):
         if bucket is not None:
-            eager = run_model(list(ids), list(starts), list(widths), list(tables), num_decode,
-                              None).clone()  # fmt: skip
+            eager = run_model(
+                list(ids), list(starts), list(widths), list(tables), num_decode, None
+            ).clone()
             compiled = run_model(ids, starts, widths, tables, num_decode, bucket)
             same.append(torch.equal(compiled[: len(eager)], eager))
             return compiled
@@ -74,8 +75,9 @@ def llama(tmp_path_factory) -> str:
     return str(make_tiny_model(TinySpec("llama"), tmp_path_factory.mktemp("llama") / "m").path)
 
 
-@pytest.mark.parametrize("dtype,kv_dtype", [("bf16", "auto"), ("bf16", "fp8_e4m3"),
-                                            ("fp32", "auto")])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype,kv_dtype", [("bf16", "auto"), ("bf16", "fp8_e4m3"), ("fp32", "auto")]
+)
 def test_compiled_steps_give_the_eager_tokens(llama, dtype, kv_dtype):
     eager = LLM(llama, dtype=dtype, kv_dtype=kv_dtype, num_pages=48, max_num_seqs=3)
     want = [o.token_ids for o in eager.generate_ids(_prompts(), GREEDY)]

@@ -57,11 +57,13 @@ def test_choice_regex_and_cut_by_length(llm):
 
 def test_logit_bias_moves_the_greedy_choice(llm):
     plain = llm.chat(ASK, SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
-    banned = llm.chat(ASK, SamplingParams(max_tokens=1, temperature=0.0,
-                                          logit_bias=((plain, -100.0),)))[0]  # fmt: skip
+    banned = llm.chat(
+        ASK, SamplingParams(max_tokens=1, temperature=0.0, logit_bias=((plain, -100.0),))
+    )[0]
     assert banned.token_ids[0] != plain
-    forced = llm.chat(ASK, SamplingParams(max_tokens=1, temperature=0.0,
-                                          logit_bias=((1234, 100.0),)))[0]  # fmt: skip
+    forced = llm.chat(
+        ASK, SamplingParams(max_tokens=1, temperature=0.0, logit_bias=((1234, 100.0),))
+    )[0]
     assert forced.token_ids == [1234]
 
 
@@ -128,8 +130,10 @@ def test_preemption_keeps_the_grammar_state(llm):
     """Requests preempted mid-output (their KV recomputed) go on under the same matcher: the
     outputs equal an unpressured run's and stay valid."""
     grammar = grammars.json_schema(SCHEMA, "schema")
-    prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": f"Trip plan {i} as JSON."}])
-               for i in range(5)]  # fmt: skip
+    prompts = [
+        llm.tokenizer.encode_chat([{"role": "user", "content": f"Trip plan {i} as JSON."}])
+        for i in range(5)
+    ]
     params = _params(grammar, max_tokens=40)
     reference = [o.text for o in llm.generate_ids(prompts, params)]
     outputs, engine = generate_under_preemption(prompts, params)
@@ -188,8 +192,9 @@ def test_a_prefix_hit_keeps_each_requests_grammar(llm):
     """The same prompt again is read from the prefix cache and gives the same constrained
     output; under another grammar the cached prompt carries nothing of the first one's state."""
     llm.engine.block_manager.reset_prefix_cache()
-    prompt = llm.tokenizer.encode_chat([{"role": "system", "content": "Answer as asked. " * 20},
-                                        *ASK])  # fmt: skip
+    prompt = llm.tokenizer.encode_chat(
+        [{"role": "system", "content": "Answer as asked. " * 20}, *ASK]
+    )
     schema = _params(grammars.json_schema(SCHEMA, "schema"), max_tokens=60)
     (cold,) = llm.generate_ids([prompt], schema)
     (hit,) = llm.generate_ids([prompt], schema)

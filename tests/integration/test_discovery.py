@@ -117,9 +117,13 @@ asyncio.run(main())
 def test_killed_worker_disappears_within_ttl(etcd: EtcdServer):
     async def body() -> None:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _CRASHY_WORKER, etcd.endpoint, cwd=REPO,
+            sys.executable,
+            "-c",
+            _CRASHY_WORKER,
+            etcd.endpoint,
+            cwd=REPO,
             stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+        )
         try:
             async with Registry(etcd.endpoint, cluster="t2") as reg:
                 watcher = WorkerWatcher(reg)
@@ -251,8 +255,13 @@ def test_start_failure_reports_log_and_leaves_no_process():
 
 
 def _leases(endpoint: str) -> int:
-    out = subprocess.run([str(ETCDCTL), f"--endpoints={endpoint}", "lease", "list"],
-                         capture_output=True, text=True, check=True, timeout=10)  # fmt: skip
+    out = subprocess.run(
+        [str(ETCDCTL), f"--endpoints={endpoint}", "lease", "list"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=10,
+    )
     return sum(1 for line in out.stdout.splitlines() if line.strip() and "found" not in line)
 
 

@@ -33,9 +33,12 @@ def certs(tmp_path_factory) -> dict[str, TlsFiles]:
     root = tmp_path_factory.mktemp("certs")
     ca = make_ca(root)
     other_ca = make_ca(root / "other", "another CA")
-    return {"etcd": make_leaf(root, "etcd", ca), "client": make_leaf(root, "client", ca),
-            "cn-user": make_leaf(root, "cn-user", ca),
-            "stranger": make_leaf(root / "other", "stranger", other_ca)}  # fmt: skip
+    return {
+        "etcd": make_leaf(root, "etcd", ca),
+        "client": make_leaf(root, "client", ca),
+        "cn-user": make_leaf(root, "cn-user", ca),
+        "stranger": make_leaf(root / "other", "stranger", other_ca),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +123,30 @@ def _serve_kvstore(etcd: EtcdServer, files: TlsFiles, log: Path, password: str |
     env.pop("KVMESH_ETCD_PASSWORD", None)
     if password is not None:
         env["KVMESH_ETCD_PASSWORD"] = password
-    command = [sys.executable, "-m", "kvmesh.cli", "serve", "kvstore", "--etcd", etcd.endpoint,
-               "--cluster", "sec", "--etcd-user", USER, *files.as_flags(), "--page-bytes", "4096", "--kv-dtype", "fp32",
-               "--model", "tiny", "--ram-mib", "1", "--disk-mib", "1"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "kvmesh.cli",
+        "serve",
+        "kvstore",
+        "--etcd",
+        etcd.endpoint,
+        "--cluster",
+        "sec",
+        "--etcd-user",
+        USER,
+        *files.as_flags(),
+        "--page-bytes",
+        "4096",
+        "--kv-dtype",
+        "fp32",
+        "--model",
+        "tiny",
+        "--ram-mib",
+        "1",
+        "--disk-mib",
+        "1",
+    ]
     return spawn(command, log.open("ab"), env=env)
 
 

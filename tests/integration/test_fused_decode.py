@@ -56,9 +56,16 @@ def _checking(llm: LLM, capture: tuple[int, ...]) -> list[tuple[int, bool]]:
     return seen
 
 
-@pytest.mark.parametrize("engine", [{"dtype": "bf16"}, {"dtype": "bf16", "kv_dtype": "fp8_e4m3"},
-                                    {"dtype": "fp32"}, {"weights": "int4"}],
-                         ids=["bf16", "bf16-fp8kv", "fp32", "int4"])  # fmt: skip
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"dtype": "bf16"},
+        {"dtype": "bf16", "kv_dtype": "fp8_e4m3"},
+        {"dtype": "fp32"},
+        {"weights": "int4"},
+    ],
+    ids=["bf16", "bf16-fp8kv", "fp32", "int4"],
+)
 def test_fused_steps_are_the_eager_bits_and_tokens(llama, engine):
     _fused_is_eager(llama, engine)
 

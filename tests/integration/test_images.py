@@ -29,8 +29,14 @@ NAMES = ("etcd", "gateway", "prefill", "decode")
 
 
 def _podman(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["podman", *args], capture_output=True, text=True, check=check,
-                          timeout=timeout, env=build.podman_env())  # fmt: skip
+    return subprocess.run(
+        ["podman", *args],
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=timeout,
+        env=build.podman_env(),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +62,22 @@ class Containers:
         name = f"{self.prefix}-{service}"
         # conmon, not this process, is the container's parent: --timeout bounds its life even
         # if this test is killed before stop() runs
-        _podman("run", "-d", "--rm", "--timeout", str(LIFETIME_S), "--name", name, "--network=host",
-                "--env", f"KVMESH_PROBE_PORT={probe_port}",  # its health check's port
-                "--volume", f"{self.models}:/models", build.image(service), *args)  # fmt: skip
+        _podman(
+            "run",
+            "-d",
+            "--rm",
+            "--timeout",
+            str(LIFETIME_S),
+            "--name",
+            name,
+            "--network=host",
+            "--env",
+            f"KVMESH_PROBE_PORT={probe_port}",  # its health check's port
+            "--volume",
+            f"{self.models}:/models",
+            build.image(service),
+            *args,
+        )
         self.names.append(name)
         return name
 
@@ -84,17 +103,43 @@ def mesh(images, models) -> Iterator[tuple[Containers, int]]:
     etcd = f"127.0.0.1:{etcd_port}"
     containers = Containers(models)
     try:
-        containers.run("etcd", etcd_port, "--name=images-etcd", "--data-dir=/tmp/etcd",
-                       f"--listen-client-urls=http://{etcd}", f"--advertise-client-urls=http://{etcd}",
-                       f"--listen-peer-urls=http://127.0.0.1:{peer_port}",
-                       f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
-                       f"--initial-cluster=images-etcd=http://127.0.0.1:{peer_port}")  # fmt: skip
+        containers.run(
+            "etcd",
+            etcd_port,
+            "--name=images-etcd",
+            "--data-dir=/tmp/etcd",
+            f"--listen-client-urls=http://{etcd}",
+            f"--advertise-client-urls=http://{etcd}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer_port}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
+            f"--initial-cluster=images-etcd=http://127.0.0.1:{peer_port}",
+        )
         for role in ("prefill", "decode"):
             port, metrics = free_ports(2)
-            containers.run(role, port, "--etcd", etcd, "--model", MODEL, "--port", str(port),
-                           "--metrics-port", str(metrics))  # fmt: skip
-        containers.run("gateway", http_port, "--etcd", etcd, "--model", MODEL, "--http-port", str(http_port),
-                       "--grpc-port", str(grpc_port))  # fmt: skip
+            containers.run(
+                role,
+                port,
+                "--etcd",
+                etcd,
+                "--model",
+                MODEL,
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(metrics),
+            )
+        containers.run(
+            "gateway",
+            http_port,
+            "--etcd",
+            etcd,
+            "--model",
+            MODEL,
+            "--http-port",
+            str(http_port),
+            "--grpc-port",
+            str(grpc_port),
+        )
         yield containers, http_port
     finally:
         containers.stop()
@@ -104,8 +149,9 @@ def test_images_are_non_root_and_carry_no_model(images):
     for name in NAMES:
         user = _podman("image", "inspect", "-f", "{{.Config.User}}", build.image(name)).stdout
         assert user.strip() == "10001:10001", (name, user)
-    listing = _podman("run", "--rm", "--entrypoint", "ls", build.image("decode"), "-A",
-                      "/models").stdout.split()  # fmt: skip
+    listing = _podman(
+        "run", "--rm", "--entrypoint", "ls", build.image("decode"), "-A", "/models"
+    ).stdout.split()
     assert listing == [], f"the image holds files in /models: {listing}"
 
 
@@ -115,10 +161,13 @@ def test_services_from_the_images_pass_their_health_checks_and_serve(mesh):
         containers.healthy(name)
     import openai
 
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none",
-                           max_retries=0, timeout=300)  # fmt: skip
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0, timeout=300
+    )
     reply = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Name a planet."}], max_tokens=8,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a planet."}],
+        max_tokens=8,
         temperature=0,
-    )  # fmt: skip
+    )
     assert reply.choices[0].message.content and reply.usage.completion_tokens > 0

@@ -50,8 +50,10 @@ def test_int4_embeddings_share_one_table_and_cut_weights_to_under_a_third(llm):
     ref = math.exp(F.cross_entropy(llm.engine.score(ids)[:-1], target).item())
     got = math.exp(F.cross_entropy(int4.engine.score(ids)[:-1], target).item())
     assert 1.0 < got / ref < 1.10, (ref, got)  # the requantized Q8_0 table costs a few percent
-    out = int4.chat([{"role": "user", "content": "What is the capital of Japan?"}],
-                    SamplingParams(max_tokens=16, temperature=0.0))  # fmt: skip
+    out = int4.chat(
+        [{"role": "user", "content": "What is the capital of Japan?"}],
+        SamplingParams(max_tokens=16, temperature=0.0),
+    )
     assert "Tokyo" in out[0].text
 
 
@@ -62,8 +64,9 @@ def test_int4_quantized_at_load_from_fp16_safetensors(tmp_path, default_model_so
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = default_model_source.gguf_file
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                              dtype=torch.float16)  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float16
+    )
     state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(tmp_path / "model.safetensors"))  # tied: the LM head is the embedding
     hf.config.architectures = ["LlamaForCausalLM"]

@@ -21,8 +21,9 @@ pytest.importorskip("compressed_tensors")
 
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory):
-    return make_tiny_model(TinySpec("deepseek_v3", quantize="int4-experts"),
-                           tmp_path_factory.mktemp("kimi") / "int4").path  # fmt: skip
+    return make_tiny_model(
+        TinySpec("deepseek_v3", quantize="int4-experts"), tmp_path_factory.mktemp("kimi") / "int4"
+    ).path
 
 
 def _engine(path, **kw) -> Engine:
@@ -38,8 +39,9 @@ def test_routed_experts_load_as_int4_and_the_rest_stays_dense(kimi):
     bf16 = _engine(kimi, dtype="bf16", weights="bf16")
     model = int4.runner.model
     moe = model.layers[1].mlp
-    assert all(isinstance(e.gate_up, Int4Linear) and isinstance(e.down, Int4Linear)
-               for e in moe.experts)  # fmt: skip
+    assert all(
+        isinstance(e.gate_up, Int4Linear) and isinstance(e.down, Int4Linear) for e in moe.experts
+    )
     assert isinstance(moe.shared.gate_up, DenseLinear)
     assert isinstance(model.layers[0].mlp.gate_up, DenseLinear)  # the dense first layer
     assert all(isinstance(p, DenseLinear) for p in model.layers[1].attention.proj.values())
@@ -61,8 +63,7 @@ def _dequantized_copy(kimi, target):
     from compressed_tensors.quantization.lifecycle.forward import dequantize
     from safetensors.torch import load_file, save_file
 
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
-                            group_size=32)  # fmt: skip
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
     tensors = load_file(str(kimi / "model.safetensors"))
     plain = {n: t for n, t in tensors.items() if not n.endswith(("_packed", "_scale", "_shape"))}
     for name in [n for n in tensors if n.endswith(".weight_packed")]:

@@ -25,10 +25,14 @@ PERSONAS = ["Ada, a sailor", "Bo, a baker", "Cy, a pilot", "Di, a chemist"]
 
 def _prompts(llm) -> list[list[int]]:  # distinct first pages: no page is shared between them
     return [
-        llm.tokenizer.encode_chat([{"role": "system", "content": f"{p} speaks."},
-                                   {"role": "user", "content": "Describe your morning."}])
+        llm.tokenizer.encode_chat(
+            [
+                {"role": "system", "content": f"{p} speaks."},
+                {"role": "user", "content": "Describe your morning."},
+            ]
+        )
         for p in PERSONAS
-    ]  # fmt: skip
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +98,9 @@ def test_fp8_stays_close_to_fp32_kv_on_a_fixed_text(fp8, llm):
 
 def _run_with_faults(monkeypatch, faults: str, integrity: bool, action: str = "abort"):
     monkeypatch.setenv("KVMESH_FAULTS", faults)
-    faulty = LLM(dtype="fp32", kv_cache_bytes=32 << 20, kv_integrity=integrity,
-                 kv_integrity_action=action)  # fmt: skip
+    faulty = LLM(
+        dtype="fp32", kv_cache_bytes=32 << 20, kv_integrity=integrity, kv_integrity_action=action
+    )
     outs = faulty.generate_ids(_prompts(faulty), GREEDY)
     faulty.engine.block_manager.check_integrity()
     assert faulty.engine.block_manager.num_used_pages == 0

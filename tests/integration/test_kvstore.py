@@ -248,9 +248,16 @@ def test_a_kvstore_without_a_layout_takes_the_one_a_worker_registers() -> None:
                 await asyncio.sleep(1.0)  # waiting for a worker: not registered yet
                 assert await registry.list_workers("kvstore") == [] and not task.done()
                 spec = "v1:2L:gqa:p32:bf16"
-                worker = WorkerInfo("decode", "d0", "127.0.0.1:1", model="tiny", page_size=32,
-                                    kv_dtype="bf16", capacity_tokens=64,
-                                    extra={"kv_spec": spec, "page_bytes": "8192"})  # fmt: skip
+                worker = WorkerInfo(
+                    "decode",
+                    "d0",
+                    "127.0.0.1:1",
+                    model="tiny",
+                    page_size=32,
+                    kv_dtype="bf16",
+                    capacity_tokens=64,
+                    extra={"kv_spec": spec, "page_bytes": "8192"},
+                )
                 registration = await registry.register(worker, ttl=5)
                 (info,) = await asyncio.wait_for(_until_registered(registry), 15)
                 assert info.extra["layout_key"] == layout_key("tiny", 32, "bf16", spec)

@@ -25,9 +25,14 @@ MiB = 1 << 20
 
 
 def probe(*args: str, **env: str) -> dict:
-    run = subprocess.run([sys.executable, "-m", "tests.integration.load_memory_probe", *args],
-                         cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True,
-                         timeout=240)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.integration.load_memory_probe", *args],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1]) if args[0] == "load" else {}
 

@@ -22,8 +22,12 @@ from tests.integration.mesh_probes import running_mesh
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "smollm2-135m"
-CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
-        "required": ["city"], "additionalProperties": False}  # fmt: skip
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = {"temperature": 0}  # the anthropic client no longer types it: sent as an extra field
 
@@ -38,8 +42,9 @@ def mesh():
 def claude(mesh):
     import anthropic
 
-    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{mesh.http_port}", api_key="unused",
-                               max_retries=0, timeout=120)  # fmt: skip
+    return anthropic.Anthropic(
+        base_url=f"http://127.0.0.1:{mesh.http_port}", api_key="unused", max_retries=0, timeout=120
+    )
 
 
 def test_anthropic_text_equals_the_engine_and_usage_counts(claude, llm):
@@ -64,10 +69,17 @@ def test_anthropic_text_equals_the_engine_and_usage_counts(claude, llm):
 
 
 def test_anthropic_forced_tool_use_whole_and_streamed(claude):
-    tools = [{"name": "get_weather", "description": "Current weather in a city",
-              "input_schema": CITY}]  # fmt: skip
-    fields = dict(model=MODEL, max_tokens=48, messages=ASK, tools=tools, extra_body=GREEDY,
-                  tool_choice={"type": "tool", "name": "get_weather"})  # fmt: skip
+    tools = [
+        {"name": "get_weather", "description": "Current weather in a city", "input_schema": CITY}
+    ]
+    fields = dict(
+        model=MODEL,
+        max_tokens=48,
+        messages=ASK,
+        tools=tools,
+        extra_body=GREEDY,
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
     whole = claude.messages.create(**fields)
     (use,) = [block for block in whole.content if block.type == "tool_use"]
     assert whole.stop_reason == "tool_use" and use.name == "get_weather"
@@ -76,24 +88,47 @@ def test_anthropic_forced_tool_use_whole_and_streamed(claude):
     with claude.messages.stream(**fields) as stream:
         events = list(stream)
         final = stream.get_final_message()
-    deltas = [e.delta.partial_json for e in events
-              if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]  # fmt: skip
+    deltas = [
+        e.delta.partial_json
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    ]
     assert json.loads("".join(deltas)) == use.input
     (streamed,) = [block for block in final.content if block.type == "tool_use"]
     assert (streamed.name, streamed.input, final.stop_reason) == (use.name, use.input, "tool_use")
-    result = [{"role": "assistant", "content": whole.content}, {"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": use.id, "content": "18 C and sunny"}]}]  # fmt: skip
-    answer = claude.messages.create(**{**fields, "tool_choice": {"type": "none"},
-                                       "messages": ASK + result})  # fmt: skip
+    result = [
+        {"role": "assistant", "content": whole.content},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": use.id, "content": "18 C and sunny"}
+            ],
+        },
+    ]
+    answer = claude.messages.create(
+        **{**fields, "tool_choice": {"type": "none"}, "messages": ASK + result}
+    )
     assert answer.stop_reason in ("end_turn", "max_tokens") and answer.content[0].text.strip()
 
 
 def test_responses_function_tool_round_trip_whole_and_streamed(mesh):
     client = client_for(mesh)
-    tool = {"type": "function", "name": "get_weather", "description": "Current weather",
-            "parameters": CITY, "strict": True}  # fmt: skip
-    fields = dict(model=MODEL, input=ASK[0]["content"], tools=[tool], tool_choice="required",
-                  parallel_tool_calls=False, max_output_tokens=48, temperature=0)  # fmt: skip
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Current weather",
+        "parameters": CITY,
+        "strict": True,
+    }
+    fields = dict(
+        model=MODEL,
+        input=ASK[0]["content"],
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=48,
+        temperature=0,
+    )
     whole = client.responses.create(**fields)
     (call,) = [item for item in whole.output if item.type == "function_call"]
     assert whole.status == "completed" and call.name == "get_weather"
@@ -101,26 +136,42 @@ def test_responses_function_tool_round_trip_whole_and_streamed(mesh):
     events = list(client.responses.create(**fields, stream=True))
     kinds = [event.type for event in events]
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
-    for begun, done in (("response.output_item.added", "response.output_item.done"),
-                        ("response.function_call_arguments.delta",
-                         "response.function_call_arguments.done")):  # fmt: skip
+    for begun, done in (
+        ("response.output_item.added", "response.output_item.done"),
+        ("response.function_call_arguments.delta", "response.function_call_arguments.done"),
+    ):
         assert begun in kinds and done in kinds, kinds
     (streamed,) = [e.item for e in events if e.type == "response.output_item.done"]
     assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
-    follow_up = [ASK[0], {"type": "function_call", "call_id": call.call_id, "name": call.name,
-                          "arguments": call.arguments},
-                 {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}]  # fmt: skip
-    final = client.responses.create(model=MODEL, input=follow_up, tools=[tool],
-                                    max_output_tokens=32, temperature=0)  # fmt: skip
+    follow_up = [
+        ASK[0],
+        {
+            "type": "function_call",
+            "call_id": call.call_id,
+            "name": call.name,
+            "arguments": call.arguments,
+        },
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"},
+    ]
+    final = client.responses.create(
+        model=MODEL, input=follow_up, tools=[tool], max_output_tokens=32, temperature=0
+    )
     assert final.output_text.strip()
 
 
 def _proto_message(message: dict) -> gateway_pb2.ChatMessage:
-    calls = [gateway_pb2.ToolCall(id=c["id"], name=c["function"]["name"],
-                                  arguments=c["function"]["arguments"])
-             for c in message.get("tool_calls") or []]  # fmt: skip
-    return gateway_pb2.ChatMessage(role=message["role"], content=message.get("content") or "",
-                                   tool_calls=calls, tool_call_id=message.get("tool_call_id", ""))  # fmt: skip
+    calls = [
+        gateway_pb2.ToolCall(
+            id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"]
+        )
+        for c in message.get("tool_calls") or []
+    ]
+    return gateway_pb2.ChatMessage(
+        role=message["role"],
+        content=message.get("content") or "",
+        tool_calls=calls,
+        tool_call_id=message.get("tool_call_id", ""),
+    )
 
 
 def test_a_strict_tool_under_auto_is_called_through_rest_and_grpc(mesh, llm):
@@ -143,17 +194,33 @@ def test_a_strict_tool_under_auto_is_called_through_rest_and_grpc(mesh, llm):
     tool = case["tools"][0]["function"]
     chat = gateway_pb2.ChatMessages(
         messages=[_proto_message(m) for m in body["messages"]],
-        tools=[gateway_pb2.Tool(name=tool["name"], description=tool["description"],
-                                parameters_json=json.dumps(tool["parameters"]), strict=True)],
-        tool_choice=gateway_pb2.ToolChoice(mode="auto"), parallel_tool_calls=False,
-    )  # fmt: skip
+        tools=[
+            gateway_pb2.Tool(
+                name=tool["name"],
+                description=tool["description"],
+                parameters_json=json.dumps(tool["parameters"]),
+                strict=True,
+            )
+        ],
+        tool_choice=gateway_pb2.ToolChoice(mode="auto"),
+        parallel_tool_calls=False,
+    )
     sampling = common_pb2.SamplingParams(max_tokens=body["max_tokens"], temperature=0.0)
-    orphan = gateway_pb2.ChatMessages(messages=[*chat.messages[:2], gateway_pb2.ChatMessage(
-        role="tool", tool_call_id="call_9", content="1.0")])  # fmt: skip
+    orphan = gateway_pb2.ChatMessages(
+        messages=[
+            *chat.messages[:2],
+            gateway_pb2.ChatMessage(role="tool", tool_call_id="call_9", content="1.0"),
+        ]
+    )
     with grpc.insecure_channel(f"127.0.0.1:{mesh.grpc_port}") as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
-        pieces = [c for r in stub.Generate(gateway_pb2.GenerateRequest(chat=chat, sampling=sampling),
-                                           timeout=300) for c in r.tool_calls]  # fmt: skip
+        pieces = [
+            c
+            for r in stub.Generate(
+                gateway_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=300
+            )
+            for c in r.tool_calls
+        ]
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(gateway_pb2.GenerateRequest(chat=orphan), timeout=30))
     assert pieces[0].name == name and "".join(p.arguments for p in pieces) == arguments
@@ -164,19 +231,36 @@ def test_a_strict_tool_under_auto_is_called_through_rest_and_grpc(mesh, llm):
 def test_required_calls_streamed_and_whole_one_call_when_parallel_is_off(mesh):
     """tool_choice required over two tools with parallel_tool_calls false: exactly one call, the
     streamed deltas (index, id and name first, then argument text only) adding up to it."""
-    tools = [{"type": "function", "function": {"name": name, "description": text,
-              "parameters": CITY, "strict": True}}
-             for name, text in (("get_weather", "Current weather in a city"),
-                                ("get_time", "Local time in a city"))]  # fmt: skip
-    fields = dict(model=MODEL, messages=ASK, tools=tools, tool_choice="required",
-                  parallel_tool_calls=False, max_tokens=96, temperature=0)  # fmt: skip
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": name, "description": text, "parameters": CITY, "strict": True},
+        }
+        for name, text in (
+            ("get_weather", "Current weather in a city"),
+            ("get_time", "Local time in a city"),
+        )
+    ]
+    fields = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=96,
+        temperature=0,
+    )
     client = client_for(mesh)
     whole = client.chat.completions.create(**fields).choices[0]
     (call,) = whole.message.tool_calls
     assert whole.finish_reason == "tool_calls" and call.function.name in ("get_weather", "get_time")
     jsonschema.validate(json.loads(call.function.arguments), CITY)
-    deltas = [d for chunk in client.chat.completions.create(**fields, stream=True)
-              for choice in chunk.choices for d in choice.delta.tool_calls or []]  # fmt: skip
+    deltas = [
+        d
+        for chunk in client.chat.completions.create(**fields, stream=True)
+        for choice in chunk.choices
+        for d in choice.delta.tool_calls or []
+    ]
     assert {d.index for d in deltas} == {0}
     assert deltas[0].id.startswith("call_") and deltas[0].function.name == call.function.name
     assert all(d.id is None and d.function.name is None for d in deltas[1:])

@@ -49,12 +49,20 @@ def mesh():
 def _rest_dropped_after_first_chunk(port: int, content: str) -> bool:
     """A streamed chat request over a raw socket, closed as soon as its first event came;
     True when one came."""
-    body = json.dumps({
-        "model": MODEL, "messages": [{"role": "user", "content": content}], "stream": True,
-        "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-    }).encode()  # fmt: skip
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n")  # fmt: skip
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content}],
+            "stream": True,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+    ).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
     with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
         sock.sendall(head.encode() + body)
         seen = b""

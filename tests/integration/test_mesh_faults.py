@@ -20,6 +20,7 @@ from kvmesh.mesh.launcher import UpOptions
 from kvmesh.mesh.supervisor import RestartPolicy
 from kvmesh.mesh.up_config import worker_configs
 from kvmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.integration.chat_client import client_for
 from tests.integration.mesh_probes import (
     live_workers,
     metric_sum,
@@ -49,10 +50,7 @@ def mesh():
 
 @pytest.fixture(scope="module")
 def client(mesh):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="unused",
-                  max_retries=0, timeout=120)  # fmt: skip
+    return client_for(mesh)
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +72,13 @@ def _ask(topic: str) -> list[dict[str, str]]:
 
 def _stream(client, topic: str, progress: threading.Semaphore | None = None) -> str:
     stream = client.chat.completions.create(
-        model=MODEL, messages=_ask(topic), max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        model=MODEL,
+        messages=_ask(topic),
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     text = []
     for i, chunk in enumerate(stream):
         if chunk.choices and chunk.choices[0].delta.content:
@@ -99,9 +101,12 @@ def _restarted(mesh, role: str, count: int) -> None:
     def back() -> bool:
         mesh.supervisor.check()
         procs = mesh.procs
-        current = [w for w in live_workers(mesh, role)
-                   if procs[w.worker_id].poll() is None
-                   and json.loads(w.extra["ranks"])[0]["pid"] == procs[w.worker_id].pid]  # fmt: skip
+        current = [
+            w
+            for w in live_workers(mesh, role)
+            if procs[w.worker_id].poll() is None
+            and json.loads(w.extra["ranks"])[0]["pid"] == procs[w.worker_id].pid
+        ]
         return len(current) == count
 
     wait_for(back, 180, f"{count} {role} workers registered again")
@@ -135,9 +140,7 @@ def test_grpc_gateway_stream_migrates_too(mesh, reference):
     want = reference.generate_ids([ids], GREEDY)[0].token_ids
     request = gateway_pb2.GenerateRequest(
         token_ids=gateway_pb2.TokenIds(ids=ids),
-        sampling=common_pb2.SamplingParams(
-            max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
-        ),  # fmt: skip
+        sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
     )
     got: list[int] = []
     before = _migrations(mesh, "migrated")
@@ -213,8 +216,11 @@ def test_rolling_restart_of_every_worker_under_load_fails_no_request(client, mes
 
     with ThreadPoolExecutor(4) as pool:
         loops = [pool.submit(load, k) for k in range(4)]
-        for name, role, count in (("decode-0", "decode", 2), ("prefill-0", "prefill", 1),
-                                  ("decode-1", "decode", 2)):  # fmt: skip
+        for name, role, count in (
+            ("decode-0", "decode", 2),
+            ("prefill-0", "prefill", 1),
+            ("decode-1", "decode", 2),
+        ):
             base = len(done)
             wait_for(lambda: len(done) >= base + 2, 120, "requests completing between restarts")  # noqa: B023
             proc = mesh.procs[name]

@@ -68,8 +68,9 @@ def test_hostile_bodies_and_pydantic_tool_schemas_get_no_5xx(mesh):
 def test_the_mesh_still_answers_exactly_after_the_fuzzing(mesh):
     import openai
 
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="x",
-                           max_retries=0, timeout=60)  # fmt: skip
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="x", max_retries=0, timeout=60
+    )
     ask = [{"role": "user", "content": "Name a color."}]
     got = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, temperature=0)
     with LLM(dtype="fp32", kv_cache_bytes=32 << 20) as llm:

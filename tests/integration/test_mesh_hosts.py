@@ -32,8 +32,12 @@ if (WHY := unavailable()) is not None:
 MODEL = "smollm2-135m"
 ETCD_PORT, GRPC_PORT, METRICS_PORT, HTTP_PORT = 41379, 41051, 41400, 41800
 SYSTEM = "You are a helpful assistant who answers in one short sentence. " * 6
-QUESTIONS = ["Name a planet.", "What is two plus two?", "Name a colour of the sky.",
-             "Say hello in French."]  # fmt: skip
+QUESTIONS = [
+    "Name a planet.",
+    "What is two plus two?",
+    "Name a colour of the sky.",
+    "Say hello in French.",
+]
 # Runs on the gateway's host: the questions streamed concurrently; JSON lines out.
 CLIENT = """
 import concurrent.futures, json, sys, openai
@@ -54,10 +58,14 @@ def ask(q):
 with concurrent.futures.ThreadPoolExecutor(len(questions)) as pool:
     print(json.dumps(list(pool.map(ask, questions))))
 """
-PROBE = ("import sys; from kvmesh.deploy.probe import ready; "
-         "sys.exit(0 if ready(sys.argv[1], int(sys.argv[2]), sys.argv[3]) else 1)")  # fmt: skip
-METRIC = ("import sys; from kvmesh.mesh.metrics_probe import metric_sum; "
-          "print(metric_sum(sys.argv[1], sys.argv[2]))")  # fmt: skip
+PROBE = (
+    "import sys; from kvmesh.deploy.probe import ready; "
+    "sys.exit(0 if ready(sys.argv[1], int(sys.argv[2]), sys.argv[3]) else 1)"
+)
+METRIC = (
+    "import sys; from kvmesh.mesh.metrics_probe import metric_sum; "
+    "print(metric_sum(sys.argv[1], sys.argv[2]))"
+)
 
 
 class HostMesh:
@@ -66,24 +74,55 @@ class HostMesh:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, host: str, argv: list[str]) -> None:
-        env = {**os.environ, "MC_TCP_BIND_ADDRESS": self.hosts.addresses[host],
-               "KVMESH_NUM_THREADS": "1"}  # fmt: skip
+        env = {
+            **os.environ,
+            "MC_TCP_BIND_ADDRESS": self.hosts.addresses[host],
+            "KVMESH_NUM_THREADS": "1",
+        }
         log = open(os.path.join(self.run_dir, f"{name}.log"), "ab")  # noqa: SIM115
         self.procs[name] = spawn(self.hosts.command(host, argv), log, env=env)
 
-    def serve(self, role: str, host: str, *flags: str, name: str | None = None,
-              every_interface: bool = False) -> None:  # fmt: skip
+    def serve(
+        self,
+        role: str,
+        host: str,
+        *flags: str,
+        name: str | None = None,
+        every_interface: bool = False,
+    ) -> None:
         """`every_interface`: bind 0.0.0.0 and advertise the host's address (as in a pod)."""
         etcd, address = f"{self.hosts.addresses['store']}:{ETCD_PORT}", self.hosts.addresses[host]
-        where = ["--host", "0.0.0.0", "--advertise-host", address] if every_interface else [
-            "--host", address]  # fmt: skip
-        self.start(name or role, host, [sys.executable, "-m", "kvmesh.cli", "serve", role,
-                                        "--etcd", etcd, *where, "--model", MODEL, *flags])  # fmt: skip
+        where = (
+            ["--host", "0.0.0.0", "--advertise-host", address]
+            if every_interface
+            else ["--host", address]
+        )
+        self.start(
+            name or role,
+            host,
+            [
+                sys.executable,
+                "-m",
+                "kvmesh.cli",
+                "serve",
+                role,
+                "--etcd",
+                etcd,
+                *where,
+                "--model",
+                MODEL,
+                *flags,
+            ],
+        )
 
     def run(self, host: str, code: str, *args: str, timeout: float = 600) -> str:
         """Python `code` run on `host`; its stdout (AssertionError with the output if it fails)."""
-        done = subprocess.run(self.hosts.command(host, [sys.executable, "-c", code, *args]),
-                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        done = subprocess.run(
+            self.hosts.command(host, [sys.executable, "-c", code, *args]),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         return done.stdout
 
@@ -91,8 +130,9 @@ class HostMesh:
         probe = self.hosts.command(host, [sys.executable, "-c", PROBE, kind, str(port), address])
         return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
 
-    def wait(self, what: str, host: str, kind: str, address: str, port: int,
-             limit_s: float = 300) -> None:  # fmt: skip
+    def wait(
+        self, what: str, host: str, kind: str, address: str, port: int, limit_s: float = 300
+    ) -> None:
         deadline = time.monotonic() + limit_s
         while not self.ready(host, kind, address, port):
             dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
@@ -124,22 +164,36 @@ def mesh() -> Iterator[HostMesh]:
         mesh = HostMesh(hosts, run_dir)
         store = hosts.addresses["store"]
         try:
-            mesh.start("etcd", "store", [
-                str(etcd_binary()), "--name=hosts-etcd", f"--data-dir={run_dir}/etcd",
-                f"--listen-client-urls=http://{store}:{ETCD_PORT}",
-                f"--advertise-client-urls=http://{store}:{ETCD_PORT}",
-                f"--listen-peer-urls=http://127.0.0.1:{ETCD_PORT + 1}",
-                f"--initial-advertise-peer-urls=http://127.0.0.1:{ETCD_PORT + 1}",
-                f"--initial-cluster=hosts-etcd=http://127.0.0.1:{ETCD_PORT + 1}",
-                "--log-level=error", "--unsafe-no-fsync",
-            ])  # fmt: skip
+            mesh.start(
+                "etcd",
+                "store",
+                [
+                    str(etcd_binary()),
+                    "--name=hosts-etcd",
+                    f"--data-dir={run_dir}/etcd",
+                    f"--listen-client-urls=http://{store}:{ETCD_PORT}",
+                    f"--advertise-client-urls=http://{store}:{ETCD_PORT}",
+                    f"--listen-peer-urls=http://127.0.0.1:{ETCD_PORT + 1}",
+                    f"--initial-advertise-peer-urls=http://127.0.0.1:{ETCD_PORT + 1}",
+                    f"--initial-cluster=hosts-etcd=http://127.0.0.1:{ETCD_PORT + 1}",
+                    "--log-level=error",
+                    "--unsafe-no-fsync",
+                ],
+            )
             mesh.wait("etcd", "store", "tcp", store, ETCD_PORT, 60)
             worker = ("--port", str(GRPC_PORT), "--metrics-port", str(METRICS_PORT))
             mesh.serve("kvstore", "store", *worker)  # its page layout derived from --model
             mesh.serve("prefill", "prefill", *worker)
             for host in ("decode-a", "decode-b"):  # decode-b listens on every interface
-                mesh.serve("decode", host, *worker, "--worker-id", host, name=host,
-                           every_interface=host == "decode-b")  # fmt: skip
+                mesh.serve(
+                    "decode",
+                    host,
+                    *worker,
+                    "--worker-id",
+                    host,
+                    name=host,
+                    every_interface=host == "decode-b",
+                )
             mesh.serve("gateway", "gateway", "--http-port", str(HTTP_PORT))
             for host in ("store", "prefill", "decode-a", "decode-b"):
                 mesh.wait(host, "gateway", "grpc", hosts.addresses[host], GRPC_PORT)
@@ -157,19 +211,32 @@ LONG = 96  # tokens per stream (ignore_eos) while a decode host dies
 @pytest.fixture(scope="module")
 def reference() -> dict[tuple[str, int], str]:
     llm = LLM(dtype="fp32", kv_cache_bytes=64 << 20)
-    chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-             for q in QUESTIONS]  # fmt: skip
+    chats = [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS
+    ]
     short = llm.chat(chats, SamplingParams(max_tokens=40, temperature=0.0))
     long = llm.chat(chats, SamplingParams(max_tokens=LONG, temperature=0.0, ignore_eos=True))
-    return {**{(q, 40): o.text for q, o in zip(QUESTIONS, short, strict=True)},
-            **{(q, LONG): o.text for q, o in zip(QUESTIONS, long, strict=True)}}  # fmt: skip
+    return {
+        **{(q, 40): o.text for q, o in zip(QUESTIONS, short, strict=True)},
+        **{(q, LONG): o.text for q, o in zip(QUESTIONS, long, strict=True)},
+    }
 
 
 def _client(mesh: HostMesh, max_tokens: int) -> list[str]:
     url = f"http://{mesh.hosts.addresses['gateway']}:{HTTP_PORT}/v1"
-    return mesh.hosts.command("gateway", [sys.executable, "-c", CLIENT, url,
-                                          json.dumps(QUESTIONS), str(max_tokens), SYSTEM,
-                                          "1" if max_tokens == LONG else "0"])  # fmt: skip
+    return mesh.hosts.command(
+        "gateway",
+        [
+            sys.executable,
+            "-c",
+            CLIENT,
+            url,
+            json.dumps(QUESTIONS),
+            str(max_tokens),
+            SYSTEM,
+            "1" if max_tokens == LONG else "0",
+        ],
+    )
 
 
 def _ask(mesh: HostMesh, max_tokens: int = 40) -> list[tuple[str, int]]:
@@ -194,8 +261,9 @@ def test_a_worker_bound_to_every_interface_is_registered_at_its_address(mesh):
     test below kills a decode host (the order of this file)."""
     etcd = f"{mesh.hosts.addresses['store']}:{ETCD_PORT}"
     argv = [sys.executable, "-m", "kvmesh.cli", "status", "--etcd", etcd, "--json"]
-    done = subprocess.run(mesh.hosts.command("gateway", argv), capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        mesh.hosts.command("gateway", argv), capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     worker = next(w for w in json.loads(done.stdout)["workers"] if w["id"] == "decode-b")
     address = mesh.hosts.addresses["decode-b"]
@@ -206,12 +274,15 @@ def test_a_worker_bound_to_every_interface_is_registered_at_its_address(mesh):
 
 def test_losing_a_decode_host_mid_stream_is_survived(mesh, reference):
     def generated() -> dict[str, float]:
-        return {h: mesh.metric(h, METRICS_PORT, "kvmesh_generation_tokens_total")
-                for h in ("decode-a", "decode-b")}  # fmt: skip
+        return {
+            h: mesh.metric(h, METRICS_PORT, "kvmesh_generation_tokens_total")
+            for h in ("decode-a", "decode-b")
+        }
 
     before = generated()
-    client = subprocess.Popen(_client(mesh, LONG), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)  # fmt: skip
+    client = subprocess.Popen(
+        _client(mesh, LONG), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline, busy = time.monotonic() + 120, []
         while not busy:  # kill a decode host while streams are running on it

@@ -44,9 +44,11 @@ def client(mesh):
 def _ask(client, topic: str, n: int = 70):
     system = f"Notes on {topic}. " + " ".join(f"{topic} fact {i} holds." for i in range(n))
     return client.chat.completions.create(
-        model="smollm2-135m", max_tokens=8, temperature=0,
+        model="smollm2-135m",
+        max_tokens=8,
+        temperature=0,
         messages=[{"role": "system", "content": system}, {"role": "user", "content": "Summarise."}],
-    )  # fmt: skip
+    )
 
 
 def _store_stats(mesh):

@@ -23,9 +23,11 @@ SETUPS = {
     "bf16-prefill/int4-decode": ("bf16", "int4"),
     "int4-prefill/bf16-decode": ("int4", "bf16"),
 }
-FACTS = (("What is the capital of France? Answer in one sentence.", "Paris"),
-         ("What is the capital of Japan?", "Tokyo"),
-         ("Who wrote Romeo and Juliet?", "Shakespeare"))  # fmt: skip
+FACTS = (
+    ("What is the capital of France? Answer in one sentence.", "Paris"),
+    ("What is the capital of Japan?", "Tokyo"),
+    ("Who wrote Romeo and Juliet?", "Shakespeare"),
+)
 
 
 @pytest.fixture(scope="module", params=sorted(SETUPS))

@@ -23,8 +23,16 @@ from tests.integration.chat_client import ask_or_error
 from tests.integration.mesh_probes import mesh_with_faults, metric_sum
 
 pytestmark = pytest.mark.timeout(600)
-WORKER_ARGS = ("--dtype", "fp32", "--kv-dtype", "fp8_e4m3", "--kv-cache-memory", "8MiB",
-               "--kv-integrity-action", "abort")  # a dropped page shows as an error here  # fmt: skip
+WORKER_ARGS = (
+    "--dtype",
+    "fp32",
+    "--kv-dtype",
+    "fp8_e4m3",
+    "--kv-cache-memory",
+    "8MiB",
+    "--kv-integrity-action",
+    "abort",
+)  # a dropped page shows as an error here
 TOPICS = ["tides", "volcanoes", "bees", "comets", "glaciers", "owls", "deserts", "coral"]
 
 
@@ -39,12 +47,15 @@ def model(tmp_path_factory) -> str:
 # expert parallelism, hold whole experts per rank
 LAYOUTS = {
     "one-rank-each": {},
-    "prefill-tp2-ep/decode-pp2": {"prefill": ("--tensor-parallel-size", "2",
-                                              "--enable-expert-parallel"),
-                                  "decode": ("--pipeline-parallel-size", "2")},
-    "prefill-pp2/decode-tp2": {"prefill": ("--pipeline-parallel-size", "2"),
-                               "decode": ("--tensor-parallel-size", "2")},
-}  # fmt: skip
+    "prefill-tp2-ep/decode-pp2": {
+        "prefill": ("--tensor-parallel-size", "2", "--enable-expert-parallel"),
+        "decode": ("--pipeline-parallel-size", "2"),
+    },
+    "prefill-pp2/decode-tp2": {
+        "prefill": ("--pipeline-parallel-size", "2"),
+        "decode": ("--tensor-parallel-size", "2"),
+    },
+}
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
@@ -63,8 +74,9 @@ def test_mla_mesh_answers_exactly_or_reports_the_fault(mesh, model):
     import openai
 
     reference = LLM(model, dtype="fp32", kv_dtype="fp8_e4m3", kv_cache_bytes=8 << 20)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="x",
-                           max_retries=0, timeout=120)  # fmt: skip
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{mesh.http_port}/v1", api_key="x", max_retries=0, timeout=120
+    )
     params = SamplingParams(max_tokens=24, temperature=0.0)
     errors = exact = 0
     for i, topic in enumerate(TOPICS):

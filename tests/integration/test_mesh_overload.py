@@ -67,8 +67,14 @@ def http(mesh):
 
 
 def _chat(topic: str, max_tokens: int = 32, **extra) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": f"A story about {topic}."}],
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}  # fmt: skip
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"A story about {topic}."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def test_four_times_capacity_gets_429s_and_the_rest_the_engines_text(http, mesh):
@@ -102,8 +108,9 @@ def test_grpc_gateway_over_capacity_is_resource_exhausted(http, mesh):
     started = threading.Semaphore(0)
 
     def hold(topic: str) -> int:
-        with http.stream("POST", "/v1/chat/completions",
-                         json=_chat(topic, 100, stream=True)) as reply:  # fmt: skip
+        with http.stream(
+            "POST", "/v1/chat/completions", json=_chat(topic, 100, stream=True)
+        ) as reply:
             lines = reply.iter_lines()
             next(lines)
             started.release()
@@ -116,8 +123,10 @@ def test_grpc_gateway_over_capacity_is_resource_exhausted(http, mesh):
         holders = [pool.submit(hold, f"hold {i}") for i in range(CAPACITY)]
         for _ in holders:
             assert started.acquire(timeout=60)
-        with (grpc.insecure_channel(f"127.0.0.1:{mesh.grpc_port}") as channel,
-              pytest.raises(grpc.RpcError) as refused):  # fmt: skip
+        with (
+            grpc.insecure_channel(f"127.0.0.1:{mesh.grpc_port}") as channel,
+            pytest.raises(grpc.RpcError) as refused,
+        ):
             list(gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=60))
         for holder in holders:
             assert holder.result(timeout=120) > 0
@@ -126,8 +135,9 @@ def test_grpc_gateway_over_capacity_is_resource_exhausted(http, mesh):
 
 
 def test_a_request_past_its_deadline_gets_504_and_frees_its_pages(http, mesh):
-    reply = http.post("/v1/chat/completions", json=_chat("time", 100),
-                      headers={"x-request-timeout": "0.3"})  # fmt: skip
+    reply = http.post(
+        "/v1/chat/completions", json=_chat("time", 100), headers={"x-request-timeout": "0.3"}
+    )
     assert reply.status_code == 504
     assert reply.json()["error"]["code"] == "deadline_exceeded"
     bad = http.post("/v1/chat/completions", json=_chat("time"), headers={"x-request-timeout": "x"})
@@ -136,8 +146,10 @@ def test_a_request_past_its_deadline_gets_504_and_frees_its_pages(http, mesh):
         prompt="Tell me a story.",
         sampling=common_pb2.SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
     )
-    with (grpc.insecure_channel(f"127.0.0.1:{mesh.grpc_port}") as channel,
-          pytest.raises(grpc.RpcError) as late):  # fmt: skip
+    with (
+        grpc.insecure_channel(f"127.0.0.1:{mesh.grpc_port}") as channel,
+        pytest.raises(grpc.RpcError) as late,
+    ):
         list(gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=0.3))
     assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: pages_in_use(mesh) == 0, 30, "pages held after the deadlines passed")
@@ -154,9 +166,14 @@ def test_requests_above_the_configured_limits_name_the_limit(http):
         reply = http.post("/v1/chat/completions", json=body)
         assert reply.status_code == status, (flag, reply.text)
         assert flag in reply.json()["error"]["message"]
-    anthropic = http.post("/v1/messages", json={
-        "model": MODEL, "max_tokens": 101, "messages": [{"role": "user", "content": "hi"}],
-    })  # fmt: skip
+    anthropic = http.post(
+        "/v1/messages",
+        json={
+            "model": MODEL,
+            "max_tokens": 101,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+    )
     assert anthropic.status_code == 400
     assert anthropic.json()["error"]["type"] == "invalid_request_error"
     assert "--max-output-tokens" in anthropic.json()["error"]["message"]
@@ -177,8 +194,14 @@ def test_one_trace_runs_gateway_decode_prefill_transfer(http, traces):
     reply = http.post("/v1/chat/completions", json=_chat(long, 4))
     assert reply.status_code == 200, reply.text
 
-    hops = ["gateway.generate", "gateway.decode_call", "decode.generate", "decode.prefill_call",
-            "prefill.prefill", "prefill.transfer"]  # fmt: skip
+    hops = [
+        "gateway.generate",
+        "gateway.decode_call",
+        "decode.generate",
+        "decode.prefill_call",
+        "prefill.prefill",
+        "prefill.transfer",
+    ]
 
     def last_trace() -> dict[str, dict]:
         """The spans of this request's trace (that of its transfer), by name: each process

@@ -39,8 +39,13 @@ SECOND_KEY = "sk-test-second-tenant"
 
 @pytest.fixture(scope="module")
 def mesh():
-    options = UpOptions(prefill=1, decode=1, kvstore="none", tls=True,
-                        gateway=gateway_config("--api-key", KEY, "--api-key", SECOND_KEY))  # fmt: skip
+    options = UpOptions(
+        prefill=1,
+        decode=1,
+        kvstore="none",
+        tls=True,
+        gateway=gateway_config("--api-key", KEY, "--api-key", SECOND_KEY),
+    )
     with module_mesh(options) as running:
         yield running
 
@@ -54,8 +59,9 @@ def _openai(mesh, base_url: str, key: str):
     from openai import OpenAI
 
     http = httpx.Client(verify=str(mesh.tls.ca))
-    return OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=60,
-                  http_client=http)  # fmt: skip
+    return OpenAI(
+        base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=60, http_client=http
+    )
 
 
 def test_the_right_key_over_tls_gets_an_answer(mesh, base_url):
@@ -77,12 +83,16 @@ def test_wrong_or_missing_keys_get_401_in_each_apis_shape(mesh, base_url):
         missing = http.post(f"{base_url}/v1/chat/completions", json={"messages": []})
         assert missing.status_code == 401 and "missing" in missing.json()["error"]["message"]
         assert http.get(f"{base_url}/health").status_code == 200  # probes carry no key
-    client = anthropic.Anthropic(base_url=base_url, api_key=OTHER_KEY, max_retries=0,
-                                 http_client=anthropic.DefaultHttpxClient(
-                                     verify=str(mesh.tls.ca)))  # fmt: skip
+    client = anthropic.Anthropic(
+        base_url=base_url,
+        api_key=OTHER_KEY,
+        max_retries=0,
+        http_client=anthropic.DefaultHttpxClient(verify=str(mesh.tls.ca)),
+    )
     with pytest.raises(anthropic.AuthenticationError) as refused:
-        client.messages.create(model=MODEL, max_tokens=4,
-                               messages=[{"role": "user", "content": "Hi"}])  # fmt: skip
+        client.messages.create(
+            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
+        )
     assert refused.value.body["error"]["type"] == "authentication_error"
 
 
@@ -94,8 +104,9 @@ def test_grpc_gateway_needs_tls_and_a_key(mesh):
     address = f"127.0.0.1:{mesh.grpc_port}"
     with grpc.secure_channel(address, credentials) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
-        replies = list(stub.Generate(request, timeout=60,
-                                     metadata=[("authorization", f"Bearer {KEY}")]))  # fmt: skip
+        replies = list(
+            stub.Generate(request, timeout=60, metadata=[("authorization", f"Bearer {KEY}")])
+        )
         assert replies[-1].finish_reason
         with pytest.raises(grpc.RpcError) as unauthenticated:
             list(stub.Generate(request, timeout=60))
@@ -109,9 +120,10 @@ def test_an_abort_reaches_only_the_callers_own_request(mesh):
     """Two tenants may pick the same request id: the other tenant's Abort finds nothing, the
     stream runs to its end; the owner's Abort ends it."""
     request = gateway_pb2.GenerateRequest(
-        prompt="Count", request_id="shared-id",
+        prompt="Count",
+        request_id="shared-id",
         sampling=common_pb2.SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
-    )  # fmt: skip
+    )
     credentials = grpc.ssl_channel_credentials(mesh.tls.ca.read_bytes())
     with grpc.secure_channel(f"127.0.0.1:{mesh.grpc_port}", credentials) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -123,8 +135,9 @@ def test_an_abort_reaches_only_the_callers_own_request(mesh):
             stream = stub.Generate(request, timeout=120, metadata=as_(KEY))
             first = next(stream)  # the request is running
             assert first.request_id == "shared-id"
-            aborted = stub.Abort(decode_pb2.AbortRequest(request_id="shared-id"), timeout=10,
-                                 metadata=as_(aborter)).aborted  # fmt: skip
+            aborted = stub.Abort(
+                decode_pb2.AbortRequest(request_id="shared-id"), timeout=10, metadata=as_(aborter)
+            ).aborted
             assert aborted == (aborter == KEY)
             replies = [first, *stream]
             finish = common_pb2.FinishReason.Name(replies[-1].finish_reason)
@@ -146,21 +159,27 @@ def test_workers_accept_only_certificates_of_the_mesh_ca(mesh, tmp_path):
     def loads(credentials: grpc.ChannelCredentials) -> grpc.StatusCode:
         with grpc.secure_channel(decode.grpc_address, credentials) as channel:
             try:
-                decode_pb2_grpc.DecodeStub(channel).GetLoads(decode_pb2.GetLoadsRequest(),
-                                                             timeout=10)  # fmt: skip
+                decode_pb2_grpc.DecodeStub(channel).GetLoads(
+                    decode_pb2.GetLoadsRequest(), timeout=10
+                )
             except grpc.RpcError as exc:
                 return exc.code()
             return grpc.StatusCode.OK
 
     member = mesh.tls
-    assert loads(grpc.ssl_channel_credentials(ca, member.key.read_bytes(),
-                                              member.cert.read_bytes())) == grpc.StatusCode.OK  # fmt: skip
+    assert (
+        loads(grpc.ssl_channel_credentials(ca, member.key.read_bytes(), member.cert.read_bytes()))
+        == grpc.StatusCode.OK
+    )
     assert loads(grpc.ssl_channel_credentials(ca)) == grpc.StatusCode.UNAVAILABLE  # no cert
-    foreign = grpc.ssl_channel_credentials(ca, stranger.key.read_bytes(),
-                                           stranger.cert.read_bytes())  # fmt: skip
+    foreign = grpc.ssl_channel_credentials(
+        ca, stranger.key.read_bytes(), stranger.cert.read_bytes()
+    )
     assert loads(foreign) == grpc.StatusCode.UNAVAILABLE  # a certificate of another CA
-    with (grpc.insecure_channel(decode.grpc_address) as plain,
-          pytest.raises(grpc.RpcError) as refused):  # fmt: skip
+    with (
+        grpc.insecure_channel(decode.grpc_address) as plain,
+        pytest.raises(grpc.RpcError) as refused,
+    ):
         decode_pb2_grpc.DecodeStub(plain).GetLoads(decode_pb2.GetLoadsRequest(), timeout=10)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
@@ -179,8 +198,16 @@ def test_etcd_takes_only_the_mesh_certificate(mesh, tmp_path):
 
 
 def test_kvmesh_status_reaches_etcd_with_the_mesh_certificate(mesh):
-    command = [sys.executable, "-m", "kvmesh.cli", "status", "--etcd", mesh.etcd.endpoint,
-               *mesh.tls.as_flags(), "--json"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "kvmesh.cli",
+        "status",
+        "--etcd",
+        mesh.etcd.endpoint,
+        *mesh.tls.as_flags(),
+        "--json",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     roles = sorted(w["role"] for w in json.loads(done.stdout)["workers"])

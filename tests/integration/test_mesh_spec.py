@@ -56,8 +56,14 @@ def test_greedy_through_the_mesh_equals_the_engine_without_speculation(mesh, llm
         messages = [{"role": "user", "content": prompt}]
         llm.engine.block_manager.reset_prefix_cache()
         want = llm.chat(messages, params)[0].text
-        got = chat_text(client, bool(i % 2), model="smollm2-135m", messages=messages,
-                        max_tokens=48, temperature=0.0)  # fmt: skip
+        got = chat_text(
+            client,
+            bool(i % 2),
+            model="smollm2-135m",
+            messages=messages,
+            max_tokens=48,
+            temperature=0.0,
+        )
         assert got == want, (name, prompt)
     drafted, accepted = _drafts(running)
     assert drafted > 0 and 0 < accepted <= drafted, (name, drafted, accepted)
@@ -70,8 +76,10 @@ def _drafts(running) -> tuple[float, float]:
     """The decode worker's (drafted, accepted) token counts so far."""
     workers = asyncio.run(list_workers(running.etcd.endpoint, "default"))
     decode = next(w for w in workers if w.role == "decode")
-    return tuple(_metric(decode.metrics_address, f"kvmesh_spec_{kind}_tokens_total")
-                 for kind in ("draft", "accepted"))  # fmt: skip
+    return tuple(
+        _metric(decode.metrics_address, f"kvmesh_spec_{kind}_tokens_total")
+        for kind in ("draft", "accepted")
+    )
 
 
 def test_schema_suite_with_speculation_equals_the_engine(mesh, llm):
@@ -84,8 +92,9 @@ def test_schema_suite_with_speculation_equals_the_engine(mesh, llm):
     cases = agent_schemas.cases()
     want = agent_schemas.suite_reference(llm)
     before = _drafts(running)
-    got = agent_schemas.mesh_answers(client_for(running),
-                                     [agent_schemas.body(case) for case in cases])  # fmt: skip
+    got = agent_schemas.mesh_answers(
+        client_for(running), [agent_schemas.body(case) for case in cases]
+    )
     for case, answer, expected in zip(cases, got, want, strict=True):
         assert answer == expected, (name, case["name"])
         agent_schemas.check(case, answer)

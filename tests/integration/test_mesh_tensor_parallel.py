@@ -28,8 +28,14 @@ pytestmark = pytest.mark.timeout(900)
 # (prefill ranks, decode ranks, decode workers)
 SETUPS = {"prefill-tp2/decode-tp1": (2, 1, 1), "prefill-tp1/decode-tp2": (1, 2, 2)}
 FAULTS = "drop_transfer@5,overwrite@90"
-WORKER_ARGS = ("--kv-cache-memory", "48MiB", "--max-num-seqs", "8",
-               "--kv-integrity-action", "abort")  # a dropped page shows as an error here  # fmt: skip
+WORKER_ARGS = (
+    "--kv-cache-memory",
+    "48MiB",
+    "--max-num-seqs",
+    "8",
+    "--kv-integrity-action",
+    "abort",
+)  # a dropped page shows as an error here
 TOPICS = ["tides", "volcanoes", "bees", "comets", "glaciers", "owls", "deserts"]
 LONG = " ".join(f"Note {i}: lighthouses guide ships past rocks at night." for i in range(12))
 MAX_TOKENS = 20
@@ -63,8 +69,14 @@ def _workers(mesh):
     return asyncio.run(list_workers(mesh.etcd.endpoint, "default"))
 
 
-def _ask(client, reference, messages, stream: bool, errors: list[str],
-         headers: dict[str, str] | None = None) -> str | None:  # fmt: skip
+def _ask(
+    client,
+    reference,
+    messages,
+    stream: bool,
+    errors: list[str],
+    headers: dict[str, str] | None = None,
+) -> str | None:
     """The mesh's answer, checked against the engine's: equal, or a kv_integrity error after
     a correct beginning (None then)."""
     want = reference.chat(messages, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
@@ -82,15 +94,21 @@ def test_layouts_are_advertised(mesh):
     (prefill_tp, decode_tp, _), running = mesh
     workers = _workers(running)
     assert {w.role: int(w.extra["tensor_parallel"]) for w in workers} == {
-        "prefill": prefill_tp, "decode": decode_tp}  # fmt: skip
+        "prefill": prefill_tp,
+        "decode": decode_tp,
+    }
     for worker in workers:  # the other ranks' processes, alive
         pids = _other_ranks(worker)
         assert len(pids) == int(worker.extra["tensor_parallel"]) - 1
         for pid in pids:
             os.kill(pid, 0)
-    status = subprocess.run([sys.executable, "-m", "kvmesh.cli", "status", "--etcd",
-                             running.etcd.endpoint, "--json"], capture_output=True, text=True,
-                            timeout=60, check=True)  # fmt: skip
+    status = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "status", "--etcd", running.etcd.endpoint, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     shown = {w["role"]: w["ranks"] for w in json.loads(status.stdout)["workers"]}
     for role, ranks in (("prefill", prefill_tp), ("decode", decode_tp)):
         assert [r["rank"] for r in shown[role]] == list(range(ranks))
@@ -110,8 +128,11 @@ def test_greedy_text_equals_the_engine_and_faults_are_caught(mesh, reference):
     answer = None
     while answer is None:  # a fault may take the first try
         answer = _ask(client, reference, first, False, errors, pinned)
-    second = [*first, {"role": "assistant", "content": answer},
-              {"role": "user", "content": "And another one?"}]  # fmt: skip
+    second = [
+        *first,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And another one?"},
+    ]
     while _ask(client, reference, second, True, errors, pinned) is None:
         pass
     workers = _workers(running)
@@ -119,10 +140,12 @@ def test_greedy_text_equals_the_engine_and_faults_are_caught(mesh, reference):
     decoders = [w for w in workers if w.role == "decode"]
     moved = _by_label(prefill.metrics_address, "kvmesh_kv_transfer_bytes_total")
     assert moved.get("prefill:from_decode", 0) > 0, moved  # turn one's answer, read back
-    failures = sum(metric_sum(w.metrics_address, "kvmesh_kv_integrity_failures_total")
-                   for w in decoders)  # fmt: skip
-    injected = sum(metric_sum(w.metrics_address, "kvmesh_faults_injected_total")
-                   for w in [prefill, *decoders])  # fmt: skip
+    failures = sum(
+        metric_sum(w.metrics_address, "kvmesh_kv_integrity_failures_total") for w in decoders
+    )
+    injected = sum(
+        metric_sum(w.metrics_address, "kvmesh_faults_injected_total") for w in [prefill, *decoders]
+    )
     assert len(errors) >= 1 and failures == injected >= len(errors)
     assert answered >= len(TOPICS) - 3
 
@@ -140,8 +163,11 @@ def test_sigkill_of_one_rank_takes_its_decode_worker_down_cleanly(mesh):
     victim, rank, worker_proc, error_after = killed
     print(f"stream error {error_after:.2f} s after the kill")  # (docs/benchmarks.md, with -s)
     assert error_after < 10, "the stream should end with an error within seconds"
-    wait_for(lambda: victim.worker_id not in {w.worker_id for w in _workers(running)}, 10,
-             "the dead worker's lease is revoked")  # fmt: skip
+    wait_for(
+        lambda: victim.worker_id not in {w.worker_id for w in _workers(running)},
+        10,
+        "the dead worker's lease is revoked",
+    )
     print(f"lease gone {error_after + time.monotonic() - killed_seen:.2f} s after the kill")
     assert worker_proc.wait(15) == 1  # the worker went down whole, saying why
     with pytest.raises(ProcessLookupError):
@@ -149,9 +175,11 @@ def test_sigkill_of_one_rank_takes_its_decode_worker_down_cleanly(mesh):
     others = {w.worker_id for w in _workers(running) if w.role == "decode"} - {victim.worker_id}
     assert others  # the other decode worker still serves
     reply = client.chat.completions.create(
-        model="smollm2-135m", messages=[{"role": "user", "content": "Hello"}], max_tokens=8,
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=8,
         temperature=0,
-    )  # fmt: skip
+    )
     assert reply.choices[0].message.content
 
 
@@ -159,9 +187,13 @@ def _kill_a_rank_mid_stream(client, running):
     """SIGKILL rank 1 of the decode worker serving a stream at its third chunk: (that worker,
     the rank's pid, the worker's process, seconds from the kill to the stream's error)."""
     stream = client.chat.completions.create(
-        model="smollm2-135m", messages=[{"role": "user", "content": "Tell me a long story."}],
-        max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     killed = None
     try:
         for i, _ in enumerate(stream):

@@ -101,8 +101,9 @@ def test_fp8_latent_pages(model):
 @pytest.mark.parametrize("fault", ["reassign@5", "overwrite@4"])
 def test_injected_page_faults_are_caught(model, reference, monkeypatch, fault):
     monkeypatch.setenv("KVMESH_FAULTS", fault)
-    llm = LLM(model, dtype="fp32", num_pages=64, enable_prefix_caching=False,
-              kv_integrity_action="abort")  # fmt: skip
+    llm = LLM(
+        model, dtype="fp32", num_pages=64, enable_prefix_caching=False, kv_integrity_action="abort"
+    )
     outs = llm.generate_ids(_prompts(), GREEDY)
     failed = [o for o in outs if o.error is not None]
     assert len(failed) == sum(llm.engine.faults.injected.values()) >= 1
@@ -112,8 +113,7 @@ def test_injected_page_faults_are_caught(model, reference, monkeypatch, fault):
 
 
 @pytest.mark.parametrize("fault", ["reassign@5", "overwrite@4"])
-def test_injected_page_faults_are_recomputed_latent_pages_too(model, reference, monkeypatch,
-                                                              fault):  # fmt: skip
+def test_injected_page_faults_are_recomputed_latent_pages_too(model, reference, monkeypatch, fault):
     monkeypatch.setenv("KVMESH_FAULTS", fault)
     llm = LLM(model, dtype="fp32", num_pages=64, enable_prefix_caching=False)  # recompute
     outs = llm.generate_ids(_prompts(), GREEDY)
@@ -128,8 +128,11 @@ def test_bench_kv_prints_the_latent_page_spec(model):
 
     out = subprocess.run(
         [sys.executable, "-m", "kvmesh.cli", "bench", "kv", "--model", model, "--spec-only"],
-        capture_output=True, text=True, timeout=120, check=True,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if "| mla |" in line}
     assert set(rows) == {"fp32", "bf16", "fp8_e4m3"}
     assert "| 80 | 160 |" in rows["bf16"] and "| 80 | 81 |" in rows["fp8_e4m3"]
@@ -142,9 +145,24 @@ def test_generate_cli_serves_the_tiny_checkpoint(model):
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", "generate", "--model", model, "--prompt", "Hello",
-         "--chat", "--max-tokens", "6", "--json"],
-        capture_output=True, text=True, timeout=120, check=True,
-    ).stdout  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "Hello",
+            "--chat",
+            "--max-tokens",
+            "6",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     result = json.loads(out.strip().splitlines()[-1])
     assert result["model"] == Path(model).name and 1 <= result["completion_tokens"] <= 6

@@ -46,10 +46,10 @@ def _run(engine, prompt: list[int], params: SamplingParams, resumed=()) -> list[
             frequency_penalty=1.5,
             presence_penalty=0.5,
             repetition_penalty=1.3,
-        ),  # fmt: skip
+        ),
         SamplingParams(
             max_tokens=40, temperature=0.0, grammar=grammars.json_schema(SCHEMA, "person")
-        ),  # fmt: skip
+        ),
     ],
     ids=["greedy", "seeded", "penalties", "grammar"],
 )
@@ -97,8 +97,9 @@ def test_resumed_tokens_are_checked(llm):
     grammar = grammars.json_schema(SCHEMA, "person")
     not_json = llm.tokenizer.encode("hello")
     with pytest.raises(InvalidRequestError, match="do not follow the request's grammar"):
-        engine.add_request("r-bad", prompt, SamplingParams(max_tokens=9, grammar=grammar),
-                           resumed=not_json)  # fmt: skip
+        engine.add_request(
+            "r-bad", prompt, SamplingParams(max_tokens=9, grammar=grammar), resumed=not_json
+        )
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         engine.add_request("r-vocab", prompt, SamplingParams(max_tokens=9), resumed=[10**8])
     assert not engine.has_unfinished()

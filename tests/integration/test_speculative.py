@@ -54,17 +54,30 @@ def _tiny(tmp_path, default_model_source) -> str:
 
     from tests.integration.test_parity import _save_tiny
 
-    config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=64,
-                                  intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=256, initializer_range=0.5)  # fmt: skip
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.5,
+    )
     return _save_tiny(tmp_path, default_model_source, config)
 
 
 def test_sampled_output_distribution_is_unchanged(tmp_path, default_model_source):
     path = _tiny(tmp_path, default_model_source)
-    llm = LLM(model=path, dtype="fp32", kv_cache_bytes=64 << 20, max_num_seqs=256,
-              speculative="ngram", num_speculative_tokens=2)  # fmt: skip
+    llm = LLM(
+        model=path,
+        dtype="fp32",
+        kv_cache_bytes=64 << 20,
+        max_num_seqs=256,
+        speculative="ngram",
+        num_speculative_tokens=2,
+    )
     prompt = list(range(30, 36))
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
     probs = lambda ids: torch.softmax(llm.engine.score(prompt + ids)[-1], -1)  # noqa: E731

@@ -50,9 +50,11 @@ def test_two_pipeline_stages_give_one_ranks_tokens_and_logits_exactly(llm):
 
 # (engine options, logits tolerance, the top-2 gap below which a token may differ): fp32 sums
 # differ from one rank's only in their order; bf16 partial outputs are rounded before the sum
-PRECISIONS = [({"dtype": "fp32", "kv_dtype": "fp8_e4m3"}, 1e-3, 0.02),
-              ({"dtype": "fp32", "weights": "int4"}, 1e-3, 0.02),
-              ({"dtype": "bf16"}, 1.5, 1.5)]  # fmt: skip
+PRECISIONS = [
+    ({"dtype": "fp32", "kv_dtype": "fp8_e4m3"}, 1e-3, 0.02),
+    ({"dtype": "fp32", "weights": "int4"}, 1e-3, 0.02),
+    ({"dtype": "bf16"}, 1.5, 1.5),
+]
 
 
 @pytest.mark.parametrize(("options", "atol", "margin"), PRECISIONS)
@@ -87,9 +89,11 @@ def test_each_rank_holds_its_part_of_the_model(split, llm):
 
 
 def test_the_other_ranks_end_when_rank_0_is_killed():
-    script = ("from kvmesh import LLM; import sys, time; "
-              "llm = LLM(dtype='fp32', tensor_parallel_size=2, max_num_seqs=4); "
-              "print('rank1', llm.engine.ranks.pids[0], flush=True); time.sleep(600)")  # fmt: skip
+    script = (
+        "from kvmesh import LLM; import sys, time; "
+        "llm = LLM(dtype='fp32', tensor_parallel_size=2, max_num_seqs=4); "
+        "print('rank1', llm.engine.ranks.pids[0], flush=True); time.sleep(600)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         line = next(line for line in proc.stdout if line.startswith("rank1 "))  # past the logs
@@ -146,8 +150,10 @@ def test_a_rank_killed_mid_generation_is_an_engine_failure_at_once():
     threading.Timer(1.0, os.kill, (rank1, signal.SIGKILL)).start()
     started = time.monotonic()
     with pytest.raises(EngineFailure, match="tensor-parallel rank of this engine is gone"):
-        llm.generate(["Tell me a long story."],
-                     SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True))  # fmt: skip
+        llm.generate(
+            ["Tell me a long story."],
+            SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True),
+        )
     assert time.monotonic() - started < 30
     llm.close()
     assert not _alive(rank1)

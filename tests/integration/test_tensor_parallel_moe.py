@@ -45,7 +45,7 @@ CASES = {
         {"pipeline_micro_batches": 2},
         TinySize(),
         "none",
-    ),  # fmt: skip
+    ),
     "mla-moe-pp3-fp8": ("deepseek_v3", 1, 3, False, FP8, TinySize(), "none"),
     "mla-moe-tp2-pp2-int4": ("deepseek_v3", 2, 2, False, {"weights": "int4"}, WIDE, "none"),
     "qwen3-moe-ep2-pp2-micro-batches": (
@@ -56,7 +56,7 @@ CASES = {
         {"pipeline_micro_batches": 0},
         TinySize(),
         "none",
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -68,9 +68,15 @@ def test_split_models_give_one_ranks_tokens_and_logits(case, tmp_path):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     one = LLM(model=path, dtype="fp32", max_num_seqs=4, **options)
     want = [o.token_ids for o in one.generate(PROMPTS, params)]
-    with LLM(model=path, dtype="fp32", max_num_seqs=4, tensor_parallel_size=ranks,
-             pipeline_parallel_size=stages, enable_expert_parallel=expert_parallel,
-             **options) as split:  # fmt: skip
+    with LLM(
+        model=path,
+        dtype="fp32",
+        max_num_seqs=4,
+        tensor_parallel_size=ranks,
+        pipeline_parallel_size=stages,
+        enable_expert_parallel=expert_parallel,
+        **options,
+    ) as split:
         assert [o.token_ids for o in split.generate(PROMPTS, params)] == want
         diff = (one.engine.score(PROMPTS[0]) - split.engine.score(PROMPTS[0])).abs().max()
         whole, part = one.engine.runner.model, split.engine.runner.model
@@ -83,9 +89,9 @@ def test_split_models_give_one_ranks_tokens_and_logits(case, tmp_path):
     if arch == "qwen3":  # 2 KV heads on 4 ranks: each head on two of them
         assert [s.spans[0].start for s in layout.shards] == [0, 0, page // 2, page // 2]
     if stages > 1:  # each stage's pages hold its layers only
-        assert sum(s.page_bytes for s in layout.shards) == page * (1 if ranks == 1 or
-                                                                   whole.config.mla is None
-                                                                   else ranks)  # fmt: skip
+        assert sum(s.page_bytes for s in layout.shards) == page * (
+            1 if ranks == 1 or whole.config.mla is None else ranks
+        )
 
 
 def _check_parts(whole, part, ranks: int, stages: int, expert_parallel: bool) -> None:
@@ -121,14 +127,16 @@ def test_a_rank_of_a_later_stage_killed_is_an_engine_failure_in_seconds(tmp_path
     from kvmesh.errors import EngineFailure
 
     path = str(make_tiny_model(TinySpec("qwen3_moe"), tmp_path / "m").path)
-    llm = LLM(model=path, dtype="fp32", tensor_parallel_size=2, pipeline_parallel_size=2,
-              max_num_seqs=4)  # fmt: skip
+    llm = LLM(
+        model=path, dtype="fp32", tensor_parallel_size=2, pipeline_parallel_size=2, max_num_seqs=4
+    )
     pids = llm.engine.ranks.pids  # global ranks 1, 2, 3
     threading.Timer(1.0, os.kill, (pids[2], signal.SIGKILL)).start()
     started = time.monotonic()
     with pytest.raises(EngineFailure, match="gone"):
-        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=100000, temperature=0.0,
-                                                 ignore_eos=True))  # fmt: skip
+        llm.generate(
+            [[5, 6, 7]], SamplingParams(max_tokens=100000, temperature=0.0, ignore_eos=True)
+        )
     assert time.monotonic() - started < 20
     llm.close()
     for pid in pids:

@@ -50,8 +50,9 @@ def _ready_run(tmp: Path, *args: str) -> Iterator[tuple[UpRun, ReadinessProbe]]:
 @pytest.fixture(scope="module")
 def mesh_1x1(tmp_path_factory) -> Iterator[tuple[UpRun, ReadinessProbe]]:
     tmp = tmp_path_factory.mktemp("up1x1")
-    yield from _ready_run(tmp, "--prefill", "1", "--decode", "1", "--decode-lead-cpu", "auto",
-                          *SMALL_STORE, *CHEAP)  # fmt: skip
+    yield from _ready_run(
+        tmp, "--prefill", "1", "--decode", "1", "--decode-lead-cpu", "auto", *SMALL_STORE, *CHEAP
+    )
 
 
 @pytest.fixture(scope="module")

@@ -87,8 +87,12 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 5) ->
 
 
 def chat(http_port: int) -> tuple[int, Any]:
-    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi!"}],
-            "max_tokens": 8, "temperature": 0}  # fmt: skip
+    body = {
+        "model": "smollm2-135m",
+        "messages": [{"role": "user", "content": "Hi!"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
     return http("POST", f"http://127.0.0.1:{http_port}/v1/chat/completions", body, timeout=120)
 
 

@@ -1,5 +1,5 @@
-"""Fixtures of the gateway's API tests: the default model's tokenizer, and the gateway app
-over a scripted backend on a real server with the official openai client."""
+"""Fixtures of the gateway's API tests: the default model's tokenizer, a scripted backend, the
+gateway app over it (in process, or on a real server with the official openai client)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from starlette.testclient import TestClient
 
 from kvmesh.engine.loader import resolve_model
 from kvmesh.engine.tokenizer import Tokenizer
@@ -26,3 +27,17 @@ def openai_served(tok: Tokenizer) -> Iterator[tuple[openai.OpenAI, FakeBackend]]
     backend = FakeBackend(tok, tokens_per_chunk=1)
     with serve_app(create_app(backend, tok)) as url:
         yield openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30), backend
+
+
+@pytest.fixture
+def backend(tok: Tokenizer) -> FakeBackend:
+    return FakeBackend(tok)
+
+
+@pytest.fixture
+def client(backend: FakeBackend, tok: Tokenizer) -> Iterator[TestClient]:
+    """The OpenAI REST app over `backend`, in process."""
+    from services.gateway.openai_api import create_app
+
+    with TestClient(create_app(backend, tok)) as test_client:
+        yield test_client

@@ -51,8 +51,9 @@ def test_services_check_their_addresses_when_configured():
         KVStoreOptions(etcd="", page_bytes=4096, host="0.0.0.0")
     with pytest.raises(ValueError, match="--advertise-host"):
         DraftOptions(etcd="", host="::")
-    worker = _worker(host="0.0.0.0", advertise_host="10.0.0.2", protocol="rdma",
-                     rdma_devices="mlx5_0")  # fmt: skip
+    worker = _worker(
+        host="0.0.0.0", advertise_host="10.0.0.2", protocol="rdma", rdma_devices="mlx5_0"
+    )
     config = transfer_config(worker)
     assert (config.hostname, config.protocol, config.device) == ("10.0.0.2", "rdma", "mlx5_0")
     assert transfer_config(_worker()).hostname == "127.0.0.1"
@@ -74,10 +75,21 @@ def test_rdma_devices_need_the_rdma_protocol():
 
 def test_serve_refuses_a_wildcard_without_advertise_host_in_one_line():
     done = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", "serve", "decode", "--etcd", "127.0.0.1:1",
-         "--host", "0.0.0.0"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "serve",
+            "decode",
+            "--etcd",
+            "127.0.0.1:1",
+            "--host",
+            "0.0.0.0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "kvmesh serve decode: error:" in done.stderr and "--advertise-host" in done.stderr
     assert "Traceback" not in done.stderr

@@ -62,10 +62,21 @@ def test_a_template_that_knows_tools_renders_them_itself(tok) -> None:
         "{{ c.function.arguments | tojson }}{% endfor %}"
         "{% if m.tool_call_id %} FOR {{ m.tool_call_id }}{% endif %}\n{% endfor %}<assistant>"
     )
-    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1",
-               "type": "function", "function": {"name": "get_weather",
-                                                "arguments": '{"city": "Paris"}'}}]},
-               {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]  # fmt: skip
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    ]
     backend, serving = _served(own)
     with serving as url:
         _openai(url).chat.completions.create(model=MODEL, messages=history, tools=[WEATHER])
@@ -82,14 +93,25 @@ def test_disable_parallel_tool_use_is_parallel_tool_calls_false(tok) -> None:
     tools = [{"name": t["function"]["name"], "input_schema": CITY} for t in (WEATHER, TIME)]
     grammars = {}
     with serving as url:
-        claude = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="unused",
-                                     max_retries=0)  # fmt: skip
+        claude = anthropic.Anthropic(
+            base_url=url.removesuffix("/v1"), api_key="unused", max_retries=0
+        )
         for off in (False, True):
-            claude.messages.create(model=MODEL, max_tokens=64, messages=ASK, tools=tools,
-                                   tool_choice={"type": "any", "disable_parallel_tool_use": off})  # fmt: skip
+            claude.messages.create(
+                model=MODEL,
+                max_tokens=64,
+                messages=ASK,
+                tools=tools,
+                tool_choice={"type": "any", "disable_parallel_tool_use": off},
+            )
             grammars["anthropic", off] = backend.requests[-1].params.grammar
-            _openai(url).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
-                                                 tool_choice="required", parallel_tool_calls=not off)  # fmt: skip
+            _openai(url).chat.completions.create(
+                model=MODEL,
+                messages=ASK,
+                tools=[WEATHER, TIME],
+                tool_choice="required",
+                parallel_tool_calls=not off,
+            )
             grammars["openai", off] = backend.requests[-1].params.grammar
     assert grammars["anthropic", True] == grammars["openai", True]
     assert grammars["anthropic", False] == grammars["openai", False]
@@ -99,8 +121,9 @@ def test_disable_parallel_tool_use_is_parallel_tool_calls_false(tok) -> None:
 def test_the_responses_developer_role_reaches_the_prompt(tok) -> None:
     backend, serving = _served(tok)
     with serving as url:
-        _openai(url).responses.create(model=MODEL, input=[
-            {"role": "developer", "content": "Answer in French."}, *ASK])  # fmt: skip
+        _openai(url).responses.create(
+            model=MODEL, input=[{"role": "developer", "content": "Answer in French."}, *ASK]
+        )
     prompt = tok.decode(backend.requests[-1].prompt_token_ids, skip_special_tokens=False)
     assert prompt.index("Answer in French.") < prompt.index("Weather in Paris?")
 
@@ -112,8 +135,9 @@ def test_a_failure_after_the_stream_began_is_an_error_event(tok) -> None:
     backend, serving = _served(tok)
     backend.fail_after_chunks = 3
     with serving as url:
-        claude = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="unused",
-                                     max_retries=0)  # fmt: skip
+        claude = anthropic.Anthropic(
+            base_url=url.removesuffix("/v1"), api_key="unused", max_retries=0
+        )
         failing = claude.messages.stream(model=MODEL, max_tokens=64, messages=ASK)
         with pytest.raises(anthropic.APIStatusError, match="decode worker went away"), failing as s:
             list(s)
@@ -150,8 +174,7 @@ def test_later_choices_start_once_the_first_has_a_token(tok, stream) -> None:
     then in the prefix cache for them), all three replies whole."""
     backend = _LoggingBackend(tok)
     with serve_app(create_app(backend, tok)) as url:
-        reply = _openai(url).chat.completions.create(model=MODEL, messages=ASK, n=3,
-                                                     stream=stream)  # fmt: skip
+        reply = _openai(url).chat.completions.create(model=MODEL, messages=ASK, n=3, stream=stream)
         if stream:
             list(reply)
     first = backend.requests[0].request_id

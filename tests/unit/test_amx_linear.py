@@ -35,17 +35,20 @@ def test_amx_linear_matches_reference_and_is_the_same_bits_for_any_batch(n, k):
     alone = torch.cat([ops.linear_bf16_amx(x[i : i + 1], w, bias) for i in range(0, 64, 7)])
     assert torch.equal(alone, full[::7])
     no_bias = ops.linear_bf16_amx(x, w, None)
-    torch.testing.assert_close(no_bias, (x.double() @ w.double().T).to(torch.bfloat16),
-                               atol=0.03, rtol=0.01)  # fmt: skip
+    torch.testing.assert_close(
+        no_bias, (x.double() @ w.double().T).to(torch.bfloat16), atol=0.03, rtol=0.01
+    )
     assert ops.linear_bf16_amx(x[:0], w, None).shape == (0, n)
 
 
 @NO_AMX
 def test_amx_linear_rejects_shapes_it_does_not_tile_with_a_message():
     ops = cpu_ops()
-    for x, w in [(torch.zeros(65, 32), torch.zeros(16, 32)),  # more than 64 rows
-                 (torch.zeros(2, 40), torch.zeros(16, 40)),  # K not a multiple of 32
-                 (torch.zeros(2, 32), torch.zeros(20, 32))]:  # N not a multiple of 16  # fmt: skip
+    for x, w in [
+        (torch.zeros(65, 32), torch.zeros(16, 32)),  # more than 64 rows
+        (torch.zeros(2, 40), torch.zeros(16, 40)),  # K not a multiple of 32
+        (torch.zeros(2, 32), torch.zeros(20, 32)),
+    ]:  # N not a multiple of 16
         with pytest.raises(RuntimeError, match="B <= 64, K % 32 == 0, N % 16 == 0"):
             ops.linear_bf16_amx(x.bfloat16(), w.bfloat16(), None)
     with pytest.raises(RuntimeError, match="bf16"):
@@ -73,9 +76,14 @@ def test_dense_matmul_picks_the_gemv_then_amx_then_torch_by_rows():
 
 @pytest.mark.parametrize(
     "variables,on",
-    [({}, True), ({"KVMESH_AMX": "0"}, False), ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, False),
-     ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, True), ({"ONEDNN_MAX_CPU_ISA": "ALL"}, True)],
-)  # fmt: skip
+    [
+        ({}, True),
+        ({"KVMESH_AMX": "0"}, False),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, False),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "ALL"}, True),
+    ],
+)
 def test_amx_is_turned_off_by_its_flag_or_by_capping_onednn_below_amx(monkeypatch, variables, on):
     from kvmesh import env
 

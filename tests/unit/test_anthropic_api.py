@@ -17,8 +17,11 @@ from tests.unit.fake_backend import ANSWER, FakeBackend, cached_tokens_for, serv
 
 MODEL = "smollm2-135m"
 ASK = [{"role": "user", "content": "Weather in Paris and the time?"}]
-WEATHER = {"name": "get_weather", "description": "Current weather in a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}  # fmt: skip
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
 TIME = {"name": "get_time", "input_schema": {"type": "object", "properties": {}}}
 CALLS = (
     "Checking.\n<tool_call>\n"
@@ -70,16 +73,18 @@ def test_tool_use_blocks_whole_and_streamed(served) -> None:
     assert (weather.name, weather.input) == ("get_weather", {"city": "Paris", "units": ["C"]})
     assert (clock.name, clock.input) == ("get_time", {})
     assert weather.id.startswith("toolu_") and weather.id != clock.id
-    with client.messages.stream(model=MODEL, max_tokens=200, messages=ASK,
-                                tools=[WEATHER, TIME]) as stream:  # fmt: skip
+    with client.messages.stream(
+        model=MODEL, max_tokens=200, messages=ASK, tools=[WEATHER, TIME]
+    ) as stream:
         events = list(stream)
         final = stream.get_final_message()
     assert [(b.type, getattr(b, "input", None)) for b in final.content] == [
         (b.type, getattr(b, "input", None)) for b in reply.content
     ]
     assert final.stop_reason == "tool_use"
-    json_deltas = [e for e in events if e.type == "content_block_delta"
-                   and e.delta.type == "input_json_delta"]  # fmt: skip
+    json_deltas = [
+        e for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    ]
     assert len(json_deltas) > 4  # the input streamed piece by piece
     starts = [e.index for e in events if e.type == "content_block_start"]
     stops = [e.index for e in events if e.type == "content_block_stop"]
@@ -96,13 +101,30 @@ def test_tool_choices_history_and_count_tokens(served, tok) -> None:
     assert "<tools>" not in tok.decode(backend.requests[-1].prompt_token_ids)
     history = [
         *ASK,
-        {"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "I should call the tool.", "signature": "x"},
-            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "18 C"}]},
-            {"type": "text", "text": "And tomorrow?"}]},
-    ]  # fmt: skip
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "I should call the tool.", "signature": "x"},
+                {
+                    "type": "tool_use",
+                    "id": "toolu_1",
+                    "name": "get_weather",
+                    "input": {"city": "Paris"},
+                },
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_1",
+                    "content": [{"type": "text", "text": "18 C"}],
+                },
+                {"type": "text", "text": "And tomorrow?"},
+            ],
+        },
+    ]
     _create(client, messages=history, tools=[WEATHER])
     prompt = tok.decode(backend.requests[-1].prompt_token_ids, skip_special_tokens=False)
     assert "<tool_response>\n18 C\n</tool_response>" in prompt and "And tomorrow?" in prompt
@@ -120,20 +142,43 @@ def test_stop_sequence_reported(served) -> None:
 
 BAD = [
     ({"max_tokens": None}, "'max_tokens' is required"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-     "'messages[0].content[0].type' 'image' is not supported"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        "'messages[0].content[0].type' 'image' is not supported",
+    ),
     ({"messages": [{"role": "tool", "content": "x"}]}, "'messages[0].role' must be"),
     ({"tools": [{"name": "t"}]}, "'tools[0].input_schema'"),
     ({"tool_choice": {"type": "sometimes"}}, "'tool_choice' must be"),
     ({"temperature": 1.5}, "'temperature' must be a number in [0.0, 1.0]"),
-    ({"messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "toolu_9", "content": "18 C"}]}]},
-     "'messages[0].content[0]' is a tool result for call 'toolu_9'"),
-    ({"messages": [*ASK, {"role": "assistant", "content": [
-        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]},
-        {"role": "user", "content": "And?"}]},
-     "'messages[1]' made tool calls with no result before 'messages[2]': 'toolu_1'"),
-]  # fmt: skip
+    (
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "toolu_9", "content": "18 C"}
+                    ],
+                }
+            ]
+        },
+        "'messages[0].content[0]' is a tool result for call 'toolu_9'",
+    ),
+    (
+        {
+            "messages": [
+                *ASK,
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}
+                    ],
+                },
+                {"role": "user", "content": "And?"},
+            ]
+        },
+        "'messages[1]' made tool calls with no result before 'messages[2]': 'toolu_1'",
+    ),
+]
 
 
 @pytest.mark.parametrize(("fields", "message"), BAD)
@@ -141,8 +186,9 @@ def test_bad_requests_get_anthropic_errors(served, fields, message) -> None:
     client, _ = served
     body = {"model": MODEL, "max_tokens": 64, "messages": ASK, **fields}
     with pytest.raises(anthropic.BadRequestError) as info:
-        client.post("/v1/messages", cast_to=object, body={k: v for k, v in body.items()
-                                                          if v is not None})  # fmt: skip
+        client.post(
+            "/v1/messages", cast_to=object, body={k: v for k, v in body.items() if v is not None}
+        )
     error = info.value.body
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert message in error["error"]["message"]
@@ -167,20 +213,33 @@ CLAUDE_CODE_BODY = {
         {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}},
     ],
     "messages": [
-        {"role": "user", "content": [
-            {"type": "text", "text": "<system-reminder>Today is 2026-12-07.</system-reminder>"},
-            {"type": "text", "text": "say hi", "cache_control": {"type": "ephemeral"}}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "<system-reminder>Today is 2026-12-07.</system-reminder>"},
+                {"type": "text", "text": "say hi", "cache_control": {"type": "ephemeral"}},
+            ],
+        },
         {"role": "system", "content": "Agent types available: claude, Explore."},
     ],
-    "tools": [{"name": "Bash", "description": "Runs a shell command.", "input_schema": {
-        "type": "object", "properties": {"command": {"type": "string"}},
-        "required": ["command"], "additionalProperties": False,
-        "$schema": "https://json-schema.org/draft/2020-12/schema"}}],
+    "tools": [
+        {
+            "name": "Bash",
+            "description": "Runs a shell command.",
+            "input_schema": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+                "additionalProperties": False,
+                "$schema": "https://json-schema.org/draft/2020-12/schema",
+            },
+        }
+    ],
     "metadata": {"user_id": '{"device_id":"d","session_id":"s"}'},
     "thinking": {"type": "adaptive"},
     "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
     "output_config": {"effort": "high"},
-}  # fmt: skip
+}
 
 
 def test_claude_codes_first_request_streams_to_the_end(tok) -> None:
@@ -188,8 +247,9 @@ def test_claude_codes_first_request_streams_to_the_end(tok) -> None:
     app = create_app(backend, tok, names=ModelNames(any_model=True))
     with TestClient(app) as client:
         assert client.head("/").status_code == 200
-        response = client.post("/v1/messages?beta=true", json=CLAUDE_CODE_BODY,
-                               headers=CLAUDE_CODE_HEADERS)  # fmt: skip
+        response = client.post(
+            "/v1/messages?beta=true", json=CLAUDE_CODE_BODY, headers=CLAUDE_CODE_HEADERS
+        )
         assert response.status_code == 200, response.text
         kinds = [line[7:] for line in response.text.splitlines() if line.startswith("event: ")]
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
@@ -206,8 +266,9 @@ def test_output_config_format_is_the_reply_schema(served) -> None:
     """output_config.format (structured outputs): the reply is held to the schema."""
     client, backend = served
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-    _create(client, extra_body={"output_config": {"format": {"type": "json_schema",
-                                                             "schema": schema}}})  # fmt: skip
+    _create(
+        client, extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    )
     assert backend.requests[-1].params.grammar is not None
     _create(client, extra_body={"output_config": {"effort": "low"}})
     assert backend.requests[-1].params.grammar is None
@@ -218,8 +279,12 @@ def test_a_tool_use_cut_by_max_tokens_keeps_what_was_written(served, tok) -> Non
     backend.script(
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "units": "celsius"}}\n</tool_call>'
     )
-    cut = len(tok.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "un',
-                         add_special_tokens=False))  # fmt: skip
+    cut = len(
+        tok.encode(
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "un',
+            add_special_tokens=False,
+        )
+    )
     reply = _create(client, tools=[WEATHER], max_tokens=cut)
     assert reply.stop_reason == "max_tokens"
     (block,) = reply.content

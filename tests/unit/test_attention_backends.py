@@ -60,8 +60,7 @@ def test_mla_absorbed_decode_equals_expanded_attention_and_ignores_padding(name)
     cache = PagedKVCache(spec, 8)
     backend = get_backend(name, "mla")
     gen = torch.Generator().manual_seed(1)
-    w = MlaWeights(torch.randn(heads * (nope + vdim), rank, generator=gen), heads, nope, vdim,
-                   0.4)  # fmt: skip
+    w = MlaWeights(torch.randn(heads * (nope + vdim), rank, generator=gen), heads, nope, vdim, 0.4)
     context = torch.randn(7, rank + rope, generator=gen)  # row 0's 7 cached tokens
     data = cache.layers[0].layer.data  # [page, 1, slot, 1, rank + rope]
     data[1, 0, :, 0] = context[:4]
@@ -102,8 +101,11 @@ def test_decode_tables_as_one_array_give_the_metadata_and_output_of_tuples(name)
         rows.add(req_id, table, (7,) * len(table))
     lengths = [6, 3, 9]
     array = rows.gather(rows.rows(["a", "b", "c"]), 3)
-    assert array.tolist() == [[1, 2, cache.null_page], [4, cache.null_page, cache.null_page],
-                              [3, 2, 1]]  # fmt: skip
+    assert array.tolist() == [
+        [1, 2, cache.null_page],
+        [4, cache.null_page, cache.null_page],
+        [3, 2, 1],
+    ]
     as_array = BatchLayout(3, array, tuple(x - 1 for x in lengths), (1,) * 3, PAGE, cache.null_page)
     as_tuples = _layout(lengths, [(1, 2), (4,), (3, 2, 1)], cache.null_page)
     q = torch.randn(3, 4, 8, generator=gen)

@@ -99,8 +99,9 @@ def test_etcd_access_settings(tmp_path, monkeypatch):
         EtcdAccess(user="kvmesh")
     assert "secret" not in repr(EtcdAccess(user="kvmesh", password="secret"))
     monkeypatch.setenv("KVMESH_ETCD_PASSWORD", "pw")
-    args = build_parser().parse_args(["status", "--etcd-user", "kvmesh", "--etcd-ca",
-                                      str(files.ca)])  # fmt: skip
+    args = build_parser().parse_args(
+        ["status", "--etcd-user", "kvmesh", "--etcd-ca", str(files.ca)]
+    )
     etcd_access.configure_from(args)
     try:
         assert etcd_access.current() == EtcdAccess(ca=files.ca, user="kvmesh", password="pw")

@@ -71,10 +71,19 @@ def test_placements_split_the_cpus() -> None:
 
 def test_the_table_shows_both_modes_and_the_verdict() -> None:
     row = summarize_run(PdRun([steady(2.0, 0.1)], [steady(3.0, 0.1)], window=(1.0, 5.0)))
-    modes = [{"mode": "colocated", "cpus": {"decode": "0-1"}, **row},
-             {"mode": "disaggregated", "cpus": {"prefill": "0", "decode": "1"}, **row}]  # fmt: skip
-    report = {"date": "d", "machine": "m", "dtype": "fp32", "workload": vars(PdWorkload()),
-              "modes": modes, "ratios": ratios(modes[0], modes[1]), "target_met": False}  # fmt: skip
+    modes = [
+        {"mode": "colocated", "cpus": {"decode": "0-1"}, **row},
+        {"mode": "disaggregated", "cpus": {"prefill": "0", "decode": "1"}, **row},
+    ]
+    report = {
+        "date": "d",
+        "machine": "m",
+        "dtype": "fp32",
+        "workload": vars(PdWorkload()),
+        "modes": modes,
+        "ratios": ratios(modes[0], modes[1]),
+        "target_met": False,
+    }
     text = markdown(report)
     assert "| colocated | decode 0-1 |" in text and "| prefill 0 decode 1 |" in text
     assert "p90 TPOT ratio 1.0 (target <= 0.5: missed)" in text

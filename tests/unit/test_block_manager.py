@@ -310,8 +310,9 @@ def test_cache_salts_never_share_pages():
     from kvmesh.engine.sampling_params import SamplingParams
     from kvmesh.engine.sequence import Sequence
 
-    manager = BlockManager(BlockManagerConfig(num_pages=16, page_size=4),
-                           BlockHasher.salted("m", 4, "fp32"))  # fmt: skip
+    manager = BlockManager(
+        BlockManagerConfig(num_pages=16, page_size=4), BlockHasher.salted("m", 4, "fp32")
+    )
     tokens = list(range(13))
     first = Sequence("a", tokens, SamplingParams(), cache_salt="tenant-a")
     assert manager.allocate(first, len(tokens), manager.match_prefix(first))

@@ -72,8 +72,9 @@ def test_without_a_command_line_the_parser_has_every_flag() -> None:
 def test_the_gateway_process_does_not_import_torch() -> None:
     """The gateway tokenizes and routes: torch (seconds of start-up CPU) stays out of it."""
     probe = "import sys, services.gateway.main; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
-                         check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "False"
 
 

@@ -21,46 +21,114 @@ JS_GRAMMAR = {
     "syntax": "lark",
     "definition": "start: SOURCE\nSOURCE: /[\\s\\S]+/",
 }
-WAIT = {"type": "function", "name": "wait", "description": "Wait for a cell.", "strict": False,
-        "parameters": {"type": "object", "properties": {"cell_id": {"type": "string"}},
-                       "required": ["cell_id"], "additionalProperties": False}}  # fmt: skip
-SLEEP = {"type": "function", "name": "sleep", "description": "Sleep.", "strict": False,
-         "parameters": {"type": "object", "properties": {"ms": {"type": "integer"}}}}  # fmt: skip
+WAIT = {
+    "type": "function",
+    "name": "wait",
+    "description": "Wait for a cell.",
+    "strict": False,
+    "parameters": {
+        "type": "object",
+        "properties": {"cell_id": {"type": "string"}},
+        "required": ["cell_id"],
+        "additionalProperties": False,
+    },
+}
+SLEEP = {
+    "type": "function",
+    "name": "sleep",
+    "description": "Sleep.",
+    "strict": False,
+    "parameters": {"type": "object", "properties": {"ms": {"type": "integer"}}},
+}
 LITE = {
-    "model": "gpt-6.2-sol", "stream": True, "tool_choice": "auto", "parallel_tool_calls": False,
-    "reasoning": {"effort": "low", "context": "all_turns"}, "store": False,
-    "include": ["reasoning.encrypted_content"], "prompt_cache_key": "thread-1",
-    "text": {"verbosity": "low"}, "client_metadata": {"session_id": "thread-1"},
+    "model": "gpt-6.2-sol",
+    "stream": True,
+    "tool_choice": "auto",
+    "parallel_tool_calls": False,
+    "reasoning": {"effort": "low", "context": "all_turns"},
+    "store": False,
+    "include": ["reasoning.encrypted_content"],
+    "prompt_cache_key": "thread-1",
+    "text": {"verbosity": "low"},
+    "client_metadata": {"session_id": "thread-1"},
     "input": [
-        {"type": "additional_tools", "id": "at_1", "role": "developer", "tools": [
-            {"type": "namespace", "name": "functions", "description": "", "tools": [
-                {"type": "custom", "name": "exec", "description": "Run JavaScript.",
-                 "format": JS_GRAMMAR}, WAIT]},
-            {"type": "namespace", "name": "clock", "description": "", "tools": [SLEEP]}]},
-        {"type": "message", "id": "msg_1", "role": "developer",
-         "content": [{"type": "input_text", "text": "You are a coding agent."}],
-         "internal_chat_message_metadata_passthrough": {"turn_id": "t1"}},
-        {"type": "message", "id": "msg_2", "role": "user",
-         "content": [{"type": "input_text", "text": "say hi"}],
-         "internal_chat_message_metadata_passthrough": {"turn_id": "t1"}},
+        {
+            "type": "additional_tools",
+            "id": "at_1",
+            "role": "developer",
+            "tools": [
+                {
+                    "type": "namespace",
+                    "name": "functions",
+                    "description": "",
+                    "tools": [
+                        {
+                            "type": "custom",
+                            "name": "exec",
+                            "description": "Run JavaScript.",
+                            "format": JS_GRAMMAR,
+                        },
+                        WAIT,
+                    ],
+                },
+                {"type": "namespace", "name": "clock", "description": "", "tools": [SLEEP]},
+            ],
+        },
+        {
+            "type": "message",
+            "id": "msg_1",
+            "role": "developer",
+            "content": [{"type": "input_text", "text": "You are a coding agent."}],
+            "internal_chat_message_metadata_passthrough": {"turn_id": "t1"},
+        },
+        {
+            "type": "message",
+            "id": "msg_2",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "say hi"}],
+            "internal_chat_message_metadata_passthrough": {"turn_id": "t1"},
+        },
         {"type": "configuration_update", "reasoning": {"effort": "low"}},
     ],
-}  # fmt: skip
-EXEC_COMMAND = {"type": "function", "name": "exec_command", "strict": False,
-                "description": "Runs a command.", "parameters": {
-                    "type": "object", "properties": {"cmd": {"type": "string"}},
-                    "required": ["cmd"]}}  # fmt: skip
+}
+EXEC_COMMAND = {
+    "type": "function",
+    "name": "exec_command",
+    "strict": False,
+    "description": "Runs a command.",
+    "parameters": {
+        "type": "object",
+        "properties": {"cmd": {"type": "string"}},
+        "required": ["cmd"],
+    },
+}
 NON_LITE = {
-    "model": "tinymodel", "stream": True, "tool_choice": "auto", "parallel_tool_calls": True,
-    "reasoning": {"summary": "auto"}, "store": False, "include": ["reasoning.encrypted_content"],
-    "input": [{"type": "message", "role": "developer",
-               "content": [{"type": "input_text", "text": "You are a coding agent."}]},
-              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
-    "tools": [EXEC_COMMAND,
-              {"type": "namespace", "name": "multi_agent_v1", "description": "Agents.",
-               "tools": [{**SLEEP, "name": "wait_agent"}]},
-              {"type": "web_search", "external_web_access": False}],
-}  # fmt: skip
+    "model": "tinymodel",
+    "stream": True,
+    "tool_choice": "auto",
+    "parallel_tool_calls": True,
+    "reasoning": {"summary": "auto"},
+    "store": False,
+    "include": ["reasoning.encrypted_content"],
+    "input": [
+        {
+            "type": "message",
+            "role": "developer",
+            "content": [{"type": "input_text", "text": "You are a coding agent."}],
+        },
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+    ],
+    "tools": [
+        EXEC_COMMAND,
+        {
+            "type": "namespace",
+            "name": "multi_agent_v1",
+            "description": "Agents.",
+            "tools": [{**SLEEP, "name": "wait_agent"}],
+        },
+        {"type": "web_search", "external_web_access": False},
+    ],
+}
 
 
 @pytest.fixture
@@ -108,30 +176,50 @@ def test_lite_dialect_text_reply_to_the_end(codex, tok) -> None:
 @pytest.mark.parametrize(
     ("called", "arguments", "want"),
     [
-        ("functions.exec", {"input": 'text("hello")'},
-         {"type": "custom_tool_call", "name": "exec", "namespace": "functions",
-          "input": 'text("hello")'}),
-        ("functions.wait", {"cell_id": "7"},
-         {"type": "function_call", "name": "wait", "namespace": "functions",
-          "arguments": '{"cell_id": "7"}'}),
+        (
+            "functions.exec",
+            {"input": 'text("hello")'},
+            {
+                "type": "custom_tool_call",
+                "name": "exec",
+                "namespace": "functions",
+                "input": 'text("hello")',
+            },
+        ),
+        (
+            "functions.wait",
+            {"cell_id": "7"},
+            {
+                "type": "function_call",
+                "name": "wait",
+                "namespace": "functions",
+                "arguments": '{"cell_id": "7"}',
+            },
+        ),
     ],
-)  # fmt: skip
+)
 def test_lite_dialect_calls_go_back_as_codex_runs_them(codex, called, arguments, want) -> None:
     """A namespaced call: its own name plus `namespace`; the custom tool's call a
     custom_tool_call with its text; then the history Codex sends back renders."""
     client, backend = codex
-    backend.script(f'<tool_call>\n{{"name": "{called}", "arguments": {json.dumps(arguments)}}}'
-                   "\n</tool_call>")  # fmt: skip
+    backend.script(
+        f'<tool_call>\n{{"name": "{called}", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+    )
     (item,) = _done_items(_events(client.post("/v1/responses", json=LITE)))
     assert {k: item[k] for k in want} == want and item["call_id"].startswith("call_")
     whole = client.post("/v1/responses", json={**LITE, "stream": False}).json()
     assert {k: whole["output"][0][k] for k in want} == want
     kind = want["type"] + "_output"
     echoed = {**item, "internal_chat_message_metadata_passthrough": {"turn_id": "t1"}}
-    output = [{"type": "input_text", "text": "Script completed"}, {"type": "input_text",
-              "text": "hello"}]  # fmt: skip
-    history = [*LITE["input"], echoed, {"type": kind, "id": "o1", "call_id": item["call_id"],
-                                        "output": output}]  # fmt: skip
+    output = [
+        {"type": "input_text", "text": "Script completed"},
+        {"type": "input_text", "text": "hello"},
+    ]
+    history = [
+        *LITE["input"],
+        echoed,
+        {"type": kind, "id": "o1", "call_id": item["call_id"], "output": output},
+    ]
     backend.script(ANSWER)
     events = _events(client.post("/v1/responses", json={**LITE, "input": history}))
     assert events[-1]["type"] == "response.completed"

@@ -23,16 +23,23 @@ def _log(folder: Path, name: str, *lines: str) -> None:
 
 def test_phases_come_from_the_logs_and_the_slowest_worker_sets_the_path(tmp_path: Path):
     for name, slow in (("prefill-0", 0.0), ("decode-0", 2.0)):
-        _log(tmp_path, name,
-             _line("process.imports_done", 3.0 + slow, exec_at=LAUNCH + 1.0),
-             _line("engine.weights_loaded", 3.5 + slow, cache="hit"),
-             _line("tokenizer.loaded", 4.0 + slow, cache="miss"),
-             _line("engine.model_built", 5.0 + slow),
-             _line("engine.ready", 6.0 + slow),
-             _line("worker.ready", 6.5 + slow),
-             _line("worker.ready", 99.0))  # fmt: skip
-    _log(tmp_path, "gateway", _line("process.imports_done", 2.0, exec_at=LAUNCH + 0.5),
-         _line("gateway.listening", 7.0))  # fmt: skip
+        _log(
+            tmp_path,
+            name,
+            _line("process.imports_done", 3.0 + slow, exec_at=LAUNCH + 1.0),
+            _line("engine.weights_loaded", 3.5 + slow, cache="hit"),
+            _line("tokenizer.loaded", 4.0 + slow, cache="miss"),
+            _line("engine.model_built", 5.0 + slow),
+            _line("engine.ready", 6.0 + slow),
+            _line("worker.ready", 6.5 + slow),
+            _line("worker.ready", 99.0),
+        )
+    _log(
+        tmp_path,
+        "gateway",
+        _line("process.imports_done", 2.0, exec_at=LAUNCH + 0.5),
+        _line("gateway.listening", 7.0),
+    )
 
     processes = run_phases(tmp_path, LAUNCH)
     path = summary(processes, {"cli_s": 0.2, "first_token_s": 9.0})

@@ -27,8 +27,12 @@ from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E40
 from compressed_tensors.utils.match import is_match  # noqa: E402
 
 PREFIX = "model.layers.3.mlp.experts.17.down_proj"
-KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]  # fmt: skip
+KIMI_IGNORE = [
+    "lm_head",
+    "re:.*self_attn.*",
+    "re:.*shared_experts.*",
+    "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+]
 KIMI_CONFIG = {  # Kimi K2 Thinking's config.json (written by an older compressed-tensors)
     "quant_method": "compressed-tensors",
     "format": "pack-quantized",
@@ -40,17 +44,27 @@ KIMI_CONFIG = {  # Kimi K2 Thinking's config.json (written by an older compresse
             "targets": ["Linear"],
             "input_activations": None,
             "output_activations": None,
-            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                        "group_size": 32, "dynamic": False, "actorder": None,
-                        "block_structure": None, "observer": "minmax", "observer_kwargs": {}},
+            "weights": {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": 32,
+                "dynamic": False,
+                "actorder": None,
+                "block_structure": None,
+                "observer": "minmax",
+                "observer_kwargs": {},
+            },
         }
     },
-}  # fmt: skip
+}
 
 
 def _args(group: int) -> QuantizationArgs:
-    return QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
-                            group_size=group)  # fmt: skip
+    return QuantizationArgs(
+        num_bits=4, type="int", symmetric=True, strategy="group", group_size=group
+    )
 
 
 def _pack(w: torch.Tensor, group: int, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -60,9 +74,11 @@ def _pack(w: torch.Tensor, group: int, scale_dtype: torch.dtype) -> dict[str, to
     scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
     scale = scale.to(scale_dtype)
     values = quantize(x=w, scale=scale, zero_point=zero, args=args, dtype=torch.int8)
-    return {f"{PREFIX}.weight_packed": pack_to_int32(values, 4),
-            f"{PREFIX}.weight_scale": scale,
-            f"{PREFIX}.weight_shape": torch.tensor(w.shape, dtype=torch.int32)}  # fmt: skip
+    return {
+        f"{PREFIX}.weight_packed": pack_to_int32(values, 4),
+        f"{PREFIX}.weight_scale": scale,
+        f"{PREFIX}.weight_shape": torch.tensor(w.shape, dtype=torch.int32),
+    }
 
 
 def _weight(rows: int = 48, cols: int = 256, seed: int = 0) -> torch.Tensor:
@@ -73,8 +89,9 @@ def _weight(rows: int = 48, cols: int = 256, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("group", [32, 128])
 def test_values_and_dequantized_weight_equal_compressed_tensors_exactly(group, scale_dtype):
     tensors = _pack(_weight(), group, scale_dtype)
-    packed, scale, shape = (tensors[f"{PREFIX}.{s}"] for s in
-                            ("weight_packed", "weight_scale", "weight_shape"))  # fmt: skip
+    packed, scale, shape = (
+        tensors[f"{PREFIX}.{s}"] for s in ("weight_packed", "weight_scale", "weight_shape")
+    )
     values = unpack_from_int32(packed, 4, shape)  # int8 in -8..7
     theirs = dequantize(x_q=values, scale=scale.float(), args=_args(group))
     ours = read_pack_quantized(dict(tensors), PREFIX, CompressedTensorsScheme(group))

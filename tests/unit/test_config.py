@@ -139,8 +139,9 @@ def test_config_show_prints_every_child_of_up():
 
     out = io.StringIO()
     with redirect_stdout(out):
-        code = main(["config", "show", "up", "--decode-tp", "2", "--kv-dtype", "fp8_e4m3",
-                     "--decode", "2"])  # fmt: skip
+        code = main(
+            ["config", "show", "up", "--decode-tp", "2", "--kv-dtype", "fp8_e4m3", "--decode", "2"]
+        )
     assert code == 0
     shown = json.loads(out.getvalue())
     assert {"prefill-0", "decode-0", "decode-1", "gateway", "kvstore"} <= set(shown)
@@ -203,8 +204,9 @@ def test_kvmesh_up_hands_its_gateway_a_config_file_and_its_keys_in_the_environme
     options = UpOptions(workers=worker_configs("--model", "m"), gateway=gateway)
     mesh = Mesh(options, run_dir=tmp_path)
     spawned = {}
-    monkeypatch.setattr(mesh, "_spawn", lambda name, args, env, cpus: spawned.update(
-        args=args, env=env))  # fmt: skip
+    monkeypatch.setattr(
+        mesh, "_spawn", lambda name, args, env, cpus: spawned.update(args=args, env=env)
+    )
     mesh._spawn_gateway()
     assert spawned["args"] == ["serve", "gateway", "--config", str(tmp_path / "gateway.json")]
     assert spawned["env"] == {API_KEYS_ENV: "k1"}

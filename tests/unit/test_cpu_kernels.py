@@ -47,8 +47,9 @@ def _random_cache(spec: KVCacheSpec, dtype: torch.dtype, page: int, seed: int):
         else:
             layer.write(slots, torch.randn(n - 1, spec.layers[0].head_dim, generator=gen).to(dtype))
     rows = len(LENGTHS)
-    layout = BatchLayout(rows, tuple(tables), tuple(n - 1 for n in LENGTHS), (1,) * rows, page,
-                         cache.null_page)  # fmt: skip
+    layout = BatchLayout(
+        rows, tuple(tables), tuple(n - 1 for n in LENGTHS), (1,) * rows, page, cache.null_page
+    )
     return layer, layout, gen
 
 
@@ -73,8 +74,9 @@ def test_gqa_kernel_matches_reference(kv_dtype, dtype, heads, kv_heads, dim, pag
     k, v = (torch.randn(rows, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
     reference, kernel = _both("gqa", layout, q, k, v, layer, dim**-0.5)
     assert kernel.dtype == dtype and kernel.shape == reference.shape
-    torch.testing.assert_close(kernel.float(), reference.float(), atol=TOLERANCE[dtype],
-                               rtol=TOLERANCE[dtype])  # fmt: skip
+    torch.testing.assert_close(
+        kernel.float(), reference.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -103,8 +105,13 @@ def test_mla_kernel_matches_reference(kv_dtype, dtype, rank, rope, heads):
     nope, vdim, page = 16, 16, 16
     spec = KVCacheSpec((LayerKVSpec("mla", 1, rank + rope),), page, kv_dtype)
     layer, layout, gen = _random_cache(spec, dtype, page, seed=rank)
-    w = MlaWeights((torch.randn(heads * (nope + vdim), rank, generator=gen) * 0.1).to(dtype),
-                   heads, nope, vdim, (nope + rope) ** -0.5)  # fmt: skip
+    w = MlaWeights(
+        (torch.randn(heads * (nope + vdim), rank, generator=gen) * 0.1).to(dtype),
+        heads,
+        nope,
+        vdim,
+        (nope + rope) ** -0.5,
+    )
     rows = len(LENGTHS)
     q_nope = torch.randn(rows, heads, nope, generator=gen).to(dtype)
     q_pe = torch.randn(rows, heads, rope, generator=gen).to(dtype)
@@ -130,12 +137,23 @@ def test_the_kernel_writes_the_same_page_bytes_as_the_torch_write(kv_dtype, dtyp
     q = torch.randn(1, 6, 40, generator=gen).to(dtype)
     torch_pages.layers[1].layer.write(slots, fresh)
     layer = kernel_pages.layers[1].layer
-    cpu_ops().paged_write_decode(q, fresh, layer.key, slots.page, slots.offset, tables, lengths,
-                                 1, 40, 0.1)  # fmt: skip
+    cpu_ops().paged_write_decode(
+        q, fresh, layer.key, slots.page, slots.offset, tables, lengths, 1, 40, 0.1
+    )
     assert torch.equal(kernel_pages.pool, torch_pages.pool)
     with pytest.raises(RuntimeError, match="outside the pages"):
-        cpu_ops().paged_write_decode(q, fresh[:1], layer.key, torch.tensor([99]), torch.tensor([0]),
-                                     tables, lengths, 1, 40, 0.1)  # fmt: skip
+        cpu_ops().paged_write_decode(
+            q,
+            fresh[:1],
+            layer.key,
+            torch.tensor([99]),
+            torch.tensor([0]),
+            tables,
+            lengths,
+            1,
+            40,
+            0.1,
+        )
 
 
 def test_decode_kernel_is_the_same_bits_for_any_thread_count_and_batch():
@@ -203,8 +221,17 @@ def test_kernels_reject_bad_inputs_with_a_message():
         ops.linear_bf16(torch.zeros(1, 32), torch.zeros(4, 32), None)
     data = torch.zeros(2, 1, 4, 2, 8)
     with pytest.raises(RuntimeError, match="int32"):
-        ops.paged_decode(torch.zeros(1, 1, 8), data, None, torch.zeros(1, 1, dtype=torch.long),
-                         torch.ones(1, dtype=torch.int32), 0, 1, 8, 1.0)  # fmt: skip
+        ops.paged_decode(
+            torch.zeros(1, 1, 8),
+            data,
+            None,
+            torch.zeros(1, 1, dtype=torch.long),
+            torch.ones(1, dtype=torch.int32),
+            0,
+            1,
+            8,
+            1.0,
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -223,15 +250,18 @@ def test_int4_small_batch_kernel_matches_torch_int4_kernel(dtype, n, k, group):
     exact = x.double() @ weight.T
     ops = cpu_ops()
     full = ops.int4_linear(x, layer.packed, group, layer.scales_zeros, layer.block)
-    torch_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, group,
-                                                              layer.scales_zeros)  # fmt: skip
+    torch_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, layer.packed, group, layer.scales_zeros
+    )
     scale = exact.abs().max()
     assert (full.double() - exact).abs().max() / scale <= (
         torch_kernel.double() - exact
     ).abs().max() / scale * 1.5 + 1e-6
     for rows in range(1, SMALL_BATCH):  # above 4 rows a block 4 at a time: the same sums
-        assert torch.equal(ops.int4_linear(x[:rows], layer.packed, group, layer.scales_zeros,
-                                           layer.block), full[:rows])  # fmt: skip
+        assert torch.equal(
+            ops.int4_linear(x[:rows], layer.packed, group, layer.scales_zeros, layer.block),
+            full[:rows],
+        )
 
 
 def layer_q(layer, n: int, k: int) -> torch.Tensor:

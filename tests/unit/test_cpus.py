@@ -84,8 +84,14 @@ print(json.dumps({"cpus": sorted(placed.cpus), "threads": torch.get_num_threads(
 @TWO_CPUS
 def test_a_worker_started_with_cpus_0_runs_on_cpu_0_with_one_torch_thread() -> None:
     clean = {k: v for k, v in os.environ.items() if k not in ("KVMESH_CPUS", "KVMESH_NUM_THREADS")}
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=clean, capture_output=True,
-                         text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=REPO,
+        env=clean,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     result = json.loads(out.strip().splitlines()[-1])
     assert result["cpus"] == [0] and result["threads"] == 1
     assert all(cpus == [0] for cpus in result["all"])
@@ -127,9 +133,14 @@ def test_unpinned_prefill_workers_on_a_crowded_machine_serve_on_one_thread(monke
     assert roomy == {"prefill-0": {}, "decode-0": {}}
     two = _worker_envs(monkeypatch, tmp_path, 2, prefill=2, decode=2)
     assert {name: env["KVMESH_NUM_THREADS"] for name, env in two.items()} == {
-        "prefill-0": "1", "prefill-1": "1", "decode-0": "1", "decode-1": "1"}  # fmt: skip
+        "prefill-0": "1",
+        "prefill-1": "1",
+        "decode-0": "1",
+        "decode-1": "1",
+    }
     assert _worker_envs(monkeypatch, tmp_path, 4, prefill=2, decode=2)["decode-0"] == {
-        "KVMESH_NUM_THREADS": "2"}  # fmt: skip
+        "KVMESH_NUM_THREADS": "2"
+    }
     pinned = _worker_envs(monkeypatch, tmp_path, 2, role_cpus={"prefill": "0"})
     assert pinned["prefill-0"] == {"KVMESH_CPUS": "0"}
     monkeypatch.setenv("KVMESH_NUM_THREADS", "2")

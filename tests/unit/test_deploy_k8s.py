@@ -21,9 +21,11 @@ OVERLAYS = ("dev", "production")
 
 
 def test_rendered_files_are_committed():
-    stale = [path for path, text in rendered().items()
-             if not (ROOT / "deploy" / path).is_file()
-             or (ROOT / "deploy" / path).read_text() != text]  # fmt: skip
+    stale = [
+        path
+        for path, text in rendered().items()
+        if not (ROOT / "deploy" / path).is_file() or (ROOT / "deploy" / path).read_text() != text
+    ]
     assert not stale, f"run `make deploy`: {stale}"
 
 
@@ -40,8 +42,12 @@ def _render(overlay: str) -> list[dict]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed (kubectl kustomize renders the overlays)")
-    done = subprocess.run([kubectl, "kustomize", str(ROOT / "deploy/k8s/overlays" / overlay)],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [kubectl, "kustomize", str(ROOT / "deploy/k8s/overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
@@ -55,9 +61,20 @@ def test_overlays_render_and_validate_strictly(overlay, tmp_path):
     assert ("StatefulSet", "etcd") in kinds
     rendered_file = tmp_path / f"{overlay}.yaml"
     rendered_file.write_text(yaml.safe_dump_all(docs))
-    done = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict",
-                           "--kubernetes-version", "1.32.0", str(rendered_file)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kubernetes_validate",
+            "--strict",
+            "--kubernetes-version",
+            "1.32.0",
+            str(rendered_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -87,6 +104,8 @@ def test_production_pools_are_spread_with_gpus_budgets_and_autoscaling():
         if kind in ("Deployment", "StatefulSet"):
             (container,) = doc["spec"]["template"]["spec"]["containers"]
             if container.get("command", [""])[0] == "kvmesh":
-                args = [a.replace("$(POD_IP)", "10.0.0.7")
-                        for a in (*container["command"][1:], *container["args"])]  # fmt: skip
+                args = [
+                    a.replace("$(POD_IP)", "10.0.0.7")
+                    for a in (*container["command"][1:], *container["args"])
+                ]
                 assert build_parser(args).parse_args(args).service == name

@@ -56,7 +56,11 @@ def test_dashboard_panels_query_exported_metrics():
     assert len(dashboard["panels"]) >= 10 and all(exprs)
     queried = _queried(exprs)
     exported = _exported()
-    for wanted in ("kvmesh_request_ttft_seconds", "kvmesh_prompt_cached_tokens_total",
-                   "kvmesh_spec_accepted_tokens_total", "kvmesh_requests_in_flight"):  # fmt: skip
+    for wanted in (
+        "kvmesh_request_ttft_seconds",
+        "kvmesh_prompt_cached_tokens_total",
+        "kvmesh_spec_accepted_tokens_total",
+        "kvmesh_requests_in_flight",
+    ):
         assert wanted in queried
     assert [n for n in queried if not _known(n, exported)] == []

@@ -25,8 +25,11 @@ def pki(tmp_path):
 
 
 def _use(monkeypatch, files) -> None:
-    for name, path in zip(("KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_TLS_CA"),
-                          (files.cert, files.key, files.ca), strict=True):  # fmt: skip
+    for name, path in zip(
+        ("KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_TLS_CA"),
+        (files.cert, files.key, files.ca),
+        strict=True,
+    ):
         monkeypatch.setenv(name, str(path))
 
 
@@ -89,5 +92,6 @@ def test_tls_flags_default_to_the_environment(pki, monkeypatch):
     tls.add_arguments(parser)
     args = parser.parse_args([])
     assert (args.tls_cert, args.tls_key, args.tls_ca) == tuple(
-        str(p) for p in (service.cert, service.key, service.ca))  # fmt: skip
+        str(p) for p in (service.cert, service.key, service.ca)
+    )
     assert parser.parse_args(["--tls-cert", "/x"]).tls_cert == "/x"  # a flag wins

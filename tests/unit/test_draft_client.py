@@ -16,7 +16,7 @@ class _Stub:
                 draft_pb2.DraftOutput(request_id=i.request_id, draft_token_ids=[7, 8])
                 for i in request.inputs
                 if i.num_draft_tokens
-            ]  # fmt: skip
+            ]
         )
 
 

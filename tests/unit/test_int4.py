@@ -124,8 +124,9 @@ def test_int4_flags_reach_the_workers_of_kvmesh_up():
     from kvmesh.mesh.up_config import up_workers
 
     parser = build_parser()
-    up = parser.parse_args(["up", "--weights", "int4", "--int4-group-size", "64",
-                            "--int4-embeddings", "on"])  # fmt: skip
+    up = parser.parse_args(
+        ["up", "--weights", "int4", "--int4-group-size", "64", "--int4-embeddings", "on"]
+    )
     load = up_workers(up)["decode"].engine.load
     assert (load.weights, load.int4_group_size, load.int4_embeddings) == ("int4", 64, True)
     auto = parser.parse_args(["serve", "decode", "--etcd", "127.0.0.1:1", "--weights", "int4"])
@@ -139,18 +140,37 @@ def _tiny_model(embed, embeddings: bool, group: int = 0):
     from kvmesh.engine.config import ModelConfig
     from kvmesh.engine.models.llama import LlamaModel
 
-    config = ModelConfig("llama", vocab_size=128, hidden_size=64, intermediate_size=64,
-                         num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32,
-                         rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=64,
-                         tie_word_embeddings=True)  # fmt: skip
+    config = ModelConfig(
+        "llama",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     p = "model.layers.0."
-    shapes = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64),
-              "self_attn.v_proj": (32, 64), "self_attn.o_proj": (64, 64),
-              "mlp.gate_proj": (64, 64), "mlp.up_proj": (64, 64), "mlp.down_proj": (64, 64)}  # fmt: skip
+    shapes = {
+        "self_attn.q_proj": (64, 64),
+        "self_attn.k_proj": (32, 64),
+        "self_attn.v_proj": (32, 64),
+        "self_attn.o_proj": (64, 64),
+        "mlp.gate_proj": (64, 64),
+        "mlp.up_proj": (64, 64),
+        "mlp.down_proj": (64, 64),
+    }
     weights = {p + n + ".weight": _weight(*s, seed=i) for i, (n, s) in enumerate(shapes.items())}
-    weights |= {p + "input_layernorm.weight": torch.ones(64),
-                p + "post_attention_layernorm.weight": torch.ones(64),
-                "model.norm.weight": torch.ones(64), "model.embed_tokens.weight": embed}  # fmt: skip
+    weights |= {
+        p + "input_layernorm.weight": torch.ones(64),
+        p + "post_attention_layernorm.weight": torch.ones(64),
+        "model.norm.weight": torch.ones(64),
+        "model.embed_tokens.weight": embed,
+    }
     return LlamaModel(config, weights, torch.float32, 64, Int4Scheme(group, embeddings))
 
 
@@ -168,9 +188,15 @@ def test_an_int4_source_table_is_dequantized_when_kept_dense_and_shared_when_int
 
 @pytest.mark.parametrize(
     ("dtype", "weights", "compute"),
-    [("auto", "auto", "fp32"), ("auto", "int4", "bf16"), ("fp32", "int4", "fp32"),
-     ("fp32", "bf16", "bf16"), ("bf16", "auto", "bf16"), ("auto", "fp32", "fp32")],
-)  # fmt: skip
+    [
+        ("auto", "auto", "fp32"),
+        ("auto", "int4", "bf16"),
+        ("fp32", "int4", "fp32"),
+        ("fp32", "bf16", "bf16"),
+        ("bf16", "auto", "bf16"),
+        ("auto", "fp32", "fp32"),
+    ],
+)
 def test_compute_dtype_follows_weights_when_dtype_is_auto(dtype, weights, compute):
     from kvmesh.config import EngineConfig
 
@@ -178,9 +204,15 @@ def test_compute_dtype_follows_weights_when_dtype_is_auto(dtype, weights, comput
     assert config.compute_dtype == compute and config.resolved_kv_dtype == compute
 
 
-@pytest.mark.parametrize(("flags", "kv"), [((), "fp32"), (("--weights", "bf16"), "bf16"),
-                                           (("--weights", "int4"), "bf16"),
-                                           (("--weights", "int4", "--dtype", "fp32"), "fp32")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("flags", "kv"),
+    [
+        ((), "fp32"),
+        (("--weights", "bf16"), "bf16"),
+        (("--weights", "int4"), "bf16"),
+        (("--weights", "int4", "--dtype", "fp32"), "fp32"),
+    ],
+)
 def test_the_kv_store_is_told_the_workers_kv_layout(flags, kv):
     """Each worker registers the KV dtype it resolved; a KV store adopts it (test_kvstore)."""
     from kvmesh.mesh.up_config import worker_configs

@@ -13,9 +13,12 @@ AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}
 
 @pytest.mark.parametrize(
     ("flags", "isa", "flag"),
-    [(AVX512, "avx512", "-mavx512f"), (AVX512 - {"avx512bw"}, "avx2", "-mavx2"),
-     ({"avx2", "fma", "f16c"}, "avx2", "-mavx2")],
-)  # fmt: skip
+    [
+        (AVX512, "avx512", "-mavx512f"),
+        (AVX512 - {"avx512bw"}, "avx2", "-mavx2"),
+        ({"avx2", "fma", "f16c"}, "avx2", "-mavx2"),
+    ],
+)
 def test_the_build_follows_the_cpu_flags(monkeypatch, flags, isa, flag):
     monkeypatch.setattr(build, "cpu_flags", lambda: flags)
     monkeypatch.setenv("KVMESH_KERNELS", "1")

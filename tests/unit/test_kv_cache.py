@@ -39,8 +39,7 @@ def test_written_kv_lands_inside_its_page_bytes():
     assert torch.equal(pages[2, :, 1, 1, 0], torch.full((2, 4), 2.0))
     assert torch.equal(pages[4, :, 2, 3, 1], torch.full((2, 4), -3.0))
     head_block = spec.page_bytes // 2  # a head's KV of every layer is one byte range
-    assert torch.equal(cache.pool[2, :head_block].view(torch.float32).view(3, 4, 2, 4),
-                       pages[2, 0])  # fmt: skip
+    assert torch.equal(cache.pool[2, :head_block].view(torch.float32).view(3, 4, 2, 4), pages[2, 0])
 
 
 def test_fp8_page_holds_its_scales_and_reads_back_within_e4m3_precision():
@@ -93,9 +92,15 @@ def test_dequantize_is_the_exact_inverse_of_torchs_e4m3_cast():
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("256MiB", 256 << 20), ("2GiB", 2 << 30), ("512M", 512 << 20), ("1.5G", 3 << 29),
-     ("4096", 4096), ("64kib", 64 << 10)],
-)  # fmt: skip
+    [
+        ("256MiB", 256 << 20),
+        ("2GiB", 2 << 30),
+        ("512M", 512 << 20),
+        ("1.5G", 3 << 29),
+        ("4096", 4096),
+        ("64kib", 64 << 10),
+    ],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 

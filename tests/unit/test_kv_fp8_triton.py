@@ -42,8 +42,13 @@ CHECK = textwrap.dedent(
 
 def _run(device: str, interpret: bool) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0"}
-    return subprocess.run([sys.executable, "-c", CHECK.format(device=device)], env=env,
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", CHECK.format(device=device)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def test_triton_kernels_match_the_torch_codec_under_the_interpreter():

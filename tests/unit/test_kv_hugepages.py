@@ -88,8 +88,12 @@ def test_an_engine_asked_for_hugepages_builds_its_pool_there_and_answers_alike(m
 
 
 def _sysfs(root: Path, free: int, resv: int = 0, overcommit: int = 0, surplus: int = 0) -> Path:
-    for name, value in (("free", free), ("resv", resv), ("nr_overcommit", overcommit),
-                        ("surplus", surplus)):  # fmt: skip
+    for name, value in (
+        ("free", free),
+        ("resv", resv),
+        ("nr_overcommit", overcommit),
+        ("surplus", surplus),
+    ):
         (root / f"{name}_hugepages").write_text(f"{value}\n")
     return root
 

@@ -35,7 +35,7 @@ from kvmesh.engine.loader.memory import current_rss_bytes, peak_rss_bytes, relea
 from kvmesh.engine.loader.safetensors_io import SafetensorsFile, SafetensorsWriter
 from kvmesh.engine.quant.int4 import Int4Weight
 from kvmesh.errors import ModelFormatError
-from tests.unit.test_loader import write_sharded_folder, write_tiny_gguf
+from tests.unit.tiny_checkpoints import write_sharded_folder, write_tiny_gguf
 
 TENSORS = {
     "f32": torch.randn(5, 7, generator=torch.Generator().manual_seed(0)),
@@ -226,14 +226,24 @@ def quantized_gguf(path: Path) -> Path:
 
     rng = np.random.default_rng(3)
     writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in (("block_count", 1), ("vocab_size", 300), ("context_length", 64),
-                       ("embedding_length", 64),
-                       ("feed_forward_length", 64), ("attention.head_count", 2),
-                       ("attention.head_count_kv", 1)):  # fmt: skip
+    for key, value in (
+        ("block_count", 1),
+        ("vocab_size", 300),
+        ("context_length", 64),
+        ("embedding_length", 64),
+        ("feed_forward_length", 64),
+        ("attention.head_count", 2),
+        ("attention.head_count_kv", 1),
+    ):
         writer.add_uint32(f"llama.{key}", value)
-    shapes = {"token_embd.weight": ("Q8_0", (300, 64)), "blk.0.attn_q.weight": ("Q4_1", (64, 64)),
-              "blk.0.attn_k.weight": ("Q4_0", (32, 64)), "blk.0.attn_v.weight": ("F16", (32, 64)),
-              "blk.0.attn_norm.weight": ("F32", (64,)), "output.weight": ("BF16", (300, 64))}  # fmt: skip
+    shapes = {
+        "token_embd.weight": ("Q8_0", (300, 64)),
+        "blk.0.attn_q.weight": ("Q4_1", (64, 64)),
+        "blk.0.attn_k.weight": ("Q4_0", (32, 64)),
+        "blk.0.attn_v.weight": ("F16", (32, 64)),
+        "blk.0.attn_norm.weight": ("F32", (64,)),
+        "output.weight": ("BF16", (300, 64)),
+    }
     for name, (qtype, shape) in shapes.items():
         kind = gguf.GGMLQuantizationType[qtype]
         packed = gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32), kind)
@@ -335,10 +345,20 @@ def assert_header_is_the_readers(path: Path) -> None:
     assert list(header.metadata) == list(gguf_metadata(reader))
     skipped = {k: len(f.data) for k, f in reader.fields.items() if k not in header.metadata}
     assert header.lengths == {k: n for k, n in skipped.items() if k.startswith("tokenizer.")}
-    rows = [(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)), t.data_offset,
-             tuple(t.data.shape), t.data.dtype) for t in reader.tensors]  # fmt: skip
-    assert [(t.name, t.qtype, t.shape, t.offset, t.items, t.item_dtype)
-            for t in header.tensors] == rows  # fmt: skip
+    rows = [
+        (
+            t.name,
+            t.tensor_type.name,
+            tuple(int(d) for d in reversed(t.shape)),
+            t.data_offset,
+            tuple(t.data.shape),
+            t.data.dtype,
+        )
+        for t in reader.tensors
+    ]
+    assert [
+        (t.name, t.qtype, t.shape, t.offset, t.items, t.item_dtype) for t in header.tensors
+    ] == rows
 
 
 @pytest.mark.parametrize("order", ["LITTLE", "BIG"])
@@ -363,8 +383,9 @@ def test_the_gguf_header_reads_as_the_gguf_reader_does(tmp_path: Path, order: st
     writer.add_tensor("token_embd.weight", np.ones((4, 8), np.float32))
     writer.add_tensor("output_norm.weight", np.ones(8, np.float16))
     packed = gguf.quants.quantize(np.ones((2, 64), np.float32), gguf.GGMLQuantizationType.Q8_0)
-    writer.add_tensor("output.weight", packed, raw_shape=packed.shape,
-                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+    writer.add_tensor(
+        "output.weight", packed, raw_shape=packed.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0
+    )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

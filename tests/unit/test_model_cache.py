@@ -17,7 +17,7 @@ import torch
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.loader import load_model, load_weights, model_cache, read_config, resolve_model
 from kvmesh.engine.quant.int4 import Int4Weight
-from tests.unit.test_loader import tiny_hf_weights, write_tiny_gguf
+from tests.unit.tiny_checkpoints import tiny_hf_weights, write_tiny_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,8 +31,13 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def tiny_gguf(path: Path, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
-    write_tiny_gguf(path, {n: rng.standard_normal(a.shape).astype(np.float32)
-                           for n, a in tiny_hf_weights(True).items()})  # fmt: skip
+    write_tiny_gguf(
+        path,
+        {
+            n: rng.standard_normal(a.shape).astype(np.float32)
+            for n, a in tiny_hf_weights(True).items()
+        },
+    )
     return path
 
 
@@ -128,9 +133,17 @@ def test_read_config_parses_the_gguf_once(home: Path, tmp_path, monkeypatch) -> 
 
 def _run_all(scripts: list[str], home: Path) -> list[str]:
     env = {**os.environ, "KVMESH_HOME": str(home)}
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(s)], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for s in scripts]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(s)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for s in scripts
+    ]
     results = [p.communicate(timeout=120) for p in procs]
     for proc, (_, err) in zip(procs, results, strict=True):
         assert proc.returncode == 0, err

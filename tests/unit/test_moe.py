@@ -22,15 +22,30 @@ def test_sigmoid_group_limited_router_equals_deepseek_v3s(groups, topk_group):
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    hf_config = DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4,
-                                 n_group=groups, topk_group=topk_group, routed_scaling_factor=2.5,
-                                 norm_topk_prob=True)  # fmt: skip
+    hf_config = DeepseekV3Config(
+        hidden_size=32,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=groups,
+        topk_group=topk_group,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
     gen = torch.Generator().manual_seed(groups)
     hf = DeepseekV3TopkRouter(hf_config)
     hf.weight.data = torch.randn(16, 32, generator=gen)
     hf.e_score_correction_bias.data = torch.randn(16, generator=gen) * 0.5
-    config = MoeConfig(16, 4, 8, (0,), scoring="sigmoid", routed_scaling_factor=2.5,
-                       num_groups=groups, topk_group=topk_group, correction_bias=True)  # fmt: skip
+    config = MoeConfig(
+        16,
+        4,
+        8,
+        (0,),
+        scoring="sigmoid",
+        routed_scaling_factor=2.5,
+        num_groups=groups,
+        topk_group=topk_group,
+        correction_bias=True,
+    )
     ours = Router(config, hf.weight.data, hf.e_score_correction_bias.data)
     x = torch.randn(64, 32, generator=gen)
     _, hf_weights, hf_ids = hf(x)
@@ -44,8 +59,7 @@ def test_sigmoid_group_limited_router_equals_deepseek_v3s(groups, topk_group):
 
 
 def test_bias_steers_the_choice_but_not_the_weights():
-    config = MoeConfig(8, 2, 8, (0,), scoring="sigmoid", norm_topk_prob=False,
-                       correction_bias=True)  # fmt: skip
+    config = MoeConfig(8, 2, 8, (0,), scoring="sigmoid", norm_topk_prob=False, correction_bias=True)
     weight = torch.zeros(8, 4)
     bias = torch.tensor([0, 0, 0, 0, 0, 0, 5.0, 5.0])
     ids, weights = Router(config, weight, bias)(torch.ones(3, 4))
@@ -55,15 +69,22 @@ def test_bias_steers_the_choice_but_not_the_weights():
 
 def test_grouped_experts_equal_a_per_token_loop():
     gen = torch.Generator().manual_seed(3)
-    experts = [GatedMLP(DenseLinear(torch.randn(16, 8, generator=gen)),
-                        DenseLinear(torch.randn(8, 8, generator=gen))) for _ in range(6)]  # fmt: skip
+    experts = [
+        GatedMLP(
+            DenseLinear(torch.randn(16, 8, generator=gen)),
+            DenseLinear(torch.randn(8, 8, generator=gen)),
+        )
+        for _ in range(6)
+    ]
     config = MoeConfig(6, 2, 8, (0,), norm_topk_prob=True)
     router = Router(config, torch.randn(6, 8, generator=gen), None)
     moe = MoE(router, experts, shared=experts[0])
     x = torch.randn(20, 8, generator=gen)
     ids, weights = router(x)
-    expected = torch.stack([
-        sum(w * experts[e](row[None])[0] for e, w in zip(i.tolist(), ws, strict=True))
-        for row, i, ws in zip(x, ids, weights, strict=True)
-    ]) + experts[0](x)  # fmt: skip
+    expected = torch.stack(
+        [
+            sum(w * experts[e](row[None])[0] for e, w in zip(i.tolist(), ws, strict=True))
+            for row, i, ws in zip(x, ids, weights, strict=True)
+        ]
+    ) + experts[0](x)
     torch.testing.assert_close(moe(x), expected, atol=1e-5, rtol=1e-5)

@@ -31,8 +31,11 @@ class Memory:
         """Shards holding these head ranges (or these tuples of byte spans)."""
         shards = []
         for split in splits:
-            spans = split if isinstance(split, tuple) else (range(split.start * HEAD,
-                                                                   split.stop * HEAD),)  # fmt: skip
+            spans = (
+                split
+                if isinstance(split, tuple)
+                else (range(split.start * HEAD, split.stop * HEAD),)
+            )
             shards.append(PoolShard(self.top, spans))
             self.top += pages * shards[-1].page_bytes + 32  # a gap: no run into a neighbour
         return PoolLayout(tuple(shards), page_bytes)
@@ -119,8 +122,9 @@ def test_mismatches_are_refused() -> None:
     with pytest.raises(ValueError, match="in no shard"):
         copy_ranges(PageSide.whole([0], 3 * HEAD), pool.side([0]))
     with pytest.raises(ValueError, match="do not hold a page"):
-        PoolLayout((PoolShard(0, (range(2 * HEAD),)), PoolShard(100, (range(3 * HEAD, 48),))),
-                   HEADS * HEAD)  # fmt: skip
+        PoolLayout(
+            (PoolShard(0, (range(2 * HEAD),)), PoolShard(100, (range(3 * HEAD, 48),))), HEADS * HEAD
+        )
 
 
 def test_kv_pages_gathers_whole_pages_from_shards() -> None:
@@ -141,13 +145,19 @@ def test_pipeline_stages_and_heads_to_any_layout(kv_dtype: str) -> None:
     tensor ranks, copied into one pool and back into 3 stages x 1 rank: byte for byte."""
     spec = KVCacheSpec.gqa(3, 4, 2, 2, kv_dtype)
     by = {  # rank -> (heads, layers)
-        "tp2pp2": [(range(0, 2), range(0, 2)), (range(2, 4), range(0, 2)),
-                   (range(0, 2), range(2, 3)), (range(2, 4), range(2, 3))],
+        "tp2pp2": [
+            (range(0, 2), range(0, 2)),
+            (range(2, 4), range(0, 2)),
+            (range(0, 2), range(2, 3)),
+            (range(2, 4), range(2, 3)),
+        ],
         "pp3": [(range(4), range(i, i + 1)) for i in range(3)],
-    }  # fmt: skip
+    }
     memory = Memory()
-    layouts = {k: memory.pool([shard_spans(spec, h, lay) for h, lay in v], 4, spec.page_bytes)
-               for k, v in by.items()}  # fmt: skip
+    layouts = {
+        k: memory.pool([shard_spans(spec, h, lay) for h, lay in v], 4, spec.page_bytes)
+        for k, v in by.items()
+    }
     whole = memory.pool([(range(spec.page_bytes),)], 4, spec.page_bytes)
     assert shard_spans(spec, range(4), range(3)) == (range(spec.page_bytes),)  # merged
     assert len(shard_spans(spec, range(0, 2), range(0, 2))) == (2 if kv_dtype == "fp32" else 4)
@@ -169,16 +179,24 @@ def test_a_destinations_shards_are_checked_before_any_copy() -> None:
     from kvmesh.proto.v1 import prefill_pb2
 
     def dest(*shards) -> prefill_pb2.KvDestination:
-        return prefill_pb2.KvDestination(page_bytes=48, shards=[
-            prefill_pb2.KvShard(address=1000 * i, starts=[a for a, _ in s], stops=[b for _, b in s])
-            for i, s in enumerate(shards)])  # fmt: skip
+        return prefill_pb2.KvDestination(
+            page_bytes=48,
+            shards=[
+                prefill_pb2.KvShard(
+                    address=1000 * i, starts=[a for a, _ in s], stops=[b for _, b in s]
+                )
+                for i, s in enumerate(shards)
+            ],
+        )
 
     check_shards(dest([(0, 16), (32, 48)], [(16, 32)]))  # interleaved heads: fine
     check_shards(dest([(0, 48)], [(0, 48)]))  # replicated
-    bad = {"ordered and disjoint": dest([(16, 32), (0, 16), (32, 48)]),
-           "do not hold a page": dest([(0, 16)], [(32, 48)]),
-           "none empty": dest([(0, 0), (0, 48)]),
-           "as many span starts": dest([])}  # fmt: skip
+    bad = {
+        "ordered and disjoint": dest([(16, 32), (0, 16), (32, 48)]),
+        "do not hold a page": dest([(0, 16)], [(32, 48)]),
+        "none empty": dest([(0, 0), (0, 48)]),
+        "as many span starts": dest([]),
+    }
     for reason, message in bad.items():
         with pytest.raises(ValueError, match=reason):
             check_shards(message)

@@ -15,8 +15,14 @@ PS = 4
 
 
 def _worker(worker_id: str) -> WorkerInfo:
-    return WorkerInfo(role="decode", worker_id=worker_id, grpc_address="127.0.0.1:1", page_size=PS,
-                      kv_dtype="fp32", model="m")  # fmt: skip
+    return WorkerInfo(
+        role="decode",
+        worker_id=worker_id,
+        grpc_address="127.0.0.1:1",
+        page_size=PS,
+        kv_dtype="fp32",
+        model="m",
+    )
 
 
 def _cache(manager: BlockManager, tokens: list[int], salt: str = "") -> None:
@@ -54,8 +60,11 @@ def test_router_prefers_the_worker_holding_the_prefix_unless_it_is_busier_than_t
     index = PrefixIndex()
     prompt = PromptKey("m", list(range(40)))
     hashes = prompt.hashes(PS, "fp32")
-    index.apply(decode_pb2.KvEventBatch(worker_id="decode-1", snapshot=True,
-                                        events=[decode_pb2.KvEvent(stored=hashes[:8])]))  # fmt: skip
+    index.apply(
+        decode_pb2.KvEventBatch(
+            worker_id="decode-1", snapshot=True, events=[decode_pb2.KvEvent(stored=hashes[:8])]
+        )
+    )
     router = Router(
         lambda role: [_worker("decode-0"), _worker("decode-1")], prefix=PrefixLookup(index)
     )

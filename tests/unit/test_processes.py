@@ -84,8 +84,9 @@ def test_a_child_dies_with_its_parent_even_when_the_parent_is_sigkilled():
         time.sleep(60)
         """
     )
-    parent = subprocess.Popen([sys.executable, "-c", parent_code], cwd=ROOT,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    parent = subprocess.Popen(
+        [sys.executable, "-c", parent_code], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     child = 0
     try:
         child = int(parent.stdout.readline())
@@ -139,10 +140,11 @@ def test_the_new_pid_is_recorded_before_the_restart_is_said(tmp_path):
     recorded: dict[str, int] = {}
     said: list[tuple[str, dict[str, int]]] = []
     supervisor = Supervisor(
-        os.environ, lambda line: said.append((line, dict(recorded))),
+        os.environ,
+        lambda line: said.append((line, dict(recorded))),
         RestartPolicy(max_restarts=1, backoff_s=0.01),
         on_change=lambda: recorded.update(supervisor.pids()),
-    )  # fmt: skip
+    )
     supervisor.spawn("w", ["sh", "-c", "exit 1"], tmp_path / "w.log")
     assert _until(lambda: supervisor.check() is None and supervisor.children["w"].given_up, 10)
     line, seen = next((line, seen) for line, seen in said if "restarted (pid" in line)

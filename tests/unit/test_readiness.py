@@ -27,8 +27,14 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def _worker(role: str, index: int, kv_dtype: str = "fp32") -> WorkerInfo:
-    return WorkerInfo(role=role, worker_id=f"{role}-{index}", grpc_address=f"127.0.0.1:{9000 + index}",
-                      model="smollm2-135m", page_size=16, kv_dtype=kv_dtype)  # fmt: skip
+    return WorkerInfo(
+        role=role,
+        worker_id=f"{role}-{index}",
+        grpc_address=f"127.0.0.1:{9000 + index}",
+        model="smollm2-135m",
+        page_size=16,
+        kv_dtype=kv_dtype,
+    )
 
 
 class Live:
@@ -99,8 +105,11 @@ async def _grpc_statuses(live: Live) -> list[int]:
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            for change in (lambda: None, lambda: live.workers.append(_worker("decode", 0)),
-                           live.workers.clear):  # fmt: skip
+            for change in (
+                lambda: None,
+                lambda: live.workers.append(_worker("decode", 0)),
+                live.workers.clear,
+            ):
                 change()
                 want = SERVING if live("decode") else NOT_SERVING
                 for _ in range(200):  # until `follow` caught up (it polls every 20 ms)
@@ -120,8 +129,11 @@ def test_grpc_health_follows_readiness(live):
 
 
 def _series(text: str, name: str) -> dict[str, float]:
-    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-            if line.startswith(name + "{")}  # fmt: skip
+    return {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{")
+    }
 
 
 _INIT_AND_SCRAPE = """
@@ -136,8 +148,13 @@ print(generate_latest().decode())
 
 def test_labelled_counters_exist_at_zero_after_init():
     # A fresh process: the registry is process-wide, and other tests here increment it.
-    text = subprocess.run([sys.executable, "-c", _INIT_AND_SCRAPE, *KINDS], capture_output=True,
-                          text=True, check=True, timeout=60).stdout  # fmt: skip
+    text = subprocess.run(
+        [sys.executable, "-c", _INIT_AND_SCRAPE, *KINDS],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     integrity = _series(text, "kvmesh_kv_integrity_failures_total")
     assert integrity['kvmesh_kv_integrity_failures_total{service="decode"}'] == 0
     faults = _series(text, "kvmesh_faults_injected_total")

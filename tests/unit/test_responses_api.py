@@ -11,10 +11,13 @@ import pytest
 from tests.unit.fake_backend import ANSWER
 
 MODEL = "smollm2-135m"
-WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}  # fmt: skip
-CALL = ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-        "</tool_call>")  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+CALL = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
 @pytest.fixture
@@ -24,8 +27,9 @@ def served(openai_served):
 
 def test_text_whole_and_streamed(served, tok) -> None:
     client, backend = served
-    reply = client.responses.create(model=MODEL, input="Capital of France?",
-                                    instructions="Be brief.")  # fmt: skip
+    reply = client.responses.create(
+        model=MODEL, input="Capital of France?", instructions="Be brief."
+    )
     assert reply.status == "completed" and reply.output_text == ANSWER
     assert reply.usage.input_tokens == len(backend.requests[-1].prompt_token_ids)
     assert "Be brief." in tok.decode(backend.requests[-1].prompt_token_ids)
@@ -35,8 +39,11 @@ def test_text_whole_and_streamed(served, tok) -> None:
     assert final.output_text == ANSWER
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] == "response.completed"
-    for done in ("response.output_text.done", "response.content_part.done",
-                 "response.output_item.done"):  # fmt: skip
+    for done in (
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ):
         assert kinds.count(done) == 1, done
 
 
@@ -55,10 +62,14 @@ def test_function_calls_and_their_outputs(served, tok) -> None:
     assert deltas == done.arguments == call.arguments
     follow_up = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"type": "function_call", "call_id": call.call_id, "name": call.name,
-         "arguments": call.arguments},
+        {
+            "type": "function_call",
+            "call_id": call.call_id,
+            "name": call.name,
+            "arguments": call.arguments,
+        },
         {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"},
-    ]  # fmt: skip
+    ]
     backend.script("It is 18 C.")
     final = client.responses.create(model=MODEL, input=follow_up, tools=[WEATHER])
     assert final.output_text == "It is 18 C."
@@ -68,12 +79,19 @@ def test_function_calls_and_their_outputs(served, tok) -> None:
 
 def test_forced_choice_format_limits_and_errors(served) -> None:
     client, backend = served
-    client.responses.create(model=MODEL, input="x", tools=[WEATHER],
-                            tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip
+    client.responses.create(
+        model=MODEL,
+        input="x",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+    )
     assert '"const": "get_weather"' in backend.requests[-1].params.grammar
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    client.responses.create(model=MODEL, input="x", text={"format": {
-        "type": "json_schema", "name": "a", "schema": schema}})  # fmt: skip
+    client.responses.create(
+        model=MODEL,
+        input="x",
+        text={"format": {"type": "json_schema", "name": "a", "schema": schema}},
+    )
     assert '"a"' in backend.requests[-1].params.grammar
     cut = client.responses.create(model=MODEL, input="x", max_output_tokens=3)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"

@@ -43,8 +43,10 @@ def test_reported_load_counts_when_higher_than_local_estimate():
 def _candidates(loads: dict[str, int]):
     from kvmesh.routing.router import Candidate
 
-    return [Candidate(WorkerInfo(role="decode", worker_id=w, grpc_address="127.0.0.1:1"), load)
-            for w, load in loads.items()]  # fmt: skip
+    return [
+        Candidate(WorkerInfo(role="decode", worker_id=w, grpc_address="127.0.0.1:1"), load)
+        for w, load in loads.items()
+    ]
 
 
 def test_affinity_keeps_the_pinned_worker_until_it_is_far_above_the_least_loaded():
@@ -64,10 +66,16 @@ def test_affinity_keeps_the_pinned_worker_until_it_is_far_above_the_least_loaded
 def test_prefill_is_only_paired_with_a_decode_of_the_same_page_layout():
     def live(role: str) -> list[WorkerInfo]:
         return [
-            WorkerInfo(role=role, worker_id=f"{role}-{dtype}", grpc_address="127.0.0.1:1",
-                       model="m", page_size=16, kv_dtype=dtype)
+            WorkerInfo(
+                role=role,
+                worker_id=f"{role}-{dtype}",
+                grpc_address="127.0.0.1:1",
+                model="m",
+                page_size=16,
+                kv_dtype=dtype,
+            )
             for dtype in ("bf16", "fp8_e4m3")
-        ]  # fmt: skip
+        ]
 
     router = Router(live)
     fp8_decode = live("decode")[1]
@@ -75,7 +83,13 @@ def test_prefill_is_only_paired_with_a_decode_of_the_same_page_layout():
         assert router.pick("prefill", 10).worker.worker_id == "prefill-bf16"  # least loaded
         paired = router.pick("prefill", 10, paired_with=fp8_decode).worker
     assert paired.worker_id == "prefill-fp8_e4m3"  # busier, but the only compatible one
-    other_model = WorkerInfo(role="decode", worker_id="d", grpc_address="127.0.0.1:1",
-                             model="other", page_size=16, kv_dtype="fp8_e4m3")  # fmt: skip
+    other_model = WorkerInfo(
+        role="decode",
+        worker_id="d",
+        grpc_address="127.0.0.1:1",
+        model="other",
+        page_size=16,
+        kv_dtype="fp8_e4m3",
+    )
     with pytest.raises(WorkerUnavailable):
         router.pick("prefill", 10, paired_with=other_model)

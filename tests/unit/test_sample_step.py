@@ -14,9 +14,15 @@ from kvmesh.engine.constraints import Constraints, apply_masks
 from kvmesh.engine.sample_step import _grammar_checked
 from kvmesh.engine.spec.verify import verify_greedy
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-          "age": {"type": "integer"}, "tags": {"type": "array", "items": {"enum": ["a", "b"]}}},
-          "required": ["name", "age"]}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}},
+    },
+    "required": ["name", "age"],
+}
 ANSWER = '{"name": "Ada", "age": 36, "tags": ["a", "b"]}'
 
 

@@ -17,9 +17,15 @@ def test_every_int64_seed_round_trips_through_the_proto(seed):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("seed", 2**63), ("seed", -(2**63) - 1), ("top_k", 2**31), ("max_tokens", 2**32),
-     ("stop_token_ids", (2**32,)), ("stop_token_ids", (-1,))],
-)  # fmt: skip
+    [
+        ("seed", 2**63),
+        ("seed", -(2**63) - 1),
+        ("top_k", 2**31),
+        ("max_tokens", 2**32),
+        ("stop_token_ids", (2**32,)),
+        ("stop_token_ids", (-1,)),
+    ],
+)
 def test_an_integer_the_wire_cannot_carry_is_an_invalid_request_naming_the_field(field, value):
     with pytest.raises(InvalidRequestError, match=field):
         SamplingParams(**{field: value})

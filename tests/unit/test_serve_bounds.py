@@ -10,8 +10,11 @@ from kvmesh.benchmarks.serve_bounds import measure_bounds
 def test_bounds_divide_single_stream_by_bandwidth_and_levels_by_gemm_speed():
     """Each single-stream request against the mean of the ceilings measured before and after
     it; the median of those ratios."""
-    single = {"decode_tok_s": 30.0, "request_tok_s": [30.0, 60.0, 40.0],
-              "ceilings_gbs": [10.0, 10.0, 30.0, 10.0]}  # fmt: skip
+    single = {
+        "decode_tok_s": 30.0,
+        "request_tok_s": [30.0, 60.0, 40.0],
+        "ceilings_gbs": [10.0, 10.0, 30.0, 10.0],
+    }
     suite = {"single_stream": single, "levels": [{"concurrency": 16, "output_tok_s": 300.0}]}
     bounds = measure_bounds(suite, "smollm2-135m", "bf16", "auto", gemm_gflops=lambda: 61.25)
     band, compute = bounds["bandwidth"], bounds["compute"]

@@ -28,8 +28,16 @@ from kvmesh.sim.presets import Preset, WorkerSpec, load_preset
 from kvmesh.sim.report import percentile, summarize
 from kvmesh.sim.workload import AgentWorkload, ChatWorkload
 
-COST = LinearCost("test", base_s=0.01, per_token_s=0.001, per_row_s=0.0005, per_context_s=1e-6,
-                  per_pair_s=0.0, transfer_page_s=0.0002, rpc_s=0.003)  # fmt: skip
+COST = LinearCost(
+    "test",
+    base_s=0.01,
+    per_token_s=0.001,
+    per_row_s=0.0005,
+    per_context_s=1e-6,
+    per_pair_s=0.0,
+    transfer_page_s=0.0002,
+    rpc_s=0.003,
+)
 SPEC = WorkerSpec(kv_pages=400, page_size=16, max_num_seqs=16, max_num_batched_tokens=512)
 PRESET = Preset(COST, SPEC, "m", "fp32")
 
@@ -70,7 +78,11 @@ def test_round_robin_and_make_router():
     router = make_router(lambda role: workers, "round-robin", lookup)
     with router.holding("d0", 10_000):  # load is ignored
         assert [router.pick("decode", 1).worker.worker_id for _ in range(4)] == [
-            "d0", "d1", "d2", "d0"]  # fmt: skip
+            "d0",
+            "d1",
+            "d2",
+            "d0",
+        ]
     assert isinstance(make_router(lambda r: [], "cache-aware", lookup).policy, AffinityPolicy)
     assert isinstance(make_router(lambda r: [], "prefix-aware", lookup).policy, PrefixAwarePolicy)
     least = make_router(lambda r: [], "least-load", lookup)
@@ -84,23 +96,30 @@ def test_a_lone_request_takes_exactly_the_path_it_should():
     """Gateway -> decode (reserve) -> prefill (compute, hand over) -> decode (commit) ->
     gateway: four hops, one prefill step, the transfer of every page; then one decode step a
     token, each reading one more token of context."""
-    session = AgentWorkload(sessions=1, turns=1, system_tokens=40, message_tokens=20,
-                            reply_tokens=5).build()  # fmt: skip
+    session = AgentWorkload(
+        sessions=1, turns=1, system_tokens=40, message_tokens=20, reply_tokens=5
+    ).build()
     prompt = len(session[0].prompt())
     run = simulate(Fleet(1, 1), PRESET, session)
     [record] = run.records
     pages = -(-prompt // 16)
     prefill = COST.base_s + COST.per_token_s * prompt
     assert record.ttft_s == pytest.approx(4 * COST.rpc_s + prefill + pages * COST.transfer_page_s)
-    steps = [COST.base_s + COST.per_row_s + COST.per_context_s * (prompt + i)
-             for i in range(1, 5)]  # fmt: skip
+    steps = [COST.base_s + COST.per_row_s + COST.per_context_s * (prompt + i) for i in range(1, 5)]
     assert record.token_times[-1] - record.token_times[0] == pytest.approx(sum(steps))
     assert record.cached_tokens == 0 and record.prefill == "prefill-0" and not record.error
 
 
 def test_every_request_completes_and_the_pools_are_consistent():
-    sessions = AgentWorkload(sessions=12, turns=3, system_tokens=200, message_tokens=40,
-                             reply_tokens=8, think_s=0.1, start_s=0.5).build()  # fmt: skip
+    sessions = AgentWorkload(
+        sessions=12,
+        turns=3,
+        system_tokens=200,
+        message_tokens=40,
+        reply_tokens=8,
+        think_s=0.1,
+        start_s=0.5,
+    ).build()
     run = simulate(Fleet(2, 2), PRESET, sessions)
     assert len(run.records) == 36 and not any(r.error for r in run.records)
     assert all(len(r.token_times) == 8 for r in run.records)
@@ -111,12 +130,32 @@ def test_every_request_completes_and_the_pools_are_consistent():
 
 
 def test_small_pools_evict_for_real_and_the_index_follows():
-    sessions = AgentWorkload(sessions=16, turns=4, system_tokens=256, systems=4,
-                             message_tokens=64, reply_tokens=8, think_s=0.2, start_s=1.0).build()  # fmt: skip
+    sessions = AgentWorkload(
+        sessions=16,
+        turns=4,
+        system_tokens=256,
+        systems=4,
+        message_tokens=64,
+        reply_tokens=8,
+        think_s=0.2,
+        start_s=1.0,
+    ).build()
     roomy = summarize(simulate(Fleet(1, 2), PRESET, sessions))
     small = replace(PRESET, worker=replace(SPEC, kv_pages=120))
-    run = simulate(Fleet(1, 2), small, AgentWorkload(sessions=16, turns=4, system_tokens=256,
-                   systems=4, message_tokens=64, reply_tokens=8, think_s=0.2, start_s=1.0).build())  # fmt: skip
+    run = simulate(
+        Fleet(1, 2),
+        small,
+        AgentWorkload(
+            sessions=16,
+            turns=4,
+            system_tokens=256,
+            systems=4,
+            message_tokens=64,
+            reply_tokens=8,
+            think_s=0.2,
+            start_s=1.0,
+        ).build(),
+    )
     tight = summarize(run)
     assert tight.hit_ratio < roomy.hit_ratio - 0.1
     stored = {h for r in sessions for h in _page_hashes(r.history)}  # every page ever computed
@@ -131,23 +170,42 @@ def test_small_pools_evict_for_real_and_the_index_follows():
 
 
 def test_cache_aware_routing_hits_more_than_load_blind_routing():
-    sessions = lambda: AgentWorkload(sessions=24, turns=5, system_tokens=512, systems=2,  # noqa: E731
-                                     message_tokens=96, reply_tokens=16, think_s=0.5,
-                                     start_s=2.0).build()  # fmt: skip
-    hit = {r: summarize(simulate(Fleet(0, 4, r), PRESET, sessions())).hit_ratio
-           for r in ("cache-aware", "prefix-aware", "least-load", "round-robin")}  # fmt: skip
+    sessions = lambda: AgentWorkload(  # noqa: E731
+        sessions=24,
+        turns=5,
+        system_tokens=512,
+        systems=2,
+        message_tokens=96,
+        reply_tokens=16,
+        think_s=0.5,
+        start_s=2.0,
+    ).build()
+    hit = {
+        r: summarize(simulate(Fleet(0, 4, r), PRESET, sessions())).hit_ratio
+        for r in ("cache-aware", "prefix-aware", "least-load", "round-robin")
+    }
     assert hit["cache-aware"] > hit["least-load"] + 0.05
     assert hit["prefix-aware"] > hit["least-load"]
     assert hit["round-robin"] < hit["cache-aware"]
 
 
 def test_colocated_workers_compute_prompts_beside_their_decodes():
-    sessions = ChatWorkload(rate=20, duration_s=2.0, prefix_tokens=64, templates=2,
-                            prompt_tokens=300, reply_tokens=16).build()  # fmt: skip
+    sessions = ChatWorkload(
+        rate=20, duration_s=2.0, prefix_tokens=64, templates=2, prompt_tokens=300, reply_tokens=16
+    ).build()
     colocated = summarize(simulate(Fleet(0, 2, "least-load"), PRESET, sessions))
-    run = simulate(Fleet(1, 1, "least-load"), PRESET,
-                   ChatWorkload(rate=20, duration_s=2.0, prefix_tokens=64, templates=2,
-                                prompt_tokens=300, reply_tokens=16).build())  # fmt: skip
+    run = simulate(
+        Fleet(1, 1, "least-load"),
+        PRESET,
+        ChatWorkload(
+            rate=20,
+            duration_s=2.0,
+            prefix_tokens=64,
+            templates=2,
+            prompt_tokens=300,
+            reply_tokens=16,
+        ).build(),
+    )
     few = ChatWorkload(rate=20, duration_s=0.2).build()
     assert all(r.prefill == "" for r in simulate(Fleet(0, 2), PRESET, few).records)
     disaggregated = summarize(run)
@@ -180,9 +238,19 @@ def test_fit_recovers_a_known_cost_model():
     """Probes computed as the simulator would time them (a 1-token reply's token is its last,
     the prompt beside decoding streams also waits for two half decode steps) give back the
     cost they were made with."""
-    truth = LinearCost("t", base_s=0.02, per_token_s=0.003, per_row_s=0.001, per_context_s=2e-6,
-                       per_pair_s=1e-6, transfer_page_s=0.0, rpc_s=0.01, decode_slowdown=1.2,
-                       prefill_slowdown=0.5, finish_s=0.03)  # fmt: skip
+    truth = LinearCost(
+        "t",
+        base_s=0.02,
+        per_token_s=0.003,
+        per_row_s=0.001,
+        per_context_s=2e-6,
+        per_pair_s=1e-6,
+        transfer_page_s=0.0,
+        rpc_s=0.01,
+        decode_slowdown=1.2,
+        prefill_slowdown=0.5,
+        finish_s=0.03,
+    )
     hops = 4 * truth.rpc_s + truth.finish_s
     prompt_step = lambda n: truth.step_s(StepShape(n, 0, 0, n, n * n / 2))  # noqa: E731
     context = lambda n, tokens: n + SUFFIX + tokens / 2  # noqa: E731
@@ -196,18 +264,28 @@ def test_fit_recovers_a_known_cost_model():
         contended,
         hops + contended + prompt_step(beside) * (1 + truth.prefill_slowdown),
         truth.finish_s,
-    )  # fmt: skip
+    )
     got = fit(probes, "synthetic")
-    for name in ("base_s", "per_token_s", "per_row_s", "per_context_s", "per_pair_s", "rpc_s",
-                 "decode_slowdown", "prefill_slowdown", "finish_s"):  # fmt: skip
+    for name in (
+        "base_s",
+        "per_token_s",
+        "per_row_s",
+        "per_context_s",
+        "per_pair_s",
+        "rpc_s",
+        "decode_slowdown",
+        "prefill_slowdown",
+        "finish_s",
+    ):
         assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-3, abs=1e-9), name
 
 
 def test_a_decode_row_is_priced_per_row_not_per_prompt_token():
     """Decode rows cost per_row_s only: a prompt token's price (per_token_s, often larger on a
     CPU) must not be charged to them."""
-    shape = StepShape(tokens=8, decode_rows=8, decode_context=800, prefill_context=0,
-                      prefill_pairs=0.0)  # fmt: skip
+    shape = StepShape(
+        tokens=8, decode_rows=8, decode_context=800, prefill_context=0, prefill_pairs=0.0
+    )
     assert shape.prefill_tokens == 0
     assert COST.step_s(shape) == pytest.approx(COST.base_s + 8 * COST.per_row_s + 800e-6)
 
@@ -222,10 +300,32 @@ def test_kvmesh_sim_run_command(tmp_path, capsys):
     from kvmesh.cli import main
 
     out = tmp_path / "run.json"
-    argv = ["sim", "run", "--preset", "h100-kimi-k2", "--prefill", "1", "--decode", "2",
-            "--sessions", "6", "--turns", "2", "--system-tokens", "2000", "--message-tokens",
-            "300", "--reply-tokens", "20", "--start-s", "1", "--routing",
-            "cache-aware,round-robin", "--output", str(out)]  # fmt: skip
+    argv = [
+        "sim",
+        "run",
+        "--preset",
+        "h100-kimi-k2",
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--sessions",
+        "6",
+        "--turns",
+        "2",
+        "--system-tokens",
+        "2000",
+        "--message-tokens",
+        "300",
+        "--reply-tokens",
+        "20",
+        "--start-s",
+        "1",
+        "--routing",
+        "cache-aware,round-robin",
+        "--output",
+        str(out),
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "1P+2D, cache-aware" in printed and "1P+2D, round-robin" in printed
@@ -247,8 +347,9 @@ def _page_hashes(tokens: list[int]) -> list[int]:
 
 def test_a_prompt_too_long_is_an_error_record_not_a_crash():
     short = replace(PRESET, worker=replace(SPEC, max_model_len=300))
-    sessions = AgentWorkload(sessions=2, turns=3, system_tokens=200, message_tokens=40,
-                             reply_tokens=8).build()  # fmt: skip
+    sessions = AgentWorkload(
+        sessions=2, turns=3, system_tokens=200, message_tokens=40, reply_tokens=8
+    ).build()
     run = simulate(Fleet(1, 1), short, sessions)
     assert sorted(r.turn for r in run.records if not r.error) == [1, 1, 2, 2]
     failed = [r for r in run.records if r.error]
@@ -258,14 +359,25 @@ def test_a_prompt_too_long_is_an_error_record_not_a_crash():
 def test_tune_finds_the_slowdowns_that_reproduce_a_measured_run():
     from kvmesh.sim.tune import means, tune
 
-    truth = replace(PRESET, cost=replace(COST, decode_slowdown=1.0, prefill_slowdown=0.6,
-                                         decode_scale=1.5), shared_host=True)  # fmt: skip
-    workload = AgentWorkload(sessions=4, turns=4, system_tokens=200, message_tokens=40,
-                             reply_tokens=12, think_s=0.2, start_s=0.5)  # fmt: skip
+    truth = replace(
+        PRESET,
+        cost=replace(COST, decode_slowdown=1.0, prefill_slowdown=0.6, decode_scale=1.5),
+        shared_host=True,
+    )
+    workload = AgentWorkload(
+        sessions=4,
+        turns=4,
+        system_tokens=200,
+        message_tokens=40,
+        reply_tokens=12,
+        think_s=0.2,
+        start_s=0.5,
+    )
     measured = simulate(Fleet(1, 1), truth, workload.build()).records
     blind = replace(truth, cost=replace(truth.cost, prefill_slowdown=0.0, decode_scale=1.0))
     assert means(simulate(Fleet(1, 1), blind, workload.build()).records) != pytest.approx(
-        means(measured), rel=0.05)  # fmt: skip
+        means(measured), rel=0.05
+    )
     tuned = tune(blind, workload, measured)
     got = means(simulate(Fleet(1, 1), tuned, workload.build()).records)
     assert got == pytest.approx(means(measured), rel=0.03)

@@ -19,22 +19,38 @@ from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.parallel.sharded_state import ShardedState
 from kvmesh.engine.parallel.stage_state import StageState
 
-Q, OUT, E = ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight",
-           "model.embed_tokens.weight")  # fmt: skip
+Q, OUT, E = (
+    "model.layers.1.self_attn.q_proj.weight",
+    "model.layers.1.self_attn.o_proj.weight",
+    "model.embed_tokens.weight",
+)
 
 
 def _config() -> ModelConfig:
-    base = dict(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=8, intermediate_size=16,
-                num_layers=2, num_heads=6, num_kv_heads=3, head_dim=4, rms_norm_eps=1e-6,
-                rope_theta=10000.0, max_position_embeddings=64)  # fmt: skip
+    base = dict(
+        architecture="LlamaForCausalLM",
+        vocab_size=32,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=2,
+        num_heads=6,
+        num_kv_heads=3,
+        head_dim=4,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+    )
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     return ModelConfig(**{k: v for k, v in base.items() if k in names})
 
 
 @pytest.fixture
 def tensors(tmp_path):
-    full = {Q: torch.randn(24, 8).to(torch.bfloat16), OUT: torch.randn(8, 24).to(torch.bfloat16),
-            E: torch.randn(32, 8).to(torch.bfloat16)}  # fmt: skip
+    full = {
+        Q: torch.randn(24, 8).to(torch.bfloat16),
+        OUT: torch.randn(8, 24).to(torch.bfloat16),
+        E: torch.randn(32, 8).to(torch.bfloat16),
+    }
     path = tmp_path / "model.safetensors"
     save_file(full, str(path))
     file = SafetensorsFile(path)
@@ -80,10 +96,12 @@ def test_gguf_parts_dequantize_only_their_rows_or_columns(default_model_source):
     permuted Q/K rows included (whole heads unpermuted alone), in fp32 and bf16."""
     from kvmesh.engine.loader.gguf_loader import load_gguf
 
-    parts = [("model.layers.3.self_attn.q_proj.weight", 0, 192, 192),
-             ("model.layers.3.self_attn.k_proj.weight", 0, 64, 128),
-             ("model.layers.3.self_attn.o_proj.weight", 1, 192, 384),
-             ("model.embed_tokens.weight", 0, 24576, 24576)]  # fmt: skip
+    parts = [
+        ("model.layers.3.self_attn.q_proj.weight", 0, 192, 192),
+        ("model.layers.3.self_attn.k_proj.weight", 0, 64, 128),
+        ("model.layers.3.self_attn.o_proj.weight", 1, 192, 384),
+        ("model.embed_tokens.weight", 0, 24576, 24576),
+    ]
     for dtype in (torch.float32, torch.bfloat16):
         _, weights = load_gguf(default_model_source.gguf_file)
         for name, dim, start, length in parts:

@@ -32,8 +32,21 @@ FLAT = ((1, 1.0), (64, 1.0))  # memory bound: rows are free
 def test_buckets_are_exact_then_four_per_doubling():
     assert [bucket(n) for n in (1, 7, 16)] == [1, 7, 16]
     assert bucket(17) == 16 and bucket(19) == 19 and bucket(66) == 64 and bucket(70) == 76
-    assert {bucket(n) for n in range(17, 129)} == {16, 19, 23, 27, 32, 38, 45, 54, 64, 76, 91,
-                                                   108, 128}  # fmt: skip
+    assert {bucket(n) for n in range(17, 129)} == {
+        16,
+        19,
+        23,
+        27,
+        32,
+        38,
+        45,
+        54,
+        64,
+        76,
+        91,
+        108,
+        128,
+    }
 
 
 def test_prior_curve_interpolates_and_extends_its_last_slope():
@@ -231,8 +244,14 @@ def test_sequences_not_drafting_get_shadow_drafts_longest_unobserved_first():
     plans = [policy.plan(4, _candidates(4)) for _ in range(6)]
     assert [p.limits for p in plans] == [{}] * 6
     # no drafts: a pass for sequences never seen, then one every other step
-    assert [p.shadows for p in plans] == [("s0", "s1"), ("s2", "s3"), (), ("s0", "s1"), (),
-                                          ("s2", "s3")]  # fmt: skip
+    assert [p.shadows for p in plans] == [
+        ("s0", "s1"),
+        ("s2", "s3"),
+        (),
+        ("s0", "s1"),
+        (),
+        ("s2", "s3"),
+    ]
 
 
 def test_no_shadows_where_even_good_drafts_could_not_pay():
@@ -263,11 +282,14 @@ def test_fixed_policy_always_drafts_the_full_length():
 
 
 def test_policy_and_cost_import_without_torch():
-    script = ("import sys; sys.modules['torch'] = None\n"
-              "import kvmesh.engine.spec.policy, kvmesh.engine.spec.cost\n"
-              "assert 'numpy' not in sys.modules\n")  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=60)  # fmt: skip
+    script = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import kvmesh.engine.spec.policy, kvmesh.engine.spec.cost\n"
+        "assert 'numpy' not in sys.modules\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
 
 

@@ -50,11 +50,13 @@ def _one_hot_logits(choices: list[int], vocab: int = 8) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("target", "draft", "emitted"),
-    [([1, 2, 3, 4], [1, 2, 3], [1, 2, 3, 4]),  # all accepted + bonus
-     ([1, 5, 3, 4], [1, 2, 3], [1, 5]),  # second draft rejected: target's token instead
-     ([6, 2, 3, 4], [1, 2, 3], [6]),
-     ([7], [], [7])],
-)  # fmt: skip
+    [
+        ([1, 2, 3, 4], [1, 2, 3], [1, 2, 3, 4]),  # all accepted + bonus
+        ([1, 5, 3, 4], [1, 2, 3], [1, 5]),  # second draft rejected: target's token instead
+        ([6, 2, 3, 4], [1, 2, 3], [6]),
+        ([7], [], [7]),
+    ],
+)
 def test_greedy_verification_keeps_the_longest_agreeing_prefix(target, draft, emitted):
     assert verify_greedy(_one_hot_logits(target), draft) == emitted
 

@@ -40,8 +40,13 @@ async def _serve_and_post(writes: list[bytes], close_early: bool = False):
     port = server.sockets[0].getsockname()[1]
     events: list[dict] = []
     try:
-        await post_events(f"http://127.0.0.1:{port}/v1/completions", {"prompt": "x"},
-                          {"Authorization": "Bearer k"}, events.append, timeout_s=10)  # fmt: skip
+        await post_events(
+            f"http://127.0.0.1:{port}/v1/completions",
+            {"prompt": "x"},
+            {"Authorization": "Bearer k"},
+            events.append,
+            timeout_s=10,
+        )
     finally:
         server.close()
     return events, seen

@@ -17,9 +17,19 @@ from kvmesh.errors import InvalidRequestError, ModelFormatError
 
 
 def _config(**fields) -> ModelConfig:
-    base = dict(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=8, intermediate_size=64,
-                num_layers=1, num_heads=6, num_kv_heads=3, head_dim=4, rms_norm_eps=1e-6,
-                rope_theta=10000.0, max_position_embeddings=64)  # fmt: skip
+    base = dict(
+        architecture="LlamaForCausalLM",
+        vocab_size=32,
+        hidden_size=8,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=6,
+        num_kv_heads=3,
+        head_dim=4,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+    )
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     return ModelConfig(**{k: v for k, v in {**base, **fields}.items() if k in names})
 
@@ -79,11 +89,17 @@ def test_int4_weights_split_by_rows_and_by_whole_groups():
         weight.narrow(1, 16, 48)
     config = _config(hidden_size=64, intermediate_size=48)
     name = "model.layers.0.mlp.down_proj.weight"
-    state = ShardedState({name: Int4Weight.quantize(torch.randn(64, 48), group=8, search=False)},
-                         config, TensorShard(1, 2))  # fmt: skip
+    state = ShardedState(
+        {name: Int4Weight.quantize(torch.randn(64, 48), group=8, search=False)},
+        config,
+        TensorShard(1, 2),
+    )
     assert state.pop(name).shape == (64, 24)  # features 24-48: whole groups of 8
-    state = ShardedState({name: Int4Weight.quantize(torch.randn(64, 48), group=16, search=False)},
-                         config, TensorShard(1, 2))  # fmt: skip
+    state = ShardedState(
+        {name: Int4Weight.quantize(torch.randn(64, 48), group=16, search=False)},
+        config,
+        TensorShard(1, 2),
+    )
     with pytest.raises(ModelFormatError, match="cannot be split over the ranks"):
         state.pop(name)  # features 24-48 cut a group of 16
 
@@ -92,8 +108,11 @@ def test_pipeline_stages_renumber_their_layers_and_keep_their_ends():
     config = _config(num_layers=4)
     names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(4)]
     state = {n: torch.full((2, 2), float(i)) for i, n in enumerate(names)}
-    state |= {"model.embed_tokens.weight": torch.zeros(2), "model.norm.weight": torch.ones(2),
-              "lm_head.weight": torch.ones(3)}  # fmt: skip
+    state |= {
+        "model.embed_tokens.weight": torch.zeros(2),
+        "model.norm.weight": torch.ones(2),
+        "lm_head.weight": torch.ones(3),
+    }
     first, last = TensorShard(0, 1, stage=0, stages=2), TensorShard(0, 1, stage=1, stages=2)
     assert (first.layers(config), last.layers(config)) == (range(0, 2), range(2, 4))
     assert last.local_config(config).num_layers == 2

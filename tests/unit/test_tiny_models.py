@@ -19,10 +19,15 @@ from kvmesh.tools.tiny_configs import ARCHS, TinySize, TinySpec
 from kvmesh.tools.tiny_models import build_model, make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
-CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-           "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-           "glm4_moe": "Glm4MoeForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
-           "glm_moe_dsa": "GlmMoeDsaForCausalLM"}  # fmt: skip
+CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+}
 MOE = ("qwen3_moe", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
 
 
@@ -30,8 +35,9 @@ MOE = ("qwen3_moe", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
 def written(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     out = {arch: make_tiny_model(TinySpec(arch), root / arch).path for arch in ARCHS}
-    out["int4"] = make_tiny_model(TinySpec("deepseek_v3", quantize="int4-experts"),
-                                  root / "int4").path  # fmt: skip
+    out["int4"] = make_tiny_model(
+        TinySpec("deepseek_v3", quantize="int4-experts"), root / "int4"
+    ).path
     return out
 
 
@@ -118,8 +124,9 @@ def test_tokenizer_round_trips_and_applies_chatml(written):
     assert len(tok) == config["vocab_size"] and 512 <= len(tok) <= 2048
     assert tok.eos_token == "<|im_end|>" == tok.convert_ids_to_tokens(config["eos_token_id"])
     assert generation["eos_token_id"] == config["eos_token_id"]
-    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                   add_generation_prompt=True)  # fmt: skip
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert tok("<|im_start|>user")["input_ids"][0] == tok.convert_tokens_to_ids("<|im_start|>")
     assert "chat_template" in json.loads((path / "tokenizer_config.json").read_text())
@@ -162,8 +169,13 @@ def test_int4_on_a_dense_arch_is_refused():
 def test_cli_writes_and_prints_where(written, tmp_path):
     out = tmp_path / "cli"
     argv = ["make-tiny-model", "--arch", "deepseek_v3", "--output", str(out)]
-    run = subprocess.run([sys.executable, "-m", "kvmesh.cli", *argv], cwd=REPO,
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["path"] == str(out) and result["architecture"] == "DeepseekV3ForCausalLM"
     assert _sha(out / "model.safetensors") == _sha(written["deepseek_v3"] / "model.safetensors")
@@ -175,10 +187,18 @@ def test_a_long_context_checkpoint(tmp_path):
     from kvmesh.engine.loader import read_config, resolve_model
 
     out = tmp_path / "long"
-    argv = ["make-tiny-model", "--arch", "deepseek_v3", "--output", str(out),
-            "--max-position-embeddings", "65536"]  # fmt: skip
-    subprocess.run([sys.executable, "-m", "kvmesh.cli", *argv], cwd=REPO, check=True,
-                   capture_output=True)  # fmt: skip
+    argv = [
+        "make-tiny-model",
+        "--arch",
+        "deepseek_v3",
+        "--output",
+        str(out),
+        "--max-position-embeddings",
+        "65536",
+    ]
+    subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", *argv], cwd=REPO, check=True, capture_output=True
+    )
     config = _config(out)
     assert config["max_position_embeddings"] == 65536
     assert config["rope_parameters"]["factor"] == 65536 / 256
@@ -188,10 +208,13 @@ def test_a_long_context_checkpoint(tmp_path):
 
 
 def test_cli_help_imports_no_torch():
-    probe = ("import sys, runpy; sys.argv = ['kvmesh', 'make-tiny-model', '--help']\n"
-             "try: runpy.run_module('kvmesh.cli', run_name='__main__')\n"
-             "except SystemExit: pass\n"
-             "print([m for m in ('torch', 'transformers', 'numpy') if m in sys.modules])")  # fmt: skip
-    run = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
-                         check=True)  # fmt: skip
+    probe = (
+        "import sys, runpy; sys.argv = ['kvmesh', 'make-tiny-model', '--help']\n"
+        "try: runpy.run_module('kvmesh.cli', run_name='__main__')\n"
+        "except SystemExit: pass\n"
+        "print([m for m in ('torch', 'transformers', 'numpy') if m in sys.modules])"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True
+    )
     assert "--quantize" in run.stdout and run.stdout.strip().splitlines()[-1] == "[]"

@@ -79,8 +79,9 @@ def test_required_allows_several_calls_unless_parallel_is_off(tok, walk):
     text = CANONICAL["hermes"] + SECOND
     required = ToolChoice("required")
     many = reply_grammar(conversation(WEATHER, TIME, choice=required), "hermes", tok.hf, None, "")
-    one = reply_grammar(conversation(WEATHER, TIME, choice=required, parallel=False), "hermes",
-                        tok.hf, None, "")  # fmt: skip
+    one = reply_grammar(
+        conversation(WEATHER, TIME, choice=required, parallel=False), "hermes", tok.hf, None, ""
+    )
     assert walk(many, text) == (True, True)
     assert walk(one, text)[0] is False
     assert walk(one, CANONICAL["hermes"]) == (True, True)
@@ -133,16 +134,25 @@ def test_a_response_format_beside_tools(tok, walk):
 
 
 def test_glm45_values_typed_by_the_schema(tok, walk):
-    schema = {"type": "object", "required": ["code", "count"],
-              "properties": {"code": {"type": "string"}, "count": {"type": "integer"},
-                             "unit": {"type": "string", "enum": ["C", "F"]}}}  # fmt: skip
+    schema = {
+        "type": "object",
+        "required": ["code", "count"],
+        "properties": {
+            "code": {"type": "string"},
+            "count": {"type": "integer"},
+            "unit": {"type": "string", "enum": ["C", "F"]},
+        },
+    }
     tool = Tool("lookup", "", schema)
-    text = ("<tool_call>lookup\n<arg_key>code</arg_key>\n<arg_value>042</arg_value>\n"
-            "<arg_key>count</arg_key>\n<arg_value>3</arg_value>\n</tool_call>")  # fmt: skip
+    text = (
+        "<tool_call>lookup\n<arg_key>code</arg_key>\n<arg_value>042</arg_value>\n"
+        "<arg_key>count</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+    )
     (call,) = parse_output(get_parser("glm45", (tool,)), text).tool_calls
     assert json.loads(call.arguments) == {"code": "042", "count": 3}  # "042" stays text
-    grammar = reply_grammar(conversation(tool, choice=ToolChoice("required")), "glm45", tok.hf,
-                            None, "")  # fmt: skip
+    grammar = reply_grammar(
+        conversation(tool, choice=ToolChoice("required")), "glm45", tok.hf, None, ""
+    )
     assert walk(grammar, text) == (True, True)
     assert walk(grammar, text.replace("<arg_value>3<", '<arg_value>"3"<'))[0] is False
     unit = text.replace("</tool_call>", "<arg_key>unit</arg_key>\n<arg_value>K</arg_value>")
@@ -204,8 +214,11 @@ def test_refs_resolve_against_each_tools_own_schema(name, mode, tok, walk):
     """Pydantic's `$defs` / `$ref` under every choice that enforces a schema, in every format
     (the call's schema holds the tool's: its refs must not resolve against the call's root)."""
     trip = Tool("plan_trip", "", _Trip.model_json_schema(), strict=mode == "strict")
-    choice = {"required": ToolChoice("required"), "named": ToolChoice("named", "plan_trip"),
-              "strict": AUTO}[mode]  # fmt: skip
+    choice = {
+        "required": ToolChoice("required"),
+        "named": ToolChoice("named", "plan_trip"),
+        "strict": AUTO,
+    }[mode]
     grammar = reply_grammar(conversation(trip, TIME, choice=choice), name, tok.hf, None, "")
     call = TRIP_CALLS[name].replace("ARGS", json.dumps(TRIP))
     assert walk(grammar, call) == (True, True)
@@ -215,30 +228,51 @@ def test_refs_resolve_against_each_tools_own_schema(name, mode, tok, walk):
 
 def test_recursive_and_glm45_refs(tok, walk):
     tree = Tool("make_tree", "", _Node.model_json_schema())
-    grammar = reply_grammar(conversation(tree, choice=ToolChoice("required")), "hermes", tok.hf,
-                            None, "")  # fmt: skip
+    grammar = reply_grammar(
+        conversation(tree, choice=ToolChoice("required")), "hermes", tok.hf, None, ""
+    )
     args = {"label": "a", "children": [{"label": "b", "children": [{"label": "c"}]}]}
     call = '<tool_call>\n{"name": "make_tree", "arguments": ' + json.dumps(args) + "}\n</tool_call>"
     assert walk(grammar, call) == (True, True)
     assert walk(grammar, call.replace('"c"', "3"))[0] is False
     trip = Tool("plan_trip", "", _Trip.model_json_schema())
-    glm = reply_grammar(conversation(trip, choice=ToolChoice("required")), "glm45", tok.hf, None,
-                        "")  # fmt: skip
-    text = ("<tool_call>plan_trip\n<arg_key>origin</arg_key>\n<arg_value>"
-            + json.dumps(TRIP["origin"]) + "</arg_value>\n<arg_key>stops</arg_key>\n<arg_value>"
-            + json.dumps(TRIP["stops"]) + "</arg_value>\n</tool_call>")  # fmt: skip
+    glm = reply_grammar(
+        conversation(trip, choice=ToolChoice("required")), "glm45", tok.hf, None, ""
+    )
+    text = (
+        "<tool_call>plan_trip\n<arg_key>origin</arg_key>\n<arg_value>"
+        + json.dumps(TRIP["origin"])
+        + "</arg_value>\n<arg_key>stops</arg_key>\n<arg_value>"
+        + json.dumps(TRIP["stops"])
+        + "</arg_value>\n</tool_call>"
+    )
     assert walk(glm, text) == (True, True)
 
 
 def test_draft06_definitions_and_one_of_as_a_response_format(tok, walk):
-    schema = {"$schema": "http://json-schema.org/draft-06/schema#",
-              "definitions": {"cat": {"type": "object", "properties": {"meow": {"type": "boolean"}},
-                                      "required": ["meow"], "additionalProperties": False},
-                              "dog": {"type": "object", "properties": {"bark": {"type": "integer"}},
-                                      "required": ["bark"], "additionalProperties": False}},
-              "type": "object", "required": ["pet"], "additionalProperties": False,
-              "properties": {"pet": {"oneOf": [{"$ref": "#/definitions/cat"},
-                                               {"$ref": "#/definitions/dog"}]}}}  # fmt: skip
+    schema = {
+        "$schema": "http://json-schema.org/draft-06/schema#",
+        "definitions": {
+            "cat": {
+                "type": "object",
+                "properties": {"meow": {"type": "boolean"}},
+                "required": ["meow"],
+                "additionalProperties": False,
+            },
+            "dog": {
+                "type": "object",
+                "properties": {"bark": {"type": "integer"}},
+                "required": ["bark"],
+                "additionalProperties": False,
+            },
+        },
+        "type": "object",
+        "required": ["pet"],
+        "additionalProperties": False,
+        "properties": {
+            "pet": {"oneOf": [{"$ref": "#/definitions/cat"}, {"$ref": "#/definitions/dog"}]}
+        },
+    }
     grammar = grammars.json_schema(schema, "response_format")
     assert walk(grammar, '{"pet": {"bark": 2}}') == (True, True)
     assert walk(grammar, '{"pet": {"purr": 2}}')[0] is False

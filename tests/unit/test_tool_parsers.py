@@ -23,48 +23,88 @@ HERMES_CASES = [
     # (output, content, [(name, arguments)])
     ("Just text, no call.", "Just text, no call.", []),
     ("Trailing space kept without a call  ", "Trailing space kept without a call  ", []),
-    (f"<tool_call>\n{WEATHER}\n</tool_call>", "", [("get_weather", '{"city": "Paris", "days": [1, 2]}')]),
-    (f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>", "Let me check.",
-     [("get_weather", '{"city": "Paris", "days": [1, 2]}')]),
+    (
+        f"<tool_call>\n{WEATHER}\n</tool_call>",
+        "",
+        [("get_weather", '{"city": "Paris", "days": [1, 2]}')],
+    ),
+    (
+        f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>",
+        "Let me check.",
+        [("get_weather", '{"city": "Paris", "days": [1, 2]}')],
+    ),
     ('<tool_call>{"name": "now", "arguments": {}}</tool_call>', "", [("now", "{}")]),
     ('<tool_call>{"name": "now"}</tool_call>', "", [("now", "{}")]),
-    ('<tool_call>{"arguments": {"a": "}\\"{"}, "name": "late"}</tool_call>', "",
-     [("late", '{"a": "}\\"{"}')]),
-    ('<tool_call>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]</tool_call>',
-     "", [("a", '{"x": 1}'), ("b", "{}")]),
-    ('<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n'
-     '<tool_call>{"name": "b", "parameters": {"y": "<tool_call>"}}</tool_call>', "",
-     [("a", '{"x": 1}'), ("b", '{"y": "<tool_call>"}')]),
+    (
+        '<tool_call>{"arguments": {"a": "}\\"{"}, "name": "late"}</tool_call>',
+        "",
+        [("late", '{"a": "}\\"{"}')],
+    ),
+    (
+        '<tool_call>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]</tool_call>',
+        "",
+        [("a", '{"x": 1}'), ("b", "{}")],
+    ),
+    (
+        '<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n'
+        '<tool_call>{"name": "b", "parameters": {"y": "<tool_call>"}}</tool_call>',
+        "",
+        [("a", '{"x": 1}'), ("b", '{"y": "<tool_call>"}')],
+    ),
     ('<tool_call>{"name": "s", "arguments": "{\\"q\\": 1}"}</tool_call>', "", [("s", '{"q": 1}')]),
-    ('a <b> c <tool_c', "a <b> c <tool_c", []),  # a tag that never came: content at the end
+    ("a <b> c <tool_c", "a <b> c <tool_c", []),  # a tag that never came: content at the end
     ('<tool_call>{"name": "cut", "arguments": {"city": "Par', "", [("cut", '{"city": "Par')]),
-]  # fmt: skip
+]
 
 
-KIMI = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
-        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
-        "<|tool_call_begin|>functions.now:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
-        "<|tool_calls_section_end|>")  # fmt: skip
-DEEPSEEK = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
-            '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>'
-            '<｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')  # fmt: skip
-GLM = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
-       "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
-       "<tool_call>now\n</tool_call>")  # fmt: skip
+KIMI = (
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+    '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+    "<|tool_call_begin|>functions.now:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
+    "<|tool_calls_section_end|>"
+)
+DEEPSEEK = (
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+    '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>'
+    "<｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+)
+GLM = (
+    "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+    "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+    "<tool_call>now\n</tool_call>"
+)
 OTHER_CASES = [
     ("kimi_k2", "Sure. " + KIMI, "Sure.", [("get_weather", '{"city": "Paris"}'), ("now", "{}")]),
     ("kimi_k2", "no calls <|tool", "no calls <|tool", []),
-    ("deepseek_v3", "Let me see.\n" + DEEPSEEK, "Let me see.",
-     [("get_weather", '{"city": "Paris"}'), ("now", "{}")]),
-    ("glm45", "Checking " + GLM, "Checking",
-     [("get_weather", '{"city": "Paris", "days": 3}'), ("now", "{}")]),
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
-     '{"name": "now", "parameters": {}}', "", [("get_weather", '{"city": "Paris"}'), ("now", "{}")]),
+    (
+        "deepseek_v3",
+        "Let me see.\n" + DEEPSEEK,
+        "Let me see.",
+        [("get_weather", '{"city": "Paris"}'), ("now", "{}")],
+    ),
+    (
+        "glm45",
+        "Checking " + GLM,
+        "Checking",
+        [("get_weather", '{"city": "Paris", "days": 3}'), ("now", "{}")],
+    ),
+    (
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+        '{"name": "now", "parameters": {}}',
+        "",
+        [("get_weather", '{"city": "Paris"}'), ("now", "{}")],
+    ),
     ("llama3_json", '<|python_tag|>{"name": "now", "parameters": {}}', "", [("now", "{}")]),
-    ("llama3_json", 'Hello <|python_tag|>{"name": "now", "parameters": {}}', "Hello", [("now", "{}")]),
+    (
+        "llama3_json",
+        'Hello <|python_tag|>{"name": "now", "parameters": {}}',
+        "Hello",
+        [("now", "{}")],
+    ),
     ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),  # JSON naming no function: content
     ("llama3_json", "Just words.", "Just words.", []),
-]  # fmt: skip
+]
 ALL_CASES = [("hermes", *case) for case in HERMES_CASES] + OTHER_CASES
 
 

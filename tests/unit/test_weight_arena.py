@@ -21,8 +21,11 @@ def _int4(rows: int, cols: int) -> Int4Linear:
 
 def test_weights_become_views_of_one_allocation_in_stream_order_with_their_values():
     torch.manual_seed(0)
-    linears = [DenseLinear(torch.randn(96, 64).bfloat16()), _int4(128, 64),
-               DenseLinear(torch.randn(64, 96).bfloat16(), torch.randn(64).bfloat16())]  # fmt: skip
+    linears = [
+        DenseLinear(torch.randn(96, 64).bfloat16()),
+        _int4(128, 64),
+        DenseLinear(torch.randn(64, 96).bfloat16(), torch.randn(64).bfloat16()),
+    ]
     tensors = [linears[0].weight, linears[1].packed, linears[1].scales_zeros, linears[2].weight]
     before = [t.clone() for t in tensors]
     arena = weight_arena.pack(linears)
@@ -30,8 +33,10 @@ def test_weights_become_views_of_one_allocation_in_stream_order_with_their_value
     after = [linears[0].weight, linears[1].packed, linears[1].scales_zeros, linears[2].weight]
     starts = [t.data_ptr() for t in after]
     assert starts == sorted(starts), "in the order the linears read them"
-    assert all(arena.data_ptr() <= s and s + t.nbytes <= arena.data_ptr() + arena.numel()
-               for s, t in zip(starts, after, strict=True))  # fmt: skip
+    assert all(
+        arena.data_ptr() <= s and s + t.nbytes <= arena.data_ptr() + arena.numel()
+        for s, t in zip(starts, after, strict=True)
+    )
     assert all(s % weight_arena.ALIGN == 0 for s in starts)
     for old, new in zip(before, after, strict=True):
         assert new.dtype == old.dtype and new.shape == old.shape and torch.equal(new, old)

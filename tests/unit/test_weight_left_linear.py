@@ -19,9 +19,16 @@ def test_fp32_picks_weight_left_for_two_to_sixty_four_rows_of_a_large_weight_onl
     big, small = torch.zeros(BIG), torch.zeros(1024, 1024)
     assert big.numel() == linear.WEIGHT_LEFT_MIN
     picked = {rows: linear.dense_kernel(rows, big) for rows in (1, 2, 3, 7, 11, 64, 65, 512)}
-    want = {1: linear.TORCH, 2: linear.WEIGHT_LEFT, 3: linear.WEIGHT_LEFT,
-            7: linear.WEIGHT_LEFT, 11: linear.WEIGHT_LEFT, 64: linear.WEIGHT_LEFT,
-            65: linear.TORCH, 512: linear.TORCH}  # fmt: skip
+    want = {
+        1: linear.TORCH,
+        2: linear.WEIGHT_LEFT,
+        3: linear.WEIGHT_LEFT,
+        7: linear.WEIGHT_LEFT,
+        11: linear.WEIGHT_LEFT,
+        64: linear.WEIGHT_LEFT,
+        65: linear.TORCH,
+        512: linear.TORCH,
+    }
     want.update({rows: linear.GEMV for rows in want if rows <= GEMV_ROWS})
     assert picked == want
     assert linear.dense_kernel(11, small) == linear.TORCH

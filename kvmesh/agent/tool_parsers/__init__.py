@@ -55,6 +55,14 @@ def parser_for(chat_template: str | None) -> str:
 
 
 __all__ = [
-    "ArgumentsDelta", "CallStart", "ContentDelta", "ParsedOutput", "StreamEvent",
-    "ToolCallStream", "ToolParser", "get_parser", "parse_output", "parser_for",
-]  # fmt: skip
+    "ArgumentsDelta",
+    "CallStart",
+    "ContentDelta",
+    "ParsedOutput",
+    "StreamEvent",
+    "ToolCallStream",
+    "ToolParser",
+    "get_parser",
+    "parse_output",
+    "parser_for",
+]

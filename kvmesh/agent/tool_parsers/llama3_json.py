@@ -40,9 +40,12 @@ class Llama3JsonParser(TaggedFormat):
 
     def call_grammar(self, call_schema: dict, many: bool, literal: Literal = quoted) -> str:
         def call(name: str, arguments: dict) -> str:
-            schema = {"type": "object", "properties": {"name": {"const": name},
-                      "parameters": arguments}, "required": ["name", "parameters"],
-                      "additionalProperties": False}  # fmt: skip
+            schema = {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": arguments},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
             return json_rule(schema)
 
         more = ' ("; " call)*' if many else ""

@@ -27,8 +27,9 @@ def prefill_spans(layout: BatchLayout) -> tuple[list[torch.Tensor], tuple[Prefil
     decode, row = layout.num_decode, layout.num_decode
     slots: list[torch.Tensor] = []
     spans: list[PrefillSpan] = []
-    for table, start, width in zip(layout.block_tables[decode:], layout.starts[decode:],
-                                   layout.widths[decode:], strict=True):  # fmt: skip
+    for table, start, width in zip(
+        layout.block_tables[decode:], layout.starts[decode:], layout.widths[decode:], strict=True
+    ):
         every = _slots_of(table, start + width, offsets)
         index = Slots.of(every, size) if start > 0 else None
         spans.append(PrefillSpan(row, row + width, start, index))
@@ -49,8 +50,9 @@ def _decode(tables, starts, offsets: torch.Tensor, null_page: int):
     lengths = torch.tensor(starts) + 1
     longest = int(lengths.max())
     width = (longest + size - 1) // size
-    padded = torch.tensor([list(t[:width]) + [null_page] * (width - len(t[:width]))
-                           for t in tables])  # fmt: skip
+    padded = torch.tensor(
+        [list(t[:width]) + [null_page] * (width - len(t[:width])) for t in tables]
+    )
     gather = (padded.unsqueeze(-1) * size + offsets).flatten(1)[:, :longest]
     mask = torch.arange(longest).unsqueeze(0) < lengths.unsqueeze(1)
     new_slots = gather.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)

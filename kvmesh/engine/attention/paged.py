@@ -88,8 +88,15 @@ def _padded_tables(tables, counts: list[int], width: int, null_page: int) -> tor
     return out
 
 
-def _write_decode(q: torch.Tensor, new: torch.Tensor, layer: PagedLayer, meta: PagedMetadata,
-                  v_part: int, v_dim: int, scale: float) -> torch.Tensor:  # fmt: skip
+def _write_decode(
+    q: torch.Tensor,
+    new: torch.Tensor,
+    layer: PagedLayer,
+    meta: PagedMetadata,
+    v_part: int,
+    v_dim: int,
+    scale: float,
+) -> torch.Tensor:
     """new [T, heads, parts, dim] written into the layer's pages, then the first B rows of the
     step (q [B, H, k_dim]) attended over theirs: one op (kernels/csrc/kv_write.cpp)."""
     slots = meta.slot_mapping
@@ -116,8 +123,9 @@ class PagedAttention:
 
     def forward(self, q, k, v, cache: GqaLayerKV, meta: PagedMetadata, scale: float):
         d = meta.num_decode
-        decoded = _write_decode(q[:d], torch.stack((k, v), dim=-2), cache.layer, meta, 1,
-                                q.shape[-1], scale)  # fmt: skip
+        decoded = _write_decode(
+            q[:d], torch.stack((k, v), dim=-2), cache.layer, meta, 1, q.shape[-1], scale
+        )
         if not meta.prefills:
             return decoded
         out = torch.empty_like(q)
@@ -134,8 +142,9 @@ class PagedMlaAttention:
     def build_metadata(self, layout: BatchLayout) -> PagedMetadata:
         return build_paged_metadata(layout)
 
-    def forward(self, q_nope, q_pe, entry, cache: MlaLayerKV, meta: PagedMetadata,
-                w: MlaWeights) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, q_nope, q_pe, entry, cache: MlaLayerKV, meta: PagedMetadata, w: MlaWeights
+    ) -> torch.Tensor:
         d, rank = meta.num_decode, w.kv_b.shape[1]
         q_latent = torch.bmm(q_nope[:d].transpose(0, 1), w.w_uk).transpose(0, 1)
         query = torch.cat((q_latent, q_pe[:d]), dim=-1)  # [B, H, rank + rope]

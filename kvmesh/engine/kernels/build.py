@@ -27,12 +27,18 @@ SOURCES = Path(__file__).parent / "csrc"
 NAME = "kvmesh_cpu_kernels"
 # (CPU flags a build needs, its compiler flags), best first
 ISAS = {
-    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"),
-               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]),
+    "avx512": (
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"),
+        ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    ),
     "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c"]),
-}  # fmt: skip
-COMMON_CFLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off",
-                 "-fopenmp"]  # at::parallel_for is inline OpenMP: without it every call runs serially  # fmt: skip
+}
+COMMON_CFLAGS = [
+    "-O3",
+    "-fno-math-errno",
+    "-ffp-contract=off",
+    "-fopenmp",
+]  # at::parallel_for is inline OpenMP: without it every call runs serially
 
 
 def cpu_flags() -> set[str]:

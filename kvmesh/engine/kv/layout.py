@@ -82,8 +82,14 @@ class KVCacheSpec:
             raise ValueError("every layer of a KV spec must cache the same number of heads")
 
     @classmethod
-    def gqa(cls, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
-            kv_dtype: str = "fp32") -> KVCacheSpec:  # fmt: skip
+    def gqa(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        kv_dtype: str = "fp32",
+    ) -> KVCacheSpec:
         return cls((LayerKVSpec("gqa", num_kv_heads, head_dim),) * num_layers, page_size, kv_dtype)
 
     @property

@@ -115,8 +115,10 @@ class PageSide:
     def runs(self) -> list[tuple[int, int, int]]:
         """(shard, offset in its page, bytes) runs that make a whole page, in order, each byte
         from the first shard holding it."""
-        return [(s, offset, n) for s, offset, n, _ in
-                _runs(_held(self.spans), range(self.page_bytes), 0)]  # fmt: skip
+        return [
+            (s, offset, n)
+            for s, offset, n, _ in _runs(_held(self.spans), range(self.page_bytes), 0)
+        ]
 
     def pieces(self, index: int) -> list[tuple[int, int]]:
         """(address, length) of page `index`'s bytes in order (see runs)."""
@@ -153,8 +155,9 @@ def _held(spans: tuple[tuple[range, ...], ...]) -> list[tuple[int, range, int]]:
     return out
 
 
-def _runs(held: list[tuple[int, range, int]], wanted: range,
-          turn: int) -> list[tuple[int, int, int, int]]:  # fmt: skip
+def _runs(
+    held: list[tuple[int, range, int]], wanted: range, turn: int
+) -> list[tuple[int, int, int, int]]:
     """(shard, offset in its page, bytes, first byte) runs covering the `wanted` bytes, each
     byte from a shard holding it: the `turn`-th of its holders (destinations spread over
     replicas)."""

@@ -14,8 +14,14 @@ from kvmesh.engine.models.rope import apply_rotary
 
 
 class GqaAttention:
-    def __init__(self, config: ModelConfig, qkv: Linear, o_proj: Linear,
-                 q_norm: torch.Tensor | None, k_norm: torch.Tensor | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: ModelConfig,
+        qkv: Linear,
+        o_proj: Linear,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+    ) -> None:
         self.config, self.qkv, self.o_proj = config, qkv, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
         self.q_size = config.num_heads * config.head_dim
@@ -24,8 +30,9 @@ class GqaAttention:
         self.rotary_dim = config.rope_dim
 
     @classmethod
-    def load(cls, config: ModelConfig, weights: Weights, prefix: str,
-             method: LinearMethod) -> GqaAttention:  # fmt: skip
+    def load(
+        cls, config: ModelConfig, weights: Weights, prefix: str, method: LinearMethod
+    ) -> GqaAttention:
         """From `prefix`{q,k,v,o}_proj.weight (+ q/k/v biases, q_norm / k_norm)."""
         names = [f"{prefix}{n}_proj" for n in "qkv"]
         bias = None

@@ -65,8 +65,9 @@ class MlaAttention:
         self.dims = config.mla
 
     @classmethod
-    def load(cls, config: ModelConfig, weights: Weights, prefix: str,
-             method: LinearMethod) -> MlaAttention:  # fmt: skip
+    def load(
+        cls, config: ModelConfig, weights: Weights, prefix: str, method: LinearMethod
+    ) -> MlaAttention:
         """From `prefix`{q_a_proj, q_a_layernorm, q_b_proj | q_proj}, kv_a_proj_with_mqa,
         kv_a_layernorm, kv_b_proj, o_proj (biases where the checkpoint has them)."""
         mla = config.mla
@@ -83,8 +84,9 @@ class MlaAttention:
             norms["q_a_layernorm"] = weights.dense(f"{prefix}q_a_layernorm.weight")
         kv_b = weights.dense(f"{prefix}kv_b_proj.weight")
         heads = config.num_heads
-        mla_weights = MlaWeights(kv_b, heads, mla.qk_nope_head_dim, mla.v_head_dim,
-                                 softmax_scale(config))  # fmt: skip
+        mla_weights = MlaWeights(
+            kv_b, heads, mla.qk_nope_head_dim, mla.v_head_dim, softmax_scale(config)
+        )
         return cls(config, proj, norms, mla_weights)
 
     def __call__(self, x, cos, sin, meta, cache, attention) -> torch.Tensor:

@@ -57,13 +57,13 @@ class Router:
 
 
 class MoE:
-    def __init__(self, router: Router, experts: list[GatedMLP | None],
-                 shared: GatedMLP | None) -> None:  # fmt: skip
+    def __init__(
+        self, router: Router, experts: list[GatedMLP | None], shared: GatedMLP | None
+    ) -> None:
         self.router, self.experts, self.shared = router, experts, shared
 
     @classmethod
-    def load(cls, config: MoeConfig, weights: Weights, prefix: str,
-             method: LinearMethod) -> MoE:  # fmt: skip
+    def load(cls, config: MoeConfig, weights: Weights, prefix: str, method: LinearMethod) -> MoE:
         """From `prefix`gate.weight (+ e_score_correction_bias), experts.E.*_proj (or the fused
         experts.gate_up_proj / experts.down_proj of transformers' own format), shared_experts."""
         bias = None
@@ -100,13 +100,20 @@ class MoE:
         return held + (self.shared.nbytes if self.shared is not None else 0)
 
 
-def _experts(config: MoeConfig, weights: Weights, prefix: str,
-             method: LinearMethod) -> list[GatedMLP | None]:  # fmt: skip
+def _experts(
+    config: MoeConfig, weights: Weights, prefix: str, method: LinearMethod
+) -> list[GatedMLP | None]:
     """Every routed expert's MLP; None for those another rank holds (expert parallelism)."""
     held = config.held_experts
     if f"{prefix}gate_up_proj" in weights:  # transformers' fused [E, 2I, H] / [E, H, I]
         gate_up, down = weights.raw(f"{prefix}gate_up_proj"), weights.raw(f"{prefix}down_proj")
-        return [GatedMLP(method.create([gate_up[e]], None), method.create([down[e]], None))
-                if e in held else None for e in range(config.num_experts)]  # fmt: skip
-    return [GatedMLP.load(weights, f"{prefix}{e}.", method) if e in held else None
-            for e in range(config.num_experts)]  # fmt: skip
+        return [
+            GatedMLP(method.create([gate_up[e]], None), method.create([down[e]], None))
+            if e in held
+            else None
+            for e in range(config.num_experts)
+        ]
+    return [
+        GatedMLP.load(weights, f"{prefix}{e}.", method) if e in held else None
+        for e in range(config.num_experts)
+    ]

@@ -15,8 +15,12 @@ from kvmesh.engine.kernels import cpu_ops
 
 
 def _kernel_for(x: torch.Tensor, weight: torch.Tensor):
-    if (x.dtype in (torch.bfloat16, torch.float32) and weight.dtype == x.dtype
-            and x.device.type == "cpu" and x.is_contiguous()):  # fmt: skip
+    if (
+        x.dtype in (torch.bfloat16, torch.float32)
+        and weight.dtype == x.dtype
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+    ):
         return cpu_ops()
     return None
 

@@ -18,8 +18,17 @@ if TYPE_CHECKING:
 
     Loader = Callable[[ModelSource, bool], tuple[ModelConfig, Mapping]]
 
-__all__ = ["DEFAULT_MODEL", "LazyWeights", "LoadedModel", "ModelSource", "load_hf_tokenizer",
-           "load_model", "load_weights", "read_config", "resolve_model"]  # fmt: skip
+__all__ = [
+    "DEFAULT_MODEL",
+    "LazyWeights",
+    "LoadedModel",
+    "ModelSource",
+    "load_hf_tokenizer",
+    "load_model",
+    "load_weights",
+    "read_config",
+    "resolve_model",
+]
 
 
 def load_weights(source: ModelSource, int4: bool = False) -> tuple[ModelConfig, LazyWeights]:

@@ -25,12 +25,30 @@ import numpy as np
 
 from kvmesh.errors import ModelFormatError
 
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
-            12: "d"}  # fmt: skip
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 _STRING, _ARRAY = 8, 9
 _SKIPPED = ("tokens", "merges", "token_type", "scores")  # of tokenizer.ggml.*: not config
-_ITEMS = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
-          "I16": np.int16, "I32": np.int32, "I64": np.int64}  # fmt: skip
+_ITEMS = {
+    "F16": np.float16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "I8": np.int8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+}
 
 
 @dataclass(frozen=True)

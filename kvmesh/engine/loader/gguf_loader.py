@@ -92,10 +92,14 @@ def load_gguf(path: Path, int4: bool = False) -> tuple[ModelConfig, LazyWeights]
         if t.qtype not in SUPPORTED_TYPES:
             raise ModelFormatError(f"GGUF tensor {t.name} has unsupported type {t.qtype}")
     file = ReadOnlyFile(path)
-    readers = {hf_name(t.name): functools.partial(_read, file, t, config, int4)
-               for t in header.tensors}  # fmt: skip
-    slicers = {hf_name(t.name): functools.partial(_read_slice, file, t, config)
-               for t in header.tensors if len(t.shape) == 2 and not _kept_int4(t, int4)}  # fmt: skip
+    readers = {
+        hf_name(t.name): functools.partial(_read, file, t, config, int4) for t in header.tensors
+    }
+    slicers = {
+        hf_name(t.name): functools.partial(_read_slice, file, t, config)
+        for t in header.tensors
+        if len(t.shape) == 2 and not _kept_int4(t, int4)
+    }
     if "lm_head.weight" in readers:
         config = _replace(config, tie_word_embeddings=False)
     return config, LazyWeights(readers, [file], slicers)
@@ -105,8 +109,15 @@ def _kept_int4(t: TensorInfo, int4: bool) -> bool:
     return int4 and t.qtype in ("Q4_0", "Q4_1") and len(t.shape) == 2
 
 
-def _read_slice(file: ReadOnlyFile, t: TensorInfo, config: ModelConfig, dim: int, start: int,
-                length: int, dtype: Any) -> Any:  # fmt: skip
+def _read_slice(
+    file: ReadOnlyFile,
+    t: TensorInfo,
+    config: ModelConfig,
+    dim: int,
+    start: int,
+    length: int,
+    dtype: Any,
+) -> Any:
     """Rows or columns [start, start + length) of a float matrix: the raw (quantized) tensor
     is read whole -- a fraction of the floats -- but only this part is dequantized, row chunks
     at a time. Permuted Q/K rows: a slice of whole heads, unpermuted on its own."""

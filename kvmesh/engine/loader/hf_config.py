@@ -74,8 +74,13 @@ def _quantization(cfg: dict[str, Any]) -> str:
 def _mla(cfg: dict[str, Any]) -> MlaConfig | None:
     if "kv_lora_rank" not in cfg:
         return None
-    return MlaConfig(cfg.get("q_lora_rank"), cfg["kv_lora_rank"], cfg["qk_nope_head_dim"],
-                     cfg["qk_rope_head_dim"], cfg["v_head_dim"])  # fmt: skip
+    return MlaConfig(
+        cfg.get("q_lora_rank"),
+        cfg["kv_lora_rank"],
+        cfg["qk_nope_head_dim"],
+        cfg["qk_rope_head_dim"],
+        cfg["v_head_dim"],
+    )
 
 
 def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
@@ -83,9 +88,13 @@ def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
     if arch == "qwen3_moe":
         step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
         moe = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
-        return MoeConfig(_num_experts(cfg), cfg["num_experts_per_tok"],
-                         cfg["moe_intermediate_size"], moe,
-                         norm_topk_prob=cfg.get("norm_topk_prob", False))  # fmt: skip
+        return MoeConfig(
+            _num_experts(cfg),
+            cfg["num_experts_per_tok"],
+            cfg["moe_intermediate_size"],
+            moe,
+            norm_topk_prob=cfg.get("norm_topk_prob", False),
+        )
     if _num_experts(cfg) is None:
         return None
     if cfg.get("mlp_layer_types"):
@@ -94,13 +103,18 @@ def _moe(arch: str, cfg: dict[str, Any]) -> MoeConfig | None:
         first, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
         moe = tuple(i for i in layers if i >= first and i % freq == 0)
     return MoeConfig(
-        _num_experts(cfg), cfg["num_experts_per_tok"], cfg["moe_intermediate_size"], moe,
-        num_shared_experts=cfg.get("n_shared_experts") or 0, scoring="sigmoid",
+        _num_experts(cfg),
+        cfg["num_experts_per_tok"],
+        cfg["moe_intermediate_size"],
+        moe,
+        num_shared_experts=cfg.get("n_shared_experts") or 0,
+        scoring="sigmoid",
         norm_topk_prob=cfg.get("norm_topk_prob", True),
         routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
-        num_groups=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1,
+        num_groups=cfg.get("n_group") or 1,
+        topk_group=cfg.get("topk_group") or 1,
         correction_bias=True,
-    )  # fmt: skip
+    )
 
 
 def _num_experts(cfg: dict[str, Any]) -> int | None:

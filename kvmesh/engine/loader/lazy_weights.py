@@ -40,8 +40,12 @@ class Closable(Protocol):
 class LazyWeights(Mapping[str, Any]):
     """HF names -> tensors (or `Int4Weight`s), each read from its file on access."""
 
-    def __init__(self, readers: Mapping[str, Reader], files: Sequence[Closable] = (),
-                 slicers: Mapping[str, Slicer] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        readers: Mapping[str, Reader],
+        files: Sequence[Closable] = (),
+        slicers: Mapping[str, Slicer] | None = None,
+    ) -> None:
         """slicers: the names whose parts can be read alone (safetensors files)."""
         self._readers = dict(readers)
         self._slicers = dict(slicers or {})
@@ -71,8 +75,9 @@ class LazyWeights(Mapping[str, Any]):
     def __getitem__(self, name: str) -> Any:
         return self.read(name)
 
-    def pop_slice(self, name: str, dim: int, start: int, length: int,
-                  dtype: torch.dtype | None = None) -> Any:  # fmt: skip
+    def pop_slice(
+        self, name: str, dim: int, start: int, length: int, dtype: torch.dtype | None = None
+    ) -> Any:
         """Rows (dim 0) or columns (dim 1) [start, start + length) of `name` (see can_slice),
         reading no more than that (and row chunks); the name forgotten."""
         if not self._open[0]:

@@ -44,8 +44,16 @@ from kvmesh.errors import KvmeshError
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["CONVERTER_VERSION", "LoadedModel", "config_from_json", "config_to_json",
-           "entry_path", "load_cached", "open_entry", "write_entry"]  # fmt: skip
+__all__ = [
+    "CONVERTER_VERSION",
+    "LoadedModel",
+    "config_from_json",
+    "config_to_json",
+    "entry_path",
+    "load_cached",
+    "open_entry",
+    "write_entry",
+]
 CacheStatus = Literal["hit", "miss", "off"]
 _ENTRY_NAME = re.compile(r"^\.?([0-9a-f]{16})\.")  # KEY.kind, or .KEY.kind.pid.uuid.tmp / .lock
 

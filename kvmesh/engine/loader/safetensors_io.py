@@ -21,11 +21,23 @@ import torch
 from kvmesh.engine.loader.lazy_weights import ReadOnlyFile, as_dtype
 from kvmesh.errors import ModelFormatError
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-          "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-          "I8": torch.int8, "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16,
-          "U8": torch.uint8, "BOOL": torch.bool,
-          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # fmt: skip
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _MAX_HEADER = 100 << 20  # the limit the safetensors library itself enforces
 CHUNK_BYTES = 16 << 20  # a dtype-converting read converts this much at a time
@@ -67,8 +79,9 @@ class SafetensorsFile:
         entry = self.entries[name]
         size = entry.end - entry.begin
         if dtype in (None, entry.dtype) or size <= CHUNK_BYTES or not entry.shape[0]:
-            return as_dtype(self._bytes(entry.begin, size).view(entry.dtype).view(entry.shape),
-                            dtype)  # fmt: skip
+            return as_dtype(
+                self._bytes(entry.begin, size).view(entry.dtype).view(entry.shape), dtype
+            )
         out = torch.empty(entry.shape, dtype=dtype)
         rows = entry.shape[0]
         row_bytes = size // rows
@@ -79,8 +92,9 @@ class SafetensorsFile:
             out[first:last].copy_(raw.view(entry.dtype).view(last - first, *entry.shape[1:]))
         return out
 
-    def read_slice(self, name: str, dim: int, start: int, length: int,
-                   dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    def read_slice(
+        self, name: str, dim: int, start: int, length: int, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1, of a 2-D tensor) [start, start + length) of `name`,
         reading only those rows, or the rows in chunks of about CHUNK_BYTES whose columns are
         kept: never the whole tensor at once (a tensor-parallel rank's part)."""
@@ -115,8 +129,10 @@ def check_part(name: str, shape: tuple[int, ...], dim: int, start: int, length: 
     if dim not in (0, 1) or len(shape) <= dim or (dim == 1 and len(shape) != 2):
         raise ValueError(f"{name}: only rows or the columns of a matrix are read in part")
     if start < 0 or length < 0 or start + length > shape[dim]:
-        raise ModelFormatError(f"{name} has {shape[dim]} entries in dimension {dim}; a rank "
-                               f"needs [{start}, {start + length})")  # fmt: skip
+        raise ModelFormatError(
+            f"{name} has {shape[dim]} entries in dimension {dim}; a rank "
+            f"needs [{start}, {start + length})"
+        )
 
 
 def _parse_header(file: ReadOnlyFile) -> tuple[dict[str, TensorEntry], dict[str, str]]:
@@ -166,8 +182,11 @@ class SafetensorsWriter:
             raise ValueError(f"tensor {name!r} written twice")
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         self._file.write(data.numpy().data)
-        self._entries[name] = {"dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape),
-                               "data_offsets": [self._size, self._size + data.numel()]}  # fmt: skip
+        self._entries[name] = {
+            "dtype": _NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [self._size, self._size + data.numel()],
+        }
         self._size += data.numel()
 
     def finish(self, metadata: dict[str, str]) -> None:

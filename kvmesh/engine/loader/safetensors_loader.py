@@ -29,8 +29,9 @@ def load_hf_folder(folder: Path) -> tuple[ModelConfig, LazyWeights]:
         for file in safetensors_files(folder):
             shards.append(SafetensorsFile(file))
             readers.update({n: functools.partial(shards[-1].read, n) for n in shards[-1].names})
-            slicers.update({n: functools.partial(shards[-1].read_slice, n)
-                            for n in shards[-1].names})  # fmt: skip
+            slicers.update(
+                {n: functools.partial(shards[-1].read_slice, n) for n in shards[-1].names}
+            )
     except BaseException:
         for shard in shards:
             shard.close()

@@ -47,7 +47,7 @@ class CausalLM(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states [T, H] before the final norm, and with `capture` those layers'
         outputs concatenated (what an EAGLE head reads)."""
-        ...  # fmt: skip
+        ...
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, V] of chosen rows of `forward`'s output, in the LM head's dtype."""
@@ -76,7 +76,11 @@ def _packed_scheme(config: ModelConfig) -> Any:
 class DecoderLayer:
     def __init__(self, input_norm, attention, post_norm, mlp) -> None:
         self.input_norm, self.attention, self.post_norm, self.mlp = (
-            input_norm, attention, post_norm, mlp)  # fmt: skip
+            input_norm,
+            attention,
+            post_norm,
+            mlp,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -89,8 +93,14 @@ class DecoderModel:
     `attention(i, prefix)` and `mlp(i, prefix)`; `self.method` is the linear method of the
     decoder layers, `self.weights` the checkpoint."""
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, Any], dtype: torch.dtype,
-                 max_positions: int, int4: Int4Scheme | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, Any],
+        dtype: torch.dtype,
+        max_positions: int,
+        int4: Int4Scheme | None = None,
+    ) -> None:
         self.config, self.dtype, self.int4 = config, dtype, int4
         packed = _packed_scheme(config)
         self.weights = Weights(weights, dtype, packed)
@@ -177,8 +187,9 @@ class DecoderModel:
         captured: list[torch.Tensor] = []
         for index, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = rms_norm(h, layer.input_norm, eps)
-            x, h = add_rms_norm(h, layer.attention(x, cos, sin, meta, cache, attention),
-                                layer.post_norm, eps)  # fmt: skip
+            x, h = add_rms_norm(
+                h, layer.attention(x, cos, sin, meta, cache, attention), layer.post_norm, eps
+            )
             h = h + layer.mlp(x)
             if index in capture:
                 captured.append(h)

@@ -29,8 +29,11 @@ _ENTRIES = (
 )
 ARCHITECTURES = {a.hf_name: a for a in _ENTRIES}
 _BY_FAMILY = {a.family: a for a in _ENTRIES}
-GGUF_NAMES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-              "qwen2": "Qwen2ForCausalLM"}  # fmt: skip
+GGUF_NAMES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 
 
 def by_hf_names(names: list[str]) -> Architecture:

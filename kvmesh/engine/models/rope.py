@@ -75,8 +75,9 @@ def _scale(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 class RotaryEmbedding:
     """Precomputed cos/sin tables indexed by position once per step, shared by all layers."""
 
-    def __init__(self, inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype,
-                 factor: float = 1.0) -> None:  # fmt: skip
+    def __init__(
+        self, inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype, factor: float = 1.0
+    ) -> None:
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -87,8 +88,13 @@ class RotaryEmbedding:
         self.sin = sin.to(dtype)
 
     @classmethod
-    def of(cls, config: ModelConfig, max_positions: int, dtype: torch.dtype,
-           rope_freqs: torch.Tensor | None = None) -> RotaryEmbedding:  # fmt: skip
+    def of(
+        cls,
+        config: ModelConfig,
+        max_positions: int,
+        dtype: torch.dtype,
+        rope_freqs: torch.Tensor | None = None,
+    ) -> RotaryEmbedding:
         factor = attention_factor(config.rope_scaling)
         return cls(inv_frequencies(config, rope_freqs), max_positions, dtype, factor)
 
@@ -110,10 +116,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def _kernel_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    return (x.dim() == 3 and x.device.type == "cpu" and x.stride(-1) == 1
-            and x.dtype in (torch.float32, torch.bfloat16) and cos.dtype == x.dtype == sin.dtype
-            and cos.is_contiguous() and sin.is_contiguous()
-            and cos.numel() == sin.numel() == x.shape[0] * x.shape[-1])  # fmt: skip
+    return (
+        x.dim() == 3
+        and x.device.type == "cpu"
+        and x.stride(-1) == 1
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and cos.dtype == x.dtype == sin.dtype
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.numel() == sin.numel() == x.shape[0] * x.shape[-1]
+    )
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,7 @@ TIMEOUT = datetime.timedelta(minutes=10)
 
 def master_store(world: int) -> dist.TCPStore:
     """Rank 0's rendezvous store on a free loopback port (`.port` tells the others)."""
-    return dist.TCPStore(HOST, 0, world, is_master=True, wait_for_workers=False,
-                         timeout=TIMEOUT)  # fmt: skip
+    return dist.TCPStore(HOST, 0, world, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
 
 
 def client_store(port: int) -> dist.TCPStore:
@@ -65,8 +64,9 @@ class AllReduced:
         return self.inner.nbytes
 
 
-def all_reduced_layers(model: Any, vocab: range, group: dist.ProcessGroupGloo,
-                       shm: ShmAllReduce | None = None) -> None:  # fmt: skip
+def all_reduced_layers(
+    model: Any, vocab: range, group: dist.ProcessGroupGloo, shm: ShmAllReduce | None = None
+) -> None:
     """A sharded model joined to its ranks: each decoder layer's attention and MLP summed over
     them (through shared memory where the tensor fits, else gloo), the embedding and LM head
     split by token id (`vocab`: this rank's ids)."""
@@ -91,8 +91,9 @@ class VocabParallel:
 
     def __init__(self, model: Any, vocab: range, reduce: Callable[[torch.Tensor], None]) -> None:
         self.model, self.vocab, self.reduce = model, vocab, reduce
-        if any(t is not None and not isinstance(t, torch.Tensor)
-               for t in (model.embed, model.lm_head)):  # fmt: skip
+        if any(
+            t is not None and not isinstance(t, torch.Tensor) for t in (model.embed, model.lm_head)
+        ):
             raise InvalidRequestError("tensor parallelism needs dense embeddings (no INT4 table)")
 
     def token_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
@@ -112,8 +113,9 @@ class VocabParallel:
         return total.to(part.dtype)
 
 
-def vocab_parallel(model: Any, vocab: range, group: dist.ProcessGroupGloo,
-                   shm: ShmAllReduce | None) -> None:  # fmt: skip
+def vocab_parallel(
+    model: Any, vocab: range, group: dist.ProcessGroupGloo, shm: ShmAllReduce | None
+) -> None:
     """The model's embedding lookup and LM head, split by token id over the ranks."""
     split = VocabParallel(model, vocab, functools.partial(_sum, group, shm))
     if model.embed is not None:  # (a pipeline stage holds the tables of its ends only)

@@ -28,8 +28,13 @@ _CHECK_EVERY_S = 0.5  # how often a waiting receive asks whether the ranks still
 
 
 class Pipeline:
-    def __init__(self, model: Any, shard: TensorShard, group: dist.ProcessGroupGloo,
-                 alive: Callable[[], bool]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: Any,
+        shard: TensorShard,
+        group: dist.ProcessGroupGloo,
+        alive: Callable[[], bool],
+    ) -> None:
         """alive: whether the ranks this one may wait on still run (polled while it waits: a
         rank of a later stage may die while that stage's peers wait in their own sum)."""
         self.model, self.shard, self.group, self.alive = model, shard, group, alive

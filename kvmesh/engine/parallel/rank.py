@@ -43,23 +43,31 @@ class FollowerRunner(ModelRunner):
         self.model.logits(hidden)
 
 
-def _build(conn: Connection, config, shard: TensorShard, groups: tuple, shm_names: list[str],
-           parent: int) -> FollowerRunner:  # fmt: skip
+def _build(
+    conn: Connection, config, shard: TensorShard, groups: tuple, shm_names: list[str], parent: int
+) -> FollowerRunner:
     """This rank's shard of the model, joined to the others, over its part of the page pool."""
     loaded = load_engine_model(config, load_weights, shard)
-    capacity = group.reduce_capacity(loaded.config, config.scheduler.max_num_batched_tokens,
-                                     config.scheduler.max_num_seqs)  # fmt: skip
+    capacity = group.reduce_capacity(
+        loaded.config, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs
+    )
     shm = None
     if shm_names:  # its stage's shared-memory all-reduce
-        shm = ShmAllReduce(shard.world, shard.rank, capacity, shm_names[shard.stage],
-                           alive=lambda: os.getppid() == parent)  # fmt: skip
+        shm = ShmAllReduce(
+            shard.world,
+            shard.rank,
+            capacity,
+            shm_names[shard.stage],
+            alive=lambda: os.getppid() == parent,
+        )
     join_shard(loaded.model, loaded.config, shard, *groups, shm, lambda: os.getppid() == parent)
     spec = loaded.model.kv_spec(config.cache.page_size, config.resolved_kv_dtype)
     _, num_pages, nbytes, offset = conn.recv()
     pool = pool_of(receive_region(conn, nbytes), offset, spec, num_pages)
     kv = PagedKVCache(spec, num_pages, TORCH_DTYPES[config.compute_dtype], pool=pool)
-    runner = FollowerRunner(loaded.model, kv, get_backend(config.device.attention_backend,
-                                                          spec.layers[0].kind))  # fmt: skip
+    runner = FollowerRunner(
+        loaded.model, kv, get_backend(config.device.attention_backend, spec.layers[0].kind)
+    )
     runner.micro_batches = config.parallel.micro_batches  # split as rank 0 splits
     return runner
 

@@ -58,18 +58,25 @@ class Ranks:
                 self.sums.append(ShmAllReduce(tp, 0, capacity, alive=self._all_running))
             for rank in range(1, self.world):
                 ours, theirs = socket.socketpair()
-                self._procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "kvmesh.engine.parallel.rank", str(theirs.fileno())],
-                    pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                    start_new_session=True, preexec_fn=die_with_parent(),
-                ))  # fmt: skip
+                self._procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "kvmesh.engine.parallel.rank", str(theirs.fileno())],
+                        pass_fds=(theirs.fileno(),),
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                        preexec_fn=die_with_parent(),
+                    )
+                )
                 theirs.close()
                 self._conns.append(Connection(ours.detach()))
-                self._conns[-1].send(("init", config, rank, store.port,
-                                      [s.name for s in self.sums]))  # fmt: skip
+                self._conns[-1].send(
+                    ("init", config, rank, store.port, [s.name for s in self.sums])
+                )
             self.group = group.join(0, self.world, store)  # pipeline links; TP's without stages
-            self.tp_group = self.group if stages == 1 or tp == 1 else group.join(0, tp, store,
-                                                                                   "stage0")  # fmt: skip
+            self.tp_group = (
+                self.group if stages == 1 or tp == 1 else group.join(0, tp, store, "stage0")
+            )
         except BaseException:
             self.close()
             raise
@@ -101,8 +108,9 @@ class Ranks:
         for rank in range(1, self.world):
             self._send_to(rank, message)
 
-    def share_pages(self, specs: list[KVCacheSpec], num_pages: int,
-                    hugepages: bool = False) -> tuple[torch.Tensor, list]:  # fmt: skip
+    def share_pages(
+        self, specs: list[KVCacheSpec], num_pages: int, hugepages: bool = False
+    ) -> tuple[torch.Tensor, list]:
         """Every rank's page pool (specs[r]: its heads) in one block of shared memory, which
         each rank maps: the block and each rank's pool in it (shared_pages.py; on hugepages
         with `hugepages`)."""
@@ -116,8 +124,9 @@ class Ranks:
         pools = [pool_of(region, o, s, num_pages) for o, s in zip(offsets, specs, strict=True)]
         return region, pools
 
-    def kv_pool(self, model: ModelConfig, config: EngineConfig,
-                dtype: torch.dtype) -> tuple[PagedKVCache, KvPages]:  # fmt: skip
+    def kv_pool(
+        self, model: ModelConfig, config: EngineConfig, dtype: torch.dtype
+    ) -> tuple[PagedKVCache, KvPages]:
         """Rank 0's page pool, and every rank's as one KvPages; the page count fits every
         rank's share of the budget (each its KV heads)."""
         shards = [TensorShard.of(config, r) for r in range(self.world)]
@@ -125,8 +134,9 @@ class Ranks:
         specs = [
             spec_for_model(s.local_config(model), config.cache.page_size, kv_dtype) for s in shards
         ]
-        num_pages = config.cache.num_pages or min(s.pages_for_budget(config.cache.kv_cache_bytes)
-                                            for s in specs)  # fmt: skip
+        num_pages = config.cache.num_pages or min(
+            s.pages_for_budget(config.cache.kv_cache_bytes) for s in specs
+        )
         region, pools = self.share_pages(specs, num_pages, config.cache.kv_hugepages)
         self._await_ready()
         cache = PagedKVCache(specs[0], num_pages, dtype, pool=pools[0])
@@ -182,8 +192,15 @@ class Ranks:
             atexit.unregister(self.close)
 
 
-def join_shard(model: Any, config: ModelConfig, shard: TensorShard, world: Any, tp: Any,
-               shm: ShmAllReduce | None, alive: Any) -> None:  # fmt: skip
+def join_shard(
+    model: Any,
+    config: ModelConfig,
+    shard: TensorShard,
+    world: Any,
+    tp: Any,
+    shm: ShmAllReduce | None,
+    alive: Any,
+) -> None:
     """A rank's model joined to the others: its stage's tensor-parallel sums, its stage's links
     (`alive`: whether the ranks it may wait on still run)."""
     if shard.world > 1:
@@ -196,12 +213,20 @@ def start_ranks(config: EngineConfig, loaded: Any, threads: int) -> Ranks:
     """The other ranks of a tensor-parallel engine whose rank 0 (this process) has `loaded`
     its shard, joined to rank 0's layers."""
     shard = TensorShard.of(config, 0)
-    capacity = group.reduce_capacity(loaded.config, config.scheduler.max_num_batched_tokens,
-                                     config.scheduler.max_num_seqs)  # fmt: skip
+    capacity = group.reduce_capacity(
+        loaded.config, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs
+    )
     ranks = Ranks(config, threads, capacity)
     try:
-        join_shard(loaded.model, loaded.config, shard, ranks.group, ranks.tp_group, ranks.shm,
-                   ranks.running)  # fmt: skip
+        join_shard(
+            loaded.model,
+            loaded.config,
+            shard,
+            ranks.group,
+            ranks.tp_group,
+            ranks.shm,
+            ranks.running,
+        )
     except BaseException:
         ranks.close()  # (later failures: the ranks stop at exit, as registered)
         raise

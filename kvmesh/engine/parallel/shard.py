@@ -47,8 +47,13 @@ class TensorShard:
     def of(cls, config: EngineConfig, rank: int) -> TensorShard:
         """Global rank `rank`'s shard."""
         tp = config.parallel.tensor_parallel_size
-        return cls(rank % tp, tp, config.parallel.enable_expert_parallel, rank // tp,
-                   config.parallel.pipeline_parallel_size)  # fmt: skip
+        return cls(
+            rank % tp,
+            tp,
+            config.parallel.enable_expert_parallel,
+            rank // tp,
+            config.parallel.pipeline_parallel_size,
+        )
 
     @property
     def first(self) -> bool:
@@ -65,8 +70,10 @@ class TensorShard:
     def check(self, config: ModelConfig) -> None:
         """Whether this model splits over `world` ranks and `stages` stages."""
         if config.num_layers < self.stages:
-            raise InvalidRequestError(f"pipeline parallel size {self.stages} exceeds the "
-                                      f"model's {config.num_layers} layers")  # fmt: skip
+            raise InvalidRequestError(
+                f"pipeline parallel size {self.stages} exceeds the "
+                f"model's {config.num_layers} layers"
+            )
         if config.num_heads < self.world:
             raise InvalidRequestError(
                 f"tensor parallel size {self.world} exceeds the model's {config.num_heads} "
@@ -124,9 +131,14 @@ class TensorShard:
             moe = replace(moe, expert_shard=(self.rank, self.world))
         if moe is not None and self.stages > 1:  # the stage's layers, numbered from 0
             moe = replace(moe, layers=tuple(i - layers.start for i in moe.layers if i in layers))
-        return replace(config, num_heads=len(q), num_kv_heads=len(q) if config.mla else len(kv),
-                       intermediate_size=len(self.features(config)), moe=moe,
-                       num_layers=len(layers))  # fmt: skip
+        return replace(
+            config,
+            num_heads=len(q),
+            num_kv_heads=len(q) if config.mla else len(kv),
+            intermediate_size=len(self.features(config)),
+            moe=moe,
+            num_layers=len(layers),
+        )
 
     def ranges(self, config: ModelConfig) -> dict[str, range]:
         """Rows / columns of each weight kind this rank keeps, in checkpoint units."""
@@ -137,13 +149,18 @@ class TensorShard:
             out.update(q=_scaled(q, hd), kv=_scaled(kv, hd), o=_scaled(q, hd))
         else:
             m = config.mla
-            out.update(q=_scaled(q, m.qk_head_dim), o=_scaled(q, m.v_head_dim),
-                       kv_b=_scaled(q, m.qk_nope_head_dim + m.v_head_dim))  # fmt: skip
+            out.update(
+                q=_scaled(q, m.qk_head_dim),
+                o=_scaled(q, m.v_head_dim),
+                kv_b=_scaled(q, m.qk_nope_head_dim + m.v_head_dim),
+            )
         if config.moe is not None:
             moe = config.moe
             shared = moe.shared_intermediate_size or moe.num_shared_experts * moe.intermediate_size
-            out.update(expert=share(moe.intermediate_size, self.rank, self.world),
-                       shared=share(shared, self.rank, self.world))  # fmt: skip
+            out.update(
+                expert=share(moe.intermediate_size, self.rank, self.world),
+                shared=share(shared, self.rank, self.world),
+            )
         return out
 
 

@@ -14,8 +14,15 @@ from kvmesh.errors import ModelFormatError
 
 # checkpoint name suffix -> which range; column-parallel split their rows (dimension 0),
 # row-parallel their columns (dimension 1, their biases on rank 0)
-_COLUMN = {".q_proj": "q", ".q_b_proj": "q", ".k_proj": "kv", ".v_proj": "kv",
-           ".kv_b_proj": "kv_b", ".gate_proj": "mlp", ".up_proj": "mlp"}  # fmt: skip
+_COLUMN = {
+    ".q_proj": "q",
+    ".q_b_proj": "q",
+    ".k_proj": "kv",
+    ".v_proj": "kv",
+    ".kv_b_proj": "kv_b",
+    ".gate_proj": "mlp",
+    ".up_proj": "mlp",
+}
 _ROW = {".o_proj": "o", ".down_proj": "mlp"}
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")  # rows split by token id
 
@@ -38,8 +45,10 @@ class ShardedState(Mapping):
             return "vocab", 0
         stem, _, kind = name.rpartition(".")
         if stem.endswith(".experts"):
-            raise ModelFormatError(f"tensor parallelism cannot split the fused expert tensor "
-                                   f"{name} (per-expert checkpoints only)")  # fmt: skip
+            raise ModelFormatError(
+                f"tensor parallelism cannot split the fused expert tensor "
+                f"{name} (per-expert checkpoints only)"
+            )
         expert = _expert_of(name)
         if expert is not None and self.shard.expert_parallel:
             return None if expert in self._experts else ("absent", 0)
@@ -55,8 +64,9 @@ class ShardedState(Mapping):
 
     def _hidden(self, name: str) -> bool:
         rule = self._rule(name)
-        return rule is not None and (rule[0] == "absent" or (rule[0] == "rank0"
-                                                             and self.shard.rank != 0))  # fmt: skip
+        return rule is not None and (
+            rule[0] == "absent" or (rule[0] == "rank0" and self.shard.rank != 0)
+        )
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name in self.state and not self._hidden(name)
@@ -121,8 +131,10 @@ class ShardedState(Mapping):
             return tensor
         part, dim = rule
         if name.rpartition(".")[2] not in ("weight", "bias"):
-            raise ModelFormatError(f"{name}: a quantized checkpoint's own tensor is split only "
-                                   "as the weight it makes (Weights.raw)")  # fmt: skip
+            raise ModelFormatError(
+                f"{name}: a quantized checkpoint's own tensor is split only "
+                "as the weight it makes (Weights.raw)"
+            )
         keep = self._ranges[part]
         if isinstance(tensor, Int4Weight):
             try:

@@ -49,8 +49,10 @@ def obtainable_hugepages(root: Path = SYSFS_2MB) -> int | None:
     the kernel may still make (vm.nr_overcommit_hugepages); None where the kernel does not say.
     A container's hugetlb limit may allow fewer."""
     try:
-        read = {name: int((root / f"{name}_hugepages").read_text())
-                for name in ("free", "resv", "nr_overcommit", "surplus")}  # fmt: skip
+        read = {
+            name: int((root / f"{name}_hugepages").read_text())
+            for name in ("free", "resv", "nr_overcommit", "surplus")
+        }
     except (OSError, ValueError):
         return None
     return read["free"] - read["resv"] + max(0, read["nr_overcommit"] - read["surplus"])

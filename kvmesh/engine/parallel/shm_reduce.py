@@ -27,8 +27,14 @@ CHECK_EVERY_S = 0.5  # how often a waiting rank asks whether its peers are alive
 
 
 class ShmAllReduce:
-    def __init__(self, world: int, rank: int, capacity: int, name: str | None = None,
-                 alive: Callable[[], bool] = lambda: True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        world: int,
+        rank: int,
+        capacity: int,
+        name: str | None = None,
+        alive: Callable[[], bool] = lambda: True,
+    ) -> None:
         """capacity: floats per slot (larger tensors are the caller's to reduce otherwise);
         name: the block rank 0 made (None: make it); alive: whether the peers still run."""
         self.world, self.rank, self.capacity, self.alive = world, rank, capacity, alive

@@ -22,8 +22,11 @@ class StageState(Mapping):
     def __init__(self, state: Any, config: ModelConfig, shard: TensorShard) -> None:
         self.state, self.layers = state, shard.layers(config)
         tied = config.tie_word_embeddings or "lm_head.weight" not in state
-        self._kept = {"model.embed_tokens.weight": shard.first or (shard.last and tied),
-                      "lm_head.weight": shard.last, "model.norm.weight": shard.last}  # fmt: skip
+        self._kept = {
+            "model.embed_tokens.weight": shard.first or (shard.last and tied),
+            "lm_head.weight": shard.last,
+            "model.norm.weight": shard.last,
+        }
         self._lazy = hasattr(state, "read")
 
     def _renamed(self, name: str, by: int, within: range) -> str | None:
@@ -67,8 +70,9 @@ class StageState(Mapping):
             tensor.to(dtype) if dtype is not None and isinstance(tensor, torch.Tensor) else tensor
         )
 
-    def pop_slice(self, name: str, dim: int, start: int, length: int,
-                  dtype: torch.dtype | None = None) -> Any:  # fmt: skip
+    def pop_slice(
+        self, name: str, dim: int, start: int, length: int, dtype: torch.dtype | None = None
+    ) -> Any:
         if name not in self:
             raise KeyError(name)
         return self.state.pop_slice(self._original(name), dim, start, length, dtype)

@@ -96,8 +96,12 @@ def read_pack_quantized(
     packed, scale, shape = (weights.pop(name) for name in names)
     rows, cols = _shape(prefix, shape)
     _check_shapes(prefix, packed, scale, rows, cols, scheme.group_size)
-    return Int4Weight(_nibbles(packed, rows, cols), scale.float().contiguous(),
-                      torch.zeros(scale.shape, dtype=torch.float32), scheme.group_size)  # fmt: skip
+    return Int4Weight(
+        _nibbles(packed, rows, cols),
+        scale.float().contiguous(),
+        torch.zeros(scale.shape, dtype=torch.float32),
+        scheme.group_size,
+    )
 
 
 def _nibbles(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -113,8 +117,9 @@ def _check_top_level(config: Mapping[str, Any]) -> None:
     if config.get("quant_method") != METHOD:
         raise ModelFormatError(f"quant_method {config.get('quant_method')!r} is not {METHOD}")
     if config.get("format") != FORMAT:
-        raise ModelFormatError(f"compressed-tensors format {config.get('format')!r} unsupported "
-                               f"(only {FORMAT})")  # fmt: skip
+        raise ModelFormatError(
+            f"compressed-tensors format {config.get('format')!r} unsupported (only {FORMAT})"
+        )
     for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
         if config.get(key):
             raise ModelFormatError(f"compressed-tensors {key} unsupported")
@@ -132,8 +137,9 @@ def _group_size(name: str, group: Mapping[str, Any]) -> int:
     if w.get("dynamic") or w.get("actorder") not in (None, "static"):
         wrong.update(dynamic=w.get("dynamic"), actorder=w.get("actorder"))
     if wrong:
-        raise ModelFormatError(f"compressed-tensors {name} weights {wrong} unsupported "
-                               f"(only {wanted})")  # fmt: skip
+        raise ModelFormatError(
+            f"compressed-tensors {name} weights {wrong} unsupported (only {wanted})"
+        )
     if not isinstance(w.get("group_size"), int):
         raise ModelFormatError(f"compressed-tensors {name}: no integer group_size")
     return w["group_size"]
@@ -146,15 +152,18 @@ def _shape(prefix: str, shape: torch.Tensor) -> tuple[int, int]:
     return rows, cols
 
 
-def _check_shapes(prefix: str, packed: torch.Tensor, scale: torch.Tensor, rows: int, cols: int,
-                  group: int) -> None:  # fmt: skip
+def _check_shapes(
+    prefix: str, packed: torch.Tensor, scale: torch.Tensor, rows: int, cols: int, group: int
+) -> None:
     if cols % group:
         raise ModelFormatError(f"pack-quantized {prefix}: {cols} inputs, groups of {group}")
     expect = {"weight_packed": (rows, -(-cols // 8)), "weight_scale": (rows, cols // group)}
     for name, tensor in (("weight_packed", packed), ("weight_scale", scale)):
         if tuple(tensor.shape) != expect[name]:
-            raise ModelFormatError(f"pack-quantized {prefix}: {name} {tuple(tensor.shape)}, "
-                                   f"expected {expect[name]} for weight_shape {(rows, cols)}")  # fmt: skip
+            raise ModelFormatError(
+                f"pack-quantized {prefix}: {name} {tuple(tensor.shape)}, "
+                f"expected {expect[name]} for weight_shape {(rows, cols)}"
+            )
     if packed.dtype != torch.int32 or not scale.dtype.is_floating_point:
         raise ModelFormatError(f"pack-quantized {prefix}: dtypes {packed.dtype}, {scale.dtype}")
 

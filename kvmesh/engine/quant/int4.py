@@ -54,8 +54,9 @@ class Int4Weight:
         if k % group:
             raise ValueError(f"input features {k} are not a multiple of the group size {group}")
         shrinks = torch.linspace(0, 0.15, 6) if search else None
-        parts = [_fit(chunk.float().view(-1, k // group, group), shrinks)
-                 for chunk in w.split(4096)]  # fmt: skip
+        parts = [
+            _fit(chunk.float().view(-1, k // group, group), shrinks) for chunk in w.split(4096)
+        ]
         q, scale, offset = (torch.cat(t) for t in zip(*parts, strict=True))
         return cls(q.to(torch.uint8).view(n, k), scale, offset + 8 * scale, group)
 
@@ -73,8 +74,12 @@ class Int4Weight:
             nibbles = blocks[..., 2:]
         q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # value j, then j + 16
         scale = torch.from_numpy(d)
-        return cls(torch.from_numpy(q.reshape(rows, cols).astype(np.uint8)), scale,
-                   torch.from_numpy(m) + 8 * scale, 32)  # fmt: skip
+        return cls(
+            torch.from_numpy(q.reshape(rows, cols).astype(np.uint8)),
+            scale,
+            torch.from_numpy(m) + 8 * scale,
+            32,
+        )
 
     def regroup(self, group: int) -> Int4Weight:
         """Requantized to another group size (`quantize` of the dequantized weight: lossy,
@@ -85,14 +90,19 @@ class Int4Weight:
         """Output rows (dim 0) or input features (dim 1, whole groups only) [start, +length):
         a tensor-parallel shard, the same quantized values."""
         if dim == 0:
-            return Int4Weight(*(t.narrow(0, start, length).contiguous()
-                                for t in (self.q, self.scale, self.zero)), self.group)  # fmt: skip
+            return Int4Weight(
+                *(t.narrow(0, start, length).contiguous() for t in (self.q, self.scale, self.zero)),
+                self.group,
+            )
         if start % self.group or length % self.group:
             raise ValueError(f"input features [{start}, +{length}) split a group of {self.group}")
         g0, groups = start // self.group, length // self.group
-        return Int4Weight(self.q.narrow(1, start, length).contiguous(),
-                          self.scale.narrow(1, g0, groups).contiguous(),
-                          self.zero.narrow(1, g0, groups).contiguous(), self.group)  # fmt: skip
+        return Int4Weight(
+            self.q.narrow(1, start, length).contiguous(),
+            self.scale.narrow(1, g0, groups).contiguous(),
+            self.zero.narrow(1, g0, groups).contiguous(),
+            self.group,
+        )
 
     def rows(self, order: torch.Tensor) -> Int4Weight:
         """The same weight with its output rows reordered (e.g. llama.cpp's Q/K permutation)."""
@@ -104,8 +114,12 @@ class Int4Weight:
         groups = {p.group for p in parts}
         if len(groups) != 1:
             raise ValueError(f"cannot fuse INT4 weights of group sizes {sorted(groups)}")
-        return Int4Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                          torch.cat([p.zero for p in parts]), groups.pop())  # fmt: skip
+        return Int4Weight(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.zero for p in parts]),
+            groups.pop(),
+        )
 
 
 class Int4Linear:

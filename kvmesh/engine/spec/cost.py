@@ -125,8 +125,12 @@ class SpecFit:
     def record(self, chunks: int, drafts: int, surplus: float) -> None:
         self._samples.append((drafts / chunks, surplus / chunks))
         pairs = list(self._samples)
-        slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(pairs)
-                  for x2, y2 in pairs[i + 1 :] if abs(x2 - x1) >= 0.5]  # fmt: skip
+        slopes = [
+            (y2 - y1) / (x2 - x1)
+            for i, (x1, y1) in enumerate(pairs)
+            for x2, y2 in pairs[i + 1 :]
+            if abs(x2 - x1) >= 0.5
+        ]
         self._slope = max(statistics.median(slopes), 0.0) if slopes else None
 
     def surplus(self, chunks: int, drafts: int, prior_row: float) -> float | None:
@@ -196,8 +200,13 @@ class GainCheck:
         # (plain tokens, plain s, predicted tokens, predicted s, tokens, s) per drafting step
         self._steps: deque[tuple[float, ...]] = deque(maxlen=window)
 
-    def record(self, batch: int, plain_s: float, predicted: tuple[float, float],
-               realised: tuple[float, float]) -> None:  # fmt: skip
+    def record(
+        self,
+        batch: int,
+        plain_s: float,
+        predicted: tuple[float, float],
+        realised: tuple[float, float],
+    ) -> None:
         """One drafting step: its batch and the plain step's seconds there, and (tokens,
         seconds) as predicted and as they came."""
         if min(plain_s, predicted[1], realised[1]) > 0:

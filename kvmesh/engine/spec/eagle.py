@@ -41,9 +41,19 @@ class EagleConfig:
     @classmethod
     def for_target(cls, name: str, cfg, draft_vocab_size: int = 4096, window: int = 32):
         layers = cfg.num_layers
-        return cls(name, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                   cfg.intermediate_size, (2, layers // 2, layers - 3), draft_vocab_size, window,
-                   cfg.rope_theta, cfg.rms_norm_eps)  # fmt: skip
+        return cls(
+            name,
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            (2, layers // 2, layers - 3),
+            draft_vocab_size,
+            window,
+            cfg.rope_theta,
+            cfg.rms_norm_eps,
+        )
 
 
 class EagleHead(nn.Module):
@@ -105,8 +115,10 @@ class EagleHead(nn.Module):
 
     # -- files ---------------------------------------------------------------------------------
     def save(self, path: Path) -> None:
-        state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v
-                 for k, v in self.state_dict().items()}  # fmt: skip
+        state = {
+            k: v.to(torch.bfloat16) if v.is_floating_point() else v
+            for k, v in self.state_dict().items()
+        }
         meta = {"eagle_config": json.dumps(asdict(self.config))}
         save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata=meta)
 

@@ -47,8 +47,12 @@ class Pending:
 
 
 @torch.inference_mode()
-def commit(head: EagleHead, embed: Embed, states: Sequence[HeadState | None],
-           pending: Sequence[list[Pending]]) -> list[HeadState]:  # fmt: skip
+def commit(
+    head: EagleHead,
+    embed: Embed,
+    states: Sequence[HeadState | None],
+    pending: Sequence[list[Pending]],
+) -> list[HeadState]:
     """Each request's state after its pending positions (contiguous with the state, or the
     state is None); only the last `window` positions are run."""
     window = head.config.window
@@ -60,14 +64,25 @@ def commit(head: EagleHead, embed: Embed, states: Sequence[HeadState | None],
     q, k, v = head.project(embed(tokens).float(), fused, positions)
     sizes = [sum(len(item.next_tokens) for item in queue) for queue in items]
     out: list[HeadState] = []
-    for state, k_i, v_i, f_i, p_i in zip(states, k.split(sizes), v.split(sizes),
-                                         fused.split(sizes), positions.split(sizes),
-                                         strict=True):  # fmt: skip
+    for state, k_i, v_i, f_i, p_i in zip(
+        states,
+        k.split(sizes),
+        v.split(sizes),
+        fused.split(sizes),
+        positions.split(sizes),
+        strict=True,
+    ):
         old = state if state is not None else _empty(k_i, f_i)
         keep = slice(-window, None)
-        out.append(HeadState(torch.cat([old.keys, k_i])[keep], torch.cat([old.values, v_i])[keep],
-                             torch.cat([old.positions, p_i])[keep],
-                             torch.cat([old.fused, f_i])[keep], f_i[-1]))  # fmt: skip
+        out.append(
+            HeadState(
+                torch.cat([old.keys, k_i])[keep],
+                torch.cat([old.values, v_i])[keep],
+                torch.cat([old.positions, p_i])[keep],
+                torch.cat([old.fused, f_i])[keep],
+                f_i[-1],
+            )
+        )
     lasts = torch.stack([q_i[-1] for q_i in q.split(sizes)])
     attended = _attend(head, lasts, out, torch.stack([s.positions[-1] for s in out]))
     outputs = head.finish(torch.stack([s.last_out for s in out]), attended)
@@ -77,8 +92,9 @@ def commit(head: EagleHead, embed: Embed, states: Sequence[HeadState | None],
 
 
 @torch.inference_mode()
-def draft(head: EagleHead, embed: Embed, states: Sequence[HeadState],
-          limits: Sequence[int]) -> list[list[int]]:  # fmt: skip
+def draft(
+    head: EagleHead, embed: Embed, states: Sequence[HeadState], limits: Sequence[int]
+) -> list[list[int]]:
     """Greedy drafts after each request's last committed position, limits[i] for request i."""
     outs = torch.stack([s.last_out for s in states])
     tokens = head.d2t[head.logits(outs).argmax(dim=-1)]
@@ -134,8 +150,9 @@ def _empty(k: torch.Tensor, fused: torch.Tensor) -> HeadState:
     return HeadState(k[:0], k[:0], torch.zeros(0, dtype=torch.long), fused[:0], fused[-1])
 
 
-def _attend(head: EagleHead, q: torch.Tensor, states: Sequence[HeadState],
-            position: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def _attend(
+    head: EagleHead, q: torch.Tensor, states: Sequence[HeadState], position: torch.Tensor
+) -> torch.Tensor:
     """q [N, Hq, D] at `position` [N] over each state's window -> [N, Hq, D]."""
     keys, values, key_pos, _ = _padded(states, 0)
     mask = window_mask(position.unsqueeze(-1), key_pos, head.config.window)

@@ -33,8 +33,9 @@ class EagleProposer:
         self._pending: dict[str, deque[Pending]] = {}  # committed, not run by the head yet
         self._held: set[str] = set()  # states kept after finish (prefill hand-over)
 
-    def observe(self, seq_id: str, features: torch.Tensor, next_tokens: list[int],
-                start: int) -> None:  # fmt: skip
+    def observe(
+        self, seq_id: str, features: torch.Tensor, next_tokens: list[int], start: int
+    ) -> None:
         """Commit target features [m, len(capture) * H] of positions start..start+m-1, whose
         following tokens are next_tokens. The rows are kept by reference until the head runs
         over them: the caller must not write into `features` afterwards."""
@@ -73,8 +74,9 @@ class EagleProposer:
             return
         states = [self._states.get(seq_id) for seq_id in ids]
         pending = [list(self._pending.pop(seq_id)) for seq_id in ids]
-        for seq_id, state in zip(ids, eagle_batch.commit(self.head, self.embed, states, pending),
-                                 strict=True):  # fmt: skip
+        for seq_id, state in zip(
+            ids, eagle_batch.commit(self.head, self.embed, states, pending), strict=True
+        ):
             self._states[seq_id] = state
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:

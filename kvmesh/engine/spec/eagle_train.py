@@ -65,15 +65,20 @@ def build_dataset(options: TrainOptions, prompts: list[str]) -> Dataset:
     convs = [gen.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     runs = []
     for i in range(options.samples_per_prompt):
-        params = SamplingParams(max_tokens=options.max_tokens, temperature=0.0 if i == 0 else 0.8,
-                                top_p=0.95, seed=options.seed + i)  # fmt: skip
+        params = SamplingParams(
+            max_tokens=options.max_tokens,
+            temperature=0.0 if i == 0 else 0.8,
+            top_p=0.95,
+            seed=options.seed + i,
+        )
         runs += [
             c + o.token_ids for c, o in zip(convs, gen.generate_ids(convs, params), strict=True)
         ]
     del gen
     target = LLM(model=options.model, dtype="fp32", kv_cache_bytes=64 << 20)
-    config = EagleConfig.for_target(target.engine.source.name, target.engine.model_config,
-                                    options.draft_vocab, options.window)  # fmt: skip
+    config = EagleConfig.for_target(
+        target.engine.source.name, target.engine.model_config, options.draft_vocab, options.window
+    )
     target.engine.runner.capture = config.capture_layers
     data = Dataset([], [], [])
     for ids in runs:
@@ -131,8 +136,9 @@ def ttt_loss(head: EagleHead, feats, embeds, labels, steps: int) -> tuple[torch.
         logits = head.logits(out)
         target = labels.clone()
         target[:, :step] = -100  # no previous-step output there yet
-        total = total + 0.8**step * F.cross_entropy(logits.flatten(0, 1), target.flatten(),
-                                                    ignore_index=-100)  # fmt: skip
+        total = total + 0.8**step * F.cross_entropy(
+            logits.flatten(0, 1), target.flatten(), ignore_index=-100
+        )
         valid = target >= 0
         accuracy.append(float((logits.argmax(-1) == target)[valid].float().mean()))
     return total, accuracy
@@ -203,7 +209,14 @@ def train(options: TrainOptions) -> dict:
     head.eval()
     options.output.parent.mkdir(parents=True, exist_ok=True)
     head.save(options.output)
-    return {"prompts": len(prompts), "conversations": len(data.tokens),
-            "tokens": data.num_tokens, "draft_vocab": len(vocab), "data_s": round(data_s, 1),
-            "total_s": round(time.perf_counter() - started, 1), "last_accuracy": accuracy,
-            "bytes": options.output.stat().st_size, "output": str(options.output)}  # fmt: skip
+    return {
+        "prompts": len(prompts),
+        "conversations": len(data.tokens),
+        "tokens": data.num_tokens,
+        "draft_vocab": len(vocab),
+        "data_s": round(data_s, 1),
+        "total_s": round(time.perf_counter() - started, 1),
+        "last_accuracy": accuracy,
+        "bytes": options.output.stat().st_size,
+        "output": str(options.output),
+    }

@@ -33,8 +33,18 @@ from kvmesh.engine.spec.cost import GainCheck, PriorCurve, StepCosts, StepSample
 # 2-core Xeon (AMX) VM, 2026-12-01 (`kvmesh bench spec --cost-profile`; above 64 rows inferred
 # from verification steps). Only the shape matters: the engine's own steps set the level, and
 # replace it wherever it has run such steps.
-STEP_PRIOR = ((1, 1.0), (2, 1.07), (3, 1.13), (5, 1.55), (8, 2.1), (16, 2.6), (32, 3.3),
-              (64, 4.3), (128, 6.5), (320, 13.5))  # fmt: skip
+STEP_PRIOR = (
+    (1, 1.0),
+    (2, 1.07),
+    (3, 1.13),
+    (5, 1.55),
+    (8, 2.1),
+    (16, 2.6),
+    (32, 3.3),
+    (64, 4.3),
+    (128, 6.5),
+    (320, 13.5),
+)
 CHUNK_PRIOR = 0.07  # a verifying sequence's surplus over its rows, in one-row steps (same run)
 ROUNDS = 3  # price refinements per plan
 ROW_PRICE_FACTORS = (1.0, 2.0, 4.0)  # row prices tried in each round, times the curve's slope
@@ -66,11 +76,19 @@ class PolicyConfig:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         if min(self.min_gain, self.chunk_prior, self.seq_shrink, self.shadows_per_pass) < 0:
             raise ValueError("min_gain, chunk_prior, seq_shrink, shadows_per_pass must be >= 0")
-        counts = (self.plain_every, self.samples_per_bucket, self.seq_memory, self.shadow_every,
-                  self.gain_window, self.gain_min_steps)  # fmt: skip
+        counts = (
+            self.plain_every,
+            self.samples_per_bucket,
+            self.seq_memory,
+            self.shadow_every,
+            self.gain_window,
+            self.gain_min_steps,
+        )
         if min(counts) < 1:
-            raise ValueError("plain_every, samples_per_bucket, seq_memory, shadow_every, "
-                             "gain_window, gain_min_steps must be >= 1")  # fmt: skip
+            raise ValueError(
+                "plain_every, samples_per_bucket, seq_memory, shadow_every, "
+                "gain_window, gain_min_steps must be >= 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -206,8 +224,9 @@ class AdaptivePolicy:
         self._since_plain[key] = (since or 0) + 1
         return since is not None and since >= self.config.plain_every
 
-    def _choose(self, batch: int, base: float,
-                usable: Sequence[Candidate]) -> tuple[dict[str, int], float]:  # fmt: skip
+    def _choose(
+        self, batch: int, base: float, usable: Sequence[Candidate]
+    ) -> tuple[dict[str, int], float]:
         """The best plan found by refining the price, and its predicted speedup. The row price
         is the cost's slope at the last plan's drafts; the cost is not linear in rows, so each
         round also tries dearer rows (shorter drafts), every plan scored in full."""
@@ -221,8 +240,10 @@ class AdaptivePolicy:
             chunk_price = price * (self.costs.step(batch, guess, 1) - base - rows_s)
             found = None
             for dearer in ROW_PRICE_FACTORS:
-                lengths = [_length(r, cap, price * row_s * dearer, chunk_price)
-                           for r, cap in zip(rates, caps, strict=True)]  # fmt: skip
+                lengths = [
+                    _length(r, cap, price * row_s * dearer, chunk_price)
+                    for r, cap in zip(rates, caps, strict=True)
+                ]
                 total = sum(lengths)
                 if total == 0:
                     break  # dearer rows only shorten plans further
@@ -242,8 +263,9 @@ class AdaptivePolicy:
         """Predicted tokens/s of a step with these drafts, over the plain step's."""
         return (batch + worth) / self.costs.step(batch, drafts, chunks) * base / batch
 
-    def _shadows(self, batch: int, base: float, usable: Sequence[Candidate],
-                 limits: dict[str, int]) -> tuple[str, ...]:  # fmt: skip
+    def _shadows(
+        self, batch: int, base: float, usable: Sequence[Candidate], limits: dict[str, int]
+    ) -> tuple[str, ...]:
         """The sequences longest unobserved among those not drafting, if a sequence accepting
         `shadow_ceiling` of its drafts would draft at this batch (else nothing to learn). A
         step that drafts runs the proposer anyway; otherwise a pass is its own cost (the head's
@@ -262,8 +284,9 @@ class AdaptivePolicy:
         key = bucket(batch)
         check = self._gains.get(key)
         if check is None:
-            check = self._gains[key] = GainCheck(self.config.gain_window,
-                                                 self.config.gain_min_steps)  # fmt: skip
+            check = self._gains[key] = GainCheck(
+                self.config.gain_window, self.config.gain_min_steps
+            )
         return check
 
     def record_verify(self, seq_id: str, drafted: int, accepted: int) -> None:

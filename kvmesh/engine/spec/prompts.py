@@ -88,8 +88,9 @@ def chat_prompts() -> list[str]:
 
 def structured_prompts() -> list[str]:
     json_prompts = [t.format(item=i, keys=k) for t, (i, k) in itertools.product(JSON, ITEMS)]
-    tool_prompts = [t.format(tool=n, args=a, place=p)
-                    for t, (n, a), p in itertools.product(TOOL, TOOLS, PLACES)]  # fmt: skip
+    tool_prompts = [
+        t.format(tool=n, args=a, place=p) for t, (n, a), p in itertools.product(TOOL, TOOLS, PLACES)
+    ]
     return json_prompts + tool_prompts
 
 

@@ -66,8 +66,13 @@ def speculable(seq: Sequence) -> bool:
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, num_tokens: int, max_model_len: int,
-                 policy: DraftPolicy | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        proposer: Proposer,
+        num_tokens: int,
+        max_model_len: int,
+        policy: DraftPolicy | None = None,
+    ) -> None:
         self.proposer = proposer
         self.num_tokens = num_tokens
         self.max_model_len = max_model_len
@@ -97,8 +102,11 @@ class Speculator:
             plan = self.policy.plan(len(running), [Candidate(s.seq_id, c) for s, c in candidates])
             self._count(plan, len(running))
             shadows = set(plan.shadows)
-            requests = [(s, plan.limits.get(s.seq_id) or 1) for s, _ in candidates
-                        if s.seq_id in plan.limits or s.seq_id in shadows]  # fmt: skip
+            requests = [
+                (s, plan.limits.get(s.seq_id) or 1)
+                for s, _ in candidates
+                if s.seq_id in plan.limits or s.seq_id in shadows
+            ]
             for (seq, limit), draft in zip(requests, self._drafts(requests), strict=True):
                 drafted += len(draft[:limit])  # what the drafting seconds paid for, shadows too
                 if seq.seq_id in shadows:
@@ -121,13 +129,19 @@ class Speculator:
         stats = self.stats
         stats.count(plan)
         if stats.policy_steps % LOG_EVERY == 0:
-            log.info("spec.policy", steps=stats.policy_steps, off_steps=stats.off_steps,
-                     shadow_drafts=stats.shadow_drafts, shadow_hits=stats.shadow_hits,
-                     drafts_per_step=_round(stats.drafts_per_step),
-                     accepted_per_draft=_round(stats.accepted_per_draft),
-                     acceptance=_round(self.policy.acceptance()), batch=batch,
-                     drafts_now=sum(plan.limits.values()),
-                     predicted_speedup=_round(plan.predicted_speedup))  # fmt: skip
+            log.info(
+                "spec.policy",
+                steps=stats.policy_steps,
+                off_steps=stats.off_steps,
+                shadow_drafts=stats.shadow_drafts,
+                shadow_hits=stats.shadow_hits,
+                drafts_per_step=_round(stats.drafts_per_step),
+                accepted_per_draft=_round(stats.accepted_per_draft),
+                acceptance=_round(self.policy.acceptance()),
+                batch=batch,
+                drafts_now=sum(plan.limits.values()),
+                predicted_speedup=_round(plan.predicted_speedup),
+            )
 
     def seed(self, seq: Sequence, fused: torch.Tensor, start: int) -> None:
         """Take over a prefill worker's draft window (fused features of positions start...)."""
@@ -148,8 +162,9 @@ class Speculator:
             drafts = sum(len(chunk.draft) for chunk in chunks)
             verifying = sum(bool(chunk.draft) for chunk in chunks)
             seconds = time.perf_counter() - mark.at
-            self.policy.record_step(StepSample(len(chunks), drafts, verifying, seconds,
-                                               mark.drafted, mark.draft_s))  # fmt: skip
+            self.policy.record_step(
+                StepSample(len(chunks), drafts, verifying, seconds, mark.drafted, mark.draft_s)
+            )
         if self._shadows:
             self._score_shadows(chunks)
         observe = getattr(self.proposer, "observe", None)
