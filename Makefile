@@ -81,13 +81,13 @@ bench: model
 protos: install
 	$(BIN)/python scripts/gen_protos.py
 
-# The rendered parts of deploy/ (Containerfiles, Kubernetes base) from kvmesh/deploy/services.py.
+# The rendered parts of deploy/ (Containerfiles, Kubernetes base) from kvmesh_apps/deploy/services.py.
 deploy: install
 	$(BIN)/python scripts/gen_deploy.py
 
-# One image per service (deploy/images), built here with podman: see kvmesh/deploy/build.py.
+# One image per service (deploy/images), built here with podman: see kvmesh_apps/deploy/build.py.
 images: install imagedeps
-	$(BIN)/python -m kvmesh.deploy.build
+	$(BIN)/python -m kvmesh_apps.deploy.build
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

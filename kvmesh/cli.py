@@ -43,7 +43,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "train-eagle":
         return _train_eagle(args)
     if args.command == "make-tiny-model":
-        from kvmesh.tools.tiny_cli import run_make_tiny_model
+        from kvmesh_apps.tools.tiny_cli import run_make_tiny_model
 
         return run_make_tiny_model(args)
     if args.command == "status":
@@ -58,22 +58,22 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_config_show(args.argv)
     if args.command == "sim":
-        from kvmesh.sim.command import run_sim
+        from kvmesh_apps.sim.command import run_sim
 
         return run_sim(args)
     if args.command == "bench":
-        # `kvmesh bench NAME` runs kvmesh.benchmarks.NAME.run_NAME_bench (serve's agent workload
+        # `kvmesh bench NAME` runs kvmesh_apps.benchmarks.NAME.run_NAME_bench (serve's agent workload
         # is the agent bench)
         bench = "agent" if getattr(args, "workload", "") == "agent" else args.bench
         bench = bench.replace("-", "_")  # agent-api -> agent_api
-        module = importlib.import_module(f"kvmesh.benchmarks.{bench}")
+        module = importlib.import_module(f"kvmesh_apps.benchmarks.{bench}")
         return getattr(module, f"run_{bench}_bench")(args)
     return 1
 
 
 def _up(args: argparse.Namespace) -> int:
     if args.demo:
-        from kvmesh.demo import run_demo
+        from kvmesh_apps.demo import run_demo
 
         return run_demo(args.model, args.dtype)
     from kvmesh.mesh.up_command import run_up

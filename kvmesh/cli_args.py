@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.routing import UP_LOCAL_PREFILL_TOKENS
-from kvmesh.tools import tiny_cli  # imports no torch
+from kvmesh_apps.tools import tiny_cli  # imports no torch
 
 
 def _engine_flags(p: argparse.ArgumentParser, **kwargs) -> None:
@@ -221,7 +221,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     sim = sub.add_parser("sim", help="the fleet on a simulated clock, on the gateway's router")
     sim_sub = sim.add_subparsers(dest="sim", required=True)
     for name, text in _SIMS.items():
-        lazy.add(sim_sub, ("sim", name), text, "kvmesh.sim.command", f"add_{name}_arguments")
+        lazy.add(sim_sub, ("sim", name), text, "kvmesh_apps.sim.command", f"add_{name}_arguments")
     config = sub.add_parser("config", help="the effective config of a command")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser(
@@ -236,70 +236,70 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 
 _BENCHES = {  # name: (help, module whose add_arguments defines its flags)
-    "transfer": ("Mooncake TE vs gRPC bytes for KV pages", "kvmesh.benchmarks.transfer"),
+    "transfer": ("Mooncake TE vs gRPC bytes for KV pages", "kvmesh_apps.benchmarks.transfer"),
     "kv": (
         "FP8 vs BF16 KV throughput at one memory budget, integrity-check cost, FP8 quality",
-        "kvmesh.benchmarks.kv",
+        "kvmesh_apps.benchmarks.kv",
     ),
     "weights": (
         "INT4 vs bf16 vs fp32 weights: memory, decode tok/s, quality",
-        "kvmesh.benchmarks.weights",
+        "kvmesh_apps.benchmarks.weights",
     ),
-    "spec": ("tokens/s with and without speculative decoding", "kvmesh.benchmarks.spec"),
+    "spec": ("tokens/s with and without speculative decoding", "kvmesh_apps.benchmarks.spec"),
     "serve": (
         "TTFT/TPOT/tok/s of any OpenAI-compatible server (--url), or the mesh vs the engine",
         "kvmesh.cli_args",
     ),
     "agent": (
         "multi-turn agent sessions: cache-aware vs least-load routing",
-        "kvmesh.benchmarks.agent",
+        "kvmesh_apps.benchmarks.agent",
     ),
     "coldstart": (
         "`kvmesh up` to the first streamed token, split by phase",
-        "kvmesh.benchmarks.coldstart",
+        "kvmesh_apps.benchmarks.coldstart",
     ),
     "pd": (
         "steady decode streams + long prompts: colocated vs disaggregated P/D, pinned cores",
-        "kvmesh.benchmarks.pd",
+        "kvmesh_apps.benchmarks.pd",
     ),
     "kernels": (
         "the CPU kernels vs torch and vs the memory-read ceiling measured in the run",
-        "kvmesh.benchmarks.kernels",
+        "kvmesh_apps.benchmarks.kernels",
     ),
     "step": (
         "a decode step split into model compute and host work, per concurrency",
-        "kvmesh.benchmarks.step",
+        "kvmesh_apps.benchmarks.step",
     ),
     "compiled": (
         "the compiled decode step vs the eager one, side by side in one engine",
-        "kvmesh.benchmarks.compiled",
+        "kvmesh_apps.benchmarks.compiled",
     ),
     "agent-api": (
         "grammar cost per step, cold vs cached grammar TTFT, EAGLE on JSON with grammar",
-        "kvmesh.benchmarks.agent_api",
+        "kvmesh_apps.benchmarks.agent_api",
     ),
     "parallel": (
         "one model on 1 rank vs split over N (tensor parallel): memory per rank, tok/s",
-        "kvmesh.benchmarks.parallel",
+        "kvmesh_apps.benchmarks.parallel",
     ),
     "fuzz": (
         "schemathesis over the gateway's OpenAPI document + hypothesis over every gRPC "
         "service, on a live mesh",
-        "kvmesh.benchmarks.fuzz",
+        "kvmesh_apps.benchmarks.fuzz",
     ),
     "chaos": (
         "streams under load while workers, etcd and the KV store are killed / stopped and "
         "pages dropped or corrupted",
-        "kvmesh.benchmarks.chaos",
+        "kvmesh_apps.benchmarks.chaos",
     ),
     "overload": (
         "a mesh at its capacity, then 4x: 429s with Retry-After, TPOT of the accepted, RSS",
-        "kvmesh.benchmarks.overload",
+        "kvmesh_apps.benchmarks.overload",
     ),
     "soak": (
         "many streams for a long time: errors, and the slopes of RSS, file descriptors and "
         "pages after warm-up",
-        "kvmesh.benchmarks.soak",
+        "kvmesh_apps.benchmarks.soak",
     ),
 }
 
@@ -322,7 +322,7 @@ def _bench_args(bench_sub, lazy: _Lazy) -> None:
 
 def add_serve_bench_arguments(p: argparse.ArgumentParser) -> None:
     """`kvmesh bench serve`: the serve bench's flags plus the agent workload's."""
-    from kvmesh.benchmarks import agent, serve
+    from kvmesh_apps.benchmarks import agent, serve
 
     p.add_argument(
         "--workload",

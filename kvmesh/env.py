@@ -134,5 +134,5 @@ TLS_ENV = ("KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_TLS_CA")  # defaults of 
 
 def tls_paths() -> tuple[str | None, str | None, str | None]:
     """(cert, key, ca) from the environment: the --tls-* defaults, and what a container's health
-    check (kvmesh.deploy.probe) dials its service with."""
+    check (kvmesh_apps.deploy.probe) dials its service with."""
     return tuple(os.environ.get(name) or None for name in TLS_ENV)  # type: ignore[return-value]

@@ -1,5 +1,5 @@
 """Write the rendered parts of deploy/ (Containerfiles, the Kubernetes base, the Mooncake Store
-component, the production etcd members) from kvmesh/deploy: `make deploy`. A test fails when
+component, the production etcd members) from kvmesh_apps/deploy: `make deploy`. A test fails when
 the committed files differ from what this writes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvmesh.deploy.render import rendered  # noqa: E402
+from kvmesh_apps.deploy.render import rendered  # noqa: E402
 
 
 def main(out: Path = ROOT / "deploy") -> None:

@@ -14,8 +14,8 @@ import torch
 
 from kvmesh.config import EngineConfig
 from kvmesh.engine.engine import Engine
-from kvmesh.tools.tiny_configs import ARCHS, TinySpec
-from kvmesh.tools.tiny_models import make_tiny_model
+from kvmesh_apps.tools.tiny_configs import ARCHS, TinySpec
+from kvmesh_apps.tools.tiny_models import make_tiny_model
 from tests.integration.arch_harness import RunnerDriver, reference_logits, reference_model
 
 ATOL = 1e-4  # fp32; logits are O(4), measured differences O(1e-5)

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from kvmesh.benchmarks.agent import Workload, hit_ratio, run_workload
 from kvmesh.mesh.launcher import Mesh, UpOptions
 from kvmesh.mesh.up_config import gateway_config, worker_configs
+from kvmesh_apps.benchmarks.agent import Workload, hit_ratio, run_workload
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvmesh.benchmarks.agent_api import add_arguments, run_agent_api_bench
+from kvmesh_apps.benchmarks.agent_api import add_arguments, run_agent_api_bench
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kvmesh.benchmarks.kv import add_arguments, markdown, run_kv_bench
+from kvmesh_apps.benchmarks.kv import add_arguments, markdown, run_kv_bench
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from kvmesh.benchmarks.parallel import add_arguments, run_parallel_bench
-from kvmesh.tools.tiny_configs import TinySpec
-from kvmesh.tools.tiny_models import make_tiny_model
+from kvmesh_apps.benchmarks.parallel import add_arguments, run_parallel_bench
+from kvmesh_apps.tools.tiny_configs import TinySpec
+from kvmesh_apps.tools.tiny_models import make_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -7,12 +7,12 @@ import os
 
 import pytest
 
-from kvmesh.benchmarks.serve import measure_level
-from kvmesh.benchmarks.serve_client import Target
-from kvmesh.benchmarks.serve_paired import MIN_ROUNDS, measure_paired
-from kvmesh.benchmarks.serve_suite import measure_single_stream
 from kvmesh.mesh.launcher import Mesh, UpOptions
 from kvmesh.mesh.up_config import worker_configs
+from kvmesh_apps.benchmarks.serve import measure_level
+from kvmesh_apps.benchmarks.serve_client import Target
+from kvmesh_apps.benchmarks.serve_paired import MIN_ROUNDS, measure_paired
+from kvmesh_apps.benchmarks.serve_suite import measure_single_stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

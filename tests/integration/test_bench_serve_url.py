@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.benchmarks import serve
 from kvmesh.mesh.launcher import Mesh, UpOptions
 from kvmesh.mesh.up_config import worker_configs
+from kvmesh_apps.benchmarks import serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 PINS = {"prefill": "0", "decode": "1"}

@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 
-from kvmesh.benchmarks import weights_quality
-from kvmesh.benchmarks.weights import add_arguments, run_weights_bench
-from kvmesh.benchmarks.weights_quality import split_greedy, split_logits
 from kvmesh.config import EngineConfig
 from kvmesh.engine.engine import Engine
+from kvmesh_apps.benchmarks import weights_quality
+from kvmesh_apps.benchmarks.weights import add_arguments, run_weights_bench
+from kvmesh_apps.benchmarks.weights_quality import split_greedy, split_logits
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

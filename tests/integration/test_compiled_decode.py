@@ -11,8 +11,8 @@ import torch
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.engine.kernels import cpu_ops
-from kvmesh.tools.tiny_configs import TinySpec
-from kvmesh.tools.tiny_models import make_tiny_model
+from kvmesh_apps.tools.tiny_configs import TinySpec
+from kvmesh_apps.tools.tiny_models import make_tiny_model
 
 pytestmark = [
     pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels do not run here"),

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvmesh import env
-from kvmesh.deploy import build
 from kvmesh.mesh.ports import free_ports
+from kvmesh_apps.deploy import build
 
 LIFETIME_S = 1800
 pytestmark = pytest.mark.timeout(LIFETIME_S)

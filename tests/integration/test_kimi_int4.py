@@ -13,8 +13,8 @@ from kvmesh.config import EngineConfig
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.layers.linear import DenseLinear
 from kvmesh.engine.quant.int4 import Int4Linear
-from kvmesh.tools.tiny_configs import TinySpec
-from kvmesh.tools.tiny_models import make_tiny_model
+from kvmesh_apps.tools.tiny_configs import TinySpec
+from kvmesh_apps.tools.tiny_models import make_tiny_model
 
 pytest.importorskip("compressed_tensors")
 
@@ -96,7 +96,7 @@ def test_bf16_prefill_hands_its_latent_pages_to_an_int4_decode(kimi):
     engine takes the pages and tags and continues -- as `kvmesh up --prefill-weights bf16
     --decode-weights int4` does. The first token is the prefill's; the rest follow the bf16
     run's closely (INT4 experts: at least half of the 32 tokens agree)."""
-    from kvmesh.benchmarks.weights_quality import split_greedy
+    from kvmesh_apps.benchmarks.weights_quality import split_greedy
 
     prefill = _engine(kimi, dtype="bf16", weights="bf16", kv_dtype="bf16")
     decode = _engine(kimi, dtype="bf16", weights="int4", kv_dtype="bf16")

@@ -11,11 +11,11 @@ import asyncio
 import pytest
 
 from kvmesh import LLM, SamplingParams
-from kvmesh.benchmarks.fuzz import fuzz_grpc, fuzz_rest
-from kvmesh.benchmarks.fuzz_edges import fuzz_edges
 from kvmesh.mesh.launcher import UpOptions, list_workers
 from kvmesh.mesh.up_config import gateway_config, worker_configs
 from kvmesh.proto.v1 import decode_pb2, gateway_pb2, kvstore_pb2, prefill_pb2
+from kvmesh_apps.benchmarks.fuzz import fuzz_grpc, fuzz_rest
+from kvmesh_apps.benchmarks.fuzz_edges import fuzz_edges
 from tests.integration.mesh_probes import module_mesh, pages_in_use, wait_for
 
 pytestmark = pytest.mark.timeout(900)

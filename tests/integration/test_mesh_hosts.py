@@ -59,7 +59,7 @@ with concurrent.futures.ThreadPoolExecutor(len(questions)) as pool:
     print(json.dumps(list(pool.map(ask, questions))))
 """
 PROBE = (
-    "import sys; from kvmesh.deploy.probe import ready; "
+    "import sys; from kvmesh_apps.deploy.probe import ready; "
     "sys.exit(0 if ready(sys.argv[1], int(sys.argv[2]), sys.argv[3]) else 1)"
 )
 METRIC = (

@@ -17,8 +17,8 @@ import pytest
 from kvmesh import LLM, SamplingParams
 from kvmesh.mesh.launcher import UpOptions, list_workers
 from kvmesh.mesh.up_config import worker_configs
-from kvmesh.tools.tiny_configs import TinySpec
-from kvmesh.tools.tiny_models import make_tiny_model
+from kvmesh_apps.tools.tiny_configs import TinySpec
+from kvmesh_apps.tools.tiny_models import make_tiny_model
 from tests.integration.chat_client import ask_or_error
 from tests.integration.mesh_probes import mesh_with_faults, metric_sum
 

@@ -13,8 +13,8 @@ from kvmesh import LLM, SamplingParams
 from kvmesh.engine.config import spec_for_model
 from kvmesh.engine.loader import read_config, resolve_model
 from kvmesh.engine.spec.policy import FixedPolicy
-from kvmesh.tools.tiny_configs import TinySpec
-from kvmesh.tools.tiny_models import make_tiny_model
+from kvmesh_apps.tools.tiny_configs import TinySpec
+from kvmesh_apps.tools.tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 LENGTHS = (45, 61, 40, 33)

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from kvmesh.sim.calibrate import MeshSetup
-from kvmesh.sim.check import run_check
+from kvmesh_apps.sim.calibrate import MeshSetup
+from kvmesh_apps.sim.check import run_check
 
 pytestmark = pytest.mark.timeout(900)  # ~2.5 min here
 

@@ -13,8 +13,8 @@ import torch
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.errors import ContextLengthError
-from kvmesh.tools.tiny_configs import TinySpec
-from kvmesh.tools.tiny_models import make_tiny_model
+from kvmesh_apps.tools.tiny_configs import TinySpec
+from kvmesh_apps.tools.tiny_models import make_tiny_model
 from tests.integration.arch_harness import reference_logits, reference_model
 
 WINDOW = 24

@@ -121,8 +121,8 @@ def _alive(pid: int) -> bool:
 def test_tiny_checkpoints_split_over_two_ranks(arch, tmp_path):
     """A tiny Llama and a Qwen3 (per-head q/k norms) from transformers' own classes: the same
     tokens and logits on two ranks as on one (one checked against transformers elsewhere)."""
-    from kvmesh.tools.tiny_configs import TinySpec
-    from kvmesh.tools.tiny_models import make_tiny_model
+    from kvmesh_apps.tools.tiny_configs import TinySpec
+    from kvmesh_apps.tools.tiny_models import make_tiny_model
 
     path = str(make_tiny_model(TinySpec(arch), tmp_path / arch).path)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

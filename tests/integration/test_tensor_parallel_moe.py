@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from kvmesh import LLM, SamplingParams
-from kvmesh.tools.tiny_configs import TinySize, TinySpec
-from kvmesh.tools.tiny_models import make_tiny_model
+from kvmesh_apps.tools.tiny_configs import TinySize, TinySpec
+from kvmesh_apps.tools.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = [[5, 17, 42, 99, 7, 250, 3], [300, 2, 11], [8] * 21, [9, 10], [77, 66, 55, 44, 33]]

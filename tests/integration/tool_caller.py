@@ -37,8 +37,8 @@ from transformers import DynamicCache
 
 from kvmesh.agent.conversation import Conversation, Message, Tool, ToolCall
 from kvmesh.agent.templates import builtin_messages
-from kvmesh.tools.tiny_configs import TinySize, TinySpec
-from kvmesh.tools.tiny_models import make_tiny_model, randomize
+from kvmesh_apps.tools.tiny_configs import TinySize, TinySpec
+from kvmesh_apps.tools.tiny_models import make_tiny_model, randomize
 
 OUTPUT = "kvmesh-ok"  # what COMMAND prints: the final answer
 COMMAND = f"echo {OUTPUT}"

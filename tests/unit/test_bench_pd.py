@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.benchmarks.pd import markdown, placements
-from kvmesh.benchmarks.pd_workload import PdRun, PdWorkload, ratios, summarize_run
-from kvmesh.benchmarks.serve_client import Streamed
 from kvmesh.errors import ServeBenchError
+from kvmesh_apps.benchmarks.pd import markdown, placements
+from kvmesh_apps.benchmarks.pd_workload import PdRun, PdWorkload, ratios, summarize_run
+from kvmesh_apps.benchmarks.serve_client import Streamed
 
 
 def steady(sent_at: float, gap: float, tokens: int = 5) -> Streamed:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmesh.benchmarks.soak import _slope
+from kvmesh_apps.benchmarks.soak import _slope
 
 
 def test_slopes_are_least_squares_per_minute():

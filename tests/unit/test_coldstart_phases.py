@@ -7,7 +7,7 @@ import json
 from datetime import UTC, datetime
 from pathlib import Path
 
-from kvmesh.benchmarks.coldstart_phases import markdown, run_phases, summary
+from kvmesh_apps.benchmarks.coldstart_phases import markdown, run_phases, summary
 
 LAUNCH = 1_800_000_000.0
 

@@ -215,7 +215,7 @@ def test_kimi_k2_config_quantizes_routed_experts_only():
 
 
 def test_the_library_serialised_config_parses():
-    from kvmesh.tools.tiny_int4 import quantization_config
+    from kvmesh_apps.tools.tiny_int4 import quantization_config
 
     config = quantization_config()
     scheme = CompressedTensorsScheme.from_config(config)

@@ -1,4 +1,4 @@
-"""deploy/: the rendered files are what kvmesh/deploy renders (so they follow the CLI), every
+"""deploy/: the rendered files are what kvmesh_apps/deploy renders (so they follow the CLI), every
 command they run parses with kvmesh's own CLI, and every manifest the overlays render passes
 `kubernetes-validate --strict` (offline schemas)."""
 
@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from kvmesh.cli_args import build_parser
-from kvmesh.deploy.render import rendered
-from kvmesh.deploy.services import SERVICES
+from kvmesh_apps.deploy.render import rendered
+from kvmesh_apps.deploy.services import SERVICES
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ("dev", "production")

@@ -1,4 +1,4 @@
-"""The images' health check (`python -m kvmesh.deploy.probe`) against services with and without
+"""The images' health check (`python -m kvmesh_apps.deploy.probe`) against services with and without
 TLS: with $KVMESH_TLS_* it dials TLS (mutual for gRPC) and checks the CA; a wrong certificate
 or plaintext to a TLS port is "not ready"."""
 
@@ -13,8 +13,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvmesh.deploy import probe
 from kvmesh.mesh.certs import make_ca, make_leaf
+from kvmesh_apps.deploy import probe
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
-"""The layers, as a contract: every import in kvmesh/ and services/ (function-level ones too;
-`if TYPE_CHECKING:` blocks aside) is checked against what its layer may not import. The engine
-imports no mesh, service or app; the agent layer no engine; the mesh and the routing core no
-service or app; the library no service; services never each other; the config tree nothing
-of them (every layer reads it)."""
+"""The layers, as a contract: every import in kvmesh/, kvmesh_apps/ and services/ (function-level
+ones too; `if TYPE_CHECKING:` blocks aside) is checked against what its layer may not import.
+The engine imports no mesh, service or app; the agent layer no engine; the mesh and the routing
+core no service or app; the library no service and no app (the CLI aside); services never each
+other; the config tree nothing of them (every layer reads it)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-APPS = (
-    "kvmesh.cli",
-    "kvmesh.cli_args",
-    "kvmesh.benchmarks",
-    "kvmesh.sim",
-    "kvmesh.deploy",
-    "kvmesh.demo",
-)
+CLI = ("kvmesh.cli", "kvmesh.cli_args", "kvmesh.config_show")
+APPS = (*CLI, "kvmesh_apps")
 SERVICES = (
     "services.gateway",
     "services.prefill",
@@ -33,7 +27,8 @@ RULES = [
     ("kvmesh.mesh", ("services", *APPS), ()),
     ("kvmesh.routing", ("services", *APPS), ()),
     ("kvmesh.config", ("services", *APPS), ()),
-    ("kvmesh", ("services",), ("kvmesh.cli",)),  # the CLI starts the services
+    ("kvmesh", ("services", "kvmesh_apps"), CLI),  # the CLI starts the services and the apps
+    ("kvmesh_apps", SERVICES, ()),  # apps run the services as processes
     *[(s, tuple(o for o in SERVICES if o != s), ()) for s in SERVICES],
 ]
 
@@ -63,7 +58,7 @@ def imports(source: str) -> list[str]:
 
 def violations(root: Path) -> list[str]:
     out = []
-    for top in ("kvmesh", "services"):
+    for top in ("kvmesh", "kvmesh_apps", "services"):
         for path in sorted((root / top).rglob("*.py")):
             if "proto" in path.parts:
                 continue

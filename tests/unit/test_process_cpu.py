@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from kvmesh.benchmarks.process_cpu import CLIENT, CpuMeter, tree_cpu_s
+from kvmesh_apps.benchmarks.process_cpu import CLIENT, CpuMeter, tree_cpu_s
 
 BUSY = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"
 

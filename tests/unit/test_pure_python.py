@@ -34,8 +34,8 @@ _SCRIPT = textwrap.dedent(
         "kvmesh.engine.kv.layout",
         "kvmesh.engine.models.registry",
         "kvmesh.engine.loader.hf_config",
-        "kvmesh.sim.fleet",  # the simulator: the router and the pool, no model
-        "kvmesh.sim.report",
+        "kvmesh_apps.sim.fleet",  # the simulator: the router and the pool, no model
+        "kvmesh_apps.sim.report",
     ):
         importlib.import_module(module)
     try:

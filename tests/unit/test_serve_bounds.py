@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.benchmarks.serve_bounds import measure_bounds
+from kvmesh_apps.benchmarks.serve_bounds import measure_bounds
 
 
 def test_bounds_divide_single_stream_by_bandwidth_and_levels_by_gemm_speed():

@@ -4,8 +4,14 @@ deltas) and when a length is reported inexact, URLs, the long prompt and the lev
 
 from __future__ import annotations
 
-from kvmesh.benchmarks.serve_client import RequestTiming, Streamed, Target, request_body, root_url
-from kvmesh.benchmarks.serve_suite import long_prompt, summarize
+from kvmesh_apps.benchmarks.serve_client import (
+    RequestTiming,
+    Streamed,
+    Target,
+    request_body,
+    root_url,
+)
+from kvmesh_apps.benchmarks.serve_suite import long_prompt, summarize
 
 
 def test_a_request_asks_for_an_exact_greedy_length_and_the_usage_chunk() -> None:

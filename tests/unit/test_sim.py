@@ -20,13 +20,13 @@ from kvmesh.routing.router import (
     RoundRobinPolicy,
     make_router,
 )
-from kvmesh.sim.calibrate import BESIDE, CONTENDED, DECODE_TOKENS, SUFFIX, Probes, fit
-from kvmesh.sim.clock import Clock
-from kvmesh.sim.cost import LinearCost, StepShape
-from kvmesh.sim.fleet import Fleet, simulate
-from kvmesh.sim.presets import Preset, WorkerSpec, load_preset
-from kvmesh.sim.report import percentile, summarize
-from kvmesh.sim.workload import AgentWorkload, ChatWorkload
+from kvmesh_apps.sim.calibrate import BESIDE, CONTENDED, DECODE_TOKENS, SUFFIX, Probes, fit
+from kvmesh_apps.sim.clock import Clock
+from kvmesh_apps.sim.cost import LinearCost, StepShape
+from kvmesh_apps.sim.fleet import Fleet, simulate
+from kvmesh_apps.sim.presets import Preset, WorkerSpec, load_preset
+from kvmesh_apps.sim.report import percentile, summarize
+from kvmesh_apps.sim.workload import AgentWorkload, ChatWorkload
 
 COST = LinearCost(
     "test",
@@ -357,7 +357,7 @@ def test_a_prompt_too_long_is_an_error_record_not_a_crash():
 
 
 def test_tune_finds_the_slowdowns_that_reproduce_a_measured_run():
-    from kvmesh.sim.tune import means, tune
+    from kvmesh_apps.sim.tune import means, tune
 
     truth = replace(
         PRESET,

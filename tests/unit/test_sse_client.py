@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import pytest
 
 from kvmesh import event_loop
-from kvmesh.benchmarks.sse_client import post_events
 from kvmesh.errors import ServeBenchError
+from kvmesh_apps.benchmarks.sse_client import post_events
 
 
 def _chunked(parts: Sequence[bytes]) -> list[bytes]:

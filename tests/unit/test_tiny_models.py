@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 
 from kvmesh.errors import InvalidRequestError
-from kvmesh.tools.tiny_configs import ARCHS, TinySize, TinySpec
-from kvmesh.tools.tiny_models import build_model, make_tiny_model
+from kvmesh_apps.tools.tiny_configs import ARCHS, TinySize, TinySpec
+from kvmesh_apps.tools.tiny_models import build_model, make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 CLASSES = {

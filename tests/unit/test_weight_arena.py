@@ -11,8 +11,8 @@ from kvmesh.engine import weight_arena
 from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.layers.linear import DenseLinear
 from kvmesh.engine.quant.int4 import Int4Linear, Int4Weight
-from kvmesh.tools.tiny_configs import TinySize, TinySpec
-from kvmesh.tools.tiny_models import make_tiny_model
+from kvmesh_apps.tools.tiny_configs import TinySize, TinySpec
+from kvmesh_apps.tools.tiny_models import make_tiny_model
 
 
 def _int4(rows: int, cols: int) -> Int4Linear:
