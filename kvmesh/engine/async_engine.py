@@ -25,10 +25,8 @@ from kvmesh.engine.engine_load import EngineLoad, measure_load
 from kvmesh.engine.engine_thread import Call
 from kvmesh.engine.kv.events import KvEvent
 from kvmesh.engine.kv_cache import PagedKVCache
-from kvmesh.engine.kv_event_fanout import KvEventFanOut
 from kvmesh.engine.kv_pages import KvPages
 from kvmesh.engine.output_streams import OutputStream, Tap, flush_all, put_all
-from kvmesh.engine.page_io import PageIO
 from kvmesh.engine.sampler import TokenLogprob
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import FinishReason
@@ -46,7 +44,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, on_thread_start: Callable[[], None] | None = None) -> None:
         self._engine = engine
         self._on_thread_start = on_thread_start  # first on the engine thread (e.g. its CPU)
-        self.page_io = PageIO(engine)  # its methods run under the lock: pass them to `call`
+        self.page_io = engine.page_io  # its methods run under the lock: pass them to `call`
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._calls: deque[Call] = deque()  # run on the engine thread between steps
@@ -55,9 +53,7 @@ class AsyncEngine:
         self._streams: dict[str, OutputStream] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
-        self._kv_events = KvEventFanOut()
         self._load = self._measure_load()  # published under the lock, read without it
-        engine.kv_event_sink = self._kv_events.publish
 
     def start(self) -> None:
         self._closed = False
@@ -322,7 +318,7 @@ class AsyncEngine:
 
     def kv_events(self) -> AsyncIterator[tuple[bool, list[KvEvent]]]:
         """(is_snapshot, events): first the whole prefix cache as one PagesStored, then changes."""
-        return self._kv_events.follow(self.call, self._engine.block_manager.cached_hashes)
+        return self._engine.kv_events.follow(self.call, self._engine.block_manager.cached_hashes)
 
     async def lost(self, every_s: float = 0.25) -> None:
         """Return once the engine can serve no more (a tensor-parallel rank died); never for

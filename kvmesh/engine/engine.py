@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections import abc
-from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -22,11 +21,13 @@ from kvmesh.engine.fused_decode import fuse_decode
 from kvmesh.engine.handover import HandOver
 from kvmesh.engine.integrity import PageTags
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
-from kvmesh.engine.kv.events import KvEvent
 from kvmesh.engine.kv_cache import PagedKVCache
+from kvmesh.engine.kv_event_fanout import KvEventFanOut
 from kvmesh.engine.kv_pages import KvPages
+from kvmesh.engine.listeners import EngineListeners
 from kvmesh.engine.loader import load_weights
 from kvmesh.engine.outputs import Reservation, TokenOutput
+from kvmesh.engine.page_io import PageIO
 from kvmesh.engine.parallel.ranks import LeaderRunner, start_ranks
 from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.parallel.shared_pages import new_pool
@@ -52,9 +53,15 @@ _score_ids = itertools.count()
 class Engine(HandOver):
     """Add requests, step, abort; the P/D hand-over (reserve / commit) is in handover.py."""
 
-    def __init__(self, config: EngineConfig, draft: DraftSource | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        draft: DraftSource | None = None,
+        listeners: EngineListeners | None = None,
+    ) -> None:
         """`draft`: where EAGLE drafts come from when they are not drafted in process (the
-        mesh's draft service)."""
+        mesh's draft service); `listeners`: what the host hears (metrics)."""
+        self.listeners = listeners or EngineListeners()
         started = time.perf_counter()
         ranks = config.parallel.world_size  # each rank a share of the CPUs given
         torch.set_num_threads(max(1, env.serve_threads() // ranks))  # KVMESH_NUM_THREADS, else CPUs
@@ -106,9 +113,7 @@ class Engine(HandOver):
         num_pages = self.kv_cache.num_pages
         torch.set_num_threads(serve_threads)
         self.page_tags = PageTags(self.kv_cache.tags)
-        self.faults = FaultInjector.from_env()  # tests only (KVMESH_FAULTS)
-        # Called with a request id each time an integrity check aborts that request.
-        self.on_integrity_failure: Callable[[str], None] | None = None
+        self.faults = FaultInjector.from_env(self.listeners.fault_injected)  # tests only
         # A sequence longer than the whole pool could never be rescheduled after preemption.
         self.max_model_len = min(self.max_model_len, self.kv_cache.capacity_tokens)
         self.block_manager = BlockManager(
@@ -117,6 +122,7 @@ class Engine(HandOver):
             ),
             BlockHasher.salted(self.source.name, config.cache.page_size, self.kv_dtype),
         )
+        self.page_io = PageIO(self)  # pages to and from a KV store; its methods under the lock
         self.scheduler = Scheduler(
             SchedulerLimits(
                 config.scheduler.max_num_seqs,
@@ -125,6 +131,7 @@ class Engine(HandOver):
             ),
             self.block_manager,
             self.tokenizer.eos_token_ids,
+            on_retire=self.page_io.retired,
         )
         backend = get_backend(config.device.attention_backend, spec.layers[0].kind)
         self.runner = (
@@ -136,15 +143,20 @@ class Engine(HandOver):
         self.sampler = Sampler()
         self.constraints = Constraints(self.tokenizer.hf, self.model_config.vocab_size)
         self.speculator = build_speculator(
-            config, self.source.name, self.runner, self.max_model_len, draft
+            config,
+            self.source.name,
+            self.runner,
+            self.max_model_len,
+            draft,
+            self.listeners.speculation,
         )
         decode_step = config.device.decode_step if ranks == 1 else "eager"  # ranks meet inside
         compile_decode(self.runner, decode_step, config.scheduler.max_num_seqs, self.max_model_len)
         fuse_decode(self.runner, decode_step)
         self._reserved: dict[str, Sequence] = {}  # decode: pages awaiting a prefill worker
         self._kept: dict[str, Sequence] = {}  # prefill: keep_pages requests
-        # Receives the prefix cache's stored/removed events after each step (None: dropped).
-        self.kv_event_sink: Callable[[list[KvEvent]], None] | None = None
+        # the prefix cache's stored/removed events after each step, to whoever follows them
+        self.kv_events = KvEventFanOut()
 
     @property
     def rank_pids(self) -> list[int]:
@@ -258,8 +270,8 @@ class Engine(HandOver):
             self.speculator.observe(output.chunks, self.runner)
             self.speculator.release(finished)
         events = self.block_manager.take_events()
-        if events and self.kv_event_sink is not None:
-            self.kv_event_sink(events)
+        if events:
+            self.kv_events.publish(events)
         outputs = []
         for seq in seqs:  # no call per row here: host work per step is one of issue 14's bars
             seq_id, done = seq.seq_id, seq.seq_id in finished
@@ -311,8 +323,8 @@ class Engine(HandOver):
                 action="recompute" if recompute else "abort",
             )
             self.block_manager.discard_cached(pages)
-            if self.on_integrity_failure is not None:
-                self.on_integrity_failure(seq.seq_id)
+            if self.listeners.integrity_failure is not None:
+                self.listeners.integrity_failure(seq.seq_id)
             if recompute:
                 seq.integrity_recomputes += 1
                 self.scheduler.recompute(seq.seq_id)

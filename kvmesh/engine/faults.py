@@ -49,17 +49,17 @@ class FaultPlan:
 
 
 class FaultInjector:
-    def __init__(self, plan: FaultPlan) -> None:
+    def __init__(self, plan: FaultPlan, on_inject: Callable[[str], None] | None = None) -> None:
         self.plan = plan
         self.injected: Counter[str] = Counter()
         self._chances: Counter[str] = Counter()
         self._noise = torch.Generator().manual_seed(1234)
-        self.on_inject: Callable[[str], None] | None = None
+        self._on_inject = on_inject  # each fault injected: its kind (metrics)
 
     @classmethod
-    def from_env(cls) -> FaultInjector | None:
+    def from_env(cls, on_inject: Callable[[str], None] | None = None) -> FaultInjector | None:
         text = os.environ.get(ENV, "")
-        return cls(FaultPlan.parse(text)) if text.strip() else None
+        return cls(FaultPlan.parse(text), on_inject) if text.strip() else None
 
     def _due(self, kind: str) -> bool:
         every = self.plan.every.get(kind)
@@ -69,8 +69,8 @@ class FaultInjector:
         if self._chances[kind] % every:
             return False
         self.injected[kind] += 1
-        if self.on_inject is not None:
-            self.on_inject(kind)
+        if self._on_inject is not None:
+            self._on_inject(kind)
         return True
 
     def before_check(self, block_manager, cache: PagedKVCache, output: SchedulerOutput) -> None:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvmesh.engine.engine import Engine
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvmesh.engine.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class PageIO:
         self.engine = engine
         self._imports: dict[str, Sequence] = {}
         self._matched: dict[str, int] = {}
+        self._export: tuple[Callable[[ExportedPages], None], int] | None = None
 
     # -- import (call under the engine lock) --------------------------------------------------
     def plan_import(
@@ -79,15 +83,18 @@ class PageIO:
 
     # -- export ---------------------------------------------------------------------------------
     def export_on_finish(self, sink: Callable[[ExportedPages], None], min_pages: int = 1) -> None:
-        """On every finished sequence, copy its computed full pages and pass them to `sink`."""
-        pages = self.engine.kv_pages  # every rank's shard of a page: whole pages staged
-        page_size = self.engine.config.cache.page_size
+        """From now on, copy every finished sequence's computed full pages to `sink`."""
+        self._export = (sink, min_pages)
 
-        def on_retire(seq: Sequence) -> None:
-            count = min(seq.num_computed_tokens // page_size, len(seq.block_hashes))
-            if count < min_pages:
-                return
-            staging = pages.gather(seq.block_table[:count])
-            sink(ExportedPages(list(seq.block_hashes[:count]), staging, seq.cache_salt))
-
-        self.engine.scheduler.on_retire = on_retire
+    def retired(self, seq: Sequence) -> None:
+        """The scheduler's: a finished sequence whose pages are about to be freed."""
+        if self._export is None:
+            return
+        sink, min_pages = self._export
+        count = min(
+            seq.num_computed_tokens // self.engine.config.cache.page_size, len(seq.block_hashes)
+        )
+        if count < min_pages:
+            return
+        staging = self.engine.kv_pages.gather(seq.block_table[:count])  # every rank's shard
+        sink(ExportedPages(list(seq.block_hashes[:count]), staging, seq.cache_salt))

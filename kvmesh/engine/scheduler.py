@@ -23,8 +23,14 @@ class Scheduler:
     """Decides which tokens of which sequences run each step; owns the waiting/running queues."""
 
     def __init__(
-        self, config: SchedulerLimits, block_manager: BlockManager, eos_token_ids: frozenset[int]
+        self,
+        config: SchedulerLimits,
+        block_manager: BlockManager,
+        eos_token_ids: frozenset[int],
+        on_retire: Callable[[Sequence], None] | None = None,
     ) -> None:
+        """`on_retire`: called with a finished (not aborted) sequence just before its pages are
+        freed (the engine's page I/O exports them)."""
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -33,8 +39,7 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}
         self._held: dict[str, Sequence] = {}  # finished with keep_pages: pages await release()
         self.differ = StepDiffer()  # what the runner knows of each request
-        # Called with a finished (not aborted) sequence just before its pages are freed.
-        self.on_retire: Callable[[Sequence], None] | None = None
+        self._on_retire = on_retire
 
     @property
     def num_waiting(self) -> int:
@@ -302,8 +307,8 @@ class Scheduler:
         if seq.keep_pages and reason is not FinishReason.ABORT:
             self._held[seq.seq_id] = seq
         else:
-            if self.on_retire is not None and reason is not FinishReason.ABORT:
-                self.on_retire(seq)
+            if self._on_retire is not None and reason is not FinishReason.ABORT:
+                self._on_retire(seq)
             self.block_manager.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

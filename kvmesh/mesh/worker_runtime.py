@@ -21,6 +21,7 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import Engine
 from kvmesh.engine.engine_thread import build_engine
 from kvmesh.engine.faults import KINDS as FAULT_KINDS
+from kvmesh.engine.listeners import EngineListeners
 from kvmesh.engine.loader.memory import process_memory_mib
 from kvmesh.mesh import addresses, metrics
 from kvmesh.mesh.affinity import lead_cpu_setup
@@ -78,13 +79,14 @@ async def serve_worker(
     structlog.contextvars.bind_contextvars(service=role, worker_id=worker_id)
     draft_address = await _draft_address(config)
     draft = RemoteProposer(draft_address) if draft_address else None
-    engine = build_engine(lambda: Engine(config.engine, draft))  # on a thread of its own
-    engine.on_integrity_failure = lambda _: metrics.KV_INTEGRITY_FAILURES.labels(role).inc()
+    listeners = EngineListeners(
+        integrity_failure=lambda _: metrics.KV_INTEGRITY_FAILURES.labels(role).inc(),
+        fault_injected=lambda kind: metrics.FAULTS_INJECTED.labels(role, kind).inc(),
+        speculation=_spec_metrics(role),
+    )
+    engine = build_engine(lambda: Engine(config.engine, draft, listeners))  # on its own thread
     if engine.faults is not None:
         log.warning("worker.fault_injection_on", faults=dict(engine.faults.plan.every))
-        engine.faults.on_inject = lambda kind: metrics.FAULTS_INJECTED.labels(role, kind).inc()
-    if engine.speculator is not None:
-        engine.speculator.stats.listener = _spec_metrics(role)
     async_engine = AsyncEngine(engine, lead_cpu_setup())  # a lead CPU, where set
     async_engine.start()
     transfer = KvTransferEngine(transfer_config(config))

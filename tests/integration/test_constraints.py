@@ -165,7 +165,6 @@ def test_grammars_compile_once_off_the_engine_thread(llm, monkeypatch):
 
     grammar = grammars.choice(["compiled", "once"], "c")  # a grammar no other test uses
     monkeypatch.setattr(constraints, "prepare", spy)
-    monkeypatch.setattr(engine, "kv_event_sink", engine.kv_event_sink)  # AsyncEngine sets it
     served = AsyncEngine(engine)
     served.start()
 

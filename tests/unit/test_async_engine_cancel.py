@@ -28,7 +28,7 @@ class _StubEngine:
         self.added = threading.Event()
         self.go, self.busy, self.stepping = threading.Event(), threading.Event(), threading.Event()
         self.go.set()
-        self.kv_event_sink = None
+        self.page_io = None
 
     def has_unfinished(self) -> bool:
         return self.busy.is_set()

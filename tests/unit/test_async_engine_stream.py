@@ -107,7 +107,7 @@ class _StubEngine:
         self.go.set()
         self.threads: dict[str, set[str]] = {"step": set(), "call": set()}  # thread names
         self.aborted: list[str] = []
-        self.kv_event_sink = None
+        self.page_io = None
 
     def has_unfinished(self) -> bool:
         return self.busy.is_set()

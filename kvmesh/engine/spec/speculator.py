@@ -6,7 +6,7 @@ drafting seconds, each verification's acceptance)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
@@ -72,12 +72,14 @@ class Speculator:
         num_tokens: int,
         max_model_len: int,
         policy: DraftPolicy | None = None,
+        listener: Callable[[int, int], None] | None = None,
     ) -> None:
+        """`listener`: each verification's (drafted, emitted), for metrics."""
         self.proposer = proposer
         self.num_tokens = num_tokens
         self.max_model_len = max_model_len
         self.policy: DraftPolicy = policy or AdaptivePolicy(PolicyConfig(max_draft=num_tokens))
-        self.stats = SpecStats(on_verify=self._verified)
+        self.stats = SpecStats(on_verify=self._verified, listener=listener)
         self._mark: _Mark | None = None
         self._shadows: dict[str, int] = {}  # seq_id -> its shadow draft this step
 
@@ -211,6 +213,7 @@ def build_speculator(
     runner: ModelRunner,
     max_model_len: int,
     draft: DraftSource | None = None,
+    listener: Callable[[int, int], None] | None = None,
 ) -> Speculator | None:
     """The engine's speculator for `config.spec.speculative` (None: no speculation); EAGLE drafts
     come from `draft` where one is given, else from a head loaded in process."""
@@ -232,4 +235,4 @@ def build_speculator(
         proposer = EagleProposer(head, runner.model.token_embeddings)
     k = config.spec.num_speculative_tokens
     policy = FixedPolicy(k) if config.spec.speculative_policy == "fixed" else None
-    return Speculator(proposer, k, max_model_len, policy)
+    return Speculator(proposer, k, max_model_len, policy, listener)
