@@ -3,7 +3,6 @@ stopping their groups, and stop signals turned into an orderly stop."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import os
@@ -153,12 +152,3 @@ class StopSignals:
         if self.received is not None and self._armed and not self._deferring:
             self._armed = False
             raise StopSignal(self.received)
-
-
-async def wait_for_signal() -> None:
-    """Return on SIGTERM or SIGINT (a service's graceful stop)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
@@ -93,11 +93,6 @@ ROUTER_WORKER_LOAD = Gauge(
     "Token load a worker last reported to the gateway",
     ["worker"],
 )
-
-
-def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
-    """Expose this process's metrics on http://host:port/metrics (a daemon thread)."""
-    start_http_server(port, addr=host)
 
 
 def observe_message(service: str, size: int) -> None:

@@ -5,7 +5,6 @@ lease revoked, new requests refused, those in flight given --drain-timeout to fi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import uuid
@@ -15,7 +14,6 @@ from typing import Protocol
 
 import structlog
 
-from kvmesh import event_loop
 from kvmesh.config import EngineConfig, WorkerConfig
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.engine import Engine
@@ -27,12 +25,10 @@ from kvmesh.mesh import addresses, metrics
 from kvmesh.mesh.affinity import lead_cpu_setup
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.draft_client import RemoteProposer
-from kvmesh.mesh.grpc_server import start_server
-from kvmesh.mesh.ports import free_port
 from kvmesh.mesh.request_gate import RequestGate
+from kvmesh.mesh.service_runtime import Listen, Served, serve_registered
 from kvmesh.mesh.store_link import StoreLink, StoreLinkOptions
 from kvmesh.mesh.transfer import KvTransferEngine, TransferConfig
-from kvmesh.processes import wait_for_signal
 
 log = structlog.get_logger(__name__)
 
@@ -103,77 +99,61 @@ async def serve_worker(
         config.serving.max_queued_requests, metrics.REQUESTS_IN_FLIGHT.labels(role).set
     )
     parts = WorkerParts(config, worker_id, async_engine, transfer, engine.kv_dtype, store, gate)
-    metrics_port = service.metrics_port or free_port()
-    metrics.serve_metrics(metrics_port, service.host)
     metrics.KV_CAPACITY_TOKENS.labels(role).set(engine.kv_cache.capacity_tokens)
     metrics.init_series(role, fault_kinds=FAULT_KINDS)
-    # gRPC is served only once the engine above is loaded, so SERVING from its first answer is
-    # true. Serving earlier (a faster cold start) must pass serving=False and set it when loaded.
-    server, port, health = await start_server(make_servicers(parts), service.host, service.port)
-    delivery_address = ""
-    if delivery is not None:
-        delivery_port = await delivery.start(service.host, service.delivery_port)
-        delivery_address = addresses.host_port(public, delivery_port)
-    info = WorkerInfo(
-        role=role,
-        worker_id=worker_id,
-        grpc_address=addresses.host_port(public, port),
-        metrics_address=addresses.host_port(public, metrics_port),
-        te_session=transfer.session,
-        delivery_address=delivery_address,
-        model=engine.model_name,
-        page_size=engine.config.cache.page_size,
-        kv_dtype=engine.kv_dtype,
-        capacity_tokens=engine.kv_cache.capacity_tokens,
-        extra={
-            **_precision(engine.config),
-            "architecture": engine.model_config.architecture,
-            "kv_spec": engine.kv_pages.spec.layout_key,
-            "page_bytes": str(engine.kv_pages.spec.page_bytes),  # a KV store adopts the layout
-            "tensor_parallel": str(engine.config.parallel.tensor_parallel_size),
-            "pipeline_parallel": str(engine.config.parallel.pipeline_parallel_size),
-            "ranks": _ranks(engine),
-        },
-    )
-    lost = False
+    listen = Listen(role, worker_id, service.host, public, service.port, service.metrics_port,
+                    service.etcd, service.cluster, service.lease_ttl, log_as="worker")  # fmt: skip
     try:
-        async with Registry(service.etcd, service.cluster) as registry:
-            registration = await registry.register(info, ttl=service.lease_ttl)
-            log.info("worker.ready", grpc=info.grpc_address, metrics=info.metrics_address)
-            event_loop.freeze_heap()
-            lost = await _until_stopped_or_lost(async_engine)
-            await health.shutdown()  # NOT_SERVING from now on
-            with contextlib.suppress(TimeoutError):  # a hung etcd: the lease expires instead
-                await asyncio.wait_for(registration.close(), 2.0)  # routers drop us now
-            if not lost:
-                await gate.drain(
-                    config.serving.drain_timeout
-                )  # the rest migrate when the server stops
+        delivery_address = ""
+        if delivery is not None:
+            delivery_port = await delivery.start(service.host, service.delivery_port)
+            delivery_address = addresses.host_port(public, delivery_port)
+        lost = await serve_registered(
+            listen,
+            make_servicers(parts),
+            lambda served: _describe(engine, parts, served, delivery_address),
+            lost=async_engine.lost,
+            drain=lambda: gate.drain(config.serving.drain_timeout),
+        )
     finally:
-        await health.shutdown()
         if store_task is not None:
             store_task.cancel()
-        await server.stop(grace=2)
         if delivery is not None:
             delivery.close()
         async_engine.stop()
         engine.close()  # a tensor-parallel engine's other ranks
         transfer.close()
+    if lost:
+        log.error("worker.engine_lost", reason="a tensor-parallel rank of this worker is gone")
     return 1 if lost else 0
 
 
-async def _until_stopped_or_lost(engine: AsyncEngine) -> bool:
-    """Wait for a stop signal or for the engine to be lost; True if lost. A lost engine's
-    requests in flight have failed (the pass that found it failed them, or the next one)."""
-    signal = asyncio.create_task(wait_for_signal())
-    lost = asyncio.create_task(engine.lost())
-    done, pending = await asyncio.wait((signal, lost), return_when=asyncio.FIRST_COMPLETED)
-    for task in pending:
-        task.cancel()
-    if lost in done:
-        log.error("worker.engine_lost", reason="a tensor-parallel rank of this worker is gone")
-        return True
-    return False
+def _describe(
+    engine: Engine, parts: WorkerParts, served: Served, delivery_address: str
+) -> WorkerInfo:
+    """The worker's etcd registration: where to reach it and what pages it holds."""
+    config = engine.config
+    return WorkerInfo(
+        role=parts.config.role,
+        worker_id=parts.worker_id,
+        grpc_address=served.grpc,
+        metrics_address=served.metrics,
+        te_session=parts.transfer.session,
+        delivery_address=delivery_address,
+        model=engine.model_name,
+        page_size=config.cache.page_size,
+        kv_dtype=engine.kv_dtype,
+        capacity_tokens=engine.kv_cache.capacity_tokens,
+        extra={
+            **_precision(config),
+            "architecture": engine.model_config.architecture,
+            "kv_spec": engine.kv_pages.spec.layout_key,
+            "page_bytes": str(engine.kv_pages.spec.page_bytes),  # a KV store adopts the layout
+            "tensor_parallel": str(config.parallel.tensor_parallel_size),
+            "pipeline_parallel": str(config.parallel.pipeline_parallel_size),
+            "ranks": _ranks(engine),
+        },
+    )
 
 
 def _ranks(engine: Engine) -> str:

@@ -9,11 +9,9 @@ from dataclasses import dataclass
 import structlog
 
 from kvmesh.engine.engine_thread import build_engine
-from kvmesh.mesh import addresses, etcd_access, metrics, tls
-from kvmesh.mesh.discovery import Registry, WorkerInfo
-from kvmesh.mesh.grpc_server import start_server
-from kvmesh.mesh.ports import free_port
-from kvmesh.processes import wait_for_signal
+from kvmesh.mesh import addresses, etcd_access, tls
+from kvmesh.mesh.discovery import WorkerInfo
+from kvmesh.mesh.service_runtime import Listen, Served, serve_registered
 from services.draft.server import DraftServicer, add_to
 
 log = structlog.get_logger(__name__)
@@ -53,32 +51,16 @@ async def serve_draft(options: DraftOptions) -> None:
     proposer, model_name = build_engine(  # on a thread that exits: engine_thread.py
         lambda: build_proposer(options.model, options.draft_model)
     )
-    metrics_port = options.metrics_port or free_port()
-    metrics.serve_metrics(metrics_port, options.host)
-    server, port, _ = await start_server(
-        [add_to(DraftServicer(proposer))], options.host, options.port
-    )
     public = addresses.advertised(options.host, options.advertise_host)
-    info = WorkerInfo(
-        role="draft",
-        worker_id=worker_id,
-        grpc_address=addresses.host_port(public, port),
-        metrics_address=addresses.host_port(public, metrics_port),
-        model=model_name,
-        extra={"window": proposer.head.config.window},
-    )
-    try:
-        if not options.etcd:
-            log.info("draft.ready", grpc=info.grpc_address, registered=False)
-            await wait_for_signal()
-            return
-        async with Registry(options.etcd, options.cluster) as registry:
-            registration = await registry.register(info, ttl=options.ttl)
-            log.info("draft.ready", grpc=info.grpc_address, metrics=info.metrics_address)
-            await wait_for_signal()
-            await registration.close()
-    finally:
-        await server.stop(grace=2)
+    listen = Listen("draft", worker_id, options.host, public, options.port,
+                    options.metrics_port, options.etcd, options.cluster, options.ttl)  # fmt: skip
+
+    def describe(served: Served) -> WorkerInfo:
+        return WorkerInfo(role="draft", worker_id=worker_id, grpc_address=served.grpc,
+                          metrics_address=served.metrics, model=model_name,
+                          extra={"window": proposer.head.config.window})  # fmt: skip
+
+    await serve_registered(listen, [add_to(DraftServicer(proposer))], describe)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

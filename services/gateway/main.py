@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 
 import structlog
 import uvicorn
@@ -17,6 +16,7 @@ from kvmesh.mesh.addresses import host_port
 from kvmesh.mesh.discovery import Registry, WorkerWatcher
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.kv_events import PrefixIndex
+from kvmesh.mesh.service_runtime import stop_on_signals
 from kvmesh.routing.prefix import KvEventFollower, PrefixLookup
 from kvmesh.routing.router import AffinityPolicy, make_router
 from kvmesh.routing.sessions import SessionStore
@@ -127,9 +127,7 @@ def _https() -> dict[str, str]:
 
 async def _wait_for_signal_or(task: asyncio.Task) -> None:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    waiter = asyncio.create_task(stop.wait())
-    await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
-    waiter.cancel()
+    with stop_on_signals(stop):
+        waiter = asyncio.create_task(stop.wait())
+        await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()

@@ -6,21 +6,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import structlog
-from prometheus_client import REGISTRY, start_http_server
 
 from kvmesh.config.engine import KV_DTYPES
 from kvmesh.mesh import addresses, etcd_access, tls
 from kvmesh.mesh.discovery import Registry, WorkerInfo
-from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.kvstore_client import layout_key
-from kvmesh.mesh.ports import free_port
+from kvmesh.mesh.service_runtime import Listen, Served, serve_registered, stop_on_signals
 from kvmesh.mesh.transfer import KvTransferEngine, TransferConfig
 from kvmesh.mesh.transfer import add_arguments as add_transfer_arguments
 from services.kvstore.server import KVStoreServicer, StoreMetrics, add_to
@@ -107,32 +104,28 @@ async def serve_kvstore(options: KVStoreOptions, stop: asyncio.Event | None = No
     structlog.contextvars.bind_contextvars(service="kvstore", worker_id=worker_id)
     stop = stop or asyncio.Event()
     if options.page_bytes is None:
-        with _signals_set(stop):
+        with stop_on_signals(stop):
             adopted = await _adopt_layout(options, stop)
         if adopted is None:
             return  # stopped before any worker registered
         options = adopted
     transfer = KvTransferEngine(options.transfer_config())
-    public = transfer.config.hostname  # what peers dial
     store = KVStore(options.store_config(), transfer)
-    collector = StoreMetrics(store)
-    metrics_port = options.metrics_port or free_port()
+    listen = Listen("kvstore", worker_id, options.host, transfer.config.hostname, options.port,
+                    options.metrics_port, options.etcd, options.cluster, options.ttl)  # fmt: skip
+    sweeper = asyncio.create_task(_sweep(store))
     try:
-        REGISTRY.register(collector)
-        http, _ = start_http_server(metrics_port, addr=options.host)
-        server, port, _ = await start_server(
-            [add_to(KVStoreServicer(store))], options.host, options.port
+        await serve_registered(
+            listen,
+            [add_to(KVStoreServicer(store))],
+            lambda served: _worker_info(options, worker_id, served, store),
+            stop=stop,
+            collectors=[StoreMetrics(store)],
         )
-        info = _worker_info(options, worker_id, (public, port, metrics_port), store)
-        try:
-            await _run(options, info, store, stop)
-        finally:
-            await server.stop(grace=2)
-            http.shutdown()
-            http.server_close()
     finally:
-        with contextlib.suppress(KeyError):
-            REGISTRY.unregister(collector)
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
         store.close()
         transfer.close()
 
@@ -166,37 +159,15 @@ async def _adopt_layout(options: KVStoreOptions, stop: asyncio.Event) -> KVStore
     return None
 
 
-async def _run(options: KVStoreOptions, info: WorkerInfo, store: KVStore, stop: asyncio.Event):
-    sweeper = asyncio.create_task(_sweep(store))
-    try:
-        with _signals_set(stop):
-            if not options.etcd:
-                log.info("kvstore.ready", grpc=info.grpc_address, registered=False)
-                await stop.wait()
-                return
-            async with Registry(options.etcd, options.cluster) as registry:
-                registration = await registry.register(info, ttl=options.ttl)
-                log.info("kvstore.ready", grpc=info.grpc_address, metrics=info.metrics_address)
-                try:
-                    await stop.wait()
-                finally:
-                    await registration.close()
-    finally:
-        sweeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sweeper
-
-
 def _worker_info(
-    options: KVStoreOptions, worker_id: str, at: tuple[str, int, int], store: KVStore
+    options: KVStoreOptions, worker_id: str, served: Served, store: KVStore
 ) -> WorkerInfo:
-    """`at`: the advertised host, the gRPC port and the metrics port."""
-    config, (host, port, metrics_port) = store.config, at
+    config = store.config
     return WorkerInfo(
         role="kvstore",
         worker_id=worker_id,
-        grpc_address=addresses.host_port(host, port),
-        metrics_address=addresses.host_port(host, metrics_port),
+        grpc_address=served.grpc,
+        metrics_address=served.metrics,
         te_session=store.te_session,
         model=options.model,
         page_size=options.page_size,
@@ -215,19 +186,6 @@ async def _sweep(store: KVStore) -> None:
     while True:
         await asyncio.sleep(_SWEEP_S)
         await asyncio.to_thread(store.sweep)
-
-
-@contextlib.contextmanager
-def _signals_set(stop: asyncio.Event):
-    loop = asyncio.get_running_loop()
-    sigs = (signal.SIGTERM, signal.SIGINT)
-    for sig in sigs:
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        yield
-    finally:
-        for sig in sigs:
-            loop.remove_signal_handler(sig)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
