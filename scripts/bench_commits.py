@@ -26,7 +26,10 @@ import json, sys
 # the venv's editable install of kvmesh would win over PYTHONPATH: drop its finder
 sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
 from kvmesh import LLM
-from kvmesh_apps.benchmarks.offline import bench_kvmesh, chat_prompts
+try:
+    from kvmesh_apps.benchmarks.offline import bench_kvmesh, chat_prompts
+except ImportError:  # a commit before the apps left the library
+    from kvmesh.benchmarks.offline import bench_kvmesh, chat_prompts
 import kvmesh
 dtype, levels, max_tokens = sys.argv[1], [int(c) for c in sys.argv[2].split(",")], int(sys.argv[3])
 llm = LLM(dtype=dtype, max_num_seqs=max(levels))
