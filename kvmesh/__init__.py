@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 # torch's first allocation, which reads it once; THP_MEM_ALLOC_ENABLE=0 keeps 4 KB pages.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from kvmesh.engine.sampling_params import SamplingParams  # noqa: E402
+from kvmesh.engine.core.sampling_params import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
     from kvmesh.engine.llm import LLM

@@ -1,5 +1,5 @@
 """Grammars for what a reply must be, in llguidance's formats (checked here, enforced by the
-engine that samples: engine/constraints.py): `response_format` json_object / json_schema, the
+engine that samples: engine/runner/constraints.py): `response_format` json_object / json_schema, the
 kvmesh extras regex / choice / Lark grammar (tool calls: agent/tool_grammar.py)."""
 
 from __future__ import annotations

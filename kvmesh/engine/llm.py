@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.config import EngineConfig
+from kvmesh.engine.core.engine import Engine, TokenOutput
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.sequence import FinishReason
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
-from kvmesh.engine.engine import Engine, TokenOutput
 from kvmesh.engine.loader import DEFAULT_MODEL
-from kvmesh.engine.sampler import TokenLogprob
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sequence import FinishReason
+from kvmesh.engine.runner.sampler import TokenLogprob
 from kvmesh.engine.spec.speculator import DraftSource
 from kvmesh.errors import InvalidRequestError
 

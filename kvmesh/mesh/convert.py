@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvmesh.engine.core.outputs import TokenLogprob
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.sequence import FinishReason
 from kvmesh.engine.kv.pool_layout import PageSide, PoolLayout, PoolShard
-from kvmesh.engine.outputs import TokenLogprob
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sequence import FinishReason
 from kvmesh.proto.v1 import common_pb2 as pb
 from kvmesh.proto.v1 import draft_pb2, prefill_pb2
 

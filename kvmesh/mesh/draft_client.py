@@ -16,7 +16,7 @@ import grpc
 import structlog
 import torch
 
-from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.core.sequence import Sequence
 from kvmesh.mesh import convert, tls
 from kvmesh.mesh.grpc_server import CHANNEL_OPTIONS
 from kvmesh.proto.v1 import draft_pb2, draft_pb2_grpc

@@ -9,7 +9,7 @@ from kvmesh.engine.kv.events import AllCleared, KvEvent, PagesRemoved, PagesStor
 from kvmesh.proto.v1 import decode_pb2
 
 if TYPE_CHECKING:  # the gateway imports this module: no engine (torch) at run time
-    from kvmesh.engine.async_engine import AsyncEngine
+    from kvmesh.engine.serving.async_engine import AsyncEngine
 
 
 def events_to_pb(events: Sequence[KvEvent]) -> list[decode_pb2.KvEvent]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmesh.engine.engine_load import EngineLoad
+from kvmesh.engine.serving.engine_load import EngineLoad
 from kvmesh.proto.v1 import common_pb2
 
 

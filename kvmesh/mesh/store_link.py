@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.page_io import ExportedPages
+from kvmesh.engine.pool.page_io import ExportedPages
+from kvmesh.engine.serving.async_engine import AsyncEngine
 from kvmesh.mesh import metrics
 from kvmesh.mesh.discovery import Registry
 from kvmesh.mesh.kvstore_client import KVStoreClient, layout_key

@@ -1,7 +1,7 @@
 """KV page transfer between workers' page pools with the Mooncake Transfer Engine (TE).
 
 A prefill worker writes pages straight into a decode worker's registered pool; bytes never go
-through gRPC. One page is one contiguous byte range (see `kvmesh.engine.kv_cache`), so a transfer
+through gRPC. One page is one contiguous byte range (see `kvmesh.engine.pool.kv_cache`), so a transfer
 is a list of (local address, remote address, length) segments in one batch call.
 
 Measured behaviour of mooncake-transfer-engine 0.3.13 (TCP, loopback) that shapes this module:

@@ -15,12 +15,12 @@ from typing import Protocol
 import structlog
 
 from kvmesh.config import EngineConfig, WorkerConfig
-from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.engine import Engine
-from kvmesh.engine.engine_thread import build_engine
-from kvmesh.engine.faults import KINDS as FAULT_KINDS
-from kvmesh.engine.listeners import EngineListeners
+from kvmesh.engine.core.engine import Engine
+from kvmesh.engine.core.faults import KINDS as FAULT_KINDS
+from kvmesh.engine.core.listeners import EngineListeners
 from kvmesh.engine.loader.memory import process_memory_mib
+from kvmesh.engine.serving.async_engine import AsyncEngine
+from kvmesh.engine.serving.engine_thread import build_engine
 from kvmesh.mesh import addresses, metrics
 from kvmesh.mesh.affinity import lead_cpu_setup
 from kvmesh.mesh.discovery import Registry, WorkerInfo

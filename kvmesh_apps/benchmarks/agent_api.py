@@ -1,4 +1,4 @@
-"""`kvmesh bench agent-api`: what grammars (llguidance, engine/constraints.py) cost and change.
+"""`kvmesh bench agent-api`: what grammars (llguidance, engine/runner/constraints.py) cost and change.
 
 1. Grammar cost: at each concurrency the same chat prompts decode `--max-tokens` tokens with
    and without a JSON-schema grammar (an array of at least 40 short strings: it cannot finish

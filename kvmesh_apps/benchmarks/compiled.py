@@ -29,7 +29,7 @@ def _ready(engine, timeout_s: float = 3600.0):
 
 
 def _level(engine, compiled, streams: int, rounds: int, block: int, prompt_tokens: int) -> dict:
-    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.engine.core.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=2 * rounds * block + 8, temperature=0.0, ignore_eos=True)
     start_decoding(engine, f"compiled-{streams}", streams, prompt_tokens, params)
@@ -57,7 +57,7 @@ def _level(engine, compiled, streams: int, rounds: int, block: int, prompt_token
 
 def run_compiled_bench(args: argparse.Namespace) -> int:
     from kvmesh.config import EngineConfig
-    from kvmesh.engine.engine import Engine
+    from kvmesh.engine.core.engine import Engine
 
     run = BenchRun()
     levels = [int(c) for c in args.concurrency.split(",")]

@@ -151,7 +151,7 @@ def attention(streams: int, tokens: int, repeats: int, layers: int = 1) -> list[
     from kvmesh.engine.attention import BatchLayout, get_backend
     from kvmesh.engine.attention.base import Slots
     from kvmesh.engine.kv.layout import KVCacheSpec
-    from kvmesh.engine.kv_cache import PagedKVCache
+    from kvmesh.engine.pool.kv_cache import PagedKVCache
 
     out, pages = [], streams * tokens // 16
     for kv_dtype in ("bf16", "fp8_e4m3"):

@@ -176,7 +176,7 @@ def bench_integrity(args, text: str, levels: list[int]):
 def weights_loaded_once() -> Iterator[None]:
     """Dequantize the model file once per run (~5 s a load here): every engine the bench builds
     gets the same (config, weights), read-only; a model casts or fuses them into its own."""
-    import kvmesh.engine.engine as engine_module
+    import kvmesh.engine.core.engine as engine_module
 
     load = engine_module.load_weights
     loaded: dict = {}

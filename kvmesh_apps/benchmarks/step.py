@@ -50,11 +50,11 @@ PARTS = ("step", "model", "plan", "schedule", "update", "integrity", "sample", "
 
 
 def measure(engine, concurrency: int, steps: int, prompt_tokens: int) -> dict:
-    from kvmesh.engine import engine as engine_module
-    from kvmesh.engine import sampler as sampler_module
-    from kvmesh.engine.sample_step import sample_step
-    from kvmesh.engine.sampler import greedy_token_ids
-    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.engine.core import engine as engine_module
+    from kvmesh.engine.core.sampling_params import SamplingParams
+    from kvmesh.engine.runner import sampler as sampler_module
+    from kvmesh.engine.runner.sample_step import sample_step
+    from kvmesh.engine.runner.sampler import greedy_token_ids
 
     clock = _Clock()
     runner = engine.runner
@@ -197,7 +197,7 @@ def compare(
 ) -> dict:
     """Blocks of `block` steps with `toggle` on, then off, `rounds` times over the same
     requests: median ms per step of each (TOGGLES)."""
-    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.engine.core.sampling_params import SamplingParams
 
     switch = TOGGLES[toggle](engine)
     steps = 2 * rounds * (block + 1)
@@ -231,7 +231,7 @@ def compare(
 
 def run_step_bench(args: argparse.Namespace) -> int:
     from kvmesh.config import EngineConfig
-    from kvmesh.engine.engine import Engine
+    from kvmesh.engine.core.engine import Engine
 
     run = BenchRun()
     engine = Engine(

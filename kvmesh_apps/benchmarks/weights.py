@@ -113,7 +113,7 @@ def bench_prefill(args, engines: dict, tokenizer) -> list[SpeedRow]:
 
 def load_engines(args) -> tuple[dict, list[MemoryRow]]:
     from kvmesh.config import EngineConfig
-    from kvmesh.engine.engine import Engine
+    from kvmesh.engine.core.engine import Engine
 
     engines, rows = {}, []
     for name in args.configs.split(","):

@@ -34,8 +34,8 @@ def split_logits(prefill, decode, ids: list[int], context: int):
     """Logits predicting ids[context + 1:], computed by `decode` at positions context.. over the
     KV of ids[:context] that `prefill` computed (one engine alone when they are the same)."""
     from kvmesh import SamplingParams
-    from kvmesh.engine.sequence import Sequence
-    from kvmesh.engine.step import ChunkPlan, StepPlan
+    from kvmesh.engine.core.sequence import Sequence
+    from kvmesh.engine.core.step import ChunkPlan, StepPlan
 
     if prefill is decode:
         return decode.score(ids)[context:-1]
@@ -71,7 +71,7 @@ def split_greedy(prefill, decode, prompts: list[list[int]], max_tokens: int) -> 
     """Greedy tokens: `prefill` computes each prompt's KV and first token, `decode` reserves
     pages, receives the KV and tags, and generates the rest (the mesh's hand-over)."""
     from kvmesh import SamplingParams
-    from kvmesh.engine.integrity import as_int32
+    from kvmesh.engine.pool.integrity import as_int32
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     rids = {f"g-{next(_ids)}": p for p in prompts}

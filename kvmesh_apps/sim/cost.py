@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvmesh.engine.scheduled import SchedulerOutput
+from kvmesh.engine.core.scheduled import SchedulerOutput
 
 
 @dataclass(frozen=True)

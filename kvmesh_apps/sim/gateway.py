@@ -9,9 +9,9 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.sequence import Sequence
 from kvmesh.engine.kv import BlockHasher
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sequence import Sequence
 from kvmesh.mesh.error_mapping import WorkerUnavailableError
 from kvmesh.routing.prefix import PromptKey
 from kvmesh.routing.router import Router

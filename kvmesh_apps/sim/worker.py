@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.scheduler import Scheduler, SchedulerLimits
+from kvmesh.engine.core.sequence import Sequence
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.scheduler import Scheduler, SchedulerLimits
-from kvmesh.engine.sequence import Sequence
 from kvmesh.mesh.kv_events import PrefixIndex, events_to_pb
 from kvmesh.mesh.worker_info import WorkerInfo
 from kvmesh.proto.v1 import decode_pb2

@@ -9,9 +9,9 @@ import grpc
 import structlog
 from opentelemetry.trace import Span
 
-from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.engine import TokenOutput
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.core.engine import TokenOutput
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.serving.async_engine import AsyncEngine
 from kvmesh.errors import KvmeshError
 from kvmesh.mesh import convert, metrics, tracing
 from kvmesh.mesh.error_mapping import grpc_details, grpc_status

@@ -12,11 +12,11 @@ from typing import Any
 import grpc
 import structlog
 
-from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.engine import Reservation, TokenOutput
-from kvmesh.engine.output_streams import Tap
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sequence import FinishReason
+from kvmesh.engine.core.engine import Reservation, TokenOutput
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.sequence import FinishReason
+from kvmesh.engine.serving.async_engine import AsyncEngine
+from kvmesh.engine.serving.output_streams import Tap
 from kvmesh.errors import (
     DeadlineExceededError,
     OverloadedError,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from kvmesh.engine.engine_thread import build_engine
+from kvmesh.engine.serving.engine_thread import build_engine
 from kvmesh.mesh import addresses, etcd_access, tls
 from kvmesh.mesh.discovery import WorkerInfo
 from kvmesh.mesh.service_runtime import Listen, Served, serve_registered

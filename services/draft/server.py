@@ -1,7 +1,7 @@
 """Draft gRPC service: a thin adapter from protos to an `EagleProposer` (one per process).
 
 Every proposer call runs on one worker thread of the servicer (one thread runs torch here:
-kvmesh/engine/engine_thread.py), so calls run one at a time: the head is small and a Propose call
+kvmesh/engine/serving/engine_thread.py), so calls run one at a time: the head is small and a Propose call
 covers a whole decode batch, and one call at a time keeps each request's state consistent.
 """
 

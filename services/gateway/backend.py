@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvmesh.engine.outputs import TokenLogprob
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.core.outputs import TokenLogprob
+from kvmesh.engine.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ import anyio
 import structlog
 
 from kvmesh.agent.tool_parsers import ToolParser
+from kvmesh.engine.core.outputs import TokenLogprob
+from kvmesh.engine.core.sampling_params import SamplingParams
 from kvmesh.engine.detokenizer import DetokenizeResult, IncrementalDetokenizer
-from kvmesh.engine.outputs import TokenLogprob
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidRequestError, KvmeshError
 from kvmesh.mesh import metrics

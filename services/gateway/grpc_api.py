@@ -181,7 +181,7 @@ def _response(
         logprobs=[convert.logprob_to_pb(lp) for lp in chunk.logprobs if lp is not None],
     )
     if finish is not None:
-        from kvmesh.engine.sequence import FinishReason
+        from kvmesh.engine.core.sequence import FinishReason
 
         msg.finish_reason = convert.finish_to_pb(FinishReason(finish))
         msg.usage.CopyFrom(

@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvmesh.engine.outputs import TokenLogprob
+from kvmesh.engine.core.outputs import TokenLogprob
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import KvmeshError, WorkerUnavailableError
 from kvmesh.mesh import error_mapping, metrics

@@ -15,7 +15,7 @@ from kvmesh.agent.conversation import Conversation, Tool
 from kvmesh.agent.templates import template_messages
 from kvmesh.agent.tool_grammar import reply_grammar
 from kvmesh.agent.tool_parsers import ToolParser, get_parser
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.core.sampling_params import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidRequestError
 from services.gateway.openai_chat import parse_conversation

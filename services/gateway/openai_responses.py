@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
-from kvmesh.engine.outputs import TokenLogprob
+from kvmesh.engine.core.outputs import TokenLogprob
 from kvmesh.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:

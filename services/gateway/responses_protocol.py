@@ -11,7 +11,7 @@ from typing import Any
 
 from kvmesh.agent.conversation import ROLES, Conversation
 from kvmesh.agent.tool_grammar import reply_grammar
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.core.sampling_params import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import InvalidRequestError
 from services.gateway import openai_protocol as common

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.engine import TokenOutput
-from kvmesh.engine.integrity import as_int32
+from kvmesh.engine.core.engine import TokenOutput
+from kvmesh.engine.core.sampling_params import SamplingParams
 from kvmesh.engine.kv.pool_layout import copy_ranges
-from kvmesh.engine.page_io import ImportPlan
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.pool.integrity import as_int32
+from kvmesh.engine.pool.page_io import ImportPlan
+from kvmesh.engine.serving.async_engine import AsyncEngine
 from kvmesh.errors import DeadlineExceededError, InvalidRequestError, RequestAbortedError
 from kvmesh.mesh import metrics, tracing
 from kvmesh.mesh.aborted_ids import AbortedIds

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.engine.step import ChunkPlan, NewRequest, RequestDiff, StepPlan
+from kvmesh.engine.core.step import ChunkPlan, NewRequest, RequestDiff, StepPlan
 
 PAGES_PER_REQUEST = 8
 

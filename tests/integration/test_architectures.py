@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvmesh.config import EngineConfig
-from kvmesh.engine.engine import Engine
+from kvmesh.engine.core.engine import Engine
 from kvmesh_apps.tools.tiny_configs import ARCHS, TinySpec
 from kvmesh_apps.tools.tiny_models import make_tiny_model
 from tests.integration.arch_harness import RunnerDriver, reference_logits, reference_model

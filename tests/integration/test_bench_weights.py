@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvmesh.config import EngineConfig
-from kvmesh.engine.engine import Engine
+from kvmesh.engine.core.engine import Engine
 from kvmesh_apps.benchmarks import weights_quality
 from kvmesh_apps.benchmarks.weights import add_arguments, run_weights_bench
 from kvmesh_apps.benchmarks.weights_quality import split_greedy, split_logits

@@ -1,4 +1,4 @@
-"""The compiled decode step (engine/compiled.py) on tiny models: its greedy tokens are the eager
+"""The compiled decode step (engine/runner/compiled.py) on tiny models: its greedy tokens are the eager
 step's, its graphs serve the decode-only steps of every bucket, padding rows touch no
 request's pages, and a model that does not compile whole stays eager with the same tokens."""
 

@@ -152,7 +152,7 @@ def test_grammars_compile_once_off_the_engine_thread(llm, monkeypatch):
     import hashlib
     import threading
 
-    from kvmesh.engine.async_engine import AsyncEngine
+    from kvmesh.engine.serving.async_engine import AsyncEngine
 
     engine, constraints = llm.engine, llm.engine.constraints
     engine.block_manager.reset_prefix_cache()  # the replay test's pages were never written

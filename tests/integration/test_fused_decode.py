@@ -1,4 +1,4 @@
-"""The fused decode step (engine/fused_decode.py, kernels/csrc/decoder.cpp) on tiny models: its
+"""The fused decode step (engine/runner/fused_decode.py, kernels/csrc/decoder.cpp) on tiny models: its
 hidden states and captured layers are the eager forward's bits, its greedy tokens the eager
 engine's, it serves every decode-only step, and models it does not fit run eager."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvmesh import LLM, SamplingParams
-from kvmesh.engine.fused_decode import FusedDecode, unfit_reason
 from kvmesh.engine.kernels import cpu_ops, has_amx
+from kvmesh.engine.runner.fused_decode import FusedDecode, unfit_reason
 from kvmesh_apps.tools.tiny_configs import TinySize, TinySpec
 from kvmesh_apps.tools.tiny_models import make_tiny_model
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from kvmesh import SamplingParams
-from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.serving.async_engine import AsyncEngine
 
 ASK = [{"role": "user", "content": "Name three rivers of Europe."}]
 

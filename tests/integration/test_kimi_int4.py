@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvmesh.config import EngineConfig
-from kvmesh.engine.engine import Engine
+from kvmesh.engine.core.engine import Engine
 from kvmesh.engine.layers.linear import DenseLinear
 from kvmesh.engine.quant.int4 import Int4Linear
 from kvmesh_apps.tools.tiny_configs import TinySpec

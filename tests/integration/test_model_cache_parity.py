@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvmesh.config import EngineConfig
-from kvmesh.engine import engine as engine_module
-from kvmesh.engine.engine import Engine
+from kvmesh.engine.core import engine as engine_module
+from kvmesh.engine.core.engine import Engine
 from kvmesh.engine.loader import tokenizer_cache
 
 TEXTS = ["Hello, world!", "  leading spaces\tand tabs\n", "naïve café — 東京 🙂", "<|im_end|> x"]

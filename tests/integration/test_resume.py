@@ -11,7 +11,7 @@ import pytest
 
 from kvmesh import SamplingParams
 from kvmesh.agent import grammars
-from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.serving.async_engine import AsyncEngine
 from kvmesh.errors import InvalidRequestError
 
 _ids = itertools.count()

@@ -170,7 +170,7 @@ def test_large_batches_are_chunked(fresh: Pair) -> None:
 def test_read_tags_sees_a_page_rewritten_after_its_reservation(pair: Pair) -> None:
     """What a prefill worker does after importing pages the decode worker holds: read their
     tags back (after the bytes) and compare with the tags they were reserved with."""
-    from kvmesh.engine.integrity import as_int32
+    from kvmesh.engine.pool.integrity import as_int32
     from services.prefill.worker import read_tags
 
     decode_tags = as_int32([7, 0xFFFFFFF0, 42, 9]).clone()  # int32 bit patterns, as in a pool

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from kvmesh.engine.outputs import TokenLogprob
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.core.outputs import TokenLogprob
+from kvmesh.engine.core.sampling_params import SamplingParams
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.mesh.error_mapping import WorkerUnavailableError
 from services.gateway.backend import GenerateChunk, GenerateInput

@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.outputs import TokenOutput
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sequence import FinishReason
+from kvmesh.engine.core.outputs import TokenOutput
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.sequence import FinishReason
+from kvmesh.engine.serving.async_engine import AsyncEngine
 
 KINDS = ["generate", "commit"]
 

@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.output_streams import OutputStream, put_all
-from kvmesh.engine.outputs import TokenLogprob, TokenOutput
-from kvmesh.engine.sequence import FinishReason
+from kvmesh.engine.core.outputs import TokenLogprob, TokenOutput
+from kvmesh.engine.core.sequence import FinishReason
+from kvmesh.engine.serving.async_engine import AsyncEngine
+from kvmesh.engine.serving.output_streams import OutputStream, put_all
 from kvmesh.errors import EngineFailure
 
 
@@ -226,7 +226,7 @@ def test_an_abort_cancelled_while_a_long_step_holds_the_lock_still_ends_the_stre
 
 
 def test_build_engine_runs_on_a_thread_that_is_gone_when_it_returns_and_raises_its_error():
-    from kvmesh.engine.engine_thread import build_engine
+    from kvmesh.engine.serving.engine_thread import build_engine
 
     assert build_engine(lambda: threading.current_thread().name) == "engine-build"
     assert all(t.name != "engine-build" for t in threading.enumerate())

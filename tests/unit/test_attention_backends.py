@@ -10,8 +10,8 @@ import torch
 from kvmesh.engine.attention import BatchLayout, get_backend
 from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.kv.layout import KVCacheSpec, LayerKVSpec
-from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.layers.mla import MlaWeights
+from kvmesh.engine.pool.kv_cache import PagedKVCache
 
 PAGE = 4
 BACKENDS = [
@@ -90,7 +90,7 @@ def test_decode_tables_as_one_array_give_the_metadata_and_output_of_tuples(name)
     new token would land in the null page."""
     import numpy as np
 
-    from kvmesh.engine.block_tables import BlockTables
+    from kvmesh.engine.pool.block_tables import BlockTables
 
     cache = PagedKVCache(KVCacheSpec.gqa(1, 2, 8, PAGE, "fp32"), 8)
     backend = get_backend(name, "gqa")

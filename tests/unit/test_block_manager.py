@@ -7,6 +7,8 @@ import random
 
 import pytest
 
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.sequence import Sequence
 from kvmesh.engine.kv import (
     AllCleared,
     BlockHasher,
@@ -18,8 +20,6 @@ from kvmesh.engine.kv import (
     PagesStored,
     PrefixMatch,
 )
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sequence import Sequence
 
 PS = 4
 _ids = itertools.count()
@@ -306,9 +306,9 @@ def test_randomized_operations_keep_invariants() -> None:
 
 
 def test_cache_salts_never_share_pages():
+    from kvmesh.engine.core.sampling_params import SamplingParams
+    from kvmesh.engine.core.sequence import Sequence
     from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
-    from kvmesh.engine.sampling_params import SamplingParams
-    from kvmesh.engine.sequence import Sequence
 
     manager = BlockManager(
         BlockManagerConfig(num_pages=16, page_size=4), BlockHasher.salted("m", 4, "fp32")

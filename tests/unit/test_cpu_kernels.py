@@ -14,8 +14,8 @@ from kvmesh.engine.attention import BatchLayout, get_backend
 from kvmesh.engine.attention.base import Slots
 from kvmesh.engine.kernels import cpu_ops, has_amx
 from kvmesh.engine.kv.layout import KVCacheSpec, LayerKVSpec
-from kvmesh.engine.kv_cache import PagedKVCache
 from kvmesh.engine.layers.mla import MlaWeights
+from kvmesh.engine.pool.kv_cache import PagedKVCache
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels do not run here")
 LENGTHS = [1, 5, 16, 17, 40, 203]
@@ -350,7 +350,7 @@ def test_argmax_kernel_is_torch_argmax(dtype, width):
 def test_greedy_token_ids_are_torch_argmax_nan_rows_too(dtype):
     """The sampler's list-returning argmax: the kernel's answer, or torch's where a row holds
     a NaN (the kernel's -1 is never returned)."""
-    from kvmesh.engine.sampler import greedy_token_ids, greedy_tokens
+    from kvmesh.engine.runner.sampler import greedy_token_ids, greedy_tokens
 
     logits = (torch.randn(6, 1000, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     assert greedy_token_ids(logits) == logits.argmax(-1).tolist() == greedy_tokens(logits).tolist()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.sequence import Sequence
 from kvmesh.mesh import draft_client
 from kvmesh.mesh.draft_client import RemoteProposer
 from kvmesh.proto.v1 import draft_pb2

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sequence import FinishReason
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.sequence import FinishReason
 from kvmesh.errors import RequestAbortedError
 from kvmesh.proto.v1 import decode_pb2, prefill_pb2
 from services.decode.worker import DecodeJob, DecodeWorker

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.engine.block_tables import BlockTables
-from kvmesh.engine.faults import FaultPlan
-from kvmesh.engine.integrity import PENDING, PageTags, as_int32
-from kvmesh.engine.step import StepDiffer
+from kvmesh.engine.core.faults import FaultPlan
+from kvmesh.engine.core.step import StepDiffer
+from kvmesh.engine.pool.block_tables import BlockTables
+from kvmesh.engine.pool.integrity import PENDING, PageTags, as_int32
 
 
 def _tables(rows: dict[str, tuple[list[int], list[int]]]) -> BlockTables:

@@ -10,8 +10,8 @@ from kvmesh.config.engine import parse_size
 from kvmesh.engine.attention import AttentionMetadata, Slots
 from kvmesh.engine.attention.torch_backend import TorchAttention
 from kvmesh.engine.kv.layout import KVCacheSpec
-from kvmesh.engine.kv_cache import PagedKVCache
-from kvmesh.engine.kv_fp8 import dequantize, quantize
+from kvmesh.engine.pool.kv_cache import PagedKVCache
+from kvmesh.engine.pool.kv_fp8 import dequantize, quantize
 
 SLOTS = torch.tensor([2 * 4 + 1, 4 * 4 + 3])  # page 2 offset 1, page 4 offset 3
 

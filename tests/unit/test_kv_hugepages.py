@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import kvmesh.engine.engine as engine_module
-import kvmesh.engine.engine_setup as engine_setup
+import kvmesh.engine.core.engine as engine_module
+import kvmesh.engine.core.engine_setup as engine_setup
 from kvmesh import LLM, SamplingParams
 from kvmesh.engine.kv.layout import KVCacheSpec
 from kvmesh.engine.parallel.shared_pages import (

@@ -80,7 +80,7 @@ def test_the_layers_hold() -> None:
 
 def test_an_upward_import_is_caught(tmp_path: Path) -> None:
     for path, text in {
-        "kvmesh/engine/runner.py": "def f():\n    from kvmesh.mesh.draft_client import X\n",
+        "kvmesh/engine/runner/runner.py": "def f():\n    from kvmesh.mesh.draft_client import X\n",
         "kvmesh/engine/typed.py": "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from kvmesh.mesh import Y\n",
         "services/decode/worker.py": "import services.gateway.main\n",
@@ -89,7 +89,7 @@ def test_an_upward_import_is_caught(tmp_path: Path) -> None:
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
     assert violations(tmp_path) == [
-        "kvmesh.engine.runner imports kvmesh.mesh.draft_client.X (kvmesh.engine may not "
+        "kvmesh.engine.runner.runner imports kvmesh.mesh.draft_client.X (kvmesh.engine may not "
         "import kvmesh.mesh)",
         "services.decode.worker imports services.gateway.main (services.decode may not "
         "import services.gateway)",

@@ -14,7 +14,7 @@ from kvmesh.engine.kv.pool_layout import (
     copy_ranges,
     shard_spans,
 )
-from kvmesh.engine.kv_pages import KvPages
+from kvmesh.engine.pool.kv_pages import KvPages
 
 HEAD = 8  # bytes of one head block
 HEADS = 6

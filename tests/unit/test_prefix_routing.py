@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.sequence import Sequence
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sequence import Sequence
 from kvmesh.mesh.discovery import WorkerInfo
 from kvmesh.mesh.kv_events import PrefixIndex, events_to_pb
 from kvmesh.proto.v1 import decode_pb2

@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.testclient import TestClient
 
-from kvmesh.engine.faults import KINDS
+from kvmesh.engine.core.faults import KINDS
 from kvmesh.engine.loader import resolve_model
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.mesh.discovery import WorkerInfo

@@ -1,4 +1,4 @@
-"""Greedy rows under a grammar are checked, not masked (engine/sample_step.py): the tokens
+"""Greedy rows under a grammar are checked, not masked (engine/runner/sample_step.py): the tokens
 chosen, with and without drafts, equal those of rows masked before the argmax, over the
 default model's tokenizer; a row whose argmax the grammar allows is never masked."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvmesh.agent import grammars
-from kvmesh.engine.constraints import Constraints, apply_masks
-from kvmesh.engine.sample_step import _grammar_checked
+from kvmesh.engine.runner.constraints import Constraints, apply_masks
+from kvmesh.engine.runner.sample_step import _grammar_checked
 from kvmesh.engine.spec.verify import verify_greedy
 
 SCHEMA = {

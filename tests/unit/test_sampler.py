@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 
-from kvmesh.engine.sampler import Sampler, apply_penalties
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.sequence import Sequence
+from kvmesh.engine.runner.sampler import Sampler, apply_penalties
 
 VOCAB = 50
 _ids = itertools.count()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.core.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError
 from kvmesh.mesh.convert import sampling_from_pb, sampling_to_pb
 

@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from kvmesh.engine.core.sequence import FinishReason, SeqStatus, Sequence
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
-from kvmesh.engine.sequence import FinishReason, SeqStatus, Sequence
 from kvmesh.errors import CapacityError, ContextLengthError
 
 PS = 4

@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import pytest
 
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.scheduler import Scheduler, SchedulerLimits
+from kvmesh.engine.core.sequence import Sequence
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.scheduler import Scheduler, SchedulerLimits
-from kvmesh.engine.sequence import Sequence
 from kvmesh.errors import InvalidRequestError
 from kvmesh.routing.router import (
     AffinityPolicy,

@@ -315,8 +315,8 @@ def test_an_unknown_policy_is_a_clear_error():
 
 
 def test_the_drafting_seconds_are_charged_to_every_token_drafted_shadows_included():
-    from kvmesh.engine.sampling_params import SamplingParams
-    from kvmesh.engine.sequence import Sequence
+    from kvmesh.engine.core.sampling_params import SamplingParams
+    from kvmesh.engine.core.sequence import Sequence
     from kvmesh.engine.spec.policy import DraftPlan
     from kvmesh.engine.spec.speculator import Speculator
 

@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.sequence import Sequence
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sequence import Sequence
 from kvmesh.engine.spec.ngram import NgramProposer
 from kvmesh.engine.spec.verify import verify_greedy, verify_sampled
 

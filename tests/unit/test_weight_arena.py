@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from kvmesh import LLM, SamplingParams
-from kvmesh.engine import weight_arena
 from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.layers.linear import DenseLinear
 from kvmesh.engine.quant.int4 import Int4Linear, Int4Weight
+from kvmesh.engine.runner import weight_arena
 from kvmesh_apps.tools.tiny_configs import TinySize, TinySpec
 from kvmesh_apps.tools.tiny_models import make_tiny_model
 

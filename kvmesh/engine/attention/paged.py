@@ -19,10 +19,10 @@ from kvmesh.engine.attention.base import BatchLayout, PrefillSpan, Slots
 from kvmesh.engine.attention.metadata import prefill_spans
 from kvmesh.engine.attention.torch_backend import TorchAttention
 from kvmesh.engine.attention.torch_mla import TorchMlaAttention
-from kvmesh.engine.host_tensors import int_tensor
 from kvmesh.engine.kernels import cpu_ops
-from kvmesh.engine.kv_cache import GqaLayerKV, MlaLayerKV, PagedLayer
 from kvmesh.engine.layers.mla import MlaWeights
+from kvmesh.engine.pool.kv_cache import GqaLayerKV, MlaLayerKV, PagedLayer
+from kvmesh.engine.runner.host_tensors import int_tensor
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,9 @@ def _write_decode(
 
 class PagedAttention:
     kind = "gqa"
-    compilable = True  # its decode rows are one op a compiled graph holds (engine/compiled.py)
+    compilable = (
+        True  # its decode rows are one op a compiled graph holds (engine/runner/compiled.py)
+    )
 
     def build_metadata(self, layout: BatchLayout) -> PagedMetadata:
         return build_paged_metadata(layout)

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from kvmesh.engine.attention.base import AttentionMetadata, BatchLayout, PrefillSpan
 from kvmesh.engine.attention.metadata import build_torch_metadata, offset_causal_mask
-from kvmesh.engine.kv_cache import MlaLayerKV
 from kvmesh.engine.layers.mla import MlaWeights
+from kvmesh.engine.pool.kv_cache import MlaLayerKV
 
 
 class TorchMlaAttention:

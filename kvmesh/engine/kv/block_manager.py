@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvmesh.engine.core.sequence import Sequence
 from kvmesh.engine.kv.events import AllCleared, KvEvent, PagesRemoved, PagesStored
 from kvmesh.engine.kv.free_queue import FreePageQueue, Page
 from kvmesh.engine.kv.hashing import BlockHasher
-from kvmesh.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

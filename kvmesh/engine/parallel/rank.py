@@ -12,15 +12,15 @@ import torch
 
 from kvmesh import env
 from kvmesh.engine.attention import get_backend
-from kvmesh.engine.engine_setup import TORCH_DTYPES, load_engine_model
-from kvmesh.engine.kv_cache import PagedKVCache
+from kvmesh.engine.core.engine_setup import TORCH_DTYPES, load_engine_model
 from kvmesh.engine.loader import load_weights
 from kvmesh.engine.parallel import group
 from kvmesh.engine.parallel.ranks import join_shard
 from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.parallel.shared_pages import pool_of, receive_region
 from kvmesh.engine.parallel.shm_reduce import ShmAllReduce
-from kvmesh.engine.runner import ModelRunner
+from kvmesh.engine.pool.kv_cache import PagedKVCache
+from kvmesh.engine.runner.runner import ModelRunner
 
 
 class FollowerRunner(ModelRunner):

@@ -26,14 +26,14 @@ from kvmesh.config import EngineConfig
 from kvmesh.engine.config import ModelConfig, spec_for_model
 from kvmesh.engine.kv.layout import KVCacheSpec
 from kvmesh.engine.kv.pool_layout import shard_spans
-from kvmesh.engine.kv_cache import PagedKVCache
-from kvmesh.engine.kv_pages import KvPages
 from kvmesh.engine.parallel import group
 from kvmesh.engine.parallel.pipeline import Pipeline
 from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.parallel.shared_pages import new_region, pool_of, pool_offsets, send_region
 from kvmesh.engine.parallel.shm_reduce import ShmAllReduce
-from kvmesh.engine.runner import ModelRunner
+from kvmesh.engine.pool.kv_cache import PagedKVCache
+from kvmesh.engine.pool.kv_pages import KvPages
+from kvmesh.engine.runner.runner import ModelRunner
 from kvmesh.errors import EngineFailure
 from kvmesh.processes import die_with_parent, stop_groups
 

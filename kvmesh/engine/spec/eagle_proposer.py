@@ -15,7 +15,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.core.sequence import Sequence
 from kvmesh.engine.spec import eagle_batch
 from kvmesh.engine.spec.eagle import EagleHead
 from kvmesh.engine.spec.eagle_batch import HeadState, Pending

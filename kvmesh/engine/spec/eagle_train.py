@@ -22,7 +22,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.core.sampling_params import SamplingParams
 from kvmesh.engine.spec.eagle import EagleConfig, EagleHead, window_mask
 from kvmesh.engine.spec.prompts import chat_prompts, split, structured_prompts
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.core.sequence import Sequence
 
 
 @dataclass

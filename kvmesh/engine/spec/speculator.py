@@ -1,5 +1,5 @@
 """The engine's side of speculative decoding: before a step, ask the policy how many drafts each
-sequence verifies and the proposer for them; after it (engine/sample_step.py turns the step's
+sequence verifies and the proposer for them; after it (engine/runner/sample_step.py turns the step's
 logits into emitted tokens), hand the policy what the step measured (its rows and seconds, the
 drafting seconds, each verification's acceptance)."""
 
@@ -14,9 +14,9 @@ from typing import Protocol
 import structlog
 import torch
 
-from kvmesh.engine.runner import ModelRunner
-from kvmesh.engine.scheduler import ScheduledChunk
-from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.core.scheduler import ScheduledChunk
+from kvmesh.engine.core.sequence import Sequence
+from kvmesh.engine.runner.runner import ModelRunner
 from kvmesh.engine.spec.cost import StepSample
 from kvmesh.engine.spec.policy import (
     AdaptivePolicy,

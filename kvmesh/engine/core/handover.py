@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvmesh.engine.outputs import Reservation, TokenOutput
-from kvmesh.engine.sampler import TokenLogprob
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.core.outputs import Reservation, TokenOutput
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.sequence import Sequence
+from kvmesh.engine.runner.sampler import TokenLogprob
 from kvmesh.errors import ContextLengthError, InvalidRequestError
 
 if TYPE_CHECKING:
-    from kvmesh.engine.engine import Engine
+    from kvmesh.engine.core.engine import Engine
 
 
 class HandOver:

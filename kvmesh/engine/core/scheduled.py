@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvmesh.engine.sequence import Sequence
-from kvmesh.engine.step import ChunkPlan, StepPlan
+from kvmesh.engine.core.sequence import Sequence
+from kvmesh.engine.core.step import ChunkPlan, StepPlan
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,13 @@ import numpy as np
 import torch
 
 from kvmesh.engine.attention import AttentionBackend, BatchLayout
-from kvmesh.engine.block_tables import BlockTables
-from kvmesh.engine.compiled import CompiledDecode
-from kvmesh.engine.fused_decode import FusedDecode
-from kvmesh.engine.host_tensors import int_tensor
-from kvmesh.engine.kv_cache import PagedKVCache
+from kvmesh.engine.core.step import ChunkPlan, StepPlan
 from kvmesh.engine.models import CausalLM
-from kvmesh.engine.step import ChunkPlan, StepPlan
+from kvmesh.engine.pool.block_tables import BlockTables
+from kvmesh.engine.pool.kv_cache import PagedKVCache
+from kvmesh.engine.runner.compiled import CompiledDecode
+from kvmesh.engine.runner.fused_decode import FusedDecode
+from kvmesh.engine.runner.host_tensors import int_tensor
 
 
 @dataclass(frozen=True)

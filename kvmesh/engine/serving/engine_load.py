@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvmesh.engine.engine import Engine
+    from kvmesh.engine.core.engine import Engine
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvmesh.engine.sequence import FinishReason
+from kvmesh.engine.core.sequence import FinishReason
 from kvmesh.errors import KvmeshError
 
 

@@ -11,7 +11,7 @@ import torch
 
 from kvmesh.engine.kv.layout import KVCacheSpec
 from kvmesh.engine.kv.pool_layout import PageSide, PoolLayout, PoolShard
-from kvmesh.engine.kv_cache import PagedKVCache
+from kvmesh.engine.pool.kv_cache import PagedKVCache
 
 
 class KvPages:

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.engine.integrity import as_int32
+from kvmesh.engine.core.scheduler import SchedulerOutput
 from kvmesh.engine.kv.block_manager import next_tag
-from kvmesh.engine.kv_cache import PagedKVCache
-from kvmesh.engine.scheduler import SchedulerOutput
+from kvmesh.engine.pool.integrity import as_int32
+from kvmesh.engine.pool.kv_cache import PagedKVCache
 
 ENV = "KVMESH_FAULTS"
 KINDS = ("reassign", "overwrite", "drop_transfer")

@@ -17,8 +17,8 @@ from collections.abc import Sequence as Seq
 import numpy as np
 import torch
 
-from kvmesh.engine.block_tables import BlockTables
-from kvmesh.engine.host_tensors import int_tensor, uint32_bits
+from kvmesh.engine.pool.block_tables import BlockTables
+from kvmesh.engine.runner.host_tensors import int_tensor, uint32_bits
 
 PENDING = 0  # never a valid tag (tags cycle over 1..2**32 - 1)
 

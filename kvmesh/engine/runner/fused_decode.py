@@ -23,13 +23,13 @@ import weakref
 import structlog
 import torch
 
-from kvmesh.engine import weight_arena
 from kvmesh.engine.attention.paged import PagedAttention, PagedMetadata
 from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.layers.gqa import GqaAttention
 from kvmesh.engine.layers.linear import BiasedInt4Linear, DenseLinear, dense_kernel
 from kvmesh.engine.layers.mlp import GatedMLP
 from kvmesh.engine.quant.int4 import SMALL_BATCH, Int4Linear
+from kvmesh.engine.runner import weight_arena
 
 log = structlog.get_logger(__name__)
 _KEYS = itertools.count()

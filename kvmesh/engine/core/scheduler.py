@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping
 
+from kvmesh.engine.core.scheduled import ScheduledChunk, SchedulerLimits, SchedulerOutput
+from kvmesh.engine.core.sequence import FinishReason, SeqStatus, Sequence
+from kvmesh.engine.core.step import StepDiffer
 from kvmesh.engine.kv.block_manager import BlockManager
-from kvmesh.engine.scheduled import ScheduledChunk, SchedulerLimits, SchedulerOutput
-from kvmesh.engine.sequence import FinishReason, SeqStatus, Sequence
-from kvmesh.engine.step import StepDiffer
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerLimits", "SchedulerOutput"]
 from kvmesh.errors import CapacityError, ContextLengthError

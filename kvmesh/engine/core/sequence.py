@@ -6,7 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.core.sampling_params import SamplingParams
 
 _arrival = itertools.count()
 

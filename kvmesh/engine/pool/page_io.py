@@ -10,15 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from kvmesh.engine.engine import Engine
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.sequence import Sequence
+from kvmesh.engine.kv import BlockManager
+from kvmesh.engine.pool.kv_pages import KvPages
 
 
 @dataclass(frozen=True)
@@ -41,8 +39,9 @@ class ExportedPages:
 
 
 class PageIO:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, block_manager: BlockManager, kv_pages: KvPages) -> None:
+        """`kv_pages`: the whole pool as transfers see it (every tensor-parallel rank's shard)."""
+        self.block_manager, self.kv_pages = block_manager, kv_pages
         self._imports: dict[str, Sequence] = {}
         self._matched: dict[str, int] = {}
         self._export: tuple[Callable[[ExportedPages], None], int] | None = None
@@ -52,7 +51,7 @@ class PageIO:
         self, request_id: str, prompt: list[int], cache_salt: str = ""
     ) -> ImportPlan | None:
         """None when the local cache already has every reusable page or the pool is full."""
-        bm = self.engine.block_manager
+        bm = self.block_manager
         seq = Sequence(
             f"import-{request_id}",
             list(prompt),
@@ -76,7 +75,7 @@ class PageIO:
         """Register the first `fetched_pages` planned pages as cached; free the rest."""
         seq = self._imports.pop(request_id)
         matched = self._matched.pop(request_id)
-        bm = self.engine.block_manager
+        bm = self.block_manager
         seq.num_computed_tokens = (matched + fetched_pages) * bm.config.page_size
         bm.cache_full_pages(seq, seq.num_computed_tokens)
         bm.free(seq)
@@ -92,9 +91,9 @@ class PageIO:
             return
         sink, min_pages = self._export
         count = min(
-            seq.num_computed_tokens // self.engine.config.cache.page_size, len(seq.block_hashes)
+            seq.num_computed_tokens // self.block_manager.config.page_size, len(seq.block_hashes)
         )
         if count < min_pages:
             return
-        staging = self.engine.kv_pages.gather(seq.block_table[:count])  # every rank's shard
+        staging = self.kv_pages.gather(seq.block_table[:count])  # every rank's shard
         sink(ExportedPages(list(seq.block_hashes[:count]), staging, seq.cache_salt))

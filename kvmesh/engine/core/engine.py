@@ -13,32 +13,32 @@ import torch
 from kvmesh import env
 from kvmesh.config import EngineConfig
 from kvmesh.engine.attention import get_backend
-from kvmesh.engine.compiled import compile_decode
-from kvmesh.engine.constraints import Constraints
-from kvmesh.engine.engine_setup import TORCH_DTYPES, load_engine_model
-from kvmesh.engine.faults import FaultInjector
-from kvmesh.engine.fused_decode import fuse_decode
-from kvmesh.engine.handover import HandOver
-from kvmesh.engine.integrity import PageTags
+from kvmesh.engine.core.engine_setup import TORCH_DTYPES, load_engine_model
+from kvmesh.engine.core.faults import FaultInjector
+from kvmesh.engine.core.handover import HandOver
+from kvmesh.engine.core.listeners import EngineListeners
+from kvmesh.engine.core.outputs import Reservation, TokenOutput
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from kvmesh.engine.core.sequence import FinishReason, Sequence
+from kvmesh.engine.core.step import ChunkPlan, StepPlan
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
-from kvmesh.engine.kv_cache import PagedKVCache
-from kvmesh.engine.kv_event_fanout import KvEventFanOut
-from kvmesh.engine.kv_pages import KvPages
-from kvmesh.engine.listeners import EngineListeners
 from kvmesh.engine.loader import load_weights
-from kvmesh.engine.outputs import Reservation, TokenOutput
-from kvmesh.engine.page_io import PageIO
 from kvmesh.engine.parallel.ranks import LeaderRunner, start_ranks
 from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.parallel.shared_pages import new_pool
-from kvmesh.engine.runner import ModelRunner
-from kvmesh.engine.sample_step import sample_step
-from kvmesh.engine.sampler import Sampler
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
-from kvmesh.engine.sequence import FinishReason, Sequence
+from kvmesh.engine.pool.integrity import PageTags
+from kvmesh.engine.pool.kv_cache import PagedKVCache
+from kvmesh.engine.pool.kv_pages import KvPages
+from kvmesh.engine.pool.page_io import PageIO
+from kvmesh.engine.runner.compiled import compile_decode
+from kvmesh.engine.runner.constraints import Constraints
+from kvmesh.engine.runner.fused_decode import fuse_decode
+from kvmesh.engine.runner.runner import ModelRunner
+from kvmesh.engine.runner.sample_step import sample_step
+from kvmesh.engine.runner.sampler import Sampler
+from kvmesh.engine.serving.kv_event_fanout import KvEventFanOut
 from kvmesh.engine.spec.speculator import DraftSource, build_speculator
-from kvmesh.engine.step import ChunkPlan, StepPlan
 from kvmesh.errors import (
     CapacityError,
     KvIntegrityError,
@@ -122,7 +122,7 @@ class Engine(HandOver):
             ),
             BlockHasher.salted(self.source.name, config.cache.page_size, self.kv_dtype),
         )
-        self.page_io = PageIO(self)  # pages to and from a KV store; its methods under the lock
+        self.page_io = PageIO(self.block_manager, self.kv_pages)  # to / from a KV store
         self.scheduler = Scheduler(
             SchedulerLimits(
                 config.scheduler.max_num_seqs,

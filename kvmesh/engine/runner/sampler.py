@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.engine.core.outputs import TokenLogprob
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.sequence import Sequence
 from kvmesh.engine.kernels import cpu_ops
-from kvmesh.engine.outputs import TokenLogprob
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sequence import Sequence
 
 _NEG_INF = float("-inf")
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)

@@ -13,10 +13,10 @@ import itertools
 
 import torch
 
-from kvmesh.engine.constraints import Constraints, apply_bias, apply_masks
-from kvmesh.engine.runner import StepResult
-from kvmesh.engine.sampler import Sampler, TokenLogprob, greedy_token_ids, greedy_tokens
-from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.core.sequence import Sequence
+from kvmesh.engine.runner.constraints import Constraints, apply_bias, apply_masks
+from kvmesh.engine.runner.runner import StepResult
+from kvmesh.engine.runner.sampler import Sampler, TokenLogprob, greedy_token_ids, greedy_tokens
 from kvmesh.engine.spec.stats import SpecStats
 from kvmesh.engine.spec.verify import verify_greedy, verify_sampled
 

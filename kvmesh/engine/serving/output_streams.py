@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from kvmesh.engine.engine import TokenOutput
+from kvmesh.engine.core.engine import TokenOutput
 
 log = structlog.get_logger(__name__)
 

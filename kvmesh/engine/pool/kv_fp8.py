@@ -38,7 +38,7 @@ def codec_for(device: torch.device) -> tuple[Callable, Callable]:
     installed (same bytes), else the torch functions above."""
     if device.type == "cuda":
         try:
-            from kvmesh.engine import kv_fp8_triton
+            from kvmesh.engine.pool import kv_fp8_triton
         except ImportError:
             return quantize, dequantize
         return kv_fp8_triton.quantize, kv_fp8_triton.dequantize

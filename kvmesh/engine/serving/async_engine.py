@@ -20,16 +20,16 @@ from typing import Any
 
 import structlog
 
-from kvmesh.engine.engine import Engine, Reservation, TokenOutput
-from kvmesh.engine.engine_load import EngineLoad, measure_load
-from kvmesh.engine.engine_thread import Call
+from kvmesh.engine.core.engine import Engine, Reservation, TokenOutput
+from kvmesh.engine.core.sampling_params import SamplingParams
+from kvmesh.engine.core.sequence import FinishReason
 from kvmesh.engine.kv.events import KvEvent
-from kvmesh.engine.kv_cache import PagedKVCache
-from kvmesh.engine.kv_pages import KvPages
-from kvmesh.engine.output_streams import OutputStream, Tap, flush_all, put_all
-from kvmesh.engine.sampler import TokenLogprob
-from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.sequence import FinishReason
+from kvmesh.engine.pool.kv_cache import PagedKVCache
+from kvmesh.engine.pool.kv_pages import KvPages
+from kvmesh.engine.runner.sampler import TokenLogprob
+from kvmesh.engine.serving.engine_load import EngineLoad, measure_load
+from kvmesh.engine.serving.engine_thread import Call
+from kvmesh.engine.serving.output_streams import OutputStream, Tap, flush_all, put_all
 from kvmesh.errors import EngineFailure
 
 log = structlog.get_logger(__name__)

@@ -28,7 +28,7 @@ import torch
 from kvmesh.engine.attention.base import Slots
 from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.kv.layout import KVCacheSpec
-from kvmesh.engine.kv_fp8 import codec_for
+from kvmesh.engine.pool.kv_fp8 import codec_for
 
 __all__ = ["GqaLayerKV", "KVCacheSpec", "MlaLayerKV", "PagedKVCache"]
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.int8}

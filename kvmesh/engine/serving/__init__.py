@@ -1,0 +1,1 @@
+"""The engine inside a worker process: its thread, output streams, KV event fan-out and load."""
