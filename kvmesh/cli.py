@@ -102,17 +102,22 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _service(args: argparse.Namespace) -> tuple[Callable[[Any], Any], Any]:
     """The service's serve coroutine (importing it: torch and all for a worker) and options."""
+    from kvmesh.config.flags import from_namespace
+
     if args.service == "kvstore":
-        from services.kvstore.main import options_from_args, serve_kvstore
+        from kvmesh.config.kvstore import KVStoreConfig
+        from services.kvstore.main import checked, serve_kvstore
 
-        return serve_kvstore, options_from_args(args)
+        return serve_kvstore, checked(from_namespace(KVStoreConfig, args))
     if args.service == "draft":
-        from services.draft.main import options_from, serve_draft
+        from kvmesh.config.draft import DraftConfig
+        from services.draft.main import check_addresses, serve_draft
 
-        return serve_draft, options_from(args)
+        config = from_namespace(DraftConfig, args)
+        check_addresses(config)
+        return serve_draft, config
     if args.service == "gateway":
         from kvmesh.agent.tool_parsers import PARSERS
-        from kvmesh.config.flags import from_namespace
         from kvmesh.config.gateway import GatewayConfig
         from services.gateway.main import serve_gateway
 
@@ -124,7 +129,6 @@ def _service(args: argparse.Namespace) -> tuple[Callable[[Any], Any], Any]:
             raise ValueError(f"--tool-call-parser {parser!r}: one of {', '.join(sorted(PARSERS))}")
         return serve_gateway, config
     from kvmesh.config import WorkerConfig
-    from kvmesh.config.flags import from_namespace
     from kvmesh.mesh.worker_runtime import transfer_config
 
     if args.service == "prefill":

@@ -7,6 +7,10 @@ import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvmesh.config import WorkerConfig
+from kvmesh.config.draft import DraftConfig
+from kvmesh.config.gateway import GatewayConfig
+from kvmesh.config.kvstore import KVStoreConfig
 from kvmesh.routing import UP_LOCAL_PREFILL_TOKENS
 from kvmesh_apps.tools import tiny_cli  # imports no torch
 
@@ -19,31 +23,36 @@ def _engine_flags(p: argparse.ArgumentParser, **kwargs) -> None:
     add_flags(p, EngineConfig, **kwargs)
 
 
-def _worker_flags(p: argparse.ArgumentParser, role: str) -> None:
-    """`kvmesh serve ROLE`: the worker's whole config tree as flags, or `--config FILE`."""
+def _service_flags(p: argparse.ArgumentParser, root: type, skip: tuple[str, ...] = ()) -> None:
+    """`kvmesh serve NAME`: the service's whole config tree as flags, `--config FILE` (its
+    JSON, as `kvmesh config show` prints it and `kvmesh up` writes it: flags after it win), and
+    the process's TLS and etcd access."""
     from kvmesh.config.flags import ConfigFile, add_flags
-    from kvmesh.config.worker import WorkerConfig
     from kvmesh.mesh import etcd_access, tls
 
     p.add_argument(
         "--config",
         action=ConfigFile,
-        root=WorkerConfig,
+        root=root,
         default=None,
-        help="the worker's config as JSON (`kvmesh config show`, or what `kvmesh up` "
-        "writes); flags after it win",
+        help="the service's config as JSON; flags after it win",
     )
-    add_flags(p, WorkerConfig, skip=() if role == "decode" else ("delivery_port",))
+    add_flags(p, root, skip=skip)
     tls.add_arguments(p)
     etcd_access.add_arguments(p)
 
 
 def _up_worker_flags(p: argparse.ArgumentParser) -> None:
-    """`kvmesh up`: the engine's knobs and how workers serve, for every worker."""
+    """`kvmesh up`: the gateway's knobs (but where it runs), the engine's and how workers serve
+    and move pages, for every worker."""
     from kvmesh.config.flags import add_flags
+    from kvmesh.config.gateway import GatewayConfig
+    from kvmesh.config.placement import TransferKnobs
     from kvmesh.config.worker import ServingConfig
 
+    add_flags(p, GatewayConfig, skip=("etcd", "cluster", "host", "http_port", "grpc_port", "model"))
     _engine_flags(p, notes={"tensor_parallel_size": "; per role: --prefill-tp / --decode-tp"})
+    add_flags(p, TransferKnobs)
     auto = f" (default {UP_LOCAL_PREFILL_TOKENS}, 0 with --prefill-weights / --decode-weights)"
     add_flags(
         p,
@@ -52,26 +61,6 @@ def _up_worker_flags(p: argparse.ArgumentParser) -> None:
         defaults={"local_prefill_tokens": None},
         notes={"local_prefill_tokens": auto},
     )
-
-
-def _gateway_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """The gateway's config tree as flags (`kvmesh serve gateway`; `up` but where it runs)."""
-    from kvmesh.config.flags import ConfigFile, add_flags
-    from kvmesh.config.gateway import GatewayConfig
-    from kvmesh.mesh import etcd_access, tls
-
-    if not skip:  # a gateway of its own
-        p.add_argument(
-            "--config",
-            action=ConfigFile,
-            root=GatewayConfig,
-            default=None,
-            help="the gateway's config as JSON; flags after it win",
-        )
-    add_flags(p, GatewayConfig, skip=skip)
-    if not skip:
-        tls.add_arguments(p)
-        etcd_access.add_arguments(p)
 
 
 def _cpus_arg(p: argparse.ArgumentParser, flag: str, env_name: str, text: str) -> None:
@@ -132,7 +121,6 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         help="TLS everywhere with a throwaway CA made for this run: clients reach the "
         "gateway over https, services use mutual TLS",
     )
-    _gateway_flags(up, skip=("etcd", "cluster", "host", "http_port", "grpc_port", "model"))
     _up_worker_flags(up)
     for role in ("prefill", "decode"):
         up.add_argument(
@@ -173,7 +161,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     serve_sub = serve.add_subparsers(dest="service", required=True)
     for role in ("prefill", "decode"):
         worker = serve_sub.add_parser(role, help=f"a {role} worker")
-        _worker_flags(worker, role)
+        _service_flags(worker, WorkerConfig, () if role == "decode" else ("delivery_port",))
         _cpus_arg(
             worker,
             "--cpus",
@@ -181,13 +169,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
             "pin this worker to these CPUs; torch "
             "threads = their number unless KVMESH_NUM_THREADS says otherwise",
         )
-    lazy.add(
-        serve_sub,
-        ("serve", "kvstore"),
-        "the KV page store (RAM + disk tiers)",
-        "services.kvstore.main",
-    )
-    lazy.add(serve_sub, ("serve", "draft"), "the EAGLE draft service", "services.draft.main")
+    store = serve_sub.add_parser("kvstore", help="the KV page store (RAM + disk tiers)")
+    _service_flags(store, KVStoreConfig)
+    draft = serve_sub.add_parser("draft", help="the EAGLE draft service")
+    _service_flags(draft, DraftConfig)
     train = sub.add_parser("train-eagle", help="self-distil an EAGLE draft head on CPU")
     train.add_argument("--model", default="smollm2-135m")
     train.add_argument("--output", required=True, help="where to write the head (safetensors)")
@@ -197,7 +182,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     train.add_argument("--draft-vocab", type=int, default=4096)
     train.add_argument("--limit-prompts", type=int, default=0, help="0: all training prompts")
     gateway = serve_sub.add_parser("gateway", help="the gateway (REST and gRPC fronts, router)")
-    _gateway_flags(gateway)
+    _service_flags(gateway, GatewayConfig)
     status = sub.add_parser("status", help="list the mesh's workers and their load")
     status.add_argument(
         "--etcd", default=None, help="host:port (default: the one `kvmesh up` started)"

@@ -1,6 +1,6 @@
 """`kvmesh config show COMMAND [FLAGS]`: the config a command would run with, as JSON. For
-`kvmesh up`, every worker's and the gateway's (as each is handed it, its etcd and ports filled
-in at start) and the KV store's flags; nothing is started."""
+`kvmesh up`, every child's, as each is handed it (its etcd, ports and Mooncake master filled in
+at start); nothing is started."""
 
 from __future__ import annotations
 
@@ -20,21 +20,18 @@ def effective_config(argv: Sequence[str]) -> dict:
         return {"engine": to_dict(from_namespace(EngineConfig, args))}
     if args.command == "serve" and args.service in ("prefill", "decode"):
         return {args.service: to_dict(from_namespace(WorkerConfig, args, role=args.service))}
-    if args.command == "serve" and args.service == "gateway":
+    if args.command == "serve":
+        from kvmesh.config.draft import DraftConfig
         from kvmesh.config.gateway import GatewayConfig
+        from kvmesh.config.kvstore import KVStoreConfig
 
-        return {"gateway": to_dict(from_namespace(GatewayConfig, args))}
+        roots = {"gateway": GatewayConfig, "kvstore": KVStoreConfig, "draft": DraftConfig}
+        return {args.service: to_dict(from_namespace(roots[args.service], args))}
     if args.command == "up":
-        from kvmesh.mesh.launcher import Mesh
+        from kvmesh.mesh import children
         from kvmesh.mesh.up_config import up_options
 
-        mesh = Mesh(up_options(args))
-        o = mesh.options
-        return {
-            **{name: to_dict(config) for name, config in mesh.child_configs().items()},
-            "gateway": to_dict(mesh.gateway_config()),
-            "kvstore": {"kind": o.kvstore, "argv": list(o.kvstore_args)},
-        }
+        return children.everything(up_options(args), children.Placement())
     raise SystemExit(f"kvmesh config show: {' '.join(argv[:2])} has no config tree yet")
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvmesh.config.knobs import check, knob
+from kvmesh.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,44 @@ class Placement:
 
     def __post_init__(self) -> None:
         check(self)
+
+
+@dataclass(frozen=True)
+class Registered(Placement):
+    """A service that registers in etcd (a worker, the KV store, the draft service)."""
+
+    worker_id: str = knob("", "its name in etcd (default: its role and a random suffix)")
+    advertise_host: str = knob(
+        "",
+        "address peers dial, in the etcd registration and the "
+        "transfer engine's session (default: --host)",
+    )
+    port: int = knob(0, "gRPC port (0: a free one)", bounds=(0, 65535))
+    metrics_port: int = knob(0, "Prometheus port (0: a free one)", bounds=(0, 65535))
+    lease_ttl: int = knob(
+        5, "seconds its etcd registration outlives it when it goes silent", bounds=(1, 300)
+    )
+
+
+PROTOCOLS = ("tcp", "rdma")
+
+
+@dataclass(frozen=True)
+class TransferKnobs:
+    """The Mooncake transfer engine of a worker or the KV store."""
+
+    protocol: str = knob("tcp", "transfer engine protocol", choices=PROTOCOLS)
+    rdma_devices: str = knob(
+        "",
+        "--protocol rdma: the RDMA NICs to use, e.g. mlx5_0,mlx5_1 "
+        "(default: the transfer engine finds them)",
+        metavar="NICS",
+    )
+
+    def __post_init__(self) -> None:
+        check(self)
+        if self.rdma_devices and self.protocol != "rdma":
+            raise InvalidRequestError(f"--rdma-devices {self.rdma_devices} needs --protocol rdma")
 
 
 class Placed:

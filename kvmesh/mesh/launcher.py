@@ -17,18 +17,14 @@ import ssl
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvmesh.config import WorkerConfig
-from kvmesh.config.gateway import GatewayConfig
-from kvmesh.config.knobs import to_dict
-from kvmesh.config.worker import ROLES
 from kvmesh.env import API_KEYS_ENV, kvmesh_home, num_threads, role_cpus
 from kvmesh.errors import LaunchError
+from kvmesh.mesh import children
 from kvmesh.mesh.affinity import decode_lead_cpu, worker_env
 from kvmesh.mesh.discovery import Registry, WorkerInfo
 from kvmesh.mesh.etcd_access import EtcdAccess
@@ -36,6 +32,7 @@ from kvmesh.mesh.etcd_server import EtcdServer
 from kvmesh.mesh.ports import free_port
 from kvmesh.mesh.supervisor import Supervisor
 from kvmesh.mesh.tls import TlsFiles
+from kvmesh.mesh.up_config import UpOptions
 from kvmesh.processes import StopSignals
 
 MESH_CERT_NAME = "mesh"  # `up --tls`: the common name of every service's certificate
@@ -43,40 +40,6 @@ CRITICAL = frozenset({"gateway"})  # with etcd: the mesh stops when one of them 
 STOP_GRACE_S = 6.0  # SIGTERM, then SIGKILL: a stop signal leaves nothing behind within 10 s
 # No proxy for loopback health checks, whatever http_proxy says.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _default_workers() -> dict[str, WorkerConfig]:
-    return {role: WorkerConfig(role) for role in ROLES}
-
-
-@dataclass(frozen=True)
-class UpOptions:
-    # each role's worker config (up_config.py); the etcd and id of each worker filled at start
-    workers: Mapping[str, WorkerConfig] = field(default_factory=_default_workers)
-    prefill: int = 1
-    decode: int = 1
-    http_port: int | None = None
-    grpc_port: int | None = None
-    cluster: str = "default"
-    # CPU list per role, e.g. {"prefill": "0"} (else KVMESH_<ROLE>_CPUS): see mesh/affinity.py
-    role_cpus: dict[str, str] = field(default_factory=dict)
-    # the gateway's config (up_config.py); its model the workers', where it runs set at start
-    gateway: GatewayConfig = field(default_factory=GatewayConfig)
-    kvstore: str = "none"  # "builtin": the KV store service; "mooncake": backed by Mooncake Store
-    kvstore_args: tuple[str, ...] = ()
-    ready_timeout: float = 180.0
-    decode_lead_cpu: str = "auto"  # auto | off | a CPU number: see affinity.decode_lead_cpu
-    tls: bool = False  # TLS everywhere, with a throwaway CA made in the run's directory
-    precision: str = ""  # the banner's line on the precision `up` chose (up_config.py)
-
-    @property
-    def model(self) -> str:
-        """The mesh's one model (the gateway's, the KV store's, the draft service's)."""
-        return self.workers["decode"].engine.load.model
-
-    def __post_init__(self) -> None:
-        if {w.engine.load.model for w in self.workers.values()} != {self.model}:
-            raise LaunchError("every worker of one mesh serves the same --model")
 
 
 def state_file() -> Path:
@@ -133,12 +96,10 @@ class Mesh:
         self.grpc_port = self.options.grpc_port or free_port()
         self._write_state()
         if self.options.kvstore in ("builtin", "mooncake"):
-            args = [*self._kvstore_backend(), *self.options.kvstore_args]  # layout: the workers'
-            self._spawn("kvstore", ["serve", "kvstore", *args])
-        if self._remote_draft():
-            head = self.options.workers["decode"].engine.spec.draft_model
-            extra = ["--draft-model", head] if head else []
-            self._spawn("draft", ["serve", "draft", "--model", self.options.model, *extra])
+            self._start_master()
+            self._spawn_config("kvstore", children.kvstore(self.options, self.placement))
+        if children.remote_draft(self.options):
+            self._spawn_config("draft", children.draft(self.options, self.placement))
         self._spawn_workers()
         self._spawn_gateway()
         self._wait_ready()
@@ -151,27 +112,8 @@ class Mesh:
                 pinned = {**pinned, "KVMESH_LEAD_CPU": str(self.lead)}
             for i in range(count):
                 name = f"{role}-{i}"
-                path = self.run_dir / f"{name}.json"
-                path.write_text(json.dumps(to_dict(self.child_config(role, name))))
-                self._spawn(
-                    name, ["serve", role, "--config", str(path)], pinned or self._threads(role)
-                )
-
-    def child_config(self, role: str, name: str) -> WorkerConfig:
-        """The config the worker `name` of `role` is started with."""
-        etcd = self.etcd.endpoint if self.etcd is not None else "(the run's etcd)"
-        return self.options.workers[role].placed(
-            etcd=etcd, cluster=self.options.cluster, worker_id=name
-        )
-
-    def child_configs(self) -> dict[str, WorkerConfig]:
-        """Every worker's config, by name (`kvmesh config show up ...`)."""
-        o = self.options
-        return {
-            f"{role}-{i}": self.child_config(role, f"{role}-{i}")
-            for role, count in (("prefill", o.prefill), ("decode", o.decode))
-            for i in range(count)
-        }
+                config = children.worker(self.options, self.placement, role, name)
+                self._spawn_config(name, config, pinned or self._threads(role))
 
     def _crowded(self) -> bool:
         """Fewer than two CPUs per engine process on this machine."""
@@ -192,36 +134,35 @@ class Mesh:
         return {"KVMESH_NUM_THREADS": str(share)} if share < cpus else {}
 
     def _spawn_gateway(self) -> None:
-        config = self.gateway_config()
+        config = children.gateway(self.options, self.placement)
         keys = config.api.api_key  # in its environment, not in a file or argv (`ps` shows it)
         config = replace(config, api=replace(config.api, api_key=()))
-        path = self.run_dir / "gateway.json"
-        path.write_text(json.dumps(to_dict(config)))
         env = {API_KEYS_ENV: "\n".join(keys)} if keys else None
-        self._spawn("gateway", ["serve", "gateway", "--config", str(path)], env, self.cpus)
+        self._spawn_config("gateway", config, env, self.cpus)
 
-    def gateway_config(self) -> GatewayConfig:
-        """The config the gateway is started with (its model: the workers')."""
-        etcd = self.etcd.endpoint if self.etcd is not None else "(the run's etcd)"
-        gateway = self.options.gateway
-        gateway = replace(gateway, api=replace(gateway.api, model=self.options.model))
-        return gateway.placed(
-            etcd=etcd,
-            cluster=self.options.cluster,
-            http_port=self.http_port,
-            grpc_port=self.grpc_port,
-        )
+    @property
+    def placement(self) -> children.Placement:
+        """What this run placed its children with (etcd, the gateway's ports, the master)."""
+        master = self.master.address if self.master is not None else children.UNPLACED
+        etcd = self.etcd.endpoint if self.etcd is not None else children.UNPLACED
+        return children.Placement(etcd, self.http_port, self.grpc_port, master)
 
-    def _kvstore_backend(self) -> list[str]:
+    def _spawn_config(self, name: str, config: Any, env=None, cpus=None) -> None:
+        """Start child `name` with its config as a file (`kvmesh serve ... --config FILE`)."""
+        service = "prefill" if name.startswith("prefill") else "decode"
+        service = service if name.startswith(("prefill-", "decode-")) else name
+        path = children.write(self.run_dir, name, config)
+        self._spawn(name, ["serve", service, "--config", str(path)], env, cpus)
+
+    def _start_master(self) -> None:
         """--kvstore mooncake: start mooncake_master; the store's second tier is Mooncake Store."""
         if self.options.kvstore != "mooncake":
-            return []
+            return
         from kvmesh.mesh.mooncake_master import MooncakeMaster
 
         self.master = MooncakeMaster()
         self.master.start()
         self._write_state()
-        return ["--backend", "mooncake", "--mooncake-master", self.master.address]
 
     def _spawn(
         self,
@@ -251,7 +192,8 @@ class Mesh:
         """Until the gateway says a request would succeed and every worker registered."""
         deadline = time.monotonic() + self.options.ready_timeout
         stores = 1 if self.options.kvstore in ("builtin", "mooncake") else 0
-        want = (self.options.prefill, self.options.decode, stores, int(self._remote_draft()))
+        draft = int(children.remote_draft(self.options))
+        want = (self.options.prefill, self.options.decode, stores, draft)
         while time.monotonic() < deadline:
             dead = self.supervisor.first_exited()
             if dead is not None:
@@ -262,10 +204,6 @@ class Mesh:
         raise LaunchError(
             f"the mesh was not ready within {self.options.ready_timeout:.0f}s; logs in {self.run_dir}"
         )
-
-    def _remote_draft(self) -> bool:
-        decode = self.options.workers["decode"]
-        return decode.engine.spec.speculative == "eagle" and decode.serving.draft == "remote"
 
     def _live_counts(self) -> tuple[int, ...]:
         """Workers registered in etcd, by role."""

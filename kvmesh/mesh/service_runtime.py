@@ -80,8 +80,12 @@ async def serve_registered(
     try:
         with stop_on_signals(stop):
             async with _registered(listen, info) as registration:
-                log.info(f"{listen.log_as or listen.role}.ready", grpc=info.grpc_address,
-                         metrics=info.metrics_address, registered=bool(listen.etcd))  # fmt: skip
+                log.info(
+                    f"{listen.log_as or listen.role}.ready",
+                    grpc=info.grpc_address,
+                    metrics=info.metrics_address,
+                    registered=bool(listen.etcd),
+                )
                 event_loop.freeze_heap()
                 ended_by_loss = await _until_stopped_or_lost(stop, lost)
                 await health.shutdown()  # NOT_SERVING from now on

@@ -5,18 +5,52 @@ file (launcher.py); where it runs (etcd, its id) is filled in when it is started
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from kvmesh.config import EngineConfig, ServingConfig, WorkerConfig
 from kvmesh.config.flags import from_namespace, parse_flags
 from kvmesh.config.gateway import GatewayConfig
 from kvmesh.config.knobs import build, flat
+from kvmesh.config.kvstore import KVStoreConfig, Tiers
+from kvmesh.config.placement import TransferKnobs
 from kvmesh.config.worker import ROLES
+from kvmesh.errors import LaunchError
 from kvmesh.routing import UP_LOCAL_PREFILL_TOKENS
 
-if TYPE_CHECKING:
-    from kvmesh.mesh.launcher import UpOptions
+
+def _default_workers() -> dict[str, WorkerConfig]:
+    return {role: WorkerConfig(role) for role in ROLES}
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    # each role's worker config (up_config.py); the etcd and id of each worker filled at start
+    workers: Mapping[str, WorkerConfig] = field(default_factory=_default_workers)
+    prefill: int = 1
+    decode: int = 1
+    http_port: int | None = None
+    grpc_port: int | None = None
+    cluster: str = "default"
+    # CPU list per role, e.g. {"prefill": "0"} (else KVMESH_<ROLE>_CPUS): see mesh/affinity.py
+    role_cpus: dict[str, str] = field(default_factory=dict)
+    # the gateway's config (up_config.py); its model the workers', where it runs set at start
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    kvstore: str = "none"  # "builtin": the KV store service; "mooncake": backed by Mooncake Store
+    store: KVStoreConfig = field(default_factory=KVStoreConfig)  # its tiers (up_config.py)
+    ready_timeout: float = 180.0
+    decode_lead_cpu: str = "auto"  # auto | off | a CPU number: see affinity.decode_lead_cpu
+    tls: bool = False  # TLS everywhere, with a throwaway CA made in the run's directory
+    precision: str = ""  # the banner's line on the precision `up` chose (up_config.py)
+
+    @property
+    def model(self) -> str:
+        """The mesh's one model (the gateway's, the KV store's, the draft service's)."""
+        return self.workers["decode"].engine.load.model
+
+    def __post_init__(self) -> None:
+        if {w.engine.load.model for w in self.workers.values()} != {self.model}:
+            raise LaunchError("every worker of one mesh serves the same --model")
 
 
 def worker_configs(
@@ -30,6 +64,11 @@ def worker_configs(
 def gateway_config(*flags: str) -> GatewayConfig:
     """The gateway's config from `kvmesh serve gateway` flags."""
     return parse_flags(GatewayConfig, flags)
+
+
+def kvstore_config(*flags: str) -> KVStoreConfig:
+    """The KV store's config from `kvmesh serve kvstore` flags (its layout: the workers')."""
+    return parse_flags(KVStoreConfig, flags)
 
 
 def up_gateway(args: argparse.Namespace) -> GatewayConfig:
@@ -49,6 +88,7 @@ def up_workers(args: argparse.Namespace) -> dict[str, WorkerConfig]:
     if local is None:
         local = 0 if per_role else UP_LOCAL_PREFILL_TOKENS
     serving = from_namespace(ServingConfig, args, local_prefill_tokens=local)
+    transfer = from_namespace(TransferKnobs, args)
     configs = {}
     for role in ROLES:
         own = {
@@ -57,7 +97,7 @@ def up_workers(args: argparse.Namespace) -> dict[str, WorkerConfig]:
             "pipeline_parallel_size": getattr(args, f"{role}_pp"),
         }
         engine = build(EngineConfig, **(common | {k: v for k, v in own.items() if v}))
-        configs[role] = WorkerConfig(role, engine, serving=serving)
+        configs[role] = WorkerConfig(role, engine, serving=serving, transfer=transfer)
     return configs
 
 
@@ -76,8 +116,6 @@ def settle_precision(args: argparse.Namespace) -> str:
 
 def up_options(args: argparse.Namespace) -> UpOptions:
     """`kvmesh up`'s flags as the launcher's options (`kvmesh config show up` reads them too)."""
-    from kvmesh.mesh.launcher import UpOptions
-
     precision = settle_precision(args)
     return UpOptions(
         workers=up_workers(args),
@@ -91,10 +129,7 @@ def up_options(args: argparse.Namespace) -> UpOptions:
         decode_lead_cpu=args.decode_lead_cpu,
         tls=args.tls,
         precision=precision,
-        kvstore_args=(
-            "--ram-mib",
-            str(args.kvstore_ram_mib),
-            "--disk-mib",
-            str(args.kvstore_disk_mib),
+        store=KVStoreConfig(
+            tiers=Tiers(ram_mib=args.kvstore_ram_mib, disk_mib=args.kvstore_disk_mib)
         ),
     )

@@ -36,9 +36,11 @@ log = structlog.get_logger(__name__)
 def transfer_config(config: WorkerConfig) -> TransferConfig:
     """The transfer engine's settings (the addresses and NICs checked: `kvmesh serve` calls it
     before loading anything)."""
-    service, serving = config.service, config.serving
+    service, transfer = config.service, config.transfer
     hostname = addresses.advertised(service.host, service.advertise_host, True)
-    return TransferConfig(protocol=serving.protocol, hostname=hostname, device=serving.rdma_devices)
+    return TransferConfig(
+        protocol=transfer.protocol, hostname=hostname, device=transfer.rdma_devices
+    )
 
 
 @dataclass(frozen=True)
@@ -101,8 +103,18 @@ async def serve_worker(
     parts = WorkerParts(config, worker_id, async_engine, transfer, engine.kv_dtype, store, gate)
     metrics.KV_CAPACITY_TOKENS.labels(role).set(engine.kv_cache.capacity_tokens)
     metrics.init_series(role, fault_kinds=FAULT_KINDS)
-    listen = Listen(role, worker_id, service.host, public, service.port, service.metrics_port,
-                    service.etcd, service.cluster, service.lease_ttl, log_as="worker")  # fmt: skip
+    listen = Listen(
+        role,
+        worker_id,
+        service.host,
+        public,
+        service.port,
+        service.metrics_port,
+        service.etcd,
+        service.cluster,
+        service.lease_ttl,
+        log_as="worker",
+    )
     try:
         delivery_address = ""
         if delivery is not None:

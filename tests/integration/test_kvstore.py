@@ -16,7 +16,10 @@ import torch
 
 pytest.importorskip("mooncake.engine")
 
+from kvmesh.config.knobs import build  # noqa: E402
+from kvmesh.config.kvstore import KVStoreConfig  # noqa: E402
 from kvmesh.engine.kv.pool_layout import PoolLayout, PoolShard  # noqa: E402
+from kvmesh.errors import InvalidRequestError  # noqa: E402
 from kvmesh.mesh.discovery import Registry, WorkerInfo  # noqa: E402
 from kvmesh.mesh.etcd_server import EtcdServer  # noqa: E402
 from kvmesh.mesh.grpc_server import start_server  # noqa: E402
@@ -24,7 +27,7 @@ from kvmesh.mesh.kvstore_client import KVStoreClient, layout_key  # noqa: E402
 from kvmesh.mesh.ports import free_port  # noqa: E402
 from kvmesh.mesh.transfer import KvTransferEngine, page_segments  # noqa: E402
 from kvmesh.proto.v1 import kvstore_pb2  # noqa: E402
-from services.kvstore.main import KVStoreOptions, serve_kvstore  # noqa: E402
+from services.kvstore.main import checked, serve_kvstore  # noqa: E402
 from services.kvstore.server import KVStoreServicer, add_to  # noqa: E402
 from services.kvstore.store import KVStore, StoreConfig  # noqa: E402
 
@@ -212,8 +215,14 @@ async def _until_registered(registry: Registry) -> list:
 def test_serve_kvstore_registers_in_etcd(tmp_path: Path) -> None:
     async def scenario(etcd: EtcdServer) -> None:
         stop = asyncio.Event()
-        options = KVStoreOptions(
-            etcd=etcd.endpoint, page_bytes=PAGE, model="tiny", ram_mib=1, disk_mib=1, ttl=2
+        options = build(
+            KVStoreConfig,
+            etcd=etcd.endpoint,
+            page_bytes=PAGE,
+            model="tiny",
+            ram_mib=1,
+            disk_mib=1,
+            lease_ttl=2,
         )
         task = asyncio.create_task(serve_kvstore(options, stop))
         try:
@@ -241,7 +250,7 @@ def test_a_kvstore_without_a_layout_takes_the_one_a_worker_registers() -> None:
 
     async def scenario(etcd: EtcdServer) -> None:
         stop = asyncio.Event()
-        options = KVStoreOptions(etcd=etcd.endpoint, ram_mib=1, disk_mib=0, ttl=2)
+        options = build(KVStoreConfig, etcd=etcd.endpoint, ram_mib=1, disk_mib=0, lease_ttl=2)
         task = asyncio.create_task(serve_kvstore(options, stop))
         try:
             async with Registry(etcd.endpoint) as registry:
@@ -274,15 +283,15 @@ def test_a_kvstore_without_a_layout_takes_the_one_a_worker_registers() -> None:
 def test_a_kvstore_waiting_for_a_worker_stops_when_told() -> None:
     async def scenario(etcd: EtcdServer) -> None:
         stop = asyncio.Event()
-        task = asyncio.create_task(serve_kvstore(KVStoreOptions(etcd=etcd.endpoint), stop))
+        task = asyncio.create_task(serve_kvstore(build(KVStoreConfig, etcd=etcd.endpoint), stop))
         await asyncio.sleep(0.5)
         stop.set()
         await asyncio.wait_for(task, 5)
 
     with EtcdServer() as etcd:
         run(scenario(etcd), timeout=30)
-    with pytest.raises(ValueError, match="from the workers in etcd"):
-        KVStoreOptions(etcd="")
+    with pytest.raises(InvalidRequestError, match="from the workers in etcd"):
+        checked(build(KVStoreConfig))
 
 
 class _NoTransfer:

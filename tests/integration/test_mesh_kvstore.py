@@ -11,7 +11,7 @@ import pytest
 
 from kvmesh.mesh.grpc_server import channel
 from kvmesh.mesh.launcher import UpOptions, list_workers
-from kvmesh.mesh.up_config import worker_configs
+from kvmesh.mesh.up_config import kvstore_config, worker_configs
 from kvmesh.proto.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tests.integration.mesh_probes import offers_done, running_mesh, wait_for
 
@@ -26,7 +26,7 @@ def mesh(request):
         prefill=1,
         decode=1,
         kvstore=request.param,
-        kvstore_args=("--ram-mib", "32", "--disk-mib", "256"),
+        store=kvstore_config("--ram-mib", "32", "--disk-mib", "256"),
     )
     with running_mesh(options) as running:
         yield running

@@ -12,12 +12,16 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh.config.draft import DraftConfig
+from kvmesh.config.knobs import build
+from kvmesh.config.kvstore import KVStoreConfig
+from kvmesh.errors import InvalidRequestError
 from kvmesh.mesh import addresses
 from kvmesh.mesh.grpc_server import start_server
 from kvmesh.mesh.transfer import TransferConfig
 from kvmesh.mesh.worker_runtime import transfer_config
-from services.draft.main import DraftOptions
-from services.kvstore.main import KVStoreOptions
+from services.draft.main import check_addresses
+from services.kvstore.main import transfer_config as store_transfer
 
 
 def test_host_port_puts_ipv6_literals_in_brackets():
@@ -48,9 +52,9 @@ def test_services_check_their_addresses_when_configured():
     with pytest.raises(ValueError, match="--advertise-host"):
         transfer_config(_worker(host="0.0.0.0"))
     with pytest.raises(ValueError, match="--advertise-host"):
-        KVStoreOptions(etcd="", page_bytes=4096, host="0.0.0.0")
+        store_transfer(build(KVStoreConfig, page_bytes=4096, host="0.0.0.0"))
     with pytest.raises(ValueError, match="--advertise-host"):
-        DraftOptions(etcd="", host="::")
+        check_addresses(build(DraftConfig, host="::"))
     worker = _worker(
         host="0.0.0.0", advertise_host="10.0.0.2", protocol="rdma", rdma_devices="mlx5_0"
     )
@@ -69,8 +73,8 @@ def _worker(**knobs):
 def test_rdma_devices_need_the_rdma_protocol():
     with pytest.raises(ValueError, match="need protocol rdma"):
         TransferConfig(protocol="tcp", device="mlx5_0")
-    with pytest.raises(ValueError, match="need protocol rdma"):
-        KVStoreOptions(etcd="", page_bytes=4096, rdma_devices="mlx5_0")
+    with pytest.raises(InvalidRequestError, match="needs --protocol rdma"):
+        build(KVStoreConfig, page_bytes=4096, rdma_devices="mlx5_0")
 
 
 def test_serve_refuses_a_wildcard_without_advertise_host_in_one_line():
@@ -126,7 +130,7 @@ def test_up_passes_the_transfer_and_pool_flags_to_workers_that_parse_them():
 
     up = ["up", "--protocol", "rdma", "--rdma-devices", "mlx5_0,mlx5_1", "--kv-hugepages", "on"]
     worker = up_workers(build_parser(up).parse_args(up))["decode"]
-    assert (worker.serving.protocol, worker.serving.rdma_devices) == ("rdma", "mlx5_0,mlx5_1")
+    assert (worker.transfer.protocol, worker.transfer.rdma_devices) == ("rdma", "mlx5_0,mlx5_1")
     assert worker.engine.cache.kv_hugepages is True
     alone = ["up", "--rdma-devices", "mlx5_0"]
     with pytest.raises(InvalidRequestError, match="needs --protocol rdma"):

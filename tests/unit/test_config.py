@@ -113,6 +113,7 @@ def test_a_workers_config_file_is_the_config_and_later_flags_win(tmp_path):
 
 
 def test_kvmesh_up_hands_each_worker_its_config_as_a_file(tmp_path, monkeypatch):
+    from kvmesh.mesh import children
     from kvmesh.mesh.launcher import Mesh
     from kvmesh.mesh.up_config import worker_configs
 
@@ -129,7 +130,9 @@ def test_kvmesh_up_hands_each_worker_its_config_as_a_file(tmp_path, monkeypatch)
         assert args == ["serve", role, "--config", str(tmp_path / f"{name}.json")]
         argv = [*args, "--etcd", "127.0.0.1:1"]  # what _spawn adds
         parsed = from_namespace(WorkerConfig, build_parser(argv).parse_args(argv), role=role)
-        assert parsed == mesh.child_config(role, name).placed(etcd="127.0.0.1:1")
+        assert parsed == children.worker(mesh.options, mesh.placement, role, name).placed(
+            etcd="127.0.0.1:1"
+        )
         assert parsed.service.worker_id == name
         assert parsed.engine.parallel.tensor_parallel_size == (2 if role == "decode" else 1)
 
@@ -215,3 +218,49 @@ def test_kvmesh_up_hands_its_gateway_a_config_file_and_its_keys_in_the_environme
     config = from_namespace(GatewayConfig, build_parser(argv).parse_args(argv))
     assert (config.api.model, config.routing.routing, config.limits.max_n) == ("m", "least-load", 2)
     assert config.api.api_key == ()
+
+
+def test_config_show_of_up_has_the_kv_store_and_the_draft_service():
+    from kvmesh.config_show import effective_config
+
+    shown = effective_config(
+        [
+            "up",
+            "--kvstore",
+            "mooncake",
+            "--kvstore-ram-mib",
+            "64",
+            "--speculative",
+            "eagle",
+            "--draft",
+            "remote",
+            "--protocol",
+            "rdma",
+        ]
+    )
+    store = shown["kvstore"]
+    assert store["tiers"]["ram_mib"] == 64 and store["tiers"]["backend"] == "mooncake"
+    assert store["transfer"]["protocol"] == "rdma" and store["layout"]["page_bytes"] is None
+    assert shown["draft"]["head"]["model"] == shown["decode-0"]["engine"]["load"]["model"]
+
+
+@pytest.mark.parametrize(
+    ("service", "root"),
+    [("kvstore", "KVStoreConfig"), ("draft", "DraftConfig"), ("gateway", "GatewayConfig")],
+)
+def test_every_service_knob_is_a_flag_of_its_serve_command(service, root):
+    import kvmesh.config.draft
+    import kvmesh.config.gateway
+    import kvmesh.config.kvstore
+
+    cls = next(
+        getattr(m, root)
+        for m in (kvmesh.config.draft, kvmesh.config.gateway, kvmesh.config.kvstore)
+        if hasattr(m, root)
+    )
+    for _, f, spec in iter_knobs(cls):
+        words, value = _sample(f.name, f.default, spec)
+        if f.name == "rdma_devices":
+            words += ["--protocol", "rdma"]
+        argv = ["serve", service, *words]
+        assert flat(from_namespace(cls, build_parser(argv).parse_args(argv)))[f.name] == value
