@@ -5,12 +5,25 @@ one build (compiling it again per home took ~2 minutes a time on a slow machine)
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
 from kvmesh import env
 
 os.environ.setdefault("KVMESH_KERNELS_DIR", str(env.kernels_dir()))
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@pytest.fixture(autouse=True)
+def _sigterm_tears_down() -> None:
+    """A SIGTERM to pytest (CI's timeout, a stopped job) unwinds like Ctrl-C: the fixtures'
+    teardowns stop what they started (meshes, the image test's containers, which nothing else
+    would stop). Set before every test: asyncio's remove_signal_handler resets it."""
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 @pytest.fixture(scope="session")
