@@ -15,7 +15,7 @@ from kvmesh.engine.core.sequence import FinishReason
 from kvmesh.engine.detokenizer import IncrementalDetokenizer
 from kvmesh.engine.loader import DEFAULT_MODEL
 from kvmesh.engine.runner.sampler import TokenLogprob
-from kvmesh.engine.spec.speculator import DraftSource
+from kvmesh.engine.spec.proposer import DraftSource
 from kvmesh.errors import InvalidRequestError
 
 Prompt = str | list[int]

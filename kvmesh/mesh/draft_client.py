@@ -26,6 +26,11 @@ ROUND_TRIPS_KEPT = 4096
 
 
 class RemoteProposer:
+    """The mesh's draft service as the engine's proposer (a decode worker's: it hands over
+    nothing and holds nothing past a finish)."""
+
+    reads_features = True
+
     def __init__(self, address: str, timeout_s: float = 2.0) -> None:
         self.address = address
         self.timeout_s = timeout_s
@@ -67,6 +72,12 @@ class RemoteProposer:
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         return self.propose_batch([(seq, limit)])[0]
+
+    def hand_over(self, seq_id: str) -> tuple[torch.Tensor, int] | None:
+        return None
+
+    def hold(self, seq_id: str) -> None:
+        return None
 
     def propose_batch(self, requests: Seq[tuple[Sequence, int]]) -> list[list[int]]:
         wanted = {seq.seq_id: limit for seq, limit in requests}

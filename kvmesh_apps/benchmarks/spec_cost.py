@@ -15,9 +15,10 @@ from pathlib import Path
 
 from kvmesh.engine.spec.policy import FixedPolicy
 from kvmesh.engine.spec.prompts import chat_prompts
+from kvmesh.engine.spec.proposer import BlindProposer
 
 
-class _FixedDrafts:
+class _FixedDrafts(BlindProposer):
     """Drafts the same token k times: the verification rows cost what real drafts cost."""
 
     def __init__(self) -> None:

@@ -12,6 +12,7 @@ import torch
 from kvmesh import LLM, SamplingParams
 from kvmesh.engine.spec.policy import FixedPolicy
 from kvmesh.engine.spec.prompts import chat_prompts, split, structured_prompts
+from kvmesh.engine.spec.proposer import BlindProposer
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
 
@@ -35,7 +36,7 @@ def test_greedy_output_is_unchanged_by_speculation(llm, method):
     spec.engine.block_manager.check_integrity()
 
 
-class _Oracle:
+class _Oracle(BlindProposer):
     """Deterministic drafts: the target's two most likely continuations of one fixed history
     (right for some samples, wrong for the others: both paths get exercised)."""
 

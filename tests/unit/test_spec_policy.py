@@ -329,7 +329,9 @@ def test_the_drafting_seconds_are_charged_to_every_token_drafted_shadows_include
         def record_step(self, sample):
             self.samples.append(sample)
 
-    class Drafts:
+    from kvmesh.engine.spec.proposer import BlindProposer
+
+    class Drafts(BlindProposer):
         def propose(self, seq, limit):
             return [7, 8, 9][:limit]
 

@@ -38,7 +38,8 @@ from kvmesh.engine.runner.runner import ModelRunner
 from kvmesh.engine.runner.sample_step import sample_step
 from kvmesh.engine.runner.sampler import Sampler
 from kvmesh.engine.serving.kv_event_fanout import KvEventFanOut
-from kvmesh.engine.spec.speculator import DraftSource, build_speculator
+from kvmesh.engine.spec.proposer import DraftSource
+from kvmesh.engine.spec.speculator import build_speculator
 from kvmesh.errors import (
     CapacityError,
     KvIntegrityError,

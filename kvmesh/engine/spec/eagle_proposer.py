@@ -22,6 +22,8 @@ from kvmesh.engine.spec.eagle_batch import HeadState, Pending
 
 
 class EagleProposer:
+    reads_features = True
+
     def __init__(
         self, head: EagleHead, embed: torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
     ) -> None:

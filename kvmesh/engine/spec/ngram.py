@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvmesh.engine.core.sequence import Sequence
+from kvmesh.engine.spec.proposer import BlindProposer
 
 
 @dataclass
@@ -18,7 +19,7 @@ class _Index:
     last_end: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
 
 
-class NgramProposer:
+class NgramProposer(BlindProposer):
     def __init__(self, num_tokens: int = 4, min_n: int = 1, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n or num_tokens < 1:
             raise ValueError("need 1 <= min_n <= max_n and num_tokens >= 1")

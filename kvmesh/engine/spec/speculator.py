@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol
 
 import structlog
 import torch
@@ -26,28 +25,11 @@ from kvmesh.engine.spec.policy import (
     FixedPolicy,
     PolicyConfig,
 )
+from kvmesh.engine.spec.proposer import DraftSource, Proposer
 from kvmesh.engine.spec.stats import SpecStats
 
 log = structlog.get_logger(__name__)
 LOG_EVERY = 512  # policy steps between two `spec.policy` log lines
-
-
-class Proposer(Protocol):
-    """Drafts tokens. Optional: `observe(seq_id, features, next_tokens, start)` to read the
-    target's features, `seed(seq_id, fused, start, next_tokens)` for a prefill hand-over,
-    `propose_batch(requests)` to draft for a whole batch in one go."""
-
-    def propose(self, seq: Sequence, limit: int) -> list[int]: ...
-
-    def release(self, seq_ids: Iterable[str], force: bool = False) -> None: ...
-
-
-class DraftSource(Proposer, Protocol):
-    """A proposer outside the engine, given to it at construction (the mesh's draft service:
-    mesh/draft_client.py): it names the target layers whose features it reads, and refuses a
-    target model it does not draft for."""
-
-    def check_target(self, model_name: str) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -122,10 +104,7 @@ class Speculator:
     def _drafts(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
         if not requests:
             return []
-        batch = getattr(self.proposer, "propose_batch", None)
-        if batch is not None:
-            return batch(requests)
-        return [self.proposer.propose(seq, limit) for seq, limit in requests]
+        return self.proposer.propose_batch(requests)
 
     def _count(self, plan: DraftPlan, batch: int) -> None:
         stats = self.stats
@@ -147,13 +126,12 @@ class Speculator:
 
     def seed(self, seq: Sequence, fused: torch.Tensor, start: int) -> None:
         """Take over a prefill worker's draft window (fused features of positions start...)."""
-        seed = getattr(self.proposer, "seed", None)
-        if seed is not None and len(fused):
-            seed(seq.seq_id, fused, start, seq.token_ids[start + 1 : start + 1 + len(fused)])
+        if len(fused):
+            next_tokens = seq.token_ids[start + 1 : start + 1 + len(fused)]
+            self.proposer.seed(seq.seq_id, fused, start, next_tokens)
 
     def hand_over(self, seq_id: str) -> tuple[torch.Tensor, int] | None:
-        hand_over = getattr(self.proposer, "hand_over", None)
-        return hand_over(seq_id) if hand_over is not None else None
+        return self.proposer.hand_over(seq_id)
 
     def observe(self, chunks: Seq[ScheduledChunk], runner: ModelRunner) -> None:
         """After a step: hand the target's features of the newly committed positions to a
@@ -169,8 +147,7 @@ class Speculator:
             )
         if self._shadows:
             self._score_shadows(chunks)
-        observe = getattr(self.proposer, "observe", None)
-        if observe is None or runner.features is None:
+        if not self.proposer.reads_features or runner.features is None:
             return
         features = runner.features.clone()  # one copy per step; a proposer may keep its rows
         for chunk in chunks:
@@ -179,10 +156,12 @@ class Speculator:
             if count <= 0 or seq.seq_id not in runner.rows_of:
                 continue
             if seq.keep_pages:
-                self.proposer.hold(seq.seq_id)  # type: ignore[attr-defined]
+                self.proposer.hold(seq.seq_id)
             begin, _ = runner.rows_of[seq.seq_id]
             next_tokens = seq.token_ids[chunk.start + 1 : chunk.start + 1 + count]
-            observe(seq.seq_id, features[begin : begin + count], next_tokens, chunk.start)
+            self.proposer.observe(
+                seq.seq_id, features[begin : begin + count], next_tokens, chunk.start
+            )
 
     def _score_shadows(self, chunks: Seq[ScheduledChunk]) -> None:
         """Each shadow draft against the token the target emitted after the same position."""
