@@ -1,4 +1,4 @@
-"""Margin audit of the exact-equality tests (docs/architecture.md, "What is exact").
+"""Margin audit of the exact-equality tests (docs/internals.md, "What is exact").
 
 For each pair of computations a test asserts equal: the largest logprob difference between them
 along the shared greedy path, against the smallest top-1 / top-2 logprob gap on that path. A gap

@@ -1,5 +1,5 @@
 """The tools of an OpenAI Responses request as the model sees them, and its calls as the client
-expects them back (what Codex sends: see docs/architecture.md, "Agents' APIs").
+expects them back (what Codex sends: see docs/internals.md, "The agent layer").
 
 - `function` tools: offered as they are.
 - `namespace` tools (`{"type": "namespace", "name": ns, "tools": [...]}`): each function or

@@ -68,7 +68,7 @@ def test_fp8_prefix_hit_gives_the_tokens_of_a_cold_run_cut_at_the_same_page(fp8_
     chunk; so a prefix hit equals a cold run that prefilled in chunks cut where the hit ends, on
     any CPU. (It need not equal a cold run that prefilled the prompt in one chunk: BLAS picks
     GEMM kernels by the number of rows, the rows' last bits differ, and an e4m3 rounding can
-    flip -- see docs/architecture.md, "What is exact".)"""
+    flip -- see docs/internals.md, "What is exact".)"""
     llm = fp8_page_chunks
     for prompt in _prompts(llm):
         llm.engine.block_manager.reset_prefix_cache()
