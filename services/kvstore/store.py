@@ -32,8 +32,8 @@ log = structlog.get_logger(__name__)
 class StoreConfig:
     """`layout_key` is "model|page_size|kv_dtype[|kv_spec]" (kvstore_client.layout_key).
     disk_bytes 0 = no disk tier; disk_dir None with a disk tier = a temporary directory removed
-    on close. `backend` "mooncake" puts the
-    second tier (disk_bytes of pages) in Mooncake Store behind the master at `mooncake_master`."""
+    on close. `backend` "mooncake" puts the second tier (disk_bytes of pages) in Mooncake Store
+    behind the master at `mooncake_master`."""
 
     layout_key: str
     page_bytes: int
