@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 # torch allocates tensors of 2 MB and more on transparent huge pages where the kernel allows it
 # (madvise mode): decode attention walks KV pages scattered over hundreds of MB, where 4 KB pages
-# miss the TLB on nearly every page (FP8 pages 1.28x per layer, docs/benchmarks.md). Set before
-# torch's first allocation, which reads it once; THP_MEM_ALLOC_ENABLE=0 keeps 4 KB pages.
+# miss the TLB on nearly every page (measured: docs/benchmarks-history.md, "bf16 linears on AMX
+# tiles, huge pages, and a bench-step correction"). Set before torch's first allocation, which
+# reads it once; THP_MEM_ALLOC_ENABLE=0 keeps 4 KB pages.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from kvmesh.engine.core.sampling_params import SamplingParams  # noqa: E402

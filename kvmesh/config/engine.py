@@ -199,7 +199,8 @@ class ParallelConfig:
         "MoE: each rank holds whole experts (a share of them) instead of a slice of every expert",
         style="switch",
     )
-    # 1 by default: on 2 cores the groups' extra passes cost more than their overlap gives
+    # 1 by default: on a machine of few cores the groups' extra passes cost more than their
+    # overlap gives (docs/benchmarks.md, "Tensor, expert and pipeline parallelism")
     pipeline_micro_batches: int = knob(
         1,
         "a step's rows through the pipeline stages in this many groups (0: one per stage)",

@@ -11,8 +11,8 @@ default) gives a lone decode worker the last CPU, moves the worker's OpenMP team
 starts the gateway there: a token's socket write woke the gateway on the engine thread's CPU
 (where Linux puts a task woken through a socket) and stalled the next step. The worker's other
 threads (event loop, gRPC) stay free: kept on the rest with the gateway, they delayed first
-tokens by 10-15 ms. Measured in docs/benchmarks.md, "A CPU of its own for the decode engine
-thread"."""
+tokens. Measured in docs/benchmarks-history.md, "Tokens leave from the engine thread, and a CPU
+of its own for the decode engine thread"."""
 
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def lead_cpu_setup() -> Callable[[], None] | None:
     its OpenMP team (the threads that appear meanwhile), moves the team to the rest and keeps
     the lead CPU alone (a preempted team thread hands its chunks on: csrc/phases.h). The
     worker's other threads (event loop, gRPC) stay free: on the rest with the gateway they
-    delayed first tokens by 10-15 ms. None without a lead CPU."""
+    delayed first tokens (see the module doc). None without a lead CPU."""
     lead = env.lead_cpu()
     if lead is None:
         return None

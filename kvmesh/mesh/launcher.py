@@ -122,9 +122,12 @@ class Mesh:
     def _threads(self, role: str) -> dict[str, str]:
         """Torch threads per unpinned worker on a crowded machine: two OpenMP teams spinning on
         the same cores stall each other's barriers for whole time slices. Prefill, bursty,
-        serves on one thread (a 16-request burst took up to 3x longer; docs/benchmarks.md);
-        decode workers, busy at every step, share the CPUs (two decode workers of two threads
-        each on 2 CPUs ran 20x slower than one engine). KVMESH_NUM_THREADS overrides both."""
+        serves on one thread (with a thread per CPU, a burst of requests took several times
+        longer); decode workers, busy at every step, share the CPUs (with a thread per CPU
+        each, two decode workers ran many times slower than one engine). Measured in
+        docs/benchmarks-history.md, "A Xeon without AMX: bf16 linears in register tiles,
+        attention in registers, host work, prefill threads" and "The 2P+2D mesh on 2 cores, and
+        grammar masks only where the argmax needs one". KVMESH_NUM_THREADS overrides both."""
         if num_threads() or not self._crowded():
             return {}
         if role == "prefill":

@@ -1,10 +1,10 @@
 """The precision `kvmesh up` serves in when no flag names one: the fastest that is exact enough
-for serving on the CPU it runs on (docs/benchmarks.md, "Serving defaults"). bf16 everywhere
-(+0.06 % perplexity on the default model; 1.5-2.3x fp32's decode); on a CPU without a bf16 dot
-product (AVX2, AVX-512 without AVX512_BF16 / AMX) a model whose matrices are already 4-bit (a
-Q4_0 / Q4_1 GGUF, as the default SmolLM2 is) runs on INT4 weights that hold those values
-exactly, with bf16 activations: faster there than bf16 (93 vs 77 tok/s, one stream), where a
-bf16 CPU runs both alike. fp32 stays one flag away (`--dtype fp32`): exactness checks, tests."""
+for serving on the CPU it runs on. bf16 everywhere (a perplexity close to fp32's, and a faster
+decode); on a CPU without a bf16 dot product (AVX2, AVX-512 without AVX512_BF16 / AMX) a model
+whose matrices are already 4-bit (a Q4_0 / Q4_1 GGUF, as the default SmolLM2 is) runs on INT4
+weights that hold those values exactly, with bf16 activations: faster there than bf16, where a
+bf16 CPU runs both alike. fp32 stays one flag away (`--dtype fp32`): exactness checks, tests.
+Figures: docs/benchmarks.md, "Serving defaults"."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ the CLI's parser) and says which prompts `kvmesh up` leaves to the decode worker
 from kvmesh.config.gateway import ROUTING_HELP, ROUTINGS  # noqa: F401 (the routing names)
 
 # `kvmesh up`: prompts up to this many tokens are prefilled by the decode worker itself (Dynamo's
-# conditional disaggregation): such a prompt costs about what two to four decode steps at 16
-# streams cost on 2-core machines, less than handing it to a prefill worker and its pages back
-# (docs/benchmarks.md). Longer prompts go to a prefill worker.
+# conditional disaggregation): such a prompt costs about what a few decode steps cost, less than
+# handing it to a prefill worker and its pages back (docs/benchmarks.md, "P/D: colocated vs
+# disaggregated"; docs/benchmarks-history.md, "INT4 by bf16 dot products, uvloop, and short
+# prompts prefilled on decode"). Longer prompts go to a prefill worker.
 UP_LOCAL_PREFILL_TOKENS = 128

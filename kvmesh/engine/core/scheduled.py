@@ -26,7 +26,7 @@ class SchedulerLimits:
             raise ValueError("max_model_len must leave room for a prompt token and an output")
 
 
-@dataclass(slots=True)  # built per sequence per step: not frozen (~1 us more each); never mutated
+@dataclass(slots=True)  # built per sequence per step: not frozen (slower to build); never mutated
 class ScheduledChunk:
     """Tokens [start, start + num_tokens) of seq run this step; `sample` when they reach the end."""
 

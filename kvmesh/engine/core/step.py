@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 
-@dataclass(slots=True)  # built per sequence per step: not frozen (~1 us more each); never mutated
+@dataclass(slots=True)  # built per sequence per step: not frozen (slower to build); never mutated
 class NewRequest:
     req_id: str
     token_ids: tuple[int, ...]
@@ -23,7 +23,7 @@ class NewRequest:
     page_tags: tuple[int, ...]  # the integrity tag expected of each page (integrity.py)
 
 
-@dataclass(slots=True)  # built per sequence per step: not frozen (~1 us more each); never mutated
+@dataclass(slots=True)  # built per sequence per step: not frozen (slower to build); never mutated
 class RequestDiff:
     req_id: str
     new_token_ids: tuple[int, ...]  # appended since the last step that sent this request
@@ -32,7 +32,7 @@ class RequestDiff:
     new_page_tags: tuple[int, ...]  # with the tags expected of them
 
 
-@dataclass(slots=True)  # built per sequence per step: not frozen (~1 us more each); never mutated
+@dataclass(slots=True)  # built per sequence per step: not frozen (slower to build); never mutated
 class ChunkPlan:
     """Tokens [start, start + num_tokens) of a request run this step, then `draft` (tokens to
     verify); `sample` when the chunk reaches the request's last token."""

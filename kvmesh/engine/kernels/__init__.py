@@ -33,7 +33,7 @@ def has_amx() -> bool:
 def kernel_isa() -> str | None:
     """The instruction set the loaded kernels were built for ("avx512" or "avx2"; None: no
     kernels). An AVX2 CPU has no bf16 arithmetic: torch's bf16 GEMM runs at a fraction of the
-    GEMV tiles' speed at every batch there (docs/benchmarks.md)."""
+    GEMV tiles' speed at every batch there (docs/benchmarks.md, "CPU kernels vs torch")."""
     if not _ISA:
         from kvmesh.engine.kernels import build
 

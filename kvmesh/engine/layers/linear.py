@@ -79,20 +79,21 @@ def dense_kernel(rows: int, weight: torch.Tensor) -> int:
     """Which kernel multiplies `rows` rows by a CPU `weight` of their dtype.
 
     fp32: up to F32_GEMV_ROWS rows the GEMV kernel, which reads the weight once at memory speed
-    (torch's x @ W^T read it at ~8 GB/s at 4 rows, ~20 at one, on the AVX-512 EPYC); above,
-    torch's GEMM, but up to 64 rows and for a weight of >= 4 Mi elements as weight @ x^T.
-    MKL's x @ W^T at a few rows re-reads the weight: on the AVX-512 EPYC the 49,152 x 576 LM
-    head took 24-36 ms at 2, 3, 6, 7 rows and 18-19 ms at 4 and 8, against 4-9 ms as
-    weight @ x^T (which is never slower from 2 to 64 rows on weights of 2048^2 to 11008 x 4096
-    there; docs/benchmarks.md). One row stays x @ W^T (a GEMV either way).
+    (torch's x @ W^T reads it well below that at a few rows); above, torch's GEMM, but up to 64
+    rows and for a weight of >= 4 Mi elements as weight @ x^T. MKL's x @ W^T at a few rows
+    re-reads the weight, at some row counts far more than at the next larger ones, while
+    weight @ x^T was never slower from 2 to 64 rows on the large weights measured
+    (docs/benchmarks-history.md, "fp32 linears as weight @ x^T, and speculation baselines
+    measured per batch", and for the GEMV "Delivery on a plain socket, an fp32 GEMV, and each
+    single-stream request against its own ceiling"). One row stays x @ W^T (a GEMV either way).
 
     bf16: small batches go through
     a kernel that reads the weight once at memory speed, each row's sum in a fixed order
     whatever the batch: where the CPU has AMX, the GEMV (kernels/csrc/gemv.cpp) up to GEMV_ROWS
     and AMX tiles (amx_linear.cpp) up to AMX_ROWS; on other AVX-512 CPUs the GEMV, in register
     tiles above 8 rows, up to TILED_ROWS (above, torch's GEMM is as fast); on AVX2 CPUs, which
-    have no bf16 arithmetic, the GEMV at every batch (torch's bf16 GEMM is ~4x slower there).
-    Otherwise torch's GEMM (docs/benchmarks.md)."""
+    have no bf16 arithmetic, the GEMV at every batch (torch's bf16 GEMM is several times slower
+    there). Otherwise torch's GEMM (docs/benchmarks.md, "CPU kernels vs torch")."""
     if weight.dtype is torch.float32:
         if cpu_ops() is not None and rows <= F32_GEMV_ROWS.get(kernel_isa() or "", 0):
             return GEMV

@@ -1,6 +1,6 @@
 """A GGUF file's header -- metadata and tensor table -- parsed without the gguf package's
-reader, which builds numpy views of every part of every string: ~170 MB and seconds for a
-49k-token vocabulary, more than SmolLM2's INT4 weights. The tokenizer's big arrays are
+reader, which builds numpy views of every part of every string: seconds, and more memory than
+SmolLM2's INT4 weights, for a 49k-token vocabulary. The tokenizer's big arrays are
 skipped here (their lengths kept); every other value comes out as `ReaderField.contents()`
 gives it (arrays of arrays flattened likewise).
 

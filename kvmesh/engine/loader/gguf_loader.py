@@ -58,7 +58,7 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 def open_gguf(path: Path) -> Any:
     """The gguf package's reader (for tools and tests: the loader parses the header with
-    gguf_header, ~40x faster and without the reader's ~170 MB of objects)."""
+    gguf_header, much faster and without the reader's many objects)."""
     import gguf
 
     try:

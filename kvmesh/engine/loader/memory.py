@@ -67,7 +67,8 @@ def release_freed_memory() -> None:
     """Hands memory that is free inside the C heap back to the OS (glibc's `malloc_trim`; a
     no-op elsewhere). glibc keeps freed blocks under its mmap threshold -- which rises to 32 MB
     as large blocks are freed -- mapped, so a load that converts tensor after tensor leaves
-    holes that count as RSS (SmolLM2's INT4 build: ~150 MB of them) unless they are returned."""
+    holes that count as RSS unless they are returned (peak RSS while loading:
+    docs/benchmarks.md, "INT4 weights")."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

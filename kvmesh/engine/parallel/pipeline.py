@@ -6,8 +6,9 @@ rank of the same tensor-parallel index) instead of looking tokens up; a stage be
 hands its output rows on; the last stage's tensor-parallel rank 0 sends the logits to global
 rank 0, which samples. Rows travel in fp32 over gloo point-to-point (bf16 -> fp32 -> bf16 is
 exact). A pass may run in micro-batches (EngineConfig.pipeline_micro_batches; sends do not
-wait), so a stage runs its next group while the next stage runs this one: on 2 cores the
-extra passes cost more than the overlap gives, so one group is the default.
+wait), so a stage runs its next group while the next stage runs this one: on a machine of few
+cores the extra passes cost more than the overlap gives, so one group is the default
+(docs/benchmarks-history.md, "Pipeline stages and micro-batches").
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The all-reduce of ranks on one host through shared memory: gloo's over loopback TCP took
-~1.6 ms for 576 floats here (60 of them per SmolLM2 token), this a few microseconds plus the
-wait for the slowest rank.
+most of a token's time (SmolLM2 makes 60 all-reduces of 576 floats per token), this little
+more than the wait for the slowest rank (docs/benchmarks-history.md, "Tensor parallelism on 2
+cores").
 
 Layout: one counter per rank (a cache line each), then two sets (by the call's parity) of one
 fp32 slot per rank. A call writes the rank's tensor into its slot of this parity, then its

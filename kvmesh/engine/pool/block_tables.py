@@ -3,7 +3,8 @@
 A row per request the runner knows: its page ids and the integrity tag it expects of each, null-
 padded, updated from each step's new requests and diffs -- O(pages added), not O(context). A
 decode step's tables are then one gather of rows (`gather`), and so is the integrity check's
-expected tags; no per-step rebuild from Python lists (docs/benchmarks.md, host work).
+expected tags; no per-step rebuild from Python lists (docs/benchmarks-history.md, "Host work
+from persistent block tables, and FP8 KV where the budget bounds the batch").
 
 Invariant: past a row's `counts[row]` pages every entry holds the null page (so a gathered
 table is null-padded, as the kernels and the compiled step's fixed widths need).

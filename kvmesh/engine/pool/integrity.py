@@ -30,8 +30,8 @@ def as_int32(tags: Iterable[int]) -> torch.Tensor:
 
 class PageTags:
     """The pool's tag array, read and written through a numpy view when it lives in host
-    memory: a gather + compare of ~1,100 pages costs ~10 us that way against ~60 us in torch
-    ops, every step (docs/benchmarks.md, `bench step`)."""
+    memory: a gather + compare of a full batch's pages, every step, costs less that way than in
+    torch ops (docs/benchmarks-history.md, "INT4 on AVX2, argmax and host work")."""
 
     def __init__(self, tags: torch.Tensor) -> None:
         self.tags = tags  # [num_pages] int32, the pool's side array

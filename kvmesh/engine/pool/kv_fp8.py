@@ -1,6 +1,6 @@
 """FP8 (e4m3fn) KV codec on torch: per (token, head) power-of-two scales (see kv/layout.py).
 
-Decoding does not use torch's fp8 -> float cast, which is 4-5x slower than the down-cast on CPU:
+Decoding does not use torch's fp8 -> float cast, which is far slower than the down-cast on CPU:
 an e4m3fn byte moved into the sign, exponent and top mantissa bits of an fp16 is exactly the same
 number times 2**-8 (subnormals included), and fp16 -> fp32 is a fast hardware conversion. The
 2**8 is folded into the (power-of-two) scale, so the result is exactly q * 2**e.

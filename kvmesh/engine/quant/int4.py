@@ -23,7 +23,9 @@ import numpy as np
 import torch
 
 # rows up to which the CPU GEMV kernel runs (above 4, a row block 4 batch rows at a time, its
-# bytes from cache after the first 4: 1.5-2x torch's int4 kernel at 5-16 rows; docs/benchmarks.md)
+# bytes from cache after the first 4: faster than torch's int4 kernel up to here;
+# docs/benchmarks-history.md, "Delivery on a plain socket, an fp32 GEMV, and each single-stream
+# request against its own ceiling")
 SMALL_BATCH = 16
 
 

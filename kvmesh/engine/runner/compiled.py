@@ -12,10 +12,10 @@ rows are all single-token decode rows -- the CPU counterpart of CUDA graphs.
 - Buckets compile in a background thread, smallest first; until a bucket is ready its steps run
   eager. A model that does not compile whole (MoE's data-dependent expert groups) or a failed
   compile leaves every step eager, logged once.
-- Opt-in (`decode_step="compiled"`, `--decode-step compiled`): on the 2-core Xeon the compiled
-  step measured 0.86-0.88x of the eager one at one stream (docs/benchmarks.md), because the
-  kernels already cover the heavy ops and a graph's guards and wrapper cost about what the
-  eager glue did.
+- Opt-in (`decode_step="compiled"`, `--decode-step compiled`): the compiled step gains little
+  over the eager one and loses at some batches (docs/benchmarks.md, "Compiled and fused decode
+  steps vs eager"), because the kernels already cover the heavy ops and a graph's guards and
+  wrapper cost about what the eager glue did.
 """
 
 from __future__ import annotations

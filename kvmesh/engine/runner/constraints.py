@@ -29,7 +29,7 @@ log = structlog.get_logger(__name__)
 
 class Constraints:
     """Grammar matchers by request id, over one tokenizer (its llguidance view built lazily:
-    ~0.5 s for a 49k vocabulary, paid by the first constrained request only). Compiled grammars
+    costly for a large vocabulary, paid by the first constrained request only). Compiled grammars
     are cached by hash; `prepare` compiles off the engine thread, `add` then only copies."""
 
     CACHED = 64  # compiled grammars kept

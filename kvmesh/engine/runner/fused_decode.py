@@ -3,8 +3,9 @@
 
 - The op runs the same op bodies in the same order as `DecoderModel.forward`, so its outputs
   are the eager step's bit for bit (tests/integration/test_fused_decode.py); what it removes is the
-  per-op Python and dispatcher time, ~0.3-0.45 ms per layer on these 2-core machines
-  (docs/benchmarks.md), which at one stream was a quarter of the step.
+  per-op Python and dispatcher time, a large share of a one-stream step (docs/benchmarks.md,
+  "Compiled and fused decode steps vs eager"; docs/benchmarks-history.md, "The fused decode
+  step, and the mesh on the Zen 3 EPYC").
 - The weights are registered once; a step passes its ids, RoPE rows, slots, block tables and,
   per linear role, the kernel the eager linear would run at its row count (`kernel_of`).
 - Which models: `DecoderModel`s whose every layer is `GqaAttention` without q/k norms and with

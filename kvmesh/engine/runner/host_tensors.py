@@ -1,9 +1,11 @@
 """Integer tensors built from Python lists on the host, once per step on the hot path.
 
-`torch.tensor(list)` converts element by element (~100 ns each: ~110 us for the ~1,100 page ids
-of 64 running contexts); packing the list into an `array` first and viewing its buffer is ~3x
-faster (docs/benchmarks.md), through an unsigned code ~3x faster again (~8 us). The tensor
-shares the array's memory and keeps it alive.
+`torch.tensor(list)` converts element by element (the page ids of 64 running contexts are
+about 1,100); packing the list into an `array` first and viewing its buffer is several times
+faster, and an unsigned code faster again (its items convert in C, not through a generic
+argument parse). Measured in docs/benchmarks-history.md, "A Xeon without AMX: bf16 linears in
+register tiles, attention in registers, host work, prefill threads" and "INT4 on AVX2, argmax
+and host work". The tensor shares the array's memory and keeps it alive.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Iterable
 import torch
 
 _UNSIGNED = {torch.int64: "Q", torch.int32: "I"}  # a fast C conversion per item
-_SIGNED = {torch.int64: "q", torch.int32: "i"}  # a generic argument parse per item: ~3x slower
+_SIGNED = {torch.int64: "q", torch.int32: "i"}  # a generic argument parse per item: slower
 for _code in (*_UNSIGNED.values(), *_SIGNED.values()):
     assert array.array(_code).itemsize in (4, 8)
 

@@ -25,7 +25,9 @@ class StepResult:
     """Logits of the chunks that sample this step, in `req_ids` order: one row per chunk, or
     1 + k rows for a chunk verifying k drafts (`rows[i]` rows for req_ids[i]). In the LM head's
     dtype (bf16 with bf16 weights): greedy argmax reads them as they are, and whoever needs
-    fp32 converts only the rows it uses (a fresh [64, V] fp32 copy each step cost ~3-8 ms)."""
+    fp32 converts only the rows it uses (a fresh [64, V] fp32 copy each step cost page faults:
+    docs/benchmarks-history.md, "A Xeon without AMX: bf16 linears in register tiles, attention
+    in registers, host work, prefill threads")."""
 
     logits: torch.Tensor
     req_ids: list[str]

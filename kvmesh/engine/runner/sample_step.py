@@ -3,9 +3,10 @@ grammar masks), plain rows sampled as a batch, rows verifying drafts checked aga
 
 A greedy row under a grammar is checked, not masked: a mask only takes candidates away, so the
 row's argmax is the masked row's argmax whenever the grammar allows it (ties included: it is
-the first maximum either way). The mask (~0.3 ms a row over a 49k vocabulary) is computed only
-for a row whose argmax the grammar rejects. Rows that draw at random, apply penalties or report
-logprobs are masked before the sampler reads them."""
+the first maximum either way). The mask, costly over a large vocabulary, is computed only for a
+row whose argmax the grammar rejects (measured: docs/benchmarks-history.md, "The 2P+2D mesh on 2
+cores, and grammar masks only where the argmax needs one"). Rows that draw at random, apply
+penalties or report logprobs are masked before the sampler reads them."""
 
 from __future__ import annotations
 

@@ -84,8 +84,10 @@ class Sampler:
             logits = filter_logits(logits, params)
         # Inverse CDF: the first token whose cumulative probability exceeds a uniform draw of
         # the row's total (one random number per row; an exponential race drew one per token,
-        # 1 ms per row over a 49k vocabulary on these CPUs). A token of probability 0 is never
-        # the first to exceed it; the draw stays below the total.
+        # a cost that grows with the vocabulary: docs/benchmarks-history.md, "One parallel
+        # region per step, weights in stream order, phases no thread holds up, and random draws
+        # by inverse CDF"). A token of probability 0 is never the first to exceed it; the draw
+        # stays below the total.
         cdf = logits.softmax(dim=-1).cumsum(dim=-1)
         total = cdf[:, -1:]
         below = torch.nextafter(total, torch.zeros_like(total))
@@ -158,7 +160,7 @@ def filter_logits(logits: torch.Tensor, params: abc.Sequence[SamplingParams]) ->
 
 def greedy_token_ids(logits: torch.Tensor) -> list[int]:
     """`greedy_tokens` as a list, the kernel's NaN rows (-1) found in Python: two torch ops
-    fewer per step (~20 us each after a model step has evicted the caches)."""
+    fewer per step (each slow after a model step has evicted the caches)."""
     tokens = _kernel_argmax(logits)
     if tokens is not None:
         ids = tokens.tolist()
@@ -169,8 +171,8 @@ def greedy_token_ids(logits: torch.Tensor) -> list[int]:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim (the first maximum, as torch.argmax): rows of CPU logits through
-    the C++ kernel (kernels/csrc/argmax.cpp, ~10x torch's), torch for the rest and for rows
-    holding NaN."""
+    the C++ kernel (kernels/csrc/argmax.cpp, faster than torch's: docs/benchmarks-history.md,
+    "INT4 on AVX2, argmax and host work"), torch for the rest and for rows holding NaN."""
     tokens = _kernel_argmax(logits)
     if tokens is not None and not bool((tokens < 0).any()):
         return tokens

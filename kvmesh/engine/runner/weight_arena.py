@@ -6,8 +6,9 @@ them once into one allocation of their total size, asked for transparent huge pa
 (`madvise(MADV_HUGEPAGE)`, Linux), in the order the step reads them (per layer q|k|v, o,
 gate|up, down; INT4 packed bytes, then their scales). The TLB then covers the stream, and the
 kernels' prefetches run on from one linear into the next. The old copies are freed and the heap
-trimmed, so no second copy stays resident. A chain of SmolLM2's layer GEMVs read 1.03-1.07x
-faster this way on the AVX-512 EPYC (docs/benchmarks.md).
+trimmed, so no second copy stays resident. Decode steps and a chain of SmolLM2's layer GEMVs
+ran faster this way (docs/benchmarks-history.md, "One parallel region per step, weights in
+stream order, phases no thread holds up, and random draws by inverse CDF").
 """
 
 from __future__ import annotations

@@ -35,8 +35,9 @@ from kvmesh.errors import EngineFailure
 log = structlog.get_logger(__name__)
 # An idle engine thread sleeps until a call wakes it (every call sets the event after queueing
 # itself); the timeout is only a backstop. At 50 ms, idle prefill and decode workers woke 20
-# times a second each for ~3.5 ms of CPU per second, taken from the decode steps they share
-# cores with.
+# times a second each, for CPU taken from the decode steps they share cores with (measured:
+# docs/benchmarks-history.md, "Delivery on a plain socket, an fp32 GEMV, and each single-stream
+# request against its own ceiling").
 _IDLE_WAIT_S = 1.0
 
 

@@ -1,11 +1,12 @@
 """What keeps a worker's torch work on one thread: the engine is built on a thread that exits
 (`build_engine`), then every call runs on the step loop's thread (`Call`, see AsyncEngine).
 
-Why (measured, docs/benchmarks.md): each thread that enters an OpenMP parallel region keeps a
-team of threads alive for as long as it lives. Once a process holds more such threads than
-CPUs, libgomp throttles its barrier spinning and its threads sleep at every barrier: SmolLM2's
-decode step at 16 rows took 33-38 ms from a second thread against 27 ms from the thread that
-built the engine, and 26.4 ms from any thread once the builder had exited.
+Why: each thread that enters an OpenMP parallel region keeps a team of threads alive for as
+long as it lives. Once a process holds more such threads than CPUs, libgomp throttles its
+barrier spinning and its threads sleep at every barrier: SmolLM2's decode steps ran slower from
+a second thread than from the thread that built the engine, and as fast from any thread once
+the builder had exited (measured: docs/benchmarks-history.md, "fp32 linears as weight @ x^T, and
+speculation baselines measured per batch").
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ After each step the engine thread offers every output to its request's `OutputSt
 whose caller gave a `Tap` hands it to the tap right there, on the engine thread; what no tap
 takes reaches the caller's event loop in one callback per step (`put_all`) and comes out of
 `drain`. A tap is how a worker forwards a step's tokens to a socket without waking its event
-loop: on a 2-core machine that wake-up is CPU taken from the next step, and the loop's Python
+loop: where cores are few, that wake-up is CPU taken from the next step, and the loop's Python
 then contends for the GIL with the engine thread's own work between steps (measured:
-docs/benchmarks.md, "Tokens leave from the engine thread").
+docs/benchmarks-history.md, "Tokens leave from the engine thread, and a CPU of its own for the
+decode engine thread").
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ class StepCosts:
 
     Before a batch has run steps with drafts, the surplus is the plain curve's own slope per
     draft row plus `chunk_prior` one-row steps per chunk (on the torch backend a verifying
-    sequence runs as a chunk with context, ~2-4 ms per chunk on 2 cores)."""
+    sequence runs as a chunk with context, which costs more than its rows alone)."""
 
     def __init__(self, prior: PriorCurve, chunk_prior: float, window: int = 16) -> None:
         self.plain_curve = CostCurve(prior, window)

@@ -29,10 +29,10 @@ from typing import Protocol
 
 from kvmesh.engine.spec.cost import GainCheck, PriorCurve, StepCosts, StepSample, bucket
 
-# Decode step seconds by rows, relative to one row: SmolLM2-135M fp32, torch backend, on the
-# 2-core Xeon (AMX) VM, 2026-12-01 (`kvmesh bench spec --cost-profile`; above 64 rows inferred
-# from verification steps). Only the shape matters: the engine's own steps set the level, and
-# replace it wherever it has run such steps.
+# Decode step seconds by rows, relative to one row: SmolLM2-135M fp32, torch backend, profiled
+# once (`kvmesh bench spec --cost-profile`; above 64 rows inferred from verification steps; see
+# docs/benchmarks-history.md, "Adaptive speculation"). Only the shape matters: the engine's own
+# steps set the level, and replace it wherever it has run such steps.
 STEP_PRIOR = (
     (1, 1.0),
     (2, 1.07),
@@ -214,9 +214,10 @@ class AdaptivePolicy:
     def _plain_due(self, batch: int) -> bool:
         """A plain step to measure the baseline: at a batch bucket not measured yet, or
         `plain_every` steps at this bucket after its latest plain step. Not interpolated:
-        a step's seconds need not be monotone in its rows (fp32 linears at 3 and 7 rows were
-        slower than at 4 and 8 on the AVX-512 EPYC), and the veto (GainCheck) compares drafting
-        steps with this baseline."""
+        a step's seconds need not be monotone in its rows (MKL's fp32 linears were slower at
+        some row counts than at the next larger ones: docs/benchmarks-history.md, "fp32 linears
+        as weight @ x^T, and speculation baselines measured per batch"), and the veto
+        (GainCheck) compares drafting steps with this baseline."""
         if not self.costs.plain_curve.measured(batch):
             return True
         key = bucket(batch)
