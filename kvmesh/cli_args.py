@@ -28,7 +28,7 @@ def _service_flags(p: argparse.ArgumentParser, root: type, skip: tuple[str, ...]
     JSON, as `kvmesh config show` prints it and `kvmesh up` writes it: flags after it win), and
     the process's TLS and etcd access."""
     from kvmesh.config.flags import ConfigFile, add_flags
-    from kvmesh.mesh import etcd_access, tls
+    from kvmesh.env import tls_paths
 
     p.add_argument(
         "--config",
@@ -37,9 +37,9 @@ def _service_flags(p: argparse.ArgumentParser, root: type, skip: tuple[str, ...]
         default=None,
         help="the service's config as JSON; flags after it win",
     )
-    add_flags(p, root, skip=skip)
-    tls.add_arguments(p)
-    etcd_access.add_arguments(p)
+    paths = [path or "" for path in tls_paths()]
+    tls = dict(zip(("tls_cert", "tls_key", "tls_ca"), paths, strict=True))
+    add_flags(p, root, skip=skip, defaults=tls)  # a container sets them once in its env
 
 
 def _up_worker_flags(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,27 @@ class Placement:
     etcd: str = knob("", "etcd endpoint host:port or https://host:port")
     cluster: str = knob("default", "the mesh's name: its services' key prefix in etcd")
     host: str = knob("127.0.0.1", "address to listen on (0.0.0.0: every interface)")
+    tls_cert: str = knob(
+        "",
+        "this service's certificate: TLS on its gRPC (and the gateway's "
+        "REST) port, mutual TLS to the other services (with --tls-key, "
+        "--tls-ca; default $KVMESH_TLS_CERT)",
+        metavar="PEM",
+    )
+    tls_key: str = knob("", "its private key (default $KVMESH_TLS_KEY)", metavar="PEM")
+    tls_ca: str = knob(
+        "",
+        "the CA every other service's certificate must chain to (default $KVMESH_TLS_CA)",
+        metavar="PEM",
+    )
+    etcd_ca: str = knob(
+        "", "CA of etcd's certificate, for an https:// --etcd (default: --tls-ca)", metavar="PEM"
+    )
+    etcd_cert: str = knob(
+        "", "client certificate shown to etcd (default: --tls-cert)", metavar="PEM"
+    )
+    etcd_key: str = knob("", "its private key", metavar="PEM")
+    etcd_user: str = knob("", "etcd user (authentication on); password in $KVMESH_ETCD_PASSWORD")
 
     def __post_init__(self) -> None:
         check(self)

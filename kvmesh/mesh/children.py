@@ -26,10 +26,22 @@ class Placement:
     http_port: int = 0
     grpc_port: int = 0
     mooncake_master: str = UNPLACED
+    tls: tuple[str, str, str] = ("", "", "")  # `up --tls`: the run's cert, key and CA
+
+    def service(self, options: UpOptions) -> dict[str, str]:
+        """The service knobs every child shares: where etcd is, the cluster, TLS."""
+        cert, key, ca = self.tls
+        return {
+            "etcd": self.etcd,
+            "cluster": options.cluster,
+            "tls_cert": cert,
+            "tls_key": key,
+            "tls_ca": ca,
+        }
 
 
 def worker(options: UpOptions, at: Placement, role: str, name: str) -> WorkerConfig:
-    return options.workers[role].placed(etcd=at.etcd, cluster=options.cluster, worker_id=name)
+    return options.workers[role].placed(**at.service(options), worker_id=name)
 
 
 def workers(options: UpOptions, at: Placement) -> dict[str, WorkerConfig]:
@@ -46,9 +58,7 @@ def gateway(options: UpOptions, at: Placement) -> GatewayConfig:
     """The gateway's (its model: the workers')."""
     config = options.gateway
     config = replace(config, api=replace(config.api, model=options.model))
-    return config.placed(
-        etcd=at.etcd, cluster=options.cluster, http_port=at.http_port, grpc_port=at.grpc_port
-    )
+    return config.placed(**at.service(options), http_port=at.http_port, grpc_port=at.grpc_port)
 
 
 def kvstore(options: UpOptions, at: Placement) -> KVStoreConfig:
@@ -58,13 +68,13 @@ def kvstore(options: UpOptions, at: Placement) -> KVStoreConfig:
     if options.kvstore == "mooncake":
         tiers = replace(config.tiers, backend="mooncake", mooncake_master=at.mooncake_master)
         config = replace(config, tiers=tiers)
-    return config.placed(etcd=at.etcd, cluster=options.cluster)
+    return config.placed(**at.service(options))
 
 
 def draft(options: UpOptions, at: Placement) -> DraftConfig:
     """The draft service's (--speculative eagle --draft remote): the decode workers' head."""
     head = DraftHead(options.model, options.workers["decode"].engine.spec.draft_model)
-    return DraftConfig(head=head).placed(etcd=at.etcd, cluster=options.cluster)
+    return DraftConfig(head=head).placed(**at.service(options))
 
 
 def everything(options: UpOptions, at: Placement) -> dict[str, Any]:

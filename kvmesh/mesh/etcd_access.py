@@ -121,7 +121,7 @@ def configure_from(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         return Path(value) if value else None
 
-    user = getattr(args, "etcd_user", None)
+    user = getattr(args, "etcd_user", None) or None
     configure(
         EtcdAccess(
             path("etcd_ca"),

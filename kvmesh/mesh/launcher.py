@@ -145,10 +145,15 @@ class Mesh:
 
     @property
     def placement(self) -> children.Placement:
-        """What this run placed its children with (etcd, the gateway's ports, the master)."""
+        """What this run placed its children with (etcd, the gateway's ports, the master, TLS)."""
         master = self.master.address if self.master is not None else children.UNPLACED
         etcd = self.etcd.endpoint if self.etcd is not None else children.UNPLACED
-        return children.Placement(etcd, self.http_port, self.grpc_port, master)
+        tls = (
+            ("", "", "")
+            if self.tls is None
+            else (str(self.tls.cert), str(self.tls.key), str(self.tls.ca))
+        )
+        return children.Placement(etcd, self.http_port, self.grpc_port, master, tls)
 
     def _spawn_config(self, name: str, config: Any, env=None, cpus=None) -> None:
         """Start child `name` with its config as a file (`kvmesh serve ... --config FILE`)."""
@@ -175,17 +180,7 @@ class Mesh:
         cpus: frozenset[int] | None = None,
     ) -> None:
         assert self.etcd is not None
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvmesh.cli",
-            *args,
-            "--etcd",
-            self.etcd.endpoint,
-            "--cluster",
-            self.options.cluster,
-            *(self.tls.as_flags() if self.tls else ()),
-        ]
+        cmd = [sys.executable, "-m", "kvmesh.cli", *args]  # etcd, cluster, TLS: in its config
         self.supervisor.spawn(name, cmd, self.run_dir / f"{name}.log", env, cpus)
 
     def _deferred(self) -> AbstractContextManager[None]:
