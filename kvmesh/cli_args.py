@@ -28,7 +28,6 @@ def _service_flags(p: argparse.ArgumentParser, root: type, skip: tuple[str, ...]
     JSON, as `kvmesh config show` prints it and `kvmesh up` writes it: flags after it win), and
     the process's TLS and etcd access."""
     from kvmesh.config.flags import ConfigFile, add_flags
-    from kvmesh.env import tls_paths
 
     p.add_argument(
         "--config",
@@ -37,9 +36,16 @@ def _service_flags(p: argparse.ArgumentParser, root: type, skip: tuple[str, ...]
         default=None,
         help="the service's config as JSON; flags after it win",
     )
+    add_flags(p, root, skip=skip, defaults=_tls_defaults())
+
+
+def _tls_defaults() -> dict[str, str]:
+    """--tls-cert / --tls-key / --tls-ca default to $KVMESH_TLS_CERT / _KEY / _CA (a container
+    sets them once for its service and its health check)."""
+    from kvmesh.env import tls_paths
+
     paths = [path or "" for path in tls_paths()]
-    tls = dict(zip(("tls_cert", "tls_key", "tls_ca"), paths, strict=True))
-    add_flags(p, root, skip=skip, defaults=tls)  # a container sets them once in its env
+    return dict(zip(("tls_cert", "tls_key", "tls_ca"), paths, strict=True))
 
 
 def _up_worker_flags(p: argparse.ArgumentParser) -> None:
@@ -189,10 +195,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     )
     status.add_argument("--cluster", default=None)
     status.add_argument("--json", action="store_true")
-    from kvmesh.mesh import etcd_access, tls
+    from kvmesh.config.flags import add_flags
+    from kvmesh.config.placement import Placement
 
-    tls.add_arguments(status)
-    etcd_access.add_arguments(status)
+    add_flags(status, Placement, skip=("etcd", "cluster", "host"), defaults=_tls_defaults())
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     off = bench_sub.add_parser("offline", help="kvmesh vs transformers tokens/s, same weights")

@@ -31,7 +31,7 @@ def effective_config(argv: Sequence[str]) -> dict:
         from kvmesh.mesh import children
         from kvmesh.mesh.up_config import up_options
 
-        return children.everything(up_options(args), children.Placement())
+        return children.everything(up_options(args), children.RunFacts())
     raise SystemExit(f"kvmesh config show: {' '.join(argv[:2])} has no config tree yet")
 
 

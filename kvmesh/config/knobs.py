@@ -7,10 +7,8 @@ knobs; a tree nests them. From the declarations come the flags (flags.py), the v
 from __future__ import annotations
 
 import dataclasses
-import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
 from kvmesh.errors import InvalidRequestError
@@ -120,20 +118,13 @@ def from_dict(cls: type, raw: dict[str, Any]) -> Any:
         raise InvalidRequestError(f"{cls.__name__} has no field {', '.join(unknown)}")
     kwargs = {}
     for name, value in raw.items():
-        sub = fields[name].metadata.get("section") or _config_type(cls, name)
+        sub = fields[name].metadata.get("section")
         if sub is not None:
             value = from_dict(sub, value)
         elif isinstance(value, list):  # JSON has no tuples (repeatable knobs)
             value = tuple(value)
         kwargs[name] = value
     return cls(**kwargs)
-
-
-@cache
-def _config_type(cls: type, name: str) -> type | None:
-    """A dataclass-typed field that is not a section (e.g. WorkerConfig.engine)."""
-    hint = typing.get_type_hints(cls).get(name)
-    return hint if dataclasses.is_dataclass(hint) else None
 
 
 def flat(config: Any) -> dict[str, Any]:
@@ -149,5 +140,11 @@ def flat(config: Any) -> dict[str, Any]:
 
 
 def with_knobs(config: Any, **changes: Any) -> Any:
-    """`config` with some knobs changed, by name (dataclasses.replace across sections)."""
-    return build(type(config), **(flat(config) | changes))
+    """`config` with some knobs changed, by name (dataclasses.replace across sections); its
+    plain fields (a worker's role) kept."""
+    plain = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if "section" not in f.metadata and "knob" not in f.metadata
+    }
+    return build(type(config), **(flat(config) | plain | changes))

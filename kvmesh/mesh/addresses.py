@@ -4,7 +4,6 @@ that goes into its etcd registration and its transfer engine's session. No torch
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})  # noqa: S104 - names, no bind
@@ -43,18 +42,3 @@ def advertised(host: str, advertise_host: str = "", transfer: bool = False) -> s
             "give an IPv4 --advertise-host (or --host)"
         )
     return public
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """`--host` and `--advertise-host` of a service that registers in etcd."""
-    p.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to listen on (0.0.0.0: every interface, with --advertise-host)",
-    )
-    p.add_argument(
-        "--advertise-host",
-        default="",
-        help="address peers dial, in the etcd registration and the transfer engine's "
-        "session (default: --host)",
-    )

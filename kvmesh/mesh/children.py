@@ -19,7 +19,7 @@ UNPLACED = "(set at start)"  # what `config show` prints for what only a run kno
 
 
 @dataclass(frozen=True)
-class Placement:
+class RunFacts:
     """What only a run knows: etcd's endpoint, the gateway's ports, the Mooncake master."""
 
     etcd: str = UNPLACED
@@ -40,11 +40,11 @@ class Placement:
         }
 
 
-def worker(options: UpOptions, at: Placement, role: str, name: str) -> WorkerConfig:
+def worker(options: UpOptions, at: RunFacts, role: str, name: str) -> WorkerConfig:
     return options.workers[role].placed(**at.service(options), worker_id=name)
 
 
-def workers(options: UpOptions, at: Placement) -> dict[str, WorkerConfig]:
+def workers(options: UpOptions, at: RunFacts) -> dict[str, WorkerConfig]:
     """Every worker's config, by name (prefill-0, ..., decode-0, ...)."""
     counts = (("prefill", options.prefill), ("decode", options.decode))
     return {
@@ -54,14 +54,14 @@ def workers(options: UpOptions, at: Placement) -> dict[str, WorkerConfig]:
     }
 
 
-def gateway(options: UpOptions, at: Placement) -> GatewayConfig:
+def gateway(options: UpOptions, at: RunFacts) -> GatewayConfig:
     """The gateway's (its model: the workers')."""
     config = options.gateway
     config = replace(config, api=replace(config.api, model=options.model))
     return config.placed(**at.service(options), http_port=at.http_port, grpc_port=at.grpc_port)
 
 
-def kvstore(options: UpOptions, at: Placement) -> KVStoreConfig:
+def kvstore(options: UpOptions, at: RunFacts) -> KVStoreConfig:
     """The KV store's: its layout the workers' (adopted from etcd), their transfer protocol;
     with --kvstore mooncake its second tier is Mooncake Store behind the run's master."""
     config = replace(options.store, transfer=options.workers["decode"].transfer)
@@ -71,13 +71,13 @@ def kvstore(options: UpOptions, at: Placement) -> KVStoreConfig:
     return config.placed(**at.service(options))
 
 
-def draft(options: UpOptions, at: Placement) -> DraftConfig:
+def draft(options: UpOptions, at: RunFacts) -> DraftConfig:
     """The draft service's (--speculative eagle --draft remote): the decode workers' head."""
     head = DraftHead(options.model, options.workers["decode"].engine.spec.draft_model)
     return DraftConfig(head=head).placed(**at.service(options))
 
 
-def everything(options: UpOptions, at: Placement) -> dict[str, Any]:
+def everything(options: UpOptions, at: RunFacts) -> dict[str, Any]:
     """Every child's config as JSON-able dicts, by child name."""
     out: dict[str, Any] = {name: to_dict(c) for name, c in workers(options, at).items()}
     out["gateway"] = to_dict(gateway(options, at))

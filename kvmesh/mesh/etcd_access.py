@@ -94,28 +94,6 @@ class EtcdAccess:
         return EtcdClient(host, int(port), credentials, self.user, self.password, **kwargs)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """--etcd-ca / --etcd-cert / --etcd-key / --etcd-user, next to every --etcd."""
-    p.add_argument(
-        "--etcd-ca",
-        default=None,
-        metavar="PEM",
-        help="CA of etcd's certificate, for an https:// --etcd (default: --tls-ca)",
-    )
-    p.add_argument(
-        "--etcd-cert",
-        default=None,
-        metavar="PEM",
-        help="client certificate shown to etcd (default: --tls-cert)",
-    )
-    p.add_argument("--etcd-key", default=None, metavar="PEM", help="its private key")
-    p.add_argument(
-        "--etcd-user",
-        default=None,
-        help=f"etcd user (authentication on); password in ${env.ETCD_PASSWORD_ENV}",
-    )
-
-
 def configure_from(args: argparse.Namespace) -> None:
     def path(name: str) -> Path | None:
         value = getattr(args, name, None)

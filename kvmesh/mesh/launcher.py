@@ -144,7 +144,7 @@ class Mesh:
         self._spawn_config("gateway", config, env, self.cpus)
 
     @property
-    def placement(self) -> children.Placement:
+    def placement(self) -> children.RunFacts:
         """What this run placed its children with (etcd, the gateway's ports, the master, TLS)."""
         master = self.master.address if self.master is not None else children.UNPLACED
         etcd = self.etcd.endpoint if self.etcd is not None else children.UNPLACED
@@ -153,12 +153,11 @@ class Mesh:
             if self.tls is None
             else (str(self.tls.cert), str(self.tls.key), str(self.tls.ca))
         )
-        return children.Placement(etcd, self.http_port, self.grpc_port, master, tls)
+        return children.RunFacts(etcd, self.http_port, self.grpc_port, master, tls)
 
     def _spawn_config(self, name: str, config: Any, env=None, cpus=None) -> None:
         """Start child `name` with its config as a file (`kvmesh serve ... --config FILE`)."""
-        service = "prefill" if name.startswith("prefill") else "decode"
-        service = service if name.startswith(("prefill-", "decode-")) else name
+        service = name.split("-")[0]  # prefill-0 -> prefill; gateway, kvstore, draft as named
         path = children.write(self.run_dir, name, config)
         self._spawn(name, ["serve", service, "--config", str(path)], env, cpus)
 

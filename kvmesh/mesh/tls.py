@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvmesh import env
 from kvmesh.errors import InvalidRequestError
 
 if TYPE_CHECKING:  # grpc is imported where credentials are made: flag parsing stays light
@@ -59,29 +58,6 @@ class TlsFiles:
 
     def as_flags(self) -> list[str]:
         return ["--tls-cert", str(self.cert), "--tls-key", str(self.key), "--tls-ca", str(self.ca)]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """--tls-cert / --tls-key / --tls-ca, on every service; defaults from $KVMESH_TLS_CERT /
-    _KEY / _CA (a container sets them once for its service and its health check)."""
-    cert, key, ca = env.tls_paths()
-    p.add_argument(
-        "--tls-cert",
-        default=cert,
-        metavar="PEM",
-        help="this service's certificate: TLS on its gRPC (and the gateway's REST) "
-        "port, mutual TLS to the other services (with --tls-key, --tls-ca; "
-        "default $KVMESH_TLS_CERT)",
-    )
-    p.add_argument(
-        "--tls-key", default=key, metavar="PEM", help="its private key (default $KVMESH_TLS_KEY)"
-    )
-    p.add_argument(
-        "--tls-ca",
-        default=ca,
-        metavar="PEM",
-        help="the CA every other service's certificate must chain to (default $KVMESH_TLS_CA)",
-    )
 
 
 def configure_from(args: argparse.Namespace) -> None:

@@ -19,7 +19,6 @@ Measured behaviour of mooncake-transfer-engine 0.3.13 (TCP, loopback) that shape
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import threading
@@ -29,11 +28,11 @@ from typing import Any, NamedTuple
 
 import structlog
 
+from kvmesh.config.placement import PROTOCOLS
 from kvmesh.errors import TransferError
 
 log = structlog.get_logger(__name__)
 
-PROTOCOLS = ("tcp", "rdma")
 MAX_BATCH_ENTRIES = 256  # entries per TE batch call (the TCP per-peer queue holds ~2048)
 MAX_INFLIGHT_BATCHES = 4  # batches in flight per engine, over all threads and peers
 
@@ -63,19 +62,6 @@ class TransferConfig:
             raise ValueError(
                 f"RDMA devices ({self.device}) need protocol rdma, not {self.protocol}"
             )
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The transfer engine's flags (dest names: TransferConfig's `protocol`, `rdma_devices` for
-    its `device`), for the workers and the KV store."""
-    p.add_argument("--protocol", default="tcp", choices=PROTOCOLS, help="transfer engine protocol")
-    p.add_argument(
-        "--rdma-devices",
-        default="",
-        metavar="NICS",
-        help="--protocol rdma: the RDMA NICs to use, e.g. mlx5_0,mlx5_1 (default: "
-        "the transfer engine finds them)",
-    )
 
 
 class Segments(NamedTuple):

@@ -4,7 +4,6 @@ flag reaches the knob, a worker's config survives the file `kvmesh up` hands it,
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 from contextlib import redirect_stdout
@@ -170,7 +169,6 @@ def test_every_knob_default_is_valid_and_the_tree_round_trips():
 
     config = WorkerConfig()
     assert from_dict(WorkerConfig, json.loads(json.dumps(to_dict(config)))) == config
-    assert isinstance(build_parser(), argparse.ArgumentParser)
 
 
 GATEWAY_KNOBS = [(f.name, f.default, spec) for _, f, spec in iter_knobs(GatewayConfig)]
@@ -264,3 +262,14 @@ def test_every_service_knob_is_a_flag_of_its_serve_command(service, root):
             words += ["--protocol", "rdma"]
         argv = ["serve", service, *words]
         assert flat(from_namespace(cls, build_parser(argv).parse_args(argv)))[f.name] == value
+
+
+def test_with_knobs_changes_knobs_across_sections_and_keeps_the_rest():
+    from kvmesh.config.knobs import with_knobs
+
+    worker = WorkerConfig("prefill", EngineConfig.of(kv_dtype="bf16"))
+    changed = with_knobs(worker, max_num_seqs=3, protocol="rdma")
+    assert changed.role == "prefill" and changed.engine.cache.kv_dtype == "bf16"
+    assert changed.engine.scheduler.max_num_seqs == 3 and changed.transfer.protocol == "rdma"
+    with pytest.raises(TypeError, match="no knob"):
+        with_knobs(worker, max_seqs=3)

@@ -81,17 +81,16 @@ def test_http_probe_speaks_tls(pki, monkeypatch):
         httpd.shutdown()
 
 
-def test_tls_flags_default_to_the_environment(pki, monkeypatch):
-    import argparse
-
-    from kvmesh.mesh import tls
+@pytest.mark.parametrize("command", [("serve", "decode"), ("serve", "kvstore"), ("status",)])
+def test_tls_flags_default_to_the_environment(pki, monkeypatch, command):
+    from kvmesh.cli_args import build_parser
 
     service, _ = pki
     _use(monkeypatch, service)
-    parser = argparse.ArgumentParser()
-    tls.add_arguments(parser)
-    args = parser.parse_args([])
+    argv = list(command)
+    args = build_parser(argv).parse_args(argv)
     assert (args.tls_cert, args.tls_key, args.tls_ca) == tuple(
         str(p) for p in (service.cert, service.key, service.ca)
     )
-    assert parser.parse_args(["--tls-cert", "/x"]).tls_cert == "/x"  # a flag wins
+    argv += ["--tls-cert", "/x"]
+    assert build_parser(argv).parse_args(argv).tls_cert == "/x"  # a flag wins

@@ -21,12 +21,15 @@ SERVICES = (
 )
 # (a module prefix, what modules under it may not import, exempt modules under it)
 RULES = [
-    ("kvmesh.config", ("kvmesh.engine", "kvmesh.mesh", "kvmesh.agent", "kvmesh.routing"), ()),
+    (
+        "kvmesh.config",
+        ("kvmesh.engine", "kvmesh.mesh", "kvmesh.agent", "kvmesh.routing", "services", *APPS),
+        (),
+    ),
     ("kvmesh.engine", ("kvmesh.mesh", "kvmesh.agent", "services", *APPS), ()),
     ("kvmesh.agent", ("kvmesh.engine", "kvmesh.mesh", "services", *APPS), ()),
     ("kvmesh.mesh", ("services", *APPS), ()),
     ("kvmesh.routing", ("services", *APPS), ()),
-    ("kvmesh.config", ("services", *APPS), ()),
     ("kvmesh", ("services", "kvmesh_apps"), CLI),  # the CLI starts the services and the apps
     ("kvmesh_apps", SERVICES, ()),  # apps run the services as processes
     *[(s, tuple(o for o in SERVICES if o != s), ()) for s in SERVICES],

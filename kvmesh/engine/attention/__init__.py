@@ -27,7 +27,6 @@ _BACKENDS = {
     ("cpu", "gqa"): "kvmesh.engine.attention.paged:PagedAttention",
     ("cpu", "mla"): "kvmesh.engine.attention.paged:PagedMlaAttention",
 }
-NAMES = ("auto", "torch", "cpu")
 
 
 def resolve(name: str, device: str = "cpu") -> str:

@@ -7,10 +7,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvmesh import env
+from kvmesh.config.engine import DEFAULT_MODEL
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.loader.lazy_weights import LazyWeights
 from kvmesh.engine.loader.model_cache import LoadedModel, cached_config, load_cached
-from kvmesh.engine.loader.resolve import DEFAULT_MODEL, ModelSource, resolve_model
+from kvmesh.engine.loader.resolve import ModelSource, resolve_model
 from kvmesh.engine.loader.tokenizer_cache import load_hf_tokenizer
 
 if TYPE_CHECKING:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import structlog
 
-from kvmesh.config.engine import DEFAULT_MODEL  # noqa: F401 (kvmesh.engine.loader re-exports it)
 from kvmesh.env import kvmesh_home
 from kvmesh.errors import FetchError, ModelNotFoundError
 
