@@ -25,15 +25,16 @@ SETUPS = {
 
 @pytest.fixture(scope="module", params=sorted(SETUPS))
 def mesh(request):
-    args = (*SETUPS[request.param], "--kv-cache-memory", "64MiB")
+    # A fixed draft length: the adaptive policy may turn drafting off on a slow, loaded machine,
+    # and these tests are about answers under drafts (the policy has its own tests).
+    args = (*SETUPS[request.param], "--speculative-policy", "fixed", "--kv-cache-memory", "64MiB")
     with running_mesh(
         UpOptions(workers=worker_configs(*args), prefill=1, decode=1, kvstore="none")
     ) as running:
         yield request.param, running
 
 
-# Drafts that the target accepts (copying the prompt): the adaptive policy turns speculation off
-# on a workload whose drafts it measures as rejected, so acceptance > 0 needs one it accepts.
+# A prompt whose drafts the target accepts (copying the prompt), so acceptance > 0 is certain.
 COPY = (
     'Copy this JSON exactly, nothing else: {"name": "Ada Lovelace", "born": 1815, '
     '"fields": ["mathematics", "computing"], "city": "London"}'
