@@ -26,7 +26,19 @@ def configure_logging(service: str = "kvmesh", level: str | None = None) -> None
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        logger_factory=lambda *_: _Stderr(),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)
+
+
+class _Stderr:
+    """Writes each line to the sys.stderr of the moment (not the one when logging was set up:
+    pytest swaps it per test and closes the old one; a caller may redirect it)."""
+
+    def msg(self, message: str) -> None:
+        stream = sys.stderr
+        stream.write(message + "\n")
+        stream.flush()
+
+    log = debug = info = warn = warning = error = critical = exception = fatal = msg

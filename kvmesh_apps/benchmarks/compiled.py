@@ -36,12 +36,11 @@ def _level(engine, compiled, streams: int, rounds: int, block: int, prompt_token
     ms: dict[str, list[float]] = {"eager": [], "compiled": []}
     for _ in range(rounds):
         for mode in ("eager", "compiled"):
-            engine.runner.compiled = compiled if mode == "compiled" else None
-            started = time.perf_counter()
-            for _ in range(block):
-                engine.step()
-            ms[mode].append((time.perf_counter() - started) / block * 1e3)
-    engine.runner.compiled = compiled
+            with engine.runner.using(compiled=mode == "compiled"):
+                started = time.perf_counter()
+                for _ in range(block):
+                    engine.step()
+                ms[mode].append((time.perf_counter() - started) / block * 1e3)
     while engine.has_unfinished():
         engine.step()
     eager, graph = statistics.median(ms["eager"]), statistics.median(ms["compiled"])

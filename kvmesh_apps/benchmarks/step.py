@@ -11,6 +11,7 @@ the host work less that argmax. The issue's bar is host work below 1 ms per step
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -138,8 +139,12 @@ def _fused(engine):
     if fused is None:
         raise SystemExit("this model does not run fused (see the fused_decode.skipped log)")
 
+    off = contextlib.ExitStack()
+
     def switch(on: bool | None) -> None:
-        engine.runner.fused = fused if on is not False else None
+        off.close()  # back to the engine's own
+        if on is False:
+            off.enter_context(engine.runner.using(fused=False))
 
     return switch
 

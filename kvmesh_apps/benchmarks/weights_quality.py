@@ -80,16 +80,18 @@ def split_greedy(prefill, decode, prompts: list[list[int]], max_tokens: int) -> 
     first = _run(prefill, rids, replace(params, max_tokens=1), keep_pages=True)
     out: dict[str, list[int]] = {}
     for rid, prompt in rids.items():
-        reservation = decode.reserve(rid, prompt, params)
+        reservation = decode.handover.reserve(rid, prompt, params)
         if reservation is None:
             raise RuntimeError("the decode engine's pool is full")
         done = reservation.cached_pages
-        source = prefill.pages_of(rid)[done : len(reservation.page_ids)]
+        source = prefill.handover.pages_of(rid)[done : len(reservation.page_ids)]
         target = reservation.page_ids[done : done + len(source)]
         _copy_pages(prefill, source, decode, target)
         decode.kv_cache.tags[target] = as_int32(reservation.page_tags[done : done + len(source)])
-        prefill.release(rid)
-        out[rid] = list(decode.commit_prefilled(rid, first.pop(0)[0], None, 0).new_token_ids)
+        prefill.handover.release(rid)
+        out[rid] = list(
+            decode.handover.commit_prefilled(rid, first.pop(0)[0], None, 0).new_token_ids
+        )
     return _drain(decode, out)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvmesh.engine.core.handover import HandOvers
 from kvmesh.engine.core.sampling_params import SamplingParams
 from kvmesh.engine.core.scheduler import Scheduler, SchedulerLimits
 from kvmesh.engine.core.sequence import Sequence
@@ -27,7 +28,8 @@ class SimWorker:
         hasher = BlockHasher.salted(preset.model, spec.page_size, preset.kv_dtype)
         self.pool = BlockManager(BlockManagerConfig(spec.kv_pages, spec.page_size), hasher)
         limits = SchedulerLimits(spec.max_num_seqs, spec.max_num_batched_tokens, spec.max_model_len)
-        self.scheduler = Scheduler(limits, self.pool, frozenset())
+        self.handovers = HandOvers(self.pool)  # a prefill's kept pages, as the engine's
+        self.scheduler = Scheduler(limits, self.pool, frozenset(), self.handovers.retired)
         self.info, self.spec, self.cost = info, spec, preset.cost
         self.clock, self.index = clock, index
         self._calls: list[Callable[[], None]] = []
@@ -54,6 +56,8 @@ class SimWorker:
         self._replies[seq.seq_id] = reply
         self._listeners[seq.seq_id] = listener
         self.scheduler.add(seq)
+        if seq.keep_pages:
+            self.handovers.kept(seq)
 
     def join(self, seq: Sequence, reply: list[int], listener: TokenCallback) -> bool:
         """A reserved sequence whose prompt KV arrived joins the batch with reply[0] (inside a
@@ -98,7 +102,7 @@ class SimWorker:
         return need // page_size
 
     def release(self, seq_id: str) -> None:
-        self.scheduler.release(seq_id)
+        self.handovers.release(seq_id)
         self._publish()
 
     def load_tokens(self) -> tuple[int, int]:

@@ -87,7 +87,6 @@ class DecodeWorker:
         self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
         self._aborts: dict[str, asyncio.Event] = {}  # requests the engine may not hold yet
         self._aborted_early = AbortedIds()  # aborted before their Generate came: refused then
-        self._quarantined: set[str] = set()  # reservations held while a late write may land
         self._late: set[asyncio.Task] = set()
 
     async def generate(self, job: DecodeJob, tap: Tap | None = None) -> AsyncIterator[TokenOutput]:
@@ -148,8 +147,7 @@ class DecodeWorker:
         except BaseException:
             # whatever ended it (a deadline, a cancel while a reserve was queued, a failed
             # call), no reservation outlives it; idempotent, and queued after a late reserve
-            if job.request_id not in self._quarantined:
-                await asyncio.shield(self.engine.cancel_reservation(job.request_id))
+            await asyncio.shield(self.engine.cancel_reservation(job.request_id))
             raise
         if response is None:
             return None
@@ -230,11 +228,14 @@ class DecodeWorker:
         if code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
             await self.engine.cancel_reservation(request_id)
             return
-        self._quarantined.add(request_id)
+        # shielded: a cancel while it is queued must not lose the ticket (the pages with it)
+        await asyncio.shield(self._quarantine(request_id))
+
+    async def _quarantine(self, request_id: str) -> None:
+        ticket = await self.engine.quarantine(request_id)  # the request id is free again
 
         def release() -> None:
-            self._quarantined.discard(request_id)
-            task = asyncio.ensure_future(self.engine.cancel_reservation(request_id))
+            task = asyncio.ensure_future(self.engine.end_quarantine(ticket))
             self._late.add(task)
             task.add_done_callback(self._late.discard)
 

@@ -113,14 +113,14 @@ def test_a_prefilled_first_token_is_replayed_into_the_grammar(llm):
     grammar = grammars.choice(["yes", "no"], "c")
     prompt = llm.tokenizer.encode_chat(ASK)
     params = _params(grammar)
-    assert engine.reserve("replay-bad", prompt, params) is not None
+    assert engine.handover.reserve("replay-bad", prompt, params) is not None
     maybe = llm.tokenizer.encode("maybe", add_special_tokens=False)[0]
     with pytest.raises(InvalidRequestError, match="does not follow"):
-        engine.commit_prefilled("replay-bad", maybe, None, 0)
+        engine.handover.commit_prefilled("replay-bad", maybe, None, 0)
     assert "replay-bad" not in engine.constraints
-    assert engine.reserve("replay-ok", prompt, params) is not None
+    assert engine.handover.reserve("replay-ok", prompt, params) is not None
     yes = llm.tokenizer.encode("yes", add_special_tokens=False)[0]
-    engine.commit_prefilled("replay-ok", yes, None, 0)
+    engine.handover.commit_prefilled("replay-ok", yes, None, 0)
     assert "replay-ok" in engine.constraints
     engine.abort("replay-ok")
     assert "replay-ok" not in engine.constraints

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from kvmesh import SamplingParams
+from kvmesh.engine.core.handover import HandOverState
 from kvmesh.engine.serving.async_engine import AsyncEngine
 
 ASK = [{"role": "user", "content": "Name three rivers of Europe."}]
@@ -20,7 +21,7 @@ def test_drop_frees_the_pages_a_finished_prefill_keeps_abort_does_not(llm):
     engine.add_request("kept-abort", prompt, SamplingParams(max_tokens=1), keep_pages=True)
     while engine.has_unfinished():
         engine.step()
-    assert engine.scheduler.holds("kept-abort")
+    assert engine.handovers.state("kept-abort") is HandOverState.HELD
     held = engine.block_manager.num_used_pages
     assert held > before
     assert not engine.abort("kept-abort")  # an Abort: a transfer may still read the pages
@@ -42,7 +43,7 @@ def test_a_prefill_stream_closed_before_its_last_output_frees_its_pages(llm):
             params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
             stream = runner.generate("kept-closed", prompt, params, True)
             assert not (await stream.__anext__()).finished
-            while not engine.scheduler.holds("kept-closed"):  # finished; the output waits
+            while engine.handovers.state("kept-closed") is not HandOverState.HELD:  # finished
                 await asyncio.sleep(0.01)
             await stream.aclose()  # the caller went away (a cancelled Prefill call)
             assert engine.block_manager.num_used_pages == before

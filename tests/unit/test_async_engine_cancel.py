@@ -29,6 +29,7 @@ class _StubEngine:
         self.go, self.busy, self.stepping = threading.Event(), threading.Event(), threading.Event()
         self.go.set()
         self.page_io = None
+        self.handover = self  # the hand-over calls are the stub's own
 
     def has_unfinished(self) -> bool:
         return self.busy.is_set()

@@ -108,6 +108,7 @@ class _StubEngine:
         self.threads: dict[str, set[str]] = {"step": set(), "call": set()}  # thread names
         self.aborted: list[str] = []
         self.page_io = None
+        self.handover = self  # the hand-over calls are the stub's own
 
     def has_unfinished(self) -> bool:
         return self.busy.is_set()

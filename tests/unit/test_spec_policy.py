@@ -301,7 +301,7 @@ def test_the_engine_config_chooses_the_policy(name, kind):
     config = EngineConfig.of(
         model="smollm2-135m", speculative="ngram", num_speculative_tokens=3, speculative_policy=name
     )
-    speculator = build_speculator(config, "smollm2-135m", runner=None, max_model_len=64)
+    speculator = build_speculator(config, "smollm2-135m", model=None, max_model_len=64)
     assert isinstance(speculator.policy, kind)
     assert speculator.policy.plan(1, [Candidate("a", 9)]).limits in ({}, {"a": 3})
 

@@ -68,6 +68,7 @@ class AttentionBackend(Protocol):
     paged cache and attends over each row's context (GQA: q, k, v; MLA: see torch_mla.py)."""
 
     kind: str  # the KV kind it serves (kv/layout.py)
+    compilable: bool  # a torch.compile graph can hold its ops (runner/compiled.py)
 
     def build_metadata(self, layout: BatchLayout) -> Any: ...
 

@@ -16,6 +16,7 @@ from kvmesh.engine.pool.kv_cache import GqaLayerKV
 
 class TorchAttention:
     kind = "gqa"
+    compilable = False
 
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         return build_torch_metadata(layout)

@@ -19,6 +19,7 @@ from kvmesh.engine.pool.kv_cache import MlaLayerKV
 
 class TorchMlaAttention:
     kind = "mla"
+    compilable = False
 
     def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
         return build_torch_metadata(layout)

@@ -13,13 +13,16 @@ import torch
 from kvmesh import env
 from kvmesh.config import EngineConfig
 from kvmesh.engine.attention import get_backend
+from kvmesh.engine.core.admission import Admission
 from kvmesh.engine.core.engine_setup import TORCH_DTYPES, load_engine_model
 from kvmesh.engine.core.faults import FaultInjector
-from kvmesh.engine.core.handover import HandOver
+from kvmesh.engine.core.handover import HandOvers, HandOverState
+from kvmesh.engine.core.handover_ops import EngineHandOver
+from kvmesh.engine.core.integrity_check import IntegrityCheck
 from kvmesh.engine.core.listeners import EngineListeners
 from kvmesh.engine.core.outputs import Reservation, TokenOutput
 from kvmesh.engine.core.sampling_params import SamplingParams
-from kvmesh.engine.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from kvmesh.engine.core.scheduler import Scheduler, SchedulerLimits
 from kvmesh.engine.core.sequence import FinishReason, Sequence
 from kvmesh.engine.core.step import ChunkPlan, StepPlan
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
@@ -31,10 +34,8 @@ from kvmesh.engine.pool.integrity import PageTags
 from kvmesh.engine.pool.kv_cache import PagedKVCache
 from kvmesh.engine.pool.kv_pages import KvPages
 from kvmesh.engine.pool.page_io import PageIO
-from kvmesh.engine.runner.compiled import compile_decode
 from kvmesh.engine.runner.constraints import Constraints
-from kvmesh.engine.runner.fused_decode import fuse_decode
-from kvmesh.engine.runner.runner import ModelRunner
+from kvmesh.engine.runner.runner import ModelRunner, RunnerOptions
 from kvmesh.engine.runner.sample_step import sample_step
 from kvmesh.engine.runner.sampler import Sampler
 from kvmesh.engine.serving.kv_event_fanout import KvEventFanOut
@@ -42,17 +43,16 @@ from kvmesh.engine.spec.proposer import DraftSource
 from kvmesh.engine.spec.speculator import build_speculator
 from kvmesh.errors import (
     CapacityError,
-    KvIntegrityError,
 )
 
 __all__ = ["Engine", "Reservation", "TokenOutput"]
 log = structlog.get_logger(__name__)
-MAX_INTEGRITY_RECOMPUTES = 3  # then a request that keeps failing its tags is aborted
 _score_ids = itertools.count()
 
 
-class Engine(HandOver):
-    """Add requests, step, abort; the P/D hand-over (reserve / commit) is in handover.py."""
+class Engine:
+    """Add requests, step, abort; the P/D hand-over (reserve / commit / release) is
+    `engine.handover` (handover_ops.py), its states handover.py's."""
 
     def __init__(
         self,
@@ -99,7 +99,7 @@ class Engine(HandOver):
         ranks = config.parallel.world_size
         self.source, self.model_config = loaded.source, loaded.config
         self.tokenizer, model = loaded.tokenizer, loaded.model
-        self.max_model_len, self._context_note = loaded.max_model_len, loaded.context_note
+        self.max_model_len = loaded.max_model_len
         dtype = TORCH_DTYPES[config.compute_dtype]
         self.kv_dtype = config.resolved_kv_dtype
         spec = model.kv_spec(config.cache.page_size, self.kv_dtype)
@@ -124,6 +124,7 @@ class Engine(HandOver):
             BlockHasher.salted(self.source.name, config.cache.page_size, self.kv_dtype),
         )
         self.page_io = PageIO(self.block_manager, self.kv_pages)  # to / from a KV store
+        self.handovers = HandOvers(self.block_manager)
         self.scheduler = Scheduler(
             SchedulerLimits(
                 config.scheduler.max_num_seqs,
@@ -132,30 +133,55 @@ class Engine(HandOver):
             ),
             self.block_manager,
             self.tokenizer.eos_token_ids,
-            on_retire=self.page_io.retired,
+            on_retire=self._retired,
         )
-        backend = get_backend(config.device.attention_backend, spec.layers[0].kind)
-        self.runner = (
-            LeaderRunner(model, self.kv_cache, backend, self.ranks)
-            if self.ranks
-            else ModelRunner(model, self.kv_cache, backend)
-        )
-        self.runner.micro_batches = config.parallel.micro_batches
-        self.sampler = Sampler()
-        self.constraints = Constraints(self.tokenizer.hf, self.model_config.vocab_size)
         self.speculator = build_speculator(
             config,
             self.source.name,
-            self.runner,
+            model,
             self.max_model_len,
             draft,
             self.listeners.speculation,
         )
-        decode_step = config.device.decode_step if ranks == 1 else "eager"  # ranks meet inside
-        compile_decode(self.runner, decode_step, config.scheduler.max_num_seqs, self.max_model_len)
-        fuse_decode(self.runner, decode_step)
-        self._reserved: dict[str, Sequence] = {}  # decode: pages awaiting a prefill worker
-        self._kept: dict[str, Sequence] = {}  # prefill: keep_pages requests
+        options = RunnerOptions(
+            config.device.decode_step if ranks == 1 else "eager",  # ranks meet inside a pass
+            config.scheduler.max_num_seqs,
+            self.max_model_len,
+            config.parallel.micro_batches,
+            self.speculator.capture if self.speculator else (),
+        )
+        backend = get_backend(config.device.attention_backend, spec.layers[0].kind)
+        self.runner = (
+            LeaderRunner(model, self.kv_cache, backend, options, self.ranks)
+            if self.ranks
+            else ModelRunner(model, self.kv_cache, backend, options)
+        )
+        self.sampler = Sampler()
+        self.constraints = Constraints(self.tokenizer.hf, self.model_config.vocab_size)
+        self.admission = Admission(
+            self.model_config.vocab_size,
+            self.max_model_len,
+            loaded.context_note,
+            self.constraints,
+            self.sampler,
+            self._in_use,
+        )
+        self.handover = EngineHandOver(
+            self.handovers,
+            self.admission,
+            self.block_manager,
+            self.scheduler,
+            self.page_tags,
+            self.speculator,
+        )
+        self.integrity_check = IntegrityCheck(
+            self.page_tags,
+            self.block_manager,
+            self.scheduler,
+            config.cache.kv_integrity_action == "recompute",
+            self.abort,
+            self.listeners.integrity_failure,
+        )
         # the prefix cache's stored/removed events after each step, to whoever follows them
         self.kv_events = KvEventFanOut()
 
@@ -188,20 +214,32 @@ class Engine(HandOver):
     ) -> None:
         """Queue a request. With keep_pages its pages outlive it until `release` (prefill).
         `resumed`: output tokens another worker already sent (a migrated request goes on)."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt, resumed)
+        seq = self.admission.sequence(request_id, prompt_token_ids, params, cache_salt, resumed)
         seq.keep_pages = keep_pages
         try:
             self.scheduler.add(seq)
         except BaseException:
-            self.sampler.release(request_id)
-            self.constraints.release(request_id)
+            self.admission.forget(request_id)
             raise
         if keep_pages:
-            self._kept[request_id] = seq
+            self.handovers.kept(seq)
+
+    def _in_use(self, request_id: str) -> bool:
+        running = self.scheduler.get(request_id) is not None
+        return running or self.handovers.state(request_id) is HandOverState.RESERVED
+
+    def _retired(self, seq: Sequence, reason: FinishReason) -> bool:
+        """The scheduler's, as a sequence ends: True when a hand-over keeps its pages; else a
+        finished one's pages are exported (to a KV store, when one is attached)."""
+        if self.handovers.retired(seq, reason):
+            return True
+        if reason is not FinishReason.ABORT:
+            self.page_io.retired(seq)
+        return False
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [T, V] at every position of `token_ids` through the paged path (perplexity)."""
-        self._validate(token_ids)
+        self.admission.validate(token_ids)
         seq = Sequence(f"score-{next(_score_ids)}", list(token_ids), SamplingParams(max_tokens=1))
         if not self.block_manager.allocate(seq, len(token_ids)):
             raise CapacityError(f"{len(token_ids)} tokens do not fit in the free KV pages")
@@ -217,17 +255,22 @@ class Engine(HandOver):
         """Stop a waiting or running request and free its pages. Pages a finished keep_pages
         request holds stay: a transfer or a store offer may still read them (see `drop`)."""
         seq = self.scheduler.abort(request_id)
-        self.sampler.release(request_id)
-        self.constraints.release(request_id)
+        self.admission.forget(request_id)
         if self.speculator is not None:
             self.speculator.release([request_id])
         return seq is not None
 
+    def drop(self, request_id: str) -> bool:
+        """Abort, and free the pages it keeps after finishing: for a consumer that went away
+        before it read them (nobody else holds a keep_pages request's pages)."""
+        aborted = self.abort(request_id)
+        released = self.handover.release(request_id)
+        return aborted or released
+
     def finish(self, request_id: str, reason: FinishReason) -> None:
         """End a request early (e.g. a stop string found by the detokenizer)."""
         self.scheduler.finish(request_id, reason)
-        self.sampler.release(request_id)
-        self.constraints.release(request_id)
+        self.admission.forget(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -244,7 +287,7 @@ class Engine(HandOver):
             self.faults.before_check(self.block_manager, self.kv_cache, output)
         self.runner.apply(output.step)  # its block tables are what the check reads
         if self.config.cache.kv_integrity and not output.is_empty:
-            output, failed = self._check_integrity(output)
+            output, failed = self.integrity_check(output, self.runner.tables)
         if output.is_empty:
             return failed
         result = self.runner.execute(output.step.chunks)
@@ -265,8 +308,7 @@ class Engine(HandOver):
                 if seq.seq_id in self.constraints and seq.seq_id not in finished:
                     self.constraints.commit(seq.seq_id, tokens[seq.seq_id])
         for seq_id in finished:
-            self.sampler.release(seq_id)
-            self.constraints.release(seq_id)
+            self.admission.forget(seq_id)
         if self.speculator is not None:
             self.speculator.observe(output.chunks, self.runner)
             self.speculator.release(finished)
@@ -296,57 +338,3 @@ class Engine(HandOver):
             if seq.draft_token_ids and seq.seq_id in self.constraints:
                 keep = self.constraints.allowed_prefix(seq.seq_id, seq.draft_token_ids)
                 del seq.draft_token_ids[keep:]
-
-    def _check_integrity(
-        self, output: SchedulerOutput
-    ) -> tuple[SchedulerOutput, list[TokenOutput]]:
-        """Take out of this step every scheduled sequence holding a page whose tag it does not
-        expect: its KV is recomputed from its tokens (kv_integrity_action recompute: its pages
-        freed, it waits first in line, its output goes on as if nothing happened) or it is
-        aborted (alone). Those pages leave the prefix cache: no later request reuses them."""
-        seqs = [chunk.seq for chunk in output.chunks]
-        mismatched = self.page_tags.mismatched(self.runner.tables, [s.seq_id for s in seqs])
-        if not mismatched:
-            return output, []
-        failed: list[TokenOutput] = []
-        for index, pages in mismatched:
-            seq = seqs[index]
-            reported = seq.finalizing is not None  # its finish was already delivered
-            recompute = (
-                self.config.cache.kv_integrity_action == "recompute"
-                and not reported
-                and seq.integrity_recomputes < MAX_INTEGRITY_RECOMPUTES
-            )
-            log.error(
-                "kv.integrity_failure",
-                request_id=seq.seq_id,
-                pages=pages,
-                action="recompute" if recompute else "abort",
-            )
-            self.block_manager.discard_cached(pages)
-            if self.listeners.integrity_failure is not None:
-                self.listeners.integrity_failure(seq.seq_id)
-            if recompute:
-                seq.integrity_recomputes += 1
-                self.scheduler.recompute(seq.seq_id)
-                continue
-            self.abort(seq.seq_id)
-            if not reported:
-                error = KvIntegrityError(
-                    f"request {seq.seq_id} aborted: KV page(s) {pages} no longer carry the "
-                    "integrity tag this request expects (reallocated, overwritten or not "
-                    "fully transferred)"
-                )
-                failed.append(
-                    TokenOutput(
-                        seq.seq_id,
-                        [],
-                        [],
-                        True,
-                        FinishReason.ABORT,
-                        seq.num_prompt_tokens,
-                        seq.num_cached_tokens,
-                        error,
-                    )
-                )
-        return output.without({seqs[index].seq_id for index, _ in mismatched}), failed

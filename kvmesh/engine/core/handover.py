@@ -1,174 +1,157 @@
-"""The engine's side of hand-overs, as a part of `Engine` (engine.py): a decode worker reserves
-pages for a prompt another worker prefills, then commits the first token (replayed into the
-request's grammar); a prefill worker keeps a request's pages until `release`; a migrated request
-starts where another worker left it (`resumed` tokens)."""
+"""Pages a request holds outside the running batch across a hand-over between workers: its
+states, and the one place they change (pure Python, no torch: the simulator runs it too).
+
+    reserve ─> RESERVED ─commit─> running (the scheduler's)
+                  ├─cancel─> freed
+                  └─quarantine─> QUARANTINED ─end_quarantine─> freed
+    add(keep_pages) ─> KEPT ─finish─> HELD ─release─> freed
+                        └─release─> running on, freed when it finishes (an abort frees it)
+
+RESERVED    a decode worker's pages for a prompt another worker prefills into them.
+QUARANTINED a reservation whose prefill call failed on our side while the prefill worker may
+            still be writing: its pages stay out of use until no late write can land. It is
+            kept under a ticket, not the request id: the request may be retried meanwhile.
+KEPT        a prefill worker's request running with keep_pages: its pages outlive it.
+HELD        a KEPT request that finished: its pages wait for `release` (a transfer to the
+            decode worker, then an offer to the KV store, read them).
+
+A request prefilled again while its last prefill is HELD (a migration, a retry) supersedes it:
+the older pages stay held and a `release` of that id frees the oldest first (the offer that
+began first ends first).
+"""
 
 from __future__ import annotations
 
-from collections import abc
-from typing import TYPE_CHECKING
+import enum
+import itertools
+from collections import deque
 
-import torch
-
-from kvmesh.engine.core.outputs import Reservation, TokenOutput
-from kvmesh.engine.core.sampling_params import SamplingParams
-from kvmesh.engine.core.sequence import Sequence
-from kvmesh.engine.runner.sampler import TokenLogprob
-from kvmesh.errors import ContextLengthError, InvalidRequestError
-
-if TYPE_CHECKING:
-    from kvmesh.engine.core.engine import Engine
+from kvmesh.engine.core.sequence import FinishReason, Sequence
+from kvmesh.engine.kv.block_manager import BlockManager
 
 
-class HandOver:
-    def _new_sequence(
-        self: Engine,
-        request_id: str,
-        prompt: abc.Sequence[int],
-        params: SamplingParams,
-        cache_salt: str,
-        resumed: abc.Sequence[int] = (),
-    ) -> Sequence:
-        """A new request's sequence, its grammar compiled. `resumed`: the output tokens another
-        worker already sent (a migrated request): they count as output (max_tokens, penalties),
-        its grammar is advanced past them and a seeded generator past their draws, so what
-        follows is what the first worker would have sampled."""
-        tokens = [*prompt, *resumed]
-        self._validate(list(prompt), tokens)
-        if self.scheduler.get(request_id) is not None or request_id in self._reserved:
-            raise InvalidRequestError(f"request id {request_id!r} is already running")
-        if len(resumed) >= params.max_tokens:
-            raise InvalidRequestError(
-                f"{len(resumed)} resumed tokens leave nothing to generate (max_tokens "
-                f"{params.max_tokens})"
-            )
-        seq = Sequence(request_id, list(prompt), params, tokens, cache_salt=cache_salt)
-        self._constrain(request_id, params)
-        if resumed and not self.constraints.commit(request_id, resumed):
-            self.constraints.release(request_id)
-            raise InvalidRequestError(
-                f"request {request_id}: the resumed tokens do not follow the request's grammar"
-            )
-        for _ in resumed:  # one uniform per token sampled (speculation aside)
-            self.sampler.replay_draw(seq, self.model_config.vocab_size)
+class HandOverState(enum.Enum):
+    RESERVED = "reserved"
+    QUARANTINED = "quarantined"
+    KEPT = "kept"
+    HELD = "held"
+
+
+S = HandOverState
+MOVES = frozenset(
+    {
+        (None, S.RESERVED),
+        (S.RESERVED, None),
+        (S.RESERVED, S.QUARANTINED),
+        (S.QUARANTINED, None),
+        (None, S.KEPT),
+        (S.KEPT, S.HELD),
+        (S.KEPT, None),
+        (S.HELD, None),
+    }
+)
+_OWNS_PAGES = (S.RESERVED, S.QUARANTINED, S.HELD)  # KEPT: the scheduler's while it runs
+
+
+class HandOverError(RuntimeError):
+    """A move the diagram above does not have: a bug in the caller, never a user's input."""
+
+
+class HandOvers:
+    def __init__(self, block_manager: BlockManager) -> None:
+        self.block_manager = block_manager
+        self._entries: dict[str, tuple[HandOverState, Sequence]] = {}
+        self._superseded: dict[str, deque[Sequence]] = {}  # HELD, older than the id's entry
+        self._tickets = itertools.count()
+
+    def state(self, key: str) -> HandOverState | None:
+        """A request id's state (or a quarantine ticket's); None when it holds nothing here."""
+        entry = self._entries.get(key)
+        return entry[0] if entry else None
+
+    def seq(self, key: str) -> Sequence | None:
+        entry = self._entries.get(key)
+        return entry[1] if entry else None
+
+    def counts(self) -> dict[HandOverState, int]:
+        counts = dict.fromkeys(HandOverState, 0)
+        for state, _ in self._entries.values():
+            counts[state] += 1
+        counts[S.HELD] += sum(map(len, self._superseded.values()))
+        return counts
+
+    def reserved(self, seq: Sequence) -> None:
+        self._move(seq.seq_id, S.RESERVED, seq)
+
+    def committed(self, request_id: str) -> Sequence:
+        """RESERVED -> running: the scheduler owns its pages from here on."""
+        return self._move(request_id, None)
+
+    def cancel(self, request_id: str) -> Sequence | None:
+        """Free a reservation's pages; nothing for a request that holds none (idempotent) nor
+        for a quarantined one (its ticket frees it)."""
+        if self.state(request_id) is not S.RESERVED:
+            return None
+        seq = self._move(request_id, None)
+        self.block_manager.free(seq)
         return seq
 
-    def _constrain(self: Engine, request_id: str, params: SamplingParams) -> None:
-        """Compile the request's grammar (its matcher lives until the request ends)."""
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= token < vocab for token, _ in params.logit_bias):
-            raise InvalidRequestError(f"logit_bias has token ids outside [0, {vocab})")
-        if params.grammar is not None:
-            self.constraints.add(request_id, params.grammar)
+    def quarantine(self, request_id: str) -> str:
+        """RESERVED -> QUARANTINED under a new ticket (returned; `end_quarantine` takes it)."""
+        seq = self._move(request_id, None)
+        ticket = f"{request_id}#quarantine-{next(self._tickets)}"
+        self._move(ticket, S.RESERVED, seq)
+        self._move(ticket, S.QUARANTINED)
+        return ticket
 
-    def _validate(self: Engine, prompt: list[int], tokens: list[int] | None = None) -> None:
-        """A prompt (and the tokens it goes on with: `tokens`) the engine can run."""
-        tokens = prompt if tokens is None else tokens
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty")
-        if len(tokens) >= self.max_model_len:
-            raise ContextLengthError(
-                f"the prompt has {len(tokens)} tokens; this model's context length is "
-                f"{self.max_model_len} tokens{self._context_note}, leaving no room to generate"
+    def end_quarantine(self, ticket: str) -> None:
+        self.block_manager.free(self._move(ticket, None))
+
+    def kept(self, seq: Sequence) -> None:
+        """A keep_pages request joined the batch; a HELD one of its id is superseded."""
+        if self.state(seq.seq_id) is S.HELD:
+            self._superseded.setdefault(seq.seq_id, deque()).append(
+                self._entries.pop(seq.seq_id)[1]
             )
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        self._move(seq.seq_id, S.KEPT, seq)
 
-    def pages_of(self: Engine, request_id: str) -> list[int]:
-        """Block table of a running, reserved or kept request."""
-        seq = self._reserved.get(request_id) or self._kept.get(request_id)
-        seq = seq or self.scheduler.get(request_id)
-        return list(seq.block_table) if seq else []
+    def retired(self, seq: Sequence, reason: FinishReason) -> bool:
+        """The scheduler's call when a sequence finishes: True when its pages stay (KEPT ->
+        HELD); an aborted one's are freed by the scheduler (KEPT stays until released)."""
+        if reason is FinishReason.ABORT or self.state(seq.seq_id) is not S.KEPT:
+            return False
+        self._move(seq.seq_id, S.HELD)
+        return True
 
-    def computed_pages_of(self: Engine, request_id: str) -> tuple[list[int], list[int]]:
-        """(block hashes, page ids) of a kept request's full pages whose KV is computed."""
-        seq = self._kept.get(request_id)
-        if seq is None:
-            return [], []
-        count = min(seq.num_computed_tokens // self.config.cache.page_size, len(seq.block_hashes))
-        return list(seq.block_hashes[:count]), list(seq.block_table[:count])
-
-    def release(self: Engine, request_id: str) -> None:
-        """Free the pages a finished keep_pages request still holds."""
-        self._kept.pop(request_id, None)
-        self.scheduler.release(request_id)
-        if self.speculator is not None:
-            self.speculator.release([request_id], force=True)
-
-    def drop(self: Engine, request_id: str) -> bool:
-        """Abort, and free the pages it keeps after finishing: for a consumer that went away
-        before it read them (nobody else holds a keep_pages request's pages)."""
-        aborted = self.abort(request_id)
-        kept = request_id in self._kept or self.scheduler.holds(request_id)
-        if kept:
-            self.release(request_id)
-        return aborted or kept
-
-    def reserve(
-        self: Engine,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str = "",
-        resumed: abc.Sequence[int] = (),
-    ) -> Reservation | None:
-        """Allocate pages for a prompt (and `resumed` tokens: see `add_request`) another worker
-        will fill; None when the pool is full now."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt, resumed)
-        prefix = self.block_manager.match_prefix(seq)
-        self.page_tags.stamp(self.block_manager.take_stamps())
-        if not self.block_manager.allocate(seq, seq.num_tokens - prefix.num_tokens, prefix):
-            self.constraints.release(request_id)
-            self.sampler.release(request_id)
-            return None
-        # The new pages are readable only once the prefill worker has written their tags.
-        self.page_tags.stamp(self.block_manager.take_stamps(), pending=True)
-        self._reserved[request_id] = seq
-        return Reservation(
-            list(seq.block_table), len(prefix.page_ids), prefix.num_tokens, list(seq.page_tags)
-        )
-
-    def commit_prefilled(
-        self: Engine,
-        request_id: str,
-        first_token: int,
-        logprob: TokenLogprob | None,
-        cached_tokens: int,
-        draft_window: tuple[torch.Tensor, int] | None = None,
-    ) -> TokenOutput:
-        """The reserved pages now hold the prompt's KV: join the batch with the first token
-        (and, with EAGLE, the draft head's window of fused features from the prefill worker)."""
-        seq = self._reserved.pop(request_id)
-        seq.num_cached_tokens = max(seq.num_cached_tokens, cached_tokens)
-        if not self.constraints.commit(request_id, [first_token]):  # replayed: one grammar state
+    def release(self, request_id: str) -> bool:
+        """Free what a keep_pages request holds: the oldest HELD pages of that id; a KEPT one
+        still running frees its pages when it finishes. False when it holds nothing."""
+        older = self._superseded.get(request_id)
+        if older:
+            self.block_manager.free(older.popleft())
+            if not older:
+                del self._superseded[request_id]
+            return True
+        state = self.state(request_id)
+        if state not in (S.KEPT, S.HELD):
+            return False
+        seq = self._move(request_id, None)
+        if state is S.HELD:
             self.block_manager.free(seq)
-            self.constraints.release(request_id)
-            self.sampler.release(request_id)
-            raise InvalidRequestError(
-                f"request {request_id}: the prefilled first token {first_token} does not follow "
-                "the request's grammar (prefill and decode disagree on it)"
-            )
-        # a seeded draw: this request's generator continues where the prefill worker's stopped
-        self.sampler.replay_draw(seq, self.model_config.vocab_size)
-        reason = self.scheduler.add_prefilled(seq, first_token)
-        if reason is None and draft_window is not None and self.speculator is not None:
-            self.speculator.seed(seq, *draft_window)
-        return TokenOutput(
-            request_id,
-            [first_token],
-            [logprob],
-            reason is not None,
-            reason,
-            seq.num_prompt_tokens,
-            seq.num_cached_tokens,
-        )
+        return True
 
-    def cancel_reservation(self: Engine, request_id: str) -> None:
-        """Free reserved pages; only once no transfer into them can still land."""
-        seq = self._reserved.pop(request_id, None)
-        self.constraints.release(request_id)
-        self.sampler.release(request_id)
-        if seq is not None:
-            self.block_manager.free(seq)
+    def _move(self, key: str, to: HandOverState | None, seq: Sequence | None = None) -> Sequence:
+        """The only place a state changes: checked against MOVES."""
+        entry = self._entries.get(key)
+        now = entry[0] if entry else None
+        if (now, to) not in MOVES:
+            raise HandOverError(f"{key}: no hand-over move from {now} to {to}")
+        seq = seq if entry is None else entry[1]
+        if to is None:
+            del self._entries[key]
+        else:
+            self._entries[key] = (to, seq)
+        return seq
+
+
+__all__ = ["MOVES", "HandOverError", "HandOverState", "HandOvers"]

@@ -27,17 +27,16 @@ class Scheduler:
         config: SchedulerLimits,
         block_manager: BlockManager,
         eos_token_ids: frozenset[int],
-        on_retire: Callable[[Sequence], None] | None = None,
+        on_retire: Callable[[Sequence, FinishReason], bool] | None = None,
     ) -> None:
-        """`on_retire`: called with a finished (not aborted) sequence just before its pages are
-        freed (the engine's page I/O exports them)."""
+        """`on_retire`: called with each sequence that finishes or is aborted, before its pages
+        are freed; True when the caller keeps them (a hand-over holds a keep_pages request's)."""
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._seqs: dict[str, Sequence] = {}
-        self._held: dict[str, Sequence] = {}  # finished with keep_pages: pages await release()
         self.differ = StepDiffer()  # what the runner knows of each request
         self._on_retire = on_retire
 
@@ -103,18 +102,6 @@ class Scheduler:
         seqs = [*self.running, *self.waiting]
         queued = sum(max(s.num_prompt_tokens - s.num_computed_tokens, 0) for s in seqs)
         return queued, sum(s.num_tokens for s in self.running)
-
-    def holds(self, seq_id: str) -> bool:
-        """A finished `keep_pages` sequence still holds its pages."""
-        return seq_id in self._held
-
-    def release(self, seq_id: str) -> bool:
-        """Free the pages of a finished `keep_pages` sequence (e.g. after its KV was sent)."""
-        seq = self._held.pop(seq_id, None)
-        if seq is None:
-            return False
-        self.block_manager.free(seq)
-        return True
 
     def abort(self, seq_id: str) -> Sequence | None:
         """Stop a waiting or running sequence and free its pages; None if unknown or done."""
@@ -304,11 +291,7 @@ class Scheduler:
 
     def _retire(self, seq: Sequence, reason: FinishReason) -> None:
         self.differ.forget(seq.seq_id)
-        if seq.keep_pages and reason is not FinishReason.ABORT:
-            self._held[seq.seq_id] = seq
-        else:
-            if self._on_retire is not None and reason is not FinishReason.ABORT:
-                self._on_retire(seq)
+        if self._on_retire is None or not self._on_retire(seq, reason):
             self.block_manager.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

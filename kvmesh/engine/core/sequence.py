@@ -42,7 +42,7 @@ class Sequence:
     num_preemptions: int = 0
     integrity_recomputes: int = 0  # times its KV was recomputed after a page failed its tag
     cache_salt: str = ""
-    keep_pages: bool = False  # on finish, hold the pages until Scheduler.release (prefill workers)
+    keep_pages: bool = False  # on finish its pages stay, HELD until released (core/handover.py)
     finalizing: FinishReason | None = None  # finished; one more step computes the last token's KV
     arrival: int = field(default_factory=lambda: next(_arrival))
 

@@ -20,7 +20,7 @@ from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.parallel.shared_pages import pool_of, receive_region
 from kvmesh.engine.parallel.shm_reduce import ShmAllReduce
 from kvmesh.engine.pool.kv_cache import PagedKVCache
-from kvmesh.engine.runner.runner import ModelRunner
+from kvmesh.engine.runner.runner import ModelRunner, RunnerOptions
 
 
 class FollowerRunner(ModelRunner):
@@ -65,11 +65,12 @@ def _build(
     _, num_pages, nbytes, offset = conn.recv()
     pool = pool_of(receive_region(conn, nbytes), offset, spec, num_pages)
     kv = PagedKVCache(spec, num_pages, TORCH_DTYPES[config.compute_dtype], pool=pool)
-    runner = FollowerRunner(
-        loaded.model, kv, get_backend(config.device.attention_backend, spec.layers[0].kind)
+    return FollowerRunner(
+        loaded.model,
+        kv,
+        get_backend(config.device.attention_backend, spec.layers[0].kind),
+        RunnerOptions(micro_batches=config.parallel.micro_batches),  # split as rank 0 splits
     )
-    runner.micro_batches = config.parallel.micro_batches  # split as rank 0 splits
-    return runner
 
 
 def main(fd: int) -> int:

@@ -33,7 +33,7 @@ from kvmesh.engine.parallel.shared_pages import new_region, pool_of, pool_offset
 from kvmesh.engine.parallel.shm_reduce import ShmAllReduce
 from kvmesh.engine.pool.kv_cache import PagedKVCache
 from kvmesh.engine.pool.kv_pages import KvPages
-from kvmesh.engine.runner.runner import ModelRunner
+from kvmesh.engine.runner.runner import ModelRunner, RunnerOptions
 from kvmesh.errors import EngineFailure
 from kvmesh.processes import die_with_parent, stop_groups
 
@@ -237,8 +237,10 @@ class LeaderRunner(ModelRunner):
     """Rank 0's runner: what it applies is queued for the other ranks, and each forward pass
     is sent to them before its own shard runs (the same passes, in the same order)."""
 
-    def __init__(self, model: Any, kv: Any, attention: Any, ranks: Ranks) -> None:
-        super().__init__(model, kv, attention)
+    def __init__(
+        self, model: Any, kv: Any, attention: Any, options: RunnerOptions, ranks: Ranks
+    ) -> None:
+        super().__init__(model, kv, attention, options)
         self.ranks = ranks
         self._ops: list[tuple[str, Any]] = []
         self._every_row = False  # the pass's LM head: every row (a score) or the sampled ones

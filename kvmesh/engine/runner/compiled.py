@@ -112,15 +112,12 @@ class CompiledDecode:
         return thread
 
 
-def compile_decode(runner, decode_step: str, max_rows: int, max_model_len: int):
-    """With decode_step "compiled": attach a CompiledDecode to `runner` and start compiling its
-    buckets, if the attention backend is one a graph can hold (the CPU kernels' backends)."""
-    if decode_step != "compiled":
-        return None
-    if not getattr(runner.attention, "compilable", False):
+def compiled_decode(
+    model, attention, page_size: int, max_rows: int, max_model_len: int
+) -> CompiledDecode | None:
+    """A CompiledDecode (not started: the runner starts it) if the attention backend is one a
+    graph can hold (the CPU kernels' backends)."""
+    if not attention.compilable:
         log.info("compile.skipped", reason="the attention backend is not the CPU kernels'")
         return None
-    max_pages = -(-max_model_len // runner.page_size)
-    runner.compiled = CompiledDecode(runner.model, max_rows, max_pages)
-    runner.compiled.start(runner.run_padding)
-    return runner.compiled
+    return CompiledDecode(model, max_rows, -(-max_model_len // page_size))

@@ -169,13 +169,10 @@ def unfit_reason(model, attention) -> str | None:
     return None
 
 
-def fuse_decode(runner, decode_step: str) -> FusedDecode | None:
-    """With decode_step "fused": attach a FusedDecode to `runner` if its model fits."""
-    if decode_step != "fused":
-        return None
-    reason = unfit_reason(runner.model, runner.attention)
+def fused_decode(model, kv_layers, attention) -> FusedDecode | None:
+    """A FusedDecode of `model` if it fits (else None, the reason logged)."""
+    reason = unfit_reason(model, attention)
     if reason is not None:
         log.info("fused_decode.skipped", reason=reason)
         return None
-    runner.fused = FusedDecode(runner.model, runner.kv.layers)
-    return runner.fused
+    return FusedDecode(model, kv_layers)

@@ -5,6 +5,8 @@ the step's new requests and diffs; it never sees the scheduler's `Sequence` obje
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,8 +17,8 @@ from kvmesh.engine.core.step import ChunkPlan, StepPlan
 from kvmesh.engine.models import CausalLM
 from kvmesh.engine.pool.block_tables import BlockTables
 from kvmesh.engine.pool.kv_cache import PagedKVCache
-from kvmesh.engine.runner.compiled import CompiledDecode
-from kvmesh.engine.runner.fused_decode import FusedDecode
+from kvmesh.engine.runner.compiled import CompiledDecode, compiled_decode
+from kvmesh.engine.runner.fused_decode import FusedDecode, fused_decode
 from kvmesh.engine.runner.host_tensors import int_tensor
 
 
@@ -34,20 +36,65 @@ class StepResult:
     rows: list[int]
 
 
+@dataclass(frozen=True)
+class RunnerOptions:
+    """How the runner runs its passes, fixed when it is built."""
+
+    decode_step: str = "eager"  # --decode-step: eager | fused | compiled (config/engine.py)
+    max_rows: int = 1  # compiled: the largest decode batch graphed (--max-num-seqs)
+    max_model_len: int = 0  # compiled: the widest block table
+    micro_batches: int = 1  # pipeline stages: a step's rows in this many groups (overlap)
+    capture: tuple[int, ...] = ()  # layers whose outputs each step keeps (EAGLE's features)
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: PagedKVCache, attention: AttentionBackend) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv: PagedKVCache,
+        attention: AttentionBackend,
+        options: RunnerOptions = RunnerOptions(),
+    ) -> None:
         self.model = model
         self.kv = kv
         self.attention = attention
         self.page_size = kv.spec.page_size
         self.tokens: dict[str, list[int]] = {}  # req_id -> its token ids so far
         self.tables = BlockTables(kv.null_page)  # req_id -> its pages and their expected tags
-        self.capture: tuple[int, ...] = ()  # layers whose outputs the last step kept (EAGLE)
+        self.capture = options.capture
         self.features: torch.Tensor | None = None  # [T, len(capture) * H], rows in step order
         self.rows_of: dict[str, tuple[int, int]] = {}  # req_id -> its rows [begin, end) last step
-        self.compiled: CompiledDecode | None = None  # decode-only steps' graphs (compiled.py)
-        self.fused: FusedDecode | None = None  # decode (and verify) steps as one op: fused_decode
-        self.micro_batches = 1  # pipeline stages: a step's rows in this many groups (overlap)
+        self.micro_batches = options.micro_batches
+        # decode (and verify) steps as one op (fused_decode.py), or decode-only steps' graphs
+        # (compiled.py), each where the model fits it
+        self.fused: FusedDecode | None = None
+        self.compiled: CompiledDecode | None = None
+        if options.decode_step == "fused":
+            self.fused = fused_decode(model, kv.layers, attention)
+        elif options.decode_step == "compiled":
+            self.compiled = compiled_decode(
+                model, attention, self.page_size, options.max_rows, options.max_model_len
+            )
+            if self.compiled is not None:
+                self.compiled.start(self.run_padding)
+
+    @contextlib.contextmanager
+    def using(
+        self,
+        fused: bool = True,
+        compiled: bool = True,
+        capture: tuple[int, ...] | None = None,
+    ) -> Iterator[None]:
+        """For a while: without the fused or compiled step it has (a benchmark compares them
+        on one engine), or keeping other layers' outputs (EAGLE training reads a target's)."""
+        kept = self.fused, self.compiled, self.capture
+        self.fused = self.fused if fused else None
+        self.compiled = self.compiled if compiled else None
+        self.capture = self.capture if capture is None else capture
+        try:
+            yield
+        finally:
+            self.fused, self.compiled, self.capture = kept
 
     def apply(self, plan: StepPlan) -> None:
         """Bring the per-request state up to date (finished first: an id may come back new)."""

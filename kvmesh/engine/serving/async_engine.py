@@ -230,7 +230,7 @@ class AsyncEngine:
     ) -> Reservation | None:
         await self._prepare(params)
         return await self.call(
-            self._engine.reserve, request_id, prompt, params, cache_salt, resumed
+            self._engine.handover.reserve, request_id, prompt, params, cache_salt, resumed
         )
 
     async def _prepare(self, params: SamplingParams) -> None:
@@ -254,12 +254,12 @@ class AsyncEngine:
 
         def commit_and_deliver() -> None:
             if stream.aborted:  # before it joined the batch: its pages go back instead
-                self._engine.cancel_reservation(request_id)
+                self._engine.handover.cancel_reservation(request_id)
                 return
             # the first output goes out from the engine thread, like every later one: the loop
             # then gets it before the next step's (a put after the call returned could land
             # behind them when the loop lags)
-            first = self._engine.commit_prefilled(
+            first = self._engine.handover.commit_prefilled(
                 request_id, first_token, logprob, cached_tokens, draft_window
             )
             self._deliver(request_id, first)
@@ -312,10 +312,18 @@ class AsyncEngine:
         return await self.call(abort_and_tell)
 
     async def release(self, request_id: str) -> None:
-        await self.call(self._engine.release, request_id)
+        await self.call(self._engine.handover.release, request_id)
 
     async def cancel_reservation(self, request_id: str) -> None:
-        await self.call(self._engine.cancel_reservation, request_id)
+        await self.call(self._engine.handover.cancel_reservation, request_id)
+
+    async def quarantine(self, request_id: str) -> str:
+        """Hold a reservation's pages while a late write may land (handover.py); the ticket
+        goes to `end_quarantine`."""
+        return await self.call(self._engine.handover.quarantine, request_id)
+
+    async def end_quarantine(self, ticket: str) -> None:
+        await self.call(self._engine.handover.end_quarantine, ticket)
 
     def kv_events(self) -> AsyncIterator[tuple[bool, list[KvEvent]]]:
         """(is_snapshot, events): first the whole prefix cache as one PagesStored, then changes."""
@@ -359,10 +367,10 @@ class AsyncEngine:
 
     # -- reads of mutable state, under the lock --------------------------------------------------
     async def pages_of(self, request_id: str) -> list[int]:
-        return await self.call(self._engine.pages_of, request_id)
+        return await self.call(self._engine.handover.pages_of, request_id)
 
     async def computed_pages_of(self, request_id: str) -> tuple[list[int], list[int]]:
-        return await self.call(self._engine.computed_pages_of, request_id)
+        return await self.call(self._engine.handover.computed_pages_of, request_id)
 
     async def hand_over_draft(self, request_id: str) -> tuple[Any, int] | None:
         """EAGLE: the draft window a prefill hands to decode (None without a speculator)."""

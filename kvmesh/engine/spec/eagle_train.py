@@ -79,13 +79,13 @@ def build_dataset(options: TrainOptions, prompts: list[str]) -> Dataset:
     config = EagleConfig.for_target(
         target.engine.source.name, target.engine.model_config, options.draft_vocab, options.window
     )
-    target.engine.runner.capture = config.capture_layers
     data = Dataset([], [], [])
-    for ids in runs:
-        logits = target.engine.score(ids)
-        data.features.append(target.engine.runner.features.clone())
-        data.tokens.append(torch.tensor(ids))
-        data.choice.append(logits.argmax(dim=-1))
+    with target.engine.runner.using(capture=config.capture_layers):
+        for ids in runs:
+            logits = target.engine.score(ids)
+            data.features.append(target.engine.runner.features.clone())
+            data.tokens.append(torch.tensor(ids))
+            data.choice.append(logits.argmax(dim=-1))
     return data
 
 

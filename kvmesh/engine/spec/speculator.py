@@ -15,6 +15,7 @@ import torch
 
 from kvmesh.engine.core.scheduler import ScheduledChunk
 from kvmesh.engine.core.sequence import Sequence
+from kvmesh.engine.models import CausalLM
 from kvmesh.engine.runner.runner import ModelRunner
 from kvmesh.engine.spec.cost import StepSample
 from kvmesh.engine.spec.policy import (
@@ -55,8 +56,11 @@ class Speculator:
         max_model_len: int,
         policy: DraftPolicy | None = None,
         listener: Callable[[int, int], None] | None = None,
+        capture: tuple[int, ...] = (),
     ) -> None:
-        """`listener`: each verification's (drafted, emitted), for metrics."""
+        """`listener`: each verification's (drafted, emitted), for metrics; `capture`: the
+        target's layers whose outputs the proposer reads (EAGLE's features)."""
+        self.capture = capture
         self.proposer = proposer
         self.num_tokens = num_tokens
         self.max_model_len = max_model_len
@@ -189,29 +193,31 @@ def _round(value: float | None) -> float | None:
 def build_speculator(
     config,
     model_name: str,
-    runner: ModelRunner,
+    model: CausalLM,
     max_model_len: int,
     draft: DraftSource | None = None,
     listener: Callable[[int, int], None] | None = None,
 ) -> Speculator | None:
     """The engine's speculator for `config.spec.speculative` (None: no speculation); EAGLE drafts
-    come from `draft` where one is given, else from a head loaded in process."""
+    come from `draft` where one is given, else from a head loaded in process. Its `capture`:
+    the target's layers whose outputs the runner keeps for the drafts."""
     if config.spec.speculative == "none":
         return None
     if config.spec.speculative == "ngram":
         from kvmesh.engine.spec.ngram import NgramProposer
 
         proposer: Proposer = NgramProposer(config.spec.num_speculative_tokens)
+        capture: tuple[int, ...] = ()
     elif draft is not None:
-        runner.capture = draft.check_target(model_name)
+        capture = tuple(draft.check_target(model_name))
         proposer = draft
     else:
         from kvmesh.engine.spec.eagle import load_head
         from kvmesh.engine.spec.eagle_proposer import EagleProposer
 
         head = load_head(config.spec.draft_model, model_name)
-        runner.capture = head.config.capture_layers
-        proposer = EagleProposer(head, runner.model.token_embeddings)
+        capture = tuple(head.config.capture_layers)
+        proposer = EagleProposer(head, model.token_embeddings)
     k = config.spec.num_speculative_tokens
     policy = FixedPolicy(k) if config.spec.speculative_policy == "fixed" else None
-    return Speculator(proposer, k, max_model_len, policy, listener)
+    return Speculator(proposer, k, max_model_len, policy, listener, capture)
