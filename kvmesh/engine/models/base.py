@@ -117,6 +117,7 @@ class DecoderModel:
         self.weight_names = tuple(self.weights.taken)
         self._report_unread()
         del self.weights
+        self.ends: ModelEnds = LocalEnds(self)
 
     def attention(self, index: int, prefix: str) -> Any:
         raise NotImplementedError
@@ -163,11 +164,13 @@ class DecoderModel:
     def kv_spec(self, page_size: int, kv_dtype: str) -> KVCacheSpec:
         return spec_for_model(self.config, page_size, kv_dtype)
 
+    def join(self, ends: ModelEnds) -> None:
+        """Where its first rows come from and its last go (parallel/: other ranks, stages)."""
+        self.ends = ends
+
     def token_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the token embedding for `ids`, in the compute dtype."""
-        if isinstance(self.embed, Int4Linear):
-            return self.embed.rows(ids)
-        return F.embedding(ids, self.embed)
+        return self.ends.embed(ids)
 
     @property
     def weight_bytes(self) -> int:
@@ -182,7 +185,7 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, input_ids, positions, meta, kv_caches, attention, capture=()):
         cos, sin = self.rope.tables(positions)
-        h = self.token_embeddings(input_ids)
+        h = self.ends.embed(input_ids)
         eps = self.config.rms_norm_eps
         captured: list[torch.Tensor] = []
         for index, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -193,11 +196,41 @@ class DecoderModel:
             h = h + layer.mlp(x)
             if index in capture:
                 captured.append(h)
+        self.ends.hand_on(h)
         return h, torch.cat(captured, dim=-1) if captured else None
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        normed = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        if isinstance(self.lm_head, torch.Tensor):
-            return dense_matmul(normed, self.lm_head)
-        return self.lm_head(normed)
+        return self.ends.logits(hidden)
+
+
+class ModelEnds(Protocol):
+    """A model's two ends: its input rows from token ids, its last rows handed on, the logits
+    from them. Local by default; parallel/ splits them over ranks or links pipeline stages."""
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def hand_on(self, hidden: torch.Tensor) -> None: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class LocalEnds:
+    """The whole embedding table and LM head in this process."""
+
+    def __init__(self, model: DecoderModel) -> None:
+        self.model = model
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.model.embed, Int4Linear):
+            return self.model.embed.rows(ids)
+        return F.embedding(ids, self.model.embed)
+
+    def hand_on(self, hidden: torch.Tensor) -> None:
+        pass
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        normed = rms_norm(hidden, self.model.norm, self.model.config.rms_norm_eps)
+        if isinstance(self.model.lm_head, torch.Tensor):
+            return dense_matmul(normed, self.model.lm_head)
+        return self.model.lm_head(normed)

@@ -91,12 +91,15 @@ class VocabParallel:
 
     def __init__(self, model: Any, vocab: range, reduce: Callable[[torch.Tensor], None]) -> None:
         self.model, self.vocab, self.reduce = model, vocab, reduce
+        self.inner = model.ends  # (a pipeline stage holds the tables of its ends only)
         if any(
             t is not None and not isinstance(t, torch.Tensor) for t in (model.embed, model.lm_head)
         ):
             raise InvalidRequestError("tensor parallelism needs dense embeddings (no INT4 table)")
 
-    def token_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.model.embed is None:
+            return self.inner.embed(ids)
         local = ids - self.vocab.start
         held = (local >= 0) & (local < len(self.vocab))
         rows = F.embedding(local.clamp(0, len(self.vocab) - 1), self.model.embed)
@@ -104,7 +107,12 @@ class VocabParallel:
         self.reduce(total)
         return total.to(rows.dtype)
 
+    def hand_on(self, hidden: torch.Tensor) -> None:
+        self.inner.hand_on(hidden)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.model.norm is None:
+            return self.inner.logits(hidden)
         normed = rms_norm(hidden, self.model.norm, self.model.config.rms_norm_eps)
         part = dense_matmul(normed, self.model.lm_head)
         total = torch.zeros(part.shape[0], self.model.config.vocab_size, dtype=torch.float32)
@@ -117,11 +125,7 @@ def vocab_parallel(
     model: Any, vocab: range, group: dist.ProcessGroupGloo, shm: ShmAllReduce | None
 ) -> None:
     """The model's embedding lookup and LM head, split by token id over the ranks."""
-    split = VocabParallel(model, vocab, functools.partial(_sum, group, shm))
-    if model.embed is not None:  # (a pipeline stage holds the tables of its ends only)
-        model.token_embeddings = split.token_embeddings
-    if model.norm is not None:
-        model.logits = split.logits
+    model.join(VocabParallel(model, vocab, functools.partial(_sum, group, shm)))
 
 
 def _sum(group: dist.ProcessGroupGloo, shm: ShmAllReduce | None, total: torch.Tensor) -> None:

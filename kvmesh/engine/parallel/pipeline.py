@@ -46,36 +46,32 @@ class Pipeline:
         self.next = None if shard.last else base + shard.world
         self.sends_logits = shard.last and shard.rank == 0 and base != 0
         self._sending: list[tuple[Any, torch.Tensor]] = []  # sends in flight, their tensors
+        self.inner = model.ends  # the ends it had (the vocabulary split over its ranks)
 
     def install(self) -> None:
-        """Replace the model's input, output and logits ends by the stage's links."""
-        model, inner_forward, inner_logits = self.model, self.model.forward, self.model.logits
-        if self.previous is not None:
-            model.token_embeddings = self._rows_from_previous
-        if self.next is not None:
+        """The stage's links become the model's ends (around the ends it had)."""
+        self.model.join(self)
 
-            def forward(*args: Any, **kwargs: Any):
-                out = inner_forward(*args, **kwargs)
-                self._send(out[0], self.next, _ROWS)
-                return out
-
-            model.forward = forward
-        if self.shard.last:
-            if self.sends_logits:
-
-                def logits(hidden: torch.Tensor) -> torch.Tensor:
-                    out = inner_logits(hidden)
-                    self._send(out, 0, _LOGITS)
-                    return out
-
-                model.logits = logits
-        elif self.shard.stage == 0 and self.shard.rank == 0:
-            model.logits = self._logits_from_last
-        else:
-            model.logits = _no_logits
-
-    def _rows_from_previous(self, ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.previous is None:
+            return self.inner.embed(ids)
         return self._receive((ids.shape[0], self.hidden), self.previous, _ROWS).to(self.dtype)
+
+    def hand_on(self, hidden: torch.Tensor) -> None:
+        self.inner.hand_on(hidden)
+        if self.next is not None:
+            self._send(hidden, self.next, _ROWS)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last stage's; rank 0 receives them (it samples); other stages have none."""
+        if self.shard.last:
+            out = self.inner.logits(hidden)
+            if self.sends_logits:
+                self._send(out, 0, _LOGITS)
+            return out
+        if self.shard.stage == 0 and self.shard.rank == 0:
+            return self._logits_from_last(hidden)
+        return hidden[:, :0]
 
     def _logits_from_last(self, hidden: torch.Tensor) -> torch.Tensor:
         last = (self.shard.stages - 1) * self.shard.world
@@ -119,8 +115,3 @@ def _waited(work: Any, done: threading.Event, failed: list[BaseException]) -> No
         failed.append(exc)
     finally:
         done.set()
-
-
-def _no_logits(hidden: torch.Tensor) -> torch.Tensor:
-    """A stage that neither computes nor receives logits (only rank 0 samples)."""
-    return hidden[:, :0]

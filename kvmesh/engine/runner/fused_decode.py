@@ -137,12 +137,14 @@ def _fits(linear, dtype: torch.dtype) -> bool:
 
 def unfit_reason(model, attention) -> str | None:
     """Why `model` cannot run fused over `attention`; None when it can."""
-    from kvmesh.engine.models.base import DecoderModel
+    from kvmesh.engine.models.base import DecoderModel, LocalEnds
 
     if cpu_ops() is None:
         return "no CPU kernels"
     if not isinstance(model, DecoderModel) or type(model).forward is not DecoderModel.forward:
         return "not a plain decoder"
+    if type(model.ends) is not LocalEnds:
+        return "ends joined to other ranks or stages"
     if not isinstance(model.embed, torch.Tensor):
         return "INT4 embeddings"
     if model.embed.device.type != "cpu":
