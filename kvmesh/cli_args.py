@@ -69,6 +69,26 @@ def _up_worker_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _up_flags(up: argparse.ArgumentParser) -> None:
+    """`kvmesh up`: what the mesh is made of, the KV store's tiers, then every worker's knobs
+    and each role's own."""
+    from kvmesh.config.flags import add_flags
+    from kvmesh.config.kvstore import Tiers
+    from kvmesh.config.up import MeshConfig, RoleOverrides
+
+    add_flags(up, MeshConfig)
+    add_flags(up, Tiers, skip=("backend", "mooncake_master"), prefix="kvstore")
+    _up_worker_flags(up)
+    for role in ("prefill", "decode"):
+        add_flags(up, RoleOverrides, prefix=role)
+        _cpus_arg(
+            up,
+            f"--{role}-cpus",
+            f"KVMESH_{role.upper()}_CPUS",
+            f"pin every {role} worker to these CPUs, a torch thread per CPU",
+        )
+
+
 def _cpus_arg(p: argparse.ArgumentParser, flag: str, env_name: str, text: str) -> None:
     from kvmesh.mesh.affinity import ExportCpus  # no torch, no structlog: parsing stays fast
 
@@ -104,65 +124,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     _engine_flags(gen)
     _sampling_args(gen)
     up = sub.add_parser("up", help="run the local mesh: etcd, gateway, prefill and decode workers")
-    up.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    up.add_argument("--decode", type=int, default=1, help="decode workers")
-    up.add_argument("--http-port", type=int, default=None)
-    up.add_argument("--grpc-port", type=int, default=None)
-    up.add_argument("--cluster", default="default")
-    up.add_argument(
-        "--demo", action="store_true", help="run the offline engine on a demo chat instead"
-    )
-    up.add_argument(
-        "--kvstore",
-        default="builtin",
-        choices=["builtin", "mooncake", "none"],
-        help="start the KV store service (RAM + disk tiers; mooncake: RAM + Mooncake Store "
-        "via mooncake_master) or run without one",
-    )
-    up.add_argument("--kvstore-ram-mib", type=int, default=256)
-    up.add_argument("--kvstore-disk-mib", type=int, default=1024)
-    up.add_argument(
-        "--tls",
-        action="store_true",
-        help="TLS everywhere with a throwaway CA made for this run: clients reach the "
-        "gateway over https, services use mutual TLS",
-    )
-    _up_worker_flags(up)
-    for role in ("prefill", "decode"):
-        up.add_argument(
-            f"--{role}-weights",
-            default=None,
-            choices=["auto", "fp32", "bf16", "int4"],
-            help=f"weight precision of the {role} workers only (default: --weights)",
-        )
-        up.add_argument(
-            f"--{role}-tp",
-            type=int,
-            default=None,
-            metavar="N",
-            help=f"tensor parallel size of the {role} workers only",
-        )
-        up.add_argument(
-            f"--{role}-pp",
-            type=int,
-            default=None,
-            metavar="N",
-            help=f"pipeline parallel size of the {role} workers only",
-        )
-        _cpus_arg(
-            up,
-            f"--{role}-cpus",
-            f"KVMESH_{role.upper()}_CPUS",
-            f"pin every {role} worker to these CPUs, a torch thread per CPU",
-        )
-    up.add_argument(
-        "--decode-lead-cpu",
-        default="auto",
-        metavar="auto|off|CPU",
-        help="a CPU the decode worker's engine thread keeps to itself, its OpenMP "
-        "team and the gateway on the rest (auto: the last CPU, for one decode worker "
-        "without --prefill-cpus/--decode-cpus on 2+ CPUs)",
-    )
+    _up_flags(up)
     serve = sub.add_parser("serve", help="run one service of the mesh")
     serve_sub = serve.add_subparsers(dest="service", required=True)
     for role in ("prefill", "decode"):

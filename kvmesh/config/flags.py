@@ -38,9 +38,11 @@ def add_flags(
     skip: Iterable[str] = (),
     defaults: dict[str, Any] | None = None,
     notes: dict[str, str] | None = None,
+    prefix: str = "",
 ) -> None:
     """A flag per knob of `cls`'s tree (but `skip`), in one argument group per section;
-    `defaults` and `notes` (added to the help): a command's own (e.g. `up`'s local prefill)."""
+    `defaults` and `notes` (added to the help): a command's own (e.g. `up`'s local prefill);
+    `prefix`: whose knobs they are, in each flag and dest (`up`'s --kvstore-ram-mib)."""
     skip, defaults, notes = set(skip), defaults or {}, notes or {}
     groups: dict[str, Any] = {}
     for path, f, spec in iter_knobs(cls):
@@ -52,7 +54,10 @@ def add_flags(
         default = defaults.get(f.name, f.default)
         argument = _argument(default, spec, f.default)
         argument["help"] += notes.get(f.name, "")
-        group.add_argument(spec.flag_of(f.name), dest=f.name, **argument)
+        flag, dest = spec.flag_of(f.name), f.name
+        if prefix:
+            flag, dest = f"--{prefix}-{flag[2:]}", f"{prefix}_{dest}"
+        group.add_argument(flag, dest=dest, **argument)
         for alias in spec.aliases:
             metavar = alias.flag.rsplit("-", 1)[-1].upper()  # --kv-cache-mib: MIB
             group.add_argument(
@@ -79,11 +84,12 @@ def _argument(default: Any, spec: Knob, declared: Any) -> dict[str, Any]:
     return kwargs
 
 
-def from_namespace(cls: type, args: argparse.Namespace, **given: Any) -> Any:
+def from_namespace(cls: type, args: argparse.Namespace, prefix: str = "", **given: Any) -> Any:
     """`cls`'s tree from the flags `add_flags` defined (a knob without a flag: its default)."""
     values = {}
     for _, f, spec in iter_knobs(cls):
-        value = getattr(args, f.name, None if spec.style == "append" else f.default)
+        dest = f"{prefix}_{f.name}" if prefix else f.name
+        value = getattr(args, dest, None if spec.style == "append" else f.default)
         if spec.style == "append":
             value = f.default if value is None else tuple(value)
         values[f.name] = value

@@ -71,7 +71,8 @@ def check(config: Any) -> None:
         if spec is None:
             continue
         value = getattr(config, f.name)
-        if spec.choices is not None and value not in spec.choices:
+        unset = value is None and f.default is None  # an optional knob not given
+        if spec.choices is not None and not unset and value not in spec.choices:
             raise InvalidRequestError(f"{f.name} must be one of {spec.choices}, got {value!r}")
         low, high = spec.bounds
         if value is not None and (

@@ -14,6 +14,7 @@ from kvmesh.config.gateway import GatewayConfig
 from kvmesh.config.knobs import build, flat
 from kvmesh.config.kvstore import KVStoreConfig, Tiers
 from kvmesh.config.placement import TransferKnobs
+from kvmesh.config.up import MeshConfig, RoleOverrides
 from kvmesh.config.worker import ROLES
 from kvmesh.errors import LaunchError
 from kvmesh.routing import UP_LOCAL_PREFILL_TOKENS
@@ -27,20 +28,20 @@ def _default_workers() -> dict[str, WorkerConfig]:
 class UpOptions:
     # each role's worker config (up_config.py); the etcd and id of each worker filled at start
     workers: Mapping[str, WorkerConfig] = field(default_factory=_default_workers)
-    prefill: int = 1
-    decode: int = 1
-    http_port: int | None = None
-    grpc_port: int | None = None
-    cluster: str = "default"
+    prefill: int = MeshConfig.prefill  # defaults: the knobs' (config/up.py)
+    decode: int = MeshConfig.decode
+    http_port: int | None = MeshConfig.http_port
+    grpc_port: int | None = MeshConfig.grpc_port
+    cluster: str = MeshConfig.cluster
     # CPU list per role, e.g. {"prefill": "0"} (else KVMESH_<ROLE>_CPUS): see mesh/affinity.py
     role_cpus: dict[str, str] = field(default_factory=dict)
     # the gateway's config (up_config.py); its model the workers', where it runs set at start
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
-    kvstore: str = "none"  # "builtin": the KV store service; "mooncake": backed by Mooncake Store
+    kvstore: str = "none"  # (not the flag's: a test's mesh starts none unless it says so)
     store: KVStoreConfig = field(default_factory=KVStoreConfig)  # its tiers (up_config.py)
     ready_timeout: float = 180.0
-    decode_lead_cpu: str = "auto"  # auto | off | a CPU number: see affinity.decode_lead_cpu
-    tls: bool = False  # TLS everywhere, with a throwaway CA made in the run's directory
+    decode_lead_cpu: str = MeshConfig.decode_lead_cpu  # see affinity.decode_lead_cpu
+    tls: bool = MeshConfig.tls  # TLS everywhere, with a throwaway CA made in the run's directory
     precision: str = ""  # the banner's line on the precision `up` chose (up_config.py)
 
     @property
@@ -91,12 +92,13 @@ def up_workers(args: argparse.Namespace) -> dict[str, WorkerConfig]:
     transfer = from_namespace(TransferKnobs, args)
     configs = {}
     for role in ROLES:
-        own = {
-            "weights": getattr(args, f"{role}_weights"),
-            "tensor_parallel_size": getattr(args, f"{role}_tp"),
-            "pipeline_parallel_size": getattr(args, f"{role}_pp"),
+        own = from_namespace(RoleOverrides, args, prefix=role)
+        given = {
+            "weights": own.weights,
+            "tensor_parallel_size": own.tp,
+            "pipeline_parallel_size": own.pp,
         }
-        engine = build(EngineConfig, **(common | {k: v for k, v in own.items() if v}))
+        engine = build(EngineConfig, **(common | {k: v for k, v in given.items() if v}))
         configs[role] = WorkerConfig(role, engine, serving=serving, transfer=transfer)
     return configs
 
@@ -117,19 +119,18 @@ def settle_precision(args: argparse.Namespace) -> str:
 def up_options(args: argparse.Namespace) -> UpOptions:
     """`kvmesh up`'s flags as the launcher's options (`kvmesh config show up` reads them too)."""
     precision = settle_precision(args)
+    mesh = from_namespace(MeshConfig, args)
     return UpOptions(
         workers=up_workers(args),
-        prefill=args.prefill,
-        decode=args.decode,
-        http_port=args.http_port,
-        grpc_port=args.grpc_port,
-        cluster=args.cluster,
+        prefill=mesh.prefill,
+        decode=mesh.decode,
+        http_port=mesh.http_port,
+        grpc_port=mesh.grpc_port,
+        cluster=mesh.cluster,
         gateway=up_gateway(args),
-        kvstore=args.kvstore,
-        decode_lead_cpu=args.decode_lead_cpu,
-        tls=args.tls,
+        kvstore=mesh.kvstore,
+        decode_lead_cpu=mesh.decode_lead_cpu,
+        tls=mesh.tls,
         precision=precision,
-        store=KVStoreConfig(
-            tiers=Tiers(ram_mib=args.kvstore_ram_mib, disk_mib=args.kvstore_disk_mib)
-        ),
+        store=KVStoreConfig(tiers=from_namespace(Tiers, args, prefix="kvstore")),
     )

@@ -273,3 +273,43 @@ def test_with_knobs_changes_knobs_across_sections_and_keeps_the_rest():
     assert changed.engine.scheduler.max_num_seqs == 3 and changed.transfer.protocol == "rdma"
     with pytest.raises(TypeError, match="no knob"):
         with_knobs(worker, max_seqs=3)
+
+
+def _up_knobs():
+    from kvmesh.config.kvstore import Tiers
+    from kvmesh.config.up import MeshConfig, RoleOverrides
+
+    skip = {"backend", "mooncake_master", "demo"}  # up places the first two; demo: no mesh
+    for prefix, cls in (("", MeshConfig), ("kvstore", Tiers), ("prefill", RoleOverrides)):
+        for _, f, spec in iter_knobs(cls):
+            if f.name not in skip:
+                yield prefix, f.name, f.default, spec
+
+
+@pytest.mark.parametrize(
+    ("prefix", "name", "default", "spec"), list(_up_knobs()), ids=lambda v: str(v)[:20]
+)
+def test_every_knob_of_up_itself_reaches_its_options(prefix, name, default, spec):
+    """`up`'s own knobs (config/up.py), the KV store's tiers as --kvstore-*, a role's as
+    --prefill-*: each flag, given a value other than its default, reaches UpOptions."""
+    from kvmesh.mesh.up_config import up_options
+
+    words, value = _sample(name, default, spec)
+    if prefix:
+        words[0] = f"--{prefix}-{words[0][2:]}"
+    if name == "weights":  # a role's precision: a real one (auto is the engine's choice)
+        words, value = [words[0], "fp32"], "fp32"
+    options = up_options(build_parser().parse_args(["up", "--dtype", "fp32", *words]))
+    if prefix == "kvstore":
+        assert getattr(options.store.tiers, name) == value
+    elif prefix == "prefill":  # the prefill workers' knob, not the decode workers'
+        role = {}
+        for worker, engine in ((w, options.workers[w].engine) for w in ("prefill", "decode")):
+            role[worker] = {
+                "weights": engine.load.weights,
+                "tp": engine.parallel.tensor_parallel_size,
+                "pp": engine.parallel.pipeline_parallel_size,
+            }[name]
+        assert role["prefill"] == value != role["decode"]
+    else:
+        assert getattr(options, name) == value
