@@ -242,15 +242,18 @@ def fitted(cost: LinearCost, spec: WorkerSpec, info: WorkerInfo) -> Preset:
     return Preset(cost, spec, info.model, info.kv_dtype, shared_host=True)
 
 
-async def calibrate_on(mesh: Mesh, setup: MeshSetup, source: str) -> Preset:
+async def calibrate_on(mesh: Mesh, setup: MeshSetup, source: str, timed: bool = True) -> Preset:
     """Probe the running mesh, fit, then tune the slowdowns on an agent workload run on it
-    (tune.py): its fitted preset (cost, the decode worker's pool)."""
+    (tune.py): its fitted preset (cost, the decode worker's pool). Not `timed` (its times are
+    not compared): each probe once, no tuning."""
     from kvmesh_apps.sim.tune import TUNE_WORKLOAD, tune
 
     address = f"127.0.0.1:{mesh.grpc_port}"
     info = await model_info(address)
-    probes = await probe(address, info.vocab_size)
+    probes = await probe(address, info.vocab_size, reps=2 if timed else 1)
     spec, worker = await worker_spec(mesh, setup, info.max_model_len)
+    if not timed:
+        return fitted(fit(probes, source), spec, worker)
     workload = replace(TUNE_WORKLOAD, vocab=info.vocab_size)
     measured = await run_sessions(address, workload.build())
     return tune(fitted(fit(probes, source), spec, worker), workload, measured)

@@ -51,13 +51,17 @@ def machine() -> str:
     return f"{names[0] if names else platform.processor()}, {len(names)} CPUs"
 
 
-def run_check(setup: MeshSetup) -> dict:
-    """Timing on 1 prefill + 1 decode (calibrated there), hit ratio also on 1 + 2 (routing)."""
+def run_check(setup: MeshSetup, timed: bool = True) -> dict:
+    """Timing on 1 prefill + 1 decode (calibrated there), hit ratio also on 1 + 2 (routing).
+    Not `timed` (only what does not depend on time is read: a test): a quick calibration and
+    the sessions' users thinking a third as long."""
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with mesh_for(setup) as mesh:
-        preset = asyncio.run(calibrate_on(mesh, setup, f"kvmesh sim check, {started}, {machine()}"))
+        source = f"kvmesh sim check, {started}, {machine()}"
+        preset = asyncio.run(calibrate_on(mesh, setup, source, timed))
         vocab = asyncio.run(model_info(f"127.0.0.1:{mesh.grpc_port}")).vocab_size
-        timing = replace(CHECK_WORKLOAD, vocab=vocab)
+        think = CHECK_WORKLOAD.think_s if timed else CHECK_WORKLOAD.think_s / 3
+        timing = replace(CHECK_WORKLOAD, vocab=vocab, think_s=think)
         mesh_timing = asyncio.run(run_sessions(f"127.0.0.1:{mesh.grpc_port}", timing.build()))
     with mesh_for(setup, decode=2) as mesh:
         routing = replace(ROUTING_WORKLOAD, vocab=vocab)
