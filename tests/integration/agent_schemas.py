@@ -85,8 +85,10 @@ def engine_answers(llm: Any, bodies: list[dict[str, Any]]) -> list[Answer]:
     return answers
 
 
-def mesh_answers(client: Any, bodies: list[dict[str, Any]]) -> list[Answer]:
-    """The mesh's answers through the openai client, four requests in flight at a time."""
+def mesh_answers(client: Any, bodies: list[dict[str, Any]], in_flight: int = 4) -> list[Answer]:
+    """The mesh's answers through the openai client, `in_flight` requests at a time (with
+    drafts, 4: each is 1 + 4 rows a step, 20 in all, under the 32 rows up to which a row's
+    linear kernel does not change with the batch on CPUs without AMX; runner.py)."""
 
     def ask(fields: dict[str, Any]) -> Answer:
         choice = client.chat.completions.create(**fields).choices[0]
@@ -95,7 +97,7 @@ def mesh_answers(client: Any, bodies: list[dict[str, Any]]) -> list[Answer]:
         )
         return Answer(choice.message.content or "", calls, choice.finish_reason)
 
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(in_flight) as pool:
         return list(pool.map(ask, bodies))
 
 
