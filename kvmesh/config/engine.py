@@ -56,8 +56,8 @@ class LoadConfig:
     weights: str = knob(
         "auto",
         "weight precision (auto: --dtype; int4: group-wise INT4, "
-        "activations in --dtype; with --dtype fp32 the CPU kernel is several "
-        "times slower than with bf16)",
+        "activations in --dtype; decode with --dtype fp32 is several times "
+        "slower than with bf16)",
         choices=WEIGHTS,
     )
     int4_group_size: int = knob(
