@@ -58,14 +58,15 @@ def test_gguf_blocks_are_taken_over_exactly(qtype):
     np.testing.assert_allclose(ours.dequantize().numpy(), reference, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("batch", [5, 40])  # within SMALL_BATCH rows and above (3 x batch)
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_int4_linear_matches_the_dequantized_reference(dtype, tolerance):
+def test_int4_linear_matches_the_dequantized_reference(dtype, tolerance, batch):
     q = Int4Weight.cat([Int4Weight.quantize(_weight(seed=s), 32) for s in (1, 2)])  # fused rows
     layer = Int4Linear(q, dtype)
-    x = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x = torch.randn(3, batch, 128, generator=torch.Generator().manual_seed(3)).to(dtype)
     want = x.float() @ q.dequantize().t()
     got = layer(x).float()
-    assert got.shape == (3, 5, 192)
+    assert got.shape == (3, batch, 192)
     assert ((got - want).abs().max() / want.abs().max()).item() < tolerance
     element = torch.tensor([], dtype=dtype).element_size()
     assert layer.nbytes == 192 * 128 // 2 + (128 // 32) * 192 * 2 * element  # nibbles + (s, z)
@@ -89,6 +90,7 @@ def test_rows_read_back_from_the_packed_kernel_layout(dtype):
     assert torch.equal(layer.rows(torch.arange(256)), want)
     ids = torch.tensor([255, 0, 33, 31, 32, 64, 33])
     assert torch.equal(layer.rows(ids), want[ids])
+    assert torch.equal(layer.dense(), want)
 
 
 def test_rows_need_the_known_layout():
@@ -96,6 +98,8 @@ def test_rows_need_the_known_layout():
     assert not layer.can_read_rows  # 48 rows are not whole blocks of this layout
     with pytest.raises(ValueError, match="packed layout"):
         layer.rows(torch.tensor([0]))
+    with pytest.raises(ValueError, match="packed layout"):
+        layer.dense()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -158,7 +158,7 @@ class Int4Linear:
             # torch's CPU kernel runs fp32 activations some 60x slower than bf16 (torch 2.13:
             # 205 ms vs 3 ms for 256 rows of a 576 x 1536 weight); the weight dequantized to
             # fp32 (9 ms) and a dense matmul (3 ms) give the same values to fp32 rounding
-            out = flat @ self.rows(torch.arange(self.out_features)).T
+            out = flat @ self.dense().T
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 flat, self.packed, self.group, self.scales_zeros
@@ -194,11 +194,25 @@ class Int4Linear:
         j < b/2 in the low nibbles and row j + b/2 in the high ones."""
         if not self.can_read_rows:
             raise ValueError("rows() needs the CPU packed layout of a known block size")
+        q = _read_nibbles(self.packed, self.block, ids, self.in_features)
+        return self._dequantize(q, self.scales_zeros[:, ids])
+
+    def dense(self) -> torch.Tensor:
+        """The whole weight W [N, K] dequantized to the activation dtype, each packed block
+        unpacked in place (no gather)."""
+        if not self.can_read_rows:
+            raise ValueError("dense() needs the CPU packed layout of a known block size")
+        blocks = self.packed.view(-1, self.in_features, self.block // 2)
+        q = torch.cat([blocks & 15, blocks >> 4], dim=-1).transpose(1, 2)
+        return self._dequantize(q.reshape(-1, self.in_features), self.scales_zeros)
+
+    def _dequantize(self, q: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+        """Values q [T, K] (0..15) with their scales_zeros [K/g, T, 2] -> weights [T, K]."""
         k, g = self.in_features, self.group
-        q = _read_nibbles(self.packed, self.block, ids, k).float().view(-1, k // g, g)
-        scales_zeros = self.scales_zeros[:, ids].float()  # [K/g, T, 2]
+        scales_zeros = scales_zeros.float()
         scale = scales_zeros[..., 0].T.unsqueeze(-1)
         zero = scales_zeros[..., 1].T.unsqueeze(-1)
+        q = q.float().view(-1, k // g, g)
         return ((q - 8) * scale + zero).view(-1, k).to(self.scales_zeros.dtype)
 
     @property
