@@ -86,9 +86,9 @@ def engine_answers(llm: Any, bodies: list[dict[str, Any]]) -> list[Answer]:
 
 
 def mesh_answers(client: Any, bodies: list[dict[str, Any]], in_flight: int = 4) -> list[Answer]:
-    """The mesh's answers through the openai client, `in_flight` requests at a time (with
-    drafts, 4: each is 1 + 4 rows a step, 20 in all, under the 32 rows up to which a row's
-    linear kernel does not change with the batch on CPUs without AMX; runner.py)."""
+    """The mesh's answers through the openai client, `in_flight` requests at a time: with k
+    drafts each is 1 + k rows a step, to be kept within the 32 rows up to which a row's linear
+    kernel does not change with the batch on CPUs without AMX (runner.py)."""
 
     def ask(fields: dict[str, Any]) -> Answer:
         choice = client.chat.completions.create(**fields).choices[0]

@@ -22,12 +22,15 @@ SETUPS = {
     "eagle-remote": ("--speculative", "eagle", "--draft", "remote"),
 }
 
+# Two drafts a step, always (the adaptive policy may turn drafting off on a slow, loaded machine,
+# and these tests are about answers under drafts; the policy has its own tests): 3 rows a request.
+DRAFTS = ("--speculative-policy", "fixed", "--num-speculative-tokens", "2")
+IN_FLIGHT = 10  # 30 rows a step: agent_schemas.mesh_answers
+
 
 @pytest.fixture(scope="module", params=sorted(SETUPS))
 def mesh(request):
-    # A fixed draft length: the adaptive policy may turn drafting off on a slow, loaded machine,
-    # and these tests are about answers under drafts (the policy has its own tests).
-    args = (*SETUPS[request.param], "--speculative-policy", "fixed", "--kv-cache-memory", "64MiB")
+    args = (*SETUPS[request.param], *DRAFTS, "--kv-cache-memory", "64MiB")
     with running_mesh(
         UpOptions(workers=worker_configs(*args), prefill=1, decode=1, kvstore="none")
     ) as running:
@@ -94,7 +97,7 @@ def test_schema_suite_with_speculation_equals_the_engine(mesh, llm):
     want = agent_schemas.suite_reference(llm)
     before = _drafts(running)
     got = agent_schemas.mesh_answers(
-        client_for(running), [agent_schemas.body(case) for case in cases]
+        client_for(running), [agent_schemas.body(case) for case in cases], IN_FLIGHT
     )
     for case, answer, expected in zip(cases, got, want, strict=True):
         assert answer == expected, (name, case["name"])
