@@ -67,7 +67,10 @@ class AgentMesh:
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory) -> Iterator[AgentMesh]:
     """`kvmesh up` on the tool caller inside the namespace, answering any model id (the clients
-    name their own), fp32 so that its choices do not depend on the CPU's bf16 kernels."""
+    name their own), fp32 so that its choices do not depend on the CPU's bf16 kernels. Every
+    worker computes on all CPUs: the clients send one request at a time, and their first
+    prompts (20-50k tokens) take the prefill worker's attention most of a turn (on one thread,
+    as `kvmesh up` runs it beside a busy decode worker on 2 CPUs, twice as long)."""
     namespace = f"kvm-agents-{uuid.uuid4().hex[:6]}"
     subprocess.run(["ip", "netns", "add", namespace], check=True, capture_output=True)
     run = None
@@ -76,7 +79,8 @@ def mesh(tmp_path_factory) -> Iterator[AgentMesh]:
         subprocess.run(lo, check=True, capture_output=True)
         options = ("--model", str(MODEL), "--any-model", "--dtype", "fp32")
         wrap = ("ip", "netns", "exec", namespace)
-        run = UpRun.start(tmp_path_factory.mktemp("up"), *options, wrap=wrap)
+        threads = {"KVMESH_NUM_THREADS": str(os.cpu_count() or 1)}
+        run = UpRun.start(tmp_path_factory.mktemp("up"), *options, wrap=wrap, env=threads)
         until(lambda: run.said("kvmesh is up") or run.proc.poll() is not None, timeout=300)
         assert run.said("kvmesh is up"), run.output()
         yield AgentMesh(namespace, f"http://127.0.0.1:{run.http_port}")

@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,12 +163,20 @@ class UpRun:
     lines: list[str] = field(default_factory=list)
 
     @classmethod
-    def start(cls, tmp: Path, *args: str, wrap: Sequence[str] = ()) -> UpRun:
-        """`kvmesh up ARGS` (through `wrap`, e.g. `ip netns exec NS`), killed if we die."""
+    def start(
+        cls, tmp: Path, *args: str, wrap: Sequence[str] = (), env: Mapping[str, str] | None = None
+    ) -> UpRun:
+        """`kvmesh up ARGS` (through `wrap`, e.g. `ip netns exec NS`; `env` added to ours),
+        killed if we die."""
         home = tmp / "home"
         home.mkdir(parents=True)
         (home / "models").symlink_to(kvmesh_home() / "models")  # the fetched default model
-        env = {**os.environ, "KVMESH_HOME": str(home), "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        env = {
+            **os.environ,
+            **(env or {}),
+            "KVMESH_HOME": str(home),
+            "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+        }
         http_port, grpc_port = free_port(), free_port()
         cmd = [
             *wrap,
