@@ -58,7 +58,7 @@ def test_gguf_blocks_are_taken_over_exactly(qtype):
     np.testing.assert_allclose(ours.dequantize().numpy(), reference, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("batch", [5, 40])  # within SMALL_BATCH rows and above (3 x batch)
+@pytest.mark.parametrize("batch", [1, 5, 40])  # 3 x batch rows: each path of Int4Linear
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_int4_linear_matches_the_dequantized_reference(dtype, tolerance, batch):
     q = Int4Weight.cat([Int4Weight.quantize(_weight(seed=s), 32) for s in (1, 2)])  # fused rows

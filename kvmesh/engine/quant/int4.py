@@ -27,6 +27,11 @@ import torch
 # docs/benchmarks-history.md, "Delivery on a plain socket, an fp32 GEMV, and each single-stream
 # request against its own ceiling")
 SMALL_BATCH = 16
+# From this many fp32 rows on (and above SMALL_BATCH where that kernel runs), the weight is
+# dequantized to fp32 and multiplied densely: torch's CPU int4 kernel runs fp32 activations some
+# 60x slower than bf16, ~0.8 ms a row of a 576 x 1536 weight (torch 2.13) against ~6 ms for the
+# dequantization and matmul, whatever the rows (same values to fp32 rounding).
+DENSE_FP32_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -154,10 +159,7 @@ class Int4Linear:
             out = self._small_batch.int4_linear(
                 flat, self.packed, self.group, self.scales_zeros, self.block
             )
-        elif flat.dtype == torch.float32 and self.can_read_rows:
-            # torch's CPU kernel runs fp32 activations some 60x slower than bf16 (torch 2.13:
-            # 205 ms vs 3 ms for 256 rows of a 576 x 1536 weight); the weight dequantized to
-            # fp32 (9 ms) and a dense matmul (3 ms) give the same values to fp32 rounding
+        elif flat.dtype == torch.float32 and self.can_read_rows and len(flat) >= DENSE_FP32_ROWS:
             out = flat @ self.dense().T
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
