@@ -94,6 +94,12 @@ def cpu_kernels() -> bool:
     return os.environ.get("KVMESH_KERNELS", "1") not in ("0", "false", "off", "")
 
 
+def kernels_isa() -> str | None:
+    """The instruction set the CPU kernels are built for (`KVMESH_KERNELS_ISA`, "avx512" or
+    "avx2"; unset: the best this CPU runs). avx2 on an AVX-512 CPU runs the AVX2 kernels there."""
+    return os.environ.get("KVMESH_KERNELS_ISA") or None
+
+
 def amx_kernels() -> bool:
     """Use the AMX linear kernel where the CPU has AMX (`KVMESH_AMX`, default on). Off too when
     `ONEDNN_MAX_CPU_ISA` caps oneDNN below AMX, so that one variable takes every AMX path away."""

@@ -7,7 +7,8 @@ finds no build compiles it on first use (torch's lock file keeps concurrent buil
 They are built for one of two instruction sets, whichever the CPU has: AVX-512 (F, BW, VL, DQ;
 AVX512-BF16 dot products and AMX tiles used where present) or AVX2 (AMD Zen 1-3, Intel before
 Skylake-SP), both with FMA and F16C (csrc/vec.h holds the two). Elsewhere, or with
-`KVMESH_KERNELS=0`, nothing is built and the torch reference paths run.
+`KVMESH_KERNELS=0`, nothing is built and the torch reference paths run; with
+`KVMESH_KERNELS_ISA=avx2` an AVX-512 CPU builds and runs the AVX2 kernels.
 """
 
 from __future__ import annotations
@@ -51,9 +52,11 @@ def cpu_flags() -> set[str]:
 
 
 def isa() -> str | None:
-    """The instruction set the kernels are built for on this CPU (None: neither)."""
-    flags = cpu_flags()
-    return next((name for name, (needs, _) in ISAS.items() if set(needs) <= flags), None)
+    """The instruction set the kernels are built for on this CPU (None: neither): the best it
+    runs, or the one KVMESH_KERNELS_ISA names if it runs that."""
+    flags, chosen = cpu_flags(), env.kernels_isa()
+    names = [name for name in ISAS if chosen in (None, name)]
+    return next((name for name in names if set(ISAS[name][0]) <= flags), None)
 
 
 def cflags() -> list[str]:
@@ -66,9 +69,11 @@ def missing_reason() -> str | None:
         return "disabled by KVMESH_KERNELS=0"
     if sys.platform != "linux":
         return f"built for Linux x86-64 only, not {sys.platform}"
+    if (chosen := env.kernels_isa()) is not None and chosen not in ISAS:
+        return f"KVMESH_KERNELS_ISA={chosen} is none of {', '.join(ISAS)}"
     if isa() is None:
-        lacking = [f for f in ISAS["avx2"][0] if f not in cpu_flags()]
-        return f"the CPU lacks {', '.join(lacking)} (and AVX-512)"
+        lacking = ", ".join(f for f in ISAS[chosen or "avx2"][0] if f not in cpu_flags())
+        return f"the CPU lacks {lacking}" + (f" ({chosen})" if chosen else " (and AVX-512)")
     return None
 
 
