@@ -38,6 +38,9 @@ from kvmesh_apps.sim.presets import Preset, WorkerSpec
 
 PREFILL_LENGTHS = (32, 96, 256, 512, 1024)
 DECODE_BATCHES = (1, 4, 8)
+# An untimed calibration (its times are not compared): still enough points for each fit
+QUICK_PREFILL_LENGTHS = (32, 96, 256, 512)
+QUICK_DECODE_BATCHES = (1, 8)
 DECODE_LENGTHS = (64, 512)
 DECODE_TOKENS = 32
 SUFFIX = 8  # a batch's streams share a cached prefix: each has this many tokens of its own
@@ -96,21 +99,25 @@ async def model_info(address: str) -> gateway_pb2.GetModelInfoResponse:
         return await stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=30)
 
 
-async def probe(address: str, vocab: int, reps: int = 2, seed: int = 1) -> Probes:
+async def probe(
+    address: str, vocab: int, reps: int = 2, seed: int = 1, quick: bool = False
+) -> Probes:
     """Prompts of fresh random tokens (nothing cached), one at a time; then streams in batches
     (a shared, cached prefix and SUFFIX tokens of their own: they start together); then streams
-    and prompts side by side."""
+    and prompts side by side. `quick`: fewer lengths and batches (QUICK_*)."""
+    lengths = QUICK_PREFILL_LENGTHS if quick else PREFILL_LENGTHS
+    batches = QUICK_DECODE_BATCHES if quick else DECODE_BATCHES
     rng = random.Random(seed)
     fresh = lambda n: [rng.randrange(100, vocab) for _ in range(n)]  # noqa: E731
     async with MeshClient(address) as client:
         for _ in range(2):  # warm-up
             await client.generate(fresh(64), 4)
         prefill = []
-        for n in PREFILL_LENGTHS * reps:
+        for n in lengths * reps:
             record, _ = await client.generate(fresh(n), 1)
             prefill.append((n, record.ttft_s))
         decode, finish = [], []
-        for batch in DECODE_BATCHES:
+        for batch in batches:
             for length in DECODE_LENGTHS:
                 runs = await asyncio.gather(
                     *await _streams(client, fresh, batch, length, DECODE_TOKENS)
@@ -245,12 +252,12 @@ def fitted(cost: LinearCost, spec: WorkerSpec, info: WorkerInfo) -> Preset:
 async def calibrate_on(mesh: Mesh, setup: MeshSetup, source: str, timed: bool = True) -> Preset:
     """Probe the running mesh, fit, then tune the slowdowns on an agent workload run on it
     (tune.py): its fitted preset (cost, the decode worker's pool). Not `timed` (its times are
-    not compared): each probe once, no tuning."""
+    not compared): fewer probes, each once, no tuning."""
     from kvmesh_apps.sim.tune import TUNE_WORKLOAD, tune
 
     address = f"127.0.0.1:{mesh.grpc_port}"
     info = await model_info(address)
-    probes = await probe(address, info.vocab_size, reps=2 if timed else 1)
+    probes = await probe(address, info.vocab_size, reps=2 if timed else 1, quick=not timed)
     spec, worker = await worker_spec(mesh, setup, info.max_model_len)
     if not timed:
         return fitted(fit(probes, source), spec, worker)
