@@ -73,6 +73,7 @@ def test_weights_and_logits_are_bit_identical(engines) -> None:
 
 def test_the_cached_tokenizer_tokenizes_the_same(engines) -> None:
     a, b = (e.tokenizer for e in engines)
+    assert type(b.hf) is type(a.hf)  # the saved folder loaded as the class AutoTokenizer built
     assert (a.vocab_size, a.eos_token_ids, a.all_special_ids) == (
         b.vocab_size,
         b.eos_token_ids,
