@@ -233,27 +233,36 @@ def _fit(
     if shrinks is None:
         step = (spread / 15).clamp_min(1e-10)
         return ((wg - low) / step).round_().clamp_(0, 15), step.squeeze(-1), low.squeeze(-1)
-    best: tuple[torch.Tensor, ...] | None = None
+    # Per candidate only group sums are kept: with wc = w - mean(w), the least-squares fit of
+    # w ~ scale * q + offset leaves sum(wc^2) - cov^2 / var (cov = sum(q wc), var = sum(q^2) -
+    # g mean(q)^2); q itself is computed again once, for each group's best candidate.
+    g = wg.shape[-1]
+    w_mean = wg.mean(-1, keepdim=True)
+    wc = wg - w_mean
+    total = wc.square().sum(-1, keepdim=True)
+    best_err = best_lo = best_step = None
     for a in shrinks:
         for b in shrinks:
             lo = low + a * spread
             step = ((spread * (1 - a - b)) / 15).clamp_min(1e-10)
-            q = ((wg - lo) / step).round_().clamp_(0, 15)
-            q_mean, w_mean = q.mean(-1, keepdim=True), wg.mean(-1, keepdim=True)
-            var = (q - q_mean).square().sum(-1, keepdim=True)
-            cov = ((q - q_mean) * (wg - w_mean)).sum(-1, keepdim=True)
-            scale = torch.where(var > 0, cov / var.clamp_min(1e-12), step)
-            offset = w_mean - scale * q_mean
-            err = (q * scale + offset - wg).square().sum(-1, keepdim=True)
-            if best is None:
-                best = (err, q, scale, offset)
+            q = wg.sub(lo).div_(step).round_().clamp_(0, 15)
+            q_sum = q.sum(-1, keepdim=True)
+            var = torch.linalg.vecdot(q, q).unsqueeze(-1) - q_sum.square() / g
+            cov = torch.linalg.vecdot(q, wc).unsqueeze(-1)
+            err = torch.where(var > 0, total - cov.square() / var.clamp_min(1e-12), total)
+            if best_err is None:
+                best_err, best_lo, best_step = err, lo, step
                 continue
-            better = err < best[0]
-            best = tuple(
-                torch.where(better, new, old)
-                for new, old in zip((err, q, scale, offset), best, strict=True)
-            )
-    _, q, scale, offset = best  # type: ignore[misc]
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_lo = torch.where(better, lo, best_lo)
+            best_step = torch.where(better, step, best_step)
+    q = wg.sub(best_lo).div_(best_step).round_().clamp_(0, 15)
+    q_mean = q.mean(-1, keepdim=True)
+    var = (q - q_mean).square().sum(-1, keepdim=True)
+    cov = torch.linalg.vecdot(q - q_mean, wc).unsqueeze(-1)
+    scale = torch.where(var > 0, cov / var.clamp_min(1e-12), best_step)
+    offset = w_mean - scale * q_mean
     return q, scale.squeeze(-1), offset.squeeze(-1)
 
 
