@@ -197,7 +197,7 @@ class Mesh:
                 raise LaunchError(f"{dead.exited()} during start-up")
             if gateway_ready(self.url, self.tls) and self._live_counts() == want:
                 return
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise LaunchError(
             f"the mesh was not ready within {self.options.ready_timeout:.0f}s; logs in {self.run_dir}"
         )
