@@ -5,6 +5,7 @@ head on the draft service (with the prefill worker handing its window to decode)
 from __future__ import annotations
 
 import asyncio
+import functools
 import urllib.request
 
 import pytest
@@ -55,11 +56,9 @@ def test_greedy_through_the_mesh_equals_the_engine_without_speculation(mesh, llm
     client = client_for(running)
     _, held = split(chat_prompts() + structured_prompts(), 24)
     prompts = [COPY] + [p for p in held if p in set(structured_prompts())][:2] + held[:1]
-    params = SamplingParams(max_tokens=48, temperature=0.0)
     for i, prompt in enumerate(prompts):
         messages = [{"role": "user", "content": prompt}]
-        llm.engine.block_manager.reset_prefix_cache()
-        want = llm.chat(messages, params)[0].text
+        want = _engine_answer(llm, prompt)
         got = chat_text(
             client,
             bool(i % 2),
@@ -74,6 +73,14 @@ def test_greedy_through_the_mesh_equals_the_engine_without_speculation(mesh, llm
     if name == "eagle-remote":
         workers = asyncio.run(list_workers(running.etcd.endpoint, "default"))
         assert any(w.role == "draft" for w in workers)
+
+
+@functools.cache
+def _engine_answer(llm, prompt: str) -> str:
+    """The engine's greedy answer without speculation, computed once for both meshes."""
+    llm.engine.block_manager.reset_prefix_cache()
+    messages = [{"role": "user", "content": prompt}]
+    return llm.chat(messages, SamplingParams(max_tokens=48, temperature=0.0))[0].text
 
 
 def _drafts(running) -> tuple[float, float]:
