@@ -6,7 +6,7 @@ transformers builds a GGUF's tokenizer by parsing the file's whole vocabulary an
 later starts load that folder. The folder is written under a temporary name and renamed whole:
 one that exists is complete, and when two processes race the first rename wins. A saved folder
 of the plain fast tokenizer class is loaded through that class: AutoTokenizer would pick the same
-one after walking every model's module of transformers (0.7 s of each process's start).
+one after walking every model's module of transformers, in every process's start.
 """
 
 from __future__ import annotations
