@@ -79,7 +79,10 @@ def _up(args: argparse.Namespace) -> int:
     from kvmesh.mesh.up_command import run_up
     from kvmesh.mesh.up_config import up_options
 
-    return run_up(up_options(args))
+    options = up_options(args)
+    for worker in options.workers.values():
+        _check_device(worker.engine.device.device)
+    return run_up(options)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -139,7 +142,16 @@ def _service(args: argparse.Namespace) -> tuple[Callable[[Any], Any], Any]:
     if not config.service.etcd:
         raise ValueError("--etcd is required (or a --config that has it)")
     transfer_config(config)  # the addresses and NICs checked before anything loads
+    _check_device(config.engine.device.device)
     return serve, config
+
+
+def _check_device(device: str) -> None:
+    """`--device cuda` where it cannot run: one line and exit 2, before anything loads."""
+    if device != "cpu":
+        from kvmesh.engine.platform import resolve
+
+        resolve(device)
 
 
 def _log_imports_done() -> None:
@@ -183,7 +195,9 @@ def _generate(args: argparse.Namespace) -> int:
     from kvmesh.config.flags import from_namespace
     from kvmesh.config.knobs import flat
 
-    llm = LLM(**flat(from_namespace(EngineConfig, args)))
+    config = from_namespace(EngineConfig, args)
+    _check_device(config.device.device)
+    llm = LLM(**flat(config))
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:

@@ -17,8 +17,8 @@ INT4_GROUPS = (0, 32, 64, 128)
 SPECULATIVE = ("none", "ngram", "eagle")
 SPEC_POLICIES = ("adaptive", "fixed")  # spec/policy.py
 DECODE_STEPS = ("fused", "eager", "compiled")  # fused_decode.py, compiled.py
-ATTENTION_BACKENDS = ("auto", "torch", "cpu")  # attention/__init__.py
-DEVICES = ("cpu",)
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # attention/__init__.py
+DEVICES = ("cpu", "cuda", "auto")  # engine/platform/
 
 
 def parse_size(text: str) -> int:
@@ -229,10 +229,13 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    device: str = knob("cpu", "where the engine runs", choices=DEVICES)
+    device: str = knob(
+        "cpu", "where the engine runs (auto: CUDA where torch sees a GPU)", choices=DEVICES
+    )
     attention_backend: str = knob(
         "auto",
-        "attention kernels (auto: the paged CPU kernels where they build, else torch)",
+        "attention kernels (auto: on CPU the paged CPU kernels where they build, else torch; "
+        "on CUDA triton; triton also runs on CPU tensors under TRITON_INTERPRET=1, slowly)",
         choices=ATTENTION_BACKENDS,
     )
     decode_step: str = knob(

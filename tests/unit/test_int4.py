@@ -104,8 +104,10 @@ def test_rows_need_the_known_layout():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_int4_linear_matches_the_dequantized_reference():
+    from kvmesh.engine.platform import resolve
+
     q = Int4Weight.quantize(_weight(n=256, k=256, seed=7), 64)
-    layer = Int4Linear(q, torch.bfloat16, device="cuda")
+    layer = resolve("cuda").int4_linear(q, torch.bfloat16)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(8)).to("cuda", torch.bfloat16)
     want = x.float() @ q.dequantize().to("cuda").t()
     got = layer(x).float()

@@ -9,6 +9,7 @@ from kvmesh.engine.attention.base import (
     PrefillSpan,
     Slots,
 )
+from kvmesh.engine.platform import CPU, Platform
 from kvmesh.errors import InvalidRequestError
 
 __all__ = [
@@ -26,20 +27,14 @@ _BACKENDS = {
     ("torch", "mla"): "kvmesh.engine.attention.torch_mla:TorchMlaAttention",
     ("cpu", "gqa"): "kvmesh.engine.attention.paged:PagedAttention",
     ("cpu", "mla"): "kvmesh.engine.attention.paged:PagedMlaAttention",
+    ("triton", "gqa"): "kvmesh.engine.attention.triton_paged:TritonAttention",
+    ("triton", "mla"): "kvmesh.engine.attention.triton_paged:TritonMlaAttention",
 }
 
 
-def resolve(name: str, device: str = "cpu") -> str:
-    """`auto`: the paged CPU kernels where they run (kernels/build.py), else the torch ones."""
-    if name != "auto":
-        return name
-    from kvmesh.engine.kernels import cpu_ops
-
-    return "cpu" if device == "cpu" and cpu_ops() is not None else "torch"
-
-
-def get_backend(name: str, kind: str = "gqa") -> AttentionBackend:
-    name = resolve(name)
+def get_backend(name: str, kind: str = "gqa", platform: Platform = CPU) -> AttentionBackend:
+    """The backend `--attention-backend NAME` means on `platform` for layers of `kind`."""
+    name = platform.attention_backend(name)
     if name == "cpu":
         from kvmesh.engine.kernels import cpu_ops
 

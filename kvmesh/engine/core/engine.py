@@ -29,7 +29,7 @@ from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
 from kvmesh.engine.loader import load_weights
 from kvmesh.engine.parallel.ranks import LeaderRunner, start_ranks
 from kvmesh.engine.parallel.shard import TensorShard
-from kvmesh.engine.parallel.shared_pages import new_pool
+from kvmesh.engine.platform import resolve as resolve_platform
 from kvmesh.engine.pool.integrity import PageTags
 from kvmesh.engine.pool.kv_cache import PagedKVCache
 from kvmesh.engine.pool.kv_pages import KvPages
@@ -41,9 +41,7 @@ from kvmesh.engine.runner.sampler import Sampler
 from kvmesh.engine.serving.kv_event_fanout import KvEventFanOut
 from kvmesh.engine.spec.proposer import DraftSource
 from kvmesh.engine.spec.speculator import build_speculator
-from kvmesh.errors import (
-    CapacityError,
-)
+from kvmesh.errors import CapacityError, InvalidRequestError
 
 __all__ = ["Engine", "Reservation", "TokenOutput"]
 log = structlog.get_logger(__name__)
@@ -70,6 +68,9 @@ class Engine:
         torch.set_num_threads(env.load_threads() or serve_threads)  # see docs/benchmarks.md
         torch.manual_seed(config.load.seed)
         self.config = config
+        self.platform = resolve_platform(config.device.device)  # before a long load
+        if ranks > 1 and self.platform.name != "cpu":
+            raise InvalidRequestError("parallel ranks run on --device cpu only (NCCL: not yet)")
         # load_weights by name: a bench may substitute it (kv.py converts once per run)
         shard = TensorShard.of(config, 0) if ranks > 1 else None
         loaded = load_engine_model(config, load_weights, shard)
@@ -104,9 +105,10 @@ class Engine:
         self.kv_dtype = config.resolved_kv_dtype
         spec = model.kv_spec(config.cache.page_size, self.kv_dtype)
         self.kv_spec = spec
+        platform = self.platform
         if self.ranks is None:
             num_pages = config.cache.num_pages or spec.pages_for_budget(config.cache.kv_cache_bytes)
-            pool = new_pool(spec, num_pages, hugepages=True) if config.cache.kv_hugepages else None
+            pool = platform.new_pool(spec, num_pages, config.cache.kv_hugepages)
             self.kv_cache = PagedKVCache(spec, num_pages, dtype, pool=pool)
             self.kv_pages = KvPages.whole(self.kv_cache)  # what transfers see of the pool
         else:  # every rank's pages in memory rank 0 maps too
@@ -144,13 +146,14 @@ class Engine:
             self.listeners.speculation,
         )
         options = RunnerOptions(
-            config.device.decode_step if ranks == 1 else "eager",  # ranks meet inside a pass
+            # ranks meet inside a pass: they step eager
+            platform.decode_step(config.device.decode_step) if ranks == 1 else "eager",
             config.scheduler.max_num_seqs,
             self.max_model_len,
             config.parallel.micro_batches,
             self.speculator.capture if self.speculator else (),
         )
-        backend = get_backend(config.device.attention_backend, spec.layers[0].kind)
+        backend = get_backend(config.device.attention_backend, spec.layers[0].kind, platform)
         self.runner = (
             LeaderRunner(model, self.kv_cache, backend, options, self.ranks)
             if self.ranks

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from kvmesh.config import Int4Scheme
 from kvmesh.engine.kernels import cpu_ops, has_amx, kernel_isa
+from kvmesh.engine.platform import for_device, kernels_for
 from kvmesh.engine.quant.int4 import Int4Linear, Int4Weight
 from kvmesh.errors import ModelFormatError
 
@@ -61,14 +62,14 @@ GEMV, AMX, TORCH, WEIGHT_LEFT = 0, 1, 2, 5
 
 def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """x @ weight^T (+ bias), through the kernel `dense_kernel` picks for rows on CPU."""
-    if x.dim() == 2 and x.dtype is weight.dtype and x.device.type == "cpu":
+    ops = kernels_for(x) if x.dim() == 2 and x.dtype is weight.dtype else None
+    if ops is not None:
         kernel = dense_kernel(x.shape[0], weight)
         if kernel == GEMV:
-            ops = cpu_ops()
             gemv = ops.linear_f32 if weight.dtype is torch.float32 else ops.linear_bf16
             return gemv(x, weight, bias)
         if kernel == AMX:
-            return cpu_ops().linear_bf16_amx(x, weight, bias)
+            return ops.linear_bf16_amx(x, weight, bias)
         if kernel == WEIGHT_LEFT:
             out = torch.mm(weight, x.t()).t().contiguous()
             return out if bias is None else out + bias  # the order decoder.cpp runs too
@@ -167,7 +168,7 @@ class Int4:
             weight = Int4Weight.cat([self.quantized(p) for p in parts])
         except ValueError as exc:
             raise ModelFormatError(f"cannot store this layer in INT4: {exc}") from None
-        layer = Int4Linear(weight, self.dtype)
+        layer = for_device(weight.q.device).int4_linear(weight, self.dtype)
         return layer if bias is None else BiasedInt4Linear(layer, bias)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.layers.linear import Linear, LinearMethod
 from kvmesh.engine.layers.weights import Weights
+from kvmesh.engine.platform import kernels_for
 
 
 class GatedMLP:
@@ -31,7 +31,7 @@ class GatedMLP:
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a fused gate|up output; one kernels op on CPU, the same bits."""
-    ops = cpu_ops() if gate_up.device.type == "cpu" else None
+    ops = kernels_for(gate_up)
     if ops is not None:
         return ops.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -11,17 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvmesh.engine.kernels import cpu_ops
+from kvmesh.engine.platform import kernels_for
 
 
 def _kernel_for(x: torch.Tensor, weight: torch.Tensor):
-    if (
-        x.dtype in (torch.bfloat16, torch.float32)
-        and weight.dtype == x.dtype
-        and x.device.type == "cpu"
-        and x.is_contiguous()
-    ):
-        return cpu_ops()
+    if x.dtype in (torch.bfloat16, torch.float32) and weight.dtype == x.dtype and x.is_contiguous():
+        return kernels_for(x)
     return None
 
 

@@ -10,7 +10,7 @@ import math
 import torch
 
 from kvmesh.engine.config import ModelConfig, RopeScaling
-from kvmesh.engine.kernels import cpu_ops
+from kvmesh.engine.platform import kernels_for
 
 
 def inv_frequencies(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,7 +107,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x [T, H, D] rotated by cos / sin [T, 1, D] (rotate-half form). On CPU, the C++ kernel
     (kernels/csrc/rope.cpp) gives the same bits as the torch expression in one pass."""
     if _kernel_fits(x, cos, sin):
-        ops = cpu_ops()
+        ops = kernels_for(x)
         if ops is not None:
             return ops.rope(x, cos, sin)
     half = x.shape[-1] // 2
@@ -118,7 +118,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def _kernel_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return (
         x.dim() == 3
-        and x.device.type == "cpu"
         and x.stride(-1) == 1
         and x.dtype in (torch.float32, torch.bfloat16)
         and cos.dtype == x.dtype == sin.dtype

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kvmesh.engine.pool.block_tables import BlockTables
-from kvmesh.engine.runner.host_tensors import int_tensor, uint32_bits
+from kvmesh.engine.runner.host_tensors import uint32_bits
 
 PENDING = 0  # never a valid tag (tags cycle over 1..2**32 - 1)
 
@@ -29,25 +29,22 @@ def as_int32(tags: Iterable[int]) -> torch.Tensor:
 
 
 class PageTags:
-    """The pool's tag array, read and written through a numpy view when it lives in host
-    memory: a gather + compare of a full batch's pages, every step, costs less that way than in
-    torch ops (docs/benchmarks-history.md, "INT4 on AVX2, argmax and host work")."""
+    """The pool's tag array, in host memory on every platform (a GPU pool's tags too: the
+    check then never waits for the device), read and written through a numpy view: a gather +
+    compare of a full batch's pages, every step, costs less that way than in torch ops
+    (docs/benchmarks-history.md, "INT4 on AVX2, argmax and host work")."""
 
     def __init__(self, tags: torch.Tensor) -> None:
         self.tags = tags  # [num_pages] int32, the pool's side array
-        self._host = tags.numpy().view(np.uint32) if tags.device.type == "cpu" else None
+        self._host = tags.numpy().view(np.uint32)
         self.failures = 0
 
     def stamp(self, stamps: Seq[tuple[int, int]], pending: bool = False) -> None:
         """Record allocations (page_id, tag); pending: the page waits for a remote writer."""
         if not stamps:
             return
-        if self._host is not None:
-            pages, tags = zip(*stamps, strict=True)
-            self._host[list(pages)] = PENDING if pending else tags
-            return
-        pages = int_tensor(page for page, _ in stamps)
-        self.tags[pages] = PENDING if pending else as_int32(tag for _, tag in stamps)
+        pages, tags = zip(*stamps, strict=True)
+        self._host[list(pages)] = PENDING if pending else tags
 
     def mismatched(self, tables: BlockTables, req_ids: Seq[str]) -> list[tuple[int, list[int]]]:
         """The requests (index into req_ids) holding a page whose tag differs from the one
@@ -59,12 +56,7 @@ class PageTags:
             return []
         pages = tables.gather(rows, width)
         expected = tables.expected_tags(rows, width)
-        if self._host is not None:
-            bad = self._host[pages] != expected
-        else:
-            device = self.tags.device
-            held = self.tags[torch.from_numpy(pages).to(device)].cpu().numpy().view(np.uint32)
-            bad = held != expected
+        bad = self._host[pages] != expected
         bad &= pages != tables.null_page  # padding, not a page of the request
         if not bad.any():
             return []

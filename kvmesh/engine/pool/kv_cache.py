@@ -26,9 +26,8 @@ import weakref
 import torch
 
 from kvmesh.engine.attention.base import Slots
-from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.kv.layout import KVCacheSpec
-from kvmesh.engine.pool.kv_fp8 import codec_for
+from kvmesh.engine.platform import for_device, kernels_for
 
 __all__ = ["GqaLayerKV", "KVCacheSpec", "MlaLayerKV", "PagedKVCache"]
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8_e4m3": torch.int8}
@@ -48,7 +47,7 @@ class PagedLayer:
         self.key = torch.tensor(next(_KEYS))  # a tensor: one compiled graph serves every layer
         _register(self)
         if exps is not None:
-            self.quantize, self.dequantize = codec_for(data.device)
+            self.quantize, self.dequantize = for_device(data.device).kv_codec()
 
     def write(self, slots: Slots, x: torch.Tensor) -> None:
         index = (slots.page, slice(None), slots.offset)
@@ -75,7 +74,7 @@ class PagedLayer:
 def _register(layer: PagedLayer) -> None:
     """Make the pages reachable by the kernels' write-and-attend op under `layer.key`, for as
     long as the layer lives (kernels/csrc/kv_write.cpp)."""
-    ops = cpu_ops() if layer.data.device.type == "cpu" else None
+    ops = kernels_for(layer.data)
     if ops is not None:
         key = int(layer.key)
         ops.register_layer(key, layer.data, layer.exps)
@@ -150,7 +149,7 @@ class PagedKVCache:
                 f"uint8, got {list(pool.shape)} {pool.dtype}"
             )
         self.pool = pool
-        self.tags = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.tags = torch.zeros(rows, dtype=torch.int32)  # host memory on every platform
         blocks = self.pool.view(rows, spec.num_heads, spec.head_block_bytes)
         self.layers = [self._layer(blocks, i, compute_dtype) for i in range(spec.num_layers)]
 

@@ -8,8 +8,6 @@ number times 2**-8 (subnormals included), and fp16 -> fp32 is a fast hardware co
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from kvmesh.engine.kv.layout import EXP_MAX, EXP_MIN, FP8_MAX
@@ -31,15 +29,3 @@ def dequantize(q: torch.Tensor, e: torch.Tensor, dtype: torch.dtype) -> torch.Te
     half = torch.bitwise_and(q.to(torch.int16) << 7, _CLEAR_BIT_14).view(torch.float16)
     out = half * torch.exp2(e.float() + 8.0).unsqueeze(-1)  # fp16 * fp32 -> fp32, one pass
     return out if dtype == torch.float32 else out.to(dtype)
-
-
-def codec_for(device: torch.device) -> tuple[Callable, Callable]:
-    """(quantize, dequantize) for pages on `device`: the Triton kernels on CUDA when triton is
-    installed (same bytes), else the torch functions above."""
-    if device.type == "cuda":
-        try:
-            from kvmesh.engine.pool import kv_fp8_triton
-        except ImportError:
-            return quantize, dequantize
-        return kv_fp8_triton.quantize, kv_fp8_triton.dequantize
-    return quantize, dequantize

@@ -129,33 +129,30 @@ class Int4Weight:
         )
 
 
-class Int4Linear:
-    """y = x W^T with W in INT4: CPU activations fp32 or bf16, CUDA activations bf16."""
+def scales_zeros_of(weight: Int4Weight, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[K/g, N, 2] (scale, zero) per group and row: torch's INT4 kernels' operand."""
+    scales_zeros = torch.stack([weight.scale, weight.zero], dim=-1)  # [N, K/g, 2]
+    return scales_zeros.transpose(0, 1).contiguous().to(device, dtype)
 
-    def __init__(self, weight: Int4Weight, dtype: torch.dtype, device: str = "cpu") -> None:
+
+class Int4Linear:
+    """y = x W^T with W in INT4 on the CPU, activations fp32 or bf16 (the CUDA platform's is
+    int4_cuda.py)."""
+
+    def __init__(self, weight: Int4Weight, dtype: torch.dtype) -> None:
         self.out_features, self.in_features = weight.shape
         self.group = weight.group
-        self.device = torch.device(device)
-        q = weight.q.to(self.device)
-        if self.device.type == "cuda":  # two values per byte, even k in the high nibble
-            pairs = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()
-            tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
-        else:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        scales_zeros = torch.stack([weight.scale, weight.zero], dim=-1)  # [N, K/g, 2]
-        self.scales_zeros = scales_zeros.transpose(0, 1).contiguous().to(self.device, dtype)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            weight.q.to(torch.int32), 1
+        )
+        self.scales_zeros = scales_zeros_of(weight, dtype, weight.q.device)
         # Rows per block of the packed layout `rows` reads (0: it cannot read this one).
-        self.block = _cpu_row_block(self.out_features) if self.device.type == "cpu" else 0
+        self.block = _cpu_row_block(self.out_features)
         self._small_batch = self._small_batch_ops()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.device.type == "cuda":
-            out = torch.ops.aten._weight_int4pack_mm(
-                flat, self.packed, self.group, self.scales_zeros
-            )
-        elif self.runs_small_batch(flat.shape[0]):
+        if self.runs_small_batch(flat.shape[0]):
             out = self._small_batch.int4_linear(
                 flat, self.packed, self.group, self.scales_zeros, self.block
             )
@@ -171,7 +168,7 @@ class Int4Linear:
         """The CPU kernel for a few rows (kernels/csrc/int4_gemv.cpp), which reads this same
         packed weight in its 32- or 64-row blocks; None: torch's kernel for every batch. Set
         once at construction: a compiled graph reads it as a plain attribute."""
-        if self.block not in (32, 64) or self.group % 16 or self.device.type != "cpu":
+        if self.block not in (32, 64) or self.group % 16:
             return None
         from kvmesh.engine.kernels import cpu_ops
 

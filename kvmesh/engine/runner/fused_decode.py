@@ -29,6 +29,7 @@ from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.layers.gqa import GqaAttention
 from kvmesh.engine.layers.linear import BiasedInt4Linear, DenseLinear, dense_kernel
 from kvmesh.engine.layers.mlp import GatedMLP
+from kvmesh.engine.platform import kernels_for
 from kvmesh.engine.quant.int4 import SMALL_BATCH, Int4Linear
 from kvmesh.engine.runner import weight_arena
 
@@ -132,7 +133,7 @@ def _fits(linear, dtype: torch.dtype) -> bool:
     if isinstance(linear, DenseLinear):
         return linear.weight.dtype == dtype
     int4 = _int4(linear)
-    return isinstance(int4, Int4Linear) and int4.device.type == "cpu"
+    return isinstance(int4, Int4Linear)
 
 
 def unfit_reason(model, attention) -> str | None:
@@ -147,8 +148,8 @@ def unfit_reason(model, attention) -> str | None:
         return "ends joined to other ranks or stages"
     if not isinstance(model.embed, torch.Tensor):
         return "INT4 embeddings"
-    if model.embed.device.type != "cpu":
-        return "weights not on the CPU"
+    if kernels_for(model.embed) is None:
+        return "weights where the CPU kernels do not run"
     if model.dtype not in (torch.float32, torch.bfloat16):
         return "a compute dtype without kernels"
     kinds = None  # every layer's linears must take the first layer's kernels at any row count

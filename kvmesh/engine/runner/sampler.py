@@ -14,7 +14,7 @@ import torch
 from kvmesh.engine.core.outputs import TokenLogprob
 from kvmesh.engine.core.sampling_params import SamplingParams
 from kvmesh.engine.core.sequence import Sequence
-from kvmesh.engine.kernels import cpu_ops
+from kvmesh.engine.platform import kernels_for
 
 _NEG_INF = float("-inf")
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -181,8 +181,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 def _kernel_argmax(logits: torch.Tensor) -> torch.Tensor | None:
     """The kernel's row argmax (-1 for a row holding NaN), or None where it does not apply."""
-    if logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype in _KERNEL_DTYPES:
-        ops = cpu_ops()
+    if logits.dim() == 2 and logits.dtype in _KERNEL_DTYPES:
+        ops = kernels_for(logits)
         if ops is not None and logits.stride(-1) == 1:
             return ops.argmax_rows(logits)
     return None

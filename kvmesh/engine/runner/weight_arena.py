@@ -21,6 +21,7 @@ import structlog
 import torch
 
 from kvmesh.engine.layers.linear import BiasedInt4Linear, DenseLinear
+from kvmesh.engine.platform import kernels_for
 from kvmesh.engine.quant.int4 import Int4Linear
 
 log = structlog.get_logger(__name__)
@@ -45,7 +46,7 @@ def pack(linears: list) -> torch.Tensor | None:
     then a view of it; returns the allocation (None: nothing to pack)."""
     slots = [(o, a) for linear in linears for o, a in _slots(linear)]
     kept = [getattr(o, a) for o, a in slots]
-    if not kept or any(t.device.type != "cpu" or not t.is_contiguous() for t in kept):
+    if not kept or any(kernels_for(t) is None or not t.is_contiguous() for t in kept):
         return None
     shapes = [(t.dtype, t.shape, t.nbytes) for t in kept]
     del kept  # each old copy goes as soon as its view holds its values (peak: one weight more)

@@ -1,0 +1,47 @@
+"""What a platform is: the device-specific part of the engine and nothing else.
+
+Model code, the scheduler, the block manager, the page format and the mesh do not know which
+platform runs them. A platform owns where the KV pool lives and how it is made, the FP8 page
+codec, which attention backend `auto` means, which decode-step strategies can run, and the
+kernel ops for tensors on its device (`kernels`: an op table with the CPU kernels' names, or
+None where layers use their torch path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from kvmesh.engine.kv.layout import KVCacheSpec
+
+
+class Platform(Protocol):
+    name: str  # "cpu" | "cuda": what `--device` names
+    device: torch.device  # where weights, activations and the KV pool live
+
+    def kernels(self) -> Any | None:
+        """The op table for tensors on this device (kernels/__init__.py's names), or None."""
+        ...
+
+    def attention_backend(self, name: str) -> str:
+        """The backend `--attention-backend NAME` means here (`auto` resolved)."""
+        ...
+
+    def decode_step(self, name: str) -> str:
+        """The decode-step strategy `--decode-step NAME` runs as here."""
+        ...
+
+    def new_pool(self, spec: KVCacheSpec, num_pages: int, hugepages: bool) -> torch.Tensor:
+        """A zeroed pool of `num_pages` pages plus the null and scratch pages, [rows, bytes]."""
+        ...
+
+    def kv_codec(self) -> tuple[Callable, Callable]:
+        """(quantize, dequantize) of FP8 pages on this device (pool/kv_fp8.py's format)."""
+        ...
+
+    def int4_linear(self, weight: Any, dtype: torch.dtype) -> Any:
+        """A linear over group-wise INT4 `weight` (quant/int4.py's Int4Weight), `dtype`
+        activations, with this device's kernel."""
+        ...

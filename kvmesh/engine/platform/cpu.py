@@ -1,0 +1,46 @@
+"""The CPU platform: what the engine has always run on. Pools in host memory (a memfd block on
+2 MiB hugepages when asked; parallel/shared_pages.py), kvmesh's C++ kernels where they build
+(kernels/), the paged CPU attention, the fused and inductor-compiled decode steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvmesh.engine.kernels import cpu_ops
+from kvmesh.engine.kv.layout import KVCacheSpec
+
+
+class CpuPlatform:
+    name = "cpu"
+    device = torch.device("cpu")
+
+    def kernels(self) -> Any | None:
+        return cpu_ops()
+
+    def attention_backend(self, name: str) -> str:
+        if name != "auto":
+            return name
+        return "cpu" if cpu_ops() is not None else "torch"
+
+    def decode_step(self, name: str) -> str:
+        return name
+
+    def new_pool(self, spec: KVCacheSpec, num_pages: int, hugepages: bool) -> torch.Tensor:
+        if hugepages:
+            from kvmesh.engine.parallel.shared_pages import new_pool
+
+            return new_pool(spec, num_pages, hugepages=True)
+        return torch.zeros(num_pages + 2, spec.page_bytes, dtype=torch.uint8)
+
+    def kv_codec(self) -> tuple[Callable, Callable]:
+        from kvmesh.engine.pool import kv_fp8
+
+        return kv_fp8.quantize, kv_fp8.dequantize
+
+    def int4_linear(self, weight: Any, dtype: torch.dtype) -> Any:
+        from kvmesh.engine.quant.int4 import Int4Linear
+
+        return Int4Linear(weight, dtype)

@@ -1,0 +1,68 @@
+"""The CUDA platform: the KV pool one allocation on the GPU (a transfer engine's registration
+spans a whole cudaMalloc block), the Triton paged attention that reads kvmesh's pages in place,
+the Triton FP8 codec, and torch's CUDA ops under the layers' torch paths (no C++ CPU kernels).
+Decode steps run eager. Checked on a GPU only by scripts/device_check.py; its Triton kernels
+run on CPU tensors under TRITON_INTERPRET=1 in the test suite."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvmesh.engine.kv.layout import KVCacheSpec
+from kvmesh.errors import InvalidRequestError
+
+
+def unavailable_reason() -> str | None:
+    """Why `--device cuda` cannot run in this process; None when it can."""
+    if not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU build")
+        return f"torch sees no CUDA device here ({build})"
+    try:
+        import triton  # noqa: F401  (the attention and codec kernels)
+    except ImportError:
+        return "the CUDA path needs triton (pip install 'kvmesh[cuda]')"
+    return None
+
+
+class CudaPlatform:
+    name = "cuda"
+
+    def __init__(self, index: int = 0) -> None:
+        self.device = torch.device("cuda", index)
+
+    def kernels(self) -> Any | None:
+        return None
+
+    def attention_backend(self, name: str) -> str:
+        if name == "cpu":
+            raise InvalidRequestError("--attention-backend cpu runs on --device cpu only")
+        return "triton" if name == "auto" else name
+
+    def decode_step(self, name: str) -> str:
+        if name == "compiled":
+            raise InvalidRequestError("--decode-step compiled runs on --device cpu only")
+        return "eager"  # fused is the CPU kernels' step
+
+    def new_pool(self, spec: KVCacheSpec, num_pages: int, hugepages: bool) -> torch.Tensor:
+        if hugepages:
+            raise InvalidRequestError("--kv-hugepages is for host memory (--device cpu)")
+        return torch.zeros(num_pages + 2, spec.page_bytes, dtype=torch.uint8, device=self.device)
+
+    def kv_codec(self) -> tuple[Callable, Callable]:
+        from kvmesh.engine.pool import kv_fp8_triton
+
+        return kv_fp8_triton.quantize, kv_fp8_triton.dequantize
+
+    def int4_linear(self, weight: Any, dtype: torch.dtype) -> Any:
+        from kvmesh.engine.quant.int4_cuda import CudaInt4Linear
+
+        return CudaInt4Linear(weight, dtype, self.device)
+
+
+def check() -> None:
+    reason = unavailable_reason()
+    if reason is not None:
+        raise InvalidRequestError(f"--device cuda: {reason}; use --device cpu or auto")
