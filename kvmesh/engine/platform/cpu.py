@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 
 from kvmesh.engine.kernels import cpu_ops
 from kvmesh.engine.kv.layout import KVCacheSpec
+from kvmesh.errors import InvalidRequestError
 
 
 class CpuPlatform:
@@ -21,6 +23,11 @@ class CpuPlatform:
         return cpu_ops()
 
     def attention_backend(self, name: str) -> str:
+        if name == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise InvalidRequestError(
+                "--attention-backend triton runs on --device cuda, or on the CPU only under "
+                "TRITON_INTERPRET=1 (slowly: for checks)"
+            )
         if name != "auto":
             return name
         return "cpu" if cpu_ops() is not None else "torch"
