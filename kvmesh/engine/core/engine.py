@@ -71,6 +71,7 @@ class Engine:
         self.platform = resolve_platform(config.device.device)  # before a long load
         if ranks > 1 and self.platform.name != "cpu":
             raise InvalidRequestError("parallel ranks run on --device cpu only (NCCL: not yet)")
+        self.platform.attention_backend(config.device.attention_backend)  # can it run here
         # load_weights by name: a bench may substitute it (kv.py converts once per run)
         shard = TensorShard.of(config, 0) if ranks > 1 else None
         loaded = load_engine_model(config, load_weights, shard)

@@ -61,13 +61,6 @@ class AttentionPlan:
 
 
 @triton.jit
-def _dot(a, b, DOT_BF16: tl.constexpr):
-    if DOT_BF16:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
 def _paged_attention(
     q_ptr,
     stride_qt,
@@ -121,15 +114,12 @@ def _paged_attention(
     head = kv_head * GROUP + m % GROUP
     rows = (q_begin + qi).to(tl.int64)
     q_rows = q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh
-    da = tl.arange(0, BLOCK_DA)
-    qa = tl.load(q_rows + da[None, :], mask=row_ok[:, None] & (da[None, :] < DA), other=0.0)
-    qa = qa.to(tl.float32)
-    db = tl.arange(0, BLOCK_DB)
-    if DB > 0:
-        qb = tl.load(
-            q_rows + DA + db[None, :], mask=row_ok[:, None] & (db[None, :] < DB), other=0.0
-        )
-        qb = qb.to(tl.float32)
+    da = tl.arange(0, BLOCK_DA)[None, :]
+    db = tl.arange(0, BLOCK_DB)[None, :]
+    qa = tl.load(q_rows + da, mask=row_ok[:, None] & (da < DA), other=0.0).to(tl.float32)
+    qb = tl.load(q_rows + DA + db, mask=row_ok[:, None] & (db < DB), other=0.0).to(tl.float32)
+    if DOT_BF16:
+        qa, qb = qa.to(tl.bfloat16), qb.to(tl.bfloat16)
     # the last key any row of the block sees, +1
     limit = tl.minimum(seq_len, context + q0 + BLOCK_Q)
     pages = tl.cdiv(limit, PAGE)
@@ -140,50 +130,49 @@ def _paged_attention(
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DA], tl.float32)
     slot = tl.arange(0, PAGE)
+    causal = (context + qi)[:, None]
     for p in range(first, last):
         page = tl.load(tables_ptr + chunk * stride_table + p).to(tl.int64)
         base = kv_ptr + page * s_page + kv_head * s_head + slot[:, None] * s_slot
         key = p * PAGE + slot
-        key_ok = key < limit
-        ka = tl.load(base + da[None, :], mask=key_ok[:, None] & (da[None, :] < DA), other=0.0)
-        scores = _dot(qa, tl.trans(ka.to(tl.float32)), DOT_BF16)
+        key_ok = (key < limit)[:, None]
+        ka = tl.load(base + da, mask=key_ok & (da < DA), other=0.0)
+        vals = tl.load(base + V_PART * s_part + da, mask=key_ok & (da < DA), other=0.0)
         if DB > 0:
-            kb = tl.load(
-                base + DA + db[None, :], mask=key_ok[:, None] & (db[None, :] < DB), other=0.0
-            )
-            scores += _dot(qb, tl.trans(kb.to(tl.float32)), DOT_BF16)
-        vals = tl.load(
-            base + V_PART * s_part + da[None, :],
-            mask=key_ok[:, None] & (da[None, :] < DA),
-            other=0.0,
-        )
-        vals = vals.to(tl.float32)
+            kb = tl.load(base + DA + db, mask=key_ok & (db < DB), other=0.0)
+        if DOT_BF16:
+            scores = tl.dot(qa, tl.trans(ka.to(tl.bfloat16)))
+            if DB > 0:
+                scores += tl.dot(qb, tl.trans(kb.to(tl.bfloat16)))
+        else:
+            scores = tl.dot(qa, tl.trans(ka.to(tl.float32)), input_precision="ieee")
+            if DB > 0:
+                scores += tl.dot(qb, tl.trans(kb.to(tl.float32)), input_precision="ieee")
         if FP8:
             e_base = e_ptr + page * e_page + kv_head * e_head + slot * e_slot
-            e_k = tl.load(e_base, mask=key_ok, other=0).to(tl.float32)
-            e_v = tl.load(e_base + V_PART * e_part, mask=key_ok, other=0).to(tl.float32)
-            scores = scores * tl.exp2(e_k)[None, :]
-        seen = key_ok[None, :] & (key[None, :] <= (context + qi)[:, None])
+            scores = scores * tl.exp2(tl.load(e_base).to(tl.float32))[None, :]
+        seen = (key < limit)[None, :] & (key[None, :] <= causal)
         scores = tl.where(seen, scores * scale_log2, float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))
         probs = tl.exp2(scores - new_best[:, None])
         alpha = tl.exp2(best - new_best)
         total = total * alpha + tl.sum(probs, axis=1)
         if FP8:
-            probs = probs * tl.exp2(e_v)[None, :]
-        acc = acc * alpha[:, None] + _dot(probs, vals, DOT_BF16)
+            probs = probs * tl.exp2(tl.load(e_base + V_PART * e_part).to(tl.float32))[None, :]
+        if DOT_BF16:
+            acc = acc * alpha[:, None] + tl.dot(probs.to(tl.bfloat16), vals.to(tl.bfloat16))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(probs, vals.to(tl.float32), input_precision="ieee")
         best = new_best
 
-    cols = da[None, :] < DA
+    keep = row_ok[:, None] & (da < DA)
     if SPLITS == 1:
         out = acc / total[:, None]
         o_rows = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh
-        tl.store(
-            o_rows + da[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & cols
-        )
+        tl.store(o_rows + da, out.to(out_ptr.dtype.element_ty), mask=keep)
     else:
         at = (rows * (GROUP * tl.num_programs(1)) + head) * SPLITS + split
-        tl.store(part_ptr + at[:, None] * DA + da[None, :], acc, mask=row_ok[:, None] & cols)
+        tl.store(part_ptr + at[:, None] * DA + da, acc, mask=keep)
         tl.store(lse_ptr + at * 2, best, mask=row_ok)
         tl.store(lse_ptr + at * 2 + 1, total, mask=row_ok)
 
