@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import kvmesh.engine.core.engine as engine_module
 import kvmesh.engine.core.engine_setup as engine_setup
+import kvmesh.engine.parallel.shared_pages as shared_pages
 from kvmesh import LLM, SamplingParams
 from kvmesh.engine.kv.layout import KVCacheSpec
 from kvmesh.engine.parallel.shared_pages import (
@@ -74,7 +74,7 @@ def test_an_engine_asked_for_hugepages_builds_its_pool_there_and_answers_alike(m
         asked.append(hugepages)
         return new_pool(spec, num_pages, hugepages=False)
 
-    monkeypatch.setattr(engine_module, "new_pool", pool_on_any_pages)
+    monkeypatch.setattr(shared_pages, "new_pool", pool_on_any_pages)  # the CPU platform's
     monkeypatch.setattr(engine_setup, "require_hugepages", lambda: None)  # any machine
     params = SamplingParams(max_tokens=12, temperature=0.0)
     with LLM(dtype="fp32", num_pages=48, kv_hugepages=True) as llm:
