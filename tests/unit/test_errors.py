@@ -18,7 +18,12 @@ from kvmesh.errors import (
 from kvmesh.mesh.error_mapping import error_from_code, error_from_grpc, grpc_status, http_status
 
 # generated / needs triton / the ops' shapes, imported by kernels/__init__ once the library loads
-SKIP = ("kvmesh.proto", "kvmesh.engine.pool.kv_fp8_triton", "kvmesh.engine.kernels.fake")
+SKIP = (
+    "kvmesh.proto",
+    "kvmesh.engine.kernels.gpu",
+    "kvmesh.engine.attention.triton_paged",
+    "kvmesh.engine.kernels.fake",
+)
 
 
 def _all_subclasses(cls: type) -> list[type]:

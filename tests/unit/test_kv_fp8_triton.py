@@ -18,7 +18,7 @@ CHECK = textwrap.dedent(
     """
     import torch
     from kvmesh.engine.pool import kv_fp8
-    from kvmesh.engine.pool import kv_fp8_triton as kt
+    from kvmesh.engine.kernels.gpu import kv_fp8 as kt
     device = "{device}"
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64, 3, 64, generator=gen) * torch.logspace(-9, 7, 64).view(-1, 1, 1)

@@ -72,8 +72,8 @@ CHECK = textwrap.dedent(
             extra = extra.item()
         return backend.forward(*args, kv.layers[0], backend.build_metadata(lay), extra)
 
-    CASES = [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp8_e4m3", torch.float32),
-             ("fp8_e4m3", torch.bfloat16)]
+    CASES = [("fp32", torch.float32), ("bf16", torch.bfloat16), ("bf16", torch.float32),
+             ("fp8_e4m3", torch.float32), ("fp8_e4m3", torch.bfloat16)]
     for kind in ("gqa", "mla"):
         for kv_dtype, dtype in CASES:
             ref, lay = filled(kind, kv_dtype, torch.float32)  # the reference's maths in fp32

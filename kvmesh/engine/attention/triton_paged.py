@@ -1,6 +1,7 @@
-"""The Triton backends (`--attention-backend triton`; the CUDA platform's default): every row
-of a step, decode rows and prefill chunks alike, attended over its pages in place by one kernel
-(kernels/gpu/attention.py) -- one launch for the decode rows (split over their pages when
+"""The Triton backends (`--attention-backend triton`; the CUDA platform's default): the new
+tokens' KV written by one kernel (kernels/gpu/kv_write.py, FP8 quantized inside), then every
+row of a step, decode rows and prefill chunks alike, attended over its pages in place by one
+kernel (kernels/gpu/attention.py) -- one launch for the decode rows (split over their pages when
 they are few) and one for the chunks. MLA runs absorbed for every row: the query through W_UK,
 one latent head over the cached entries, the output through W_UV.
 
@@ -9,13 +10,14 @@ On CPU tensors the kernels run under TRITON_INTERPRET=1 (slowly: tests and check
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from kvmesh.engine.attention.base import BatchLayout, Slots
 from kvmesh.engine.kernels.gpu.attention import AttentionPlan, paged_attention
+from kvmesh.engine.kernels.gpu.kv_write import write_kv
 from kvmesh.engine.layers.mla import MlaWeights
 from kvmesh.engine.pool.kv_cache import GqaLayerKV, MlaLayerKV
 
@@ -26,8 +28,21 @@ SPLIT_BELOW_ROWS = 32  # decode steps of fewer rows split their rows' pages
 
 @dataclass(frozen=True)
 class TritonMetadata:
+    """Built on the host; `on(device)` copies it to the pages' device once per step."""
+
     slot_mapping: Slots  # [T]: where each new token's KV is written
     plans: tuple[AttentionPlan, ...]  # the decode rows' launch, then the chunks'
+    moved: dict = field(default_factory=dict, compare=False)
+
+    def on(self, device: torch.device) -> TritonMetadata:
+        if device.type == "cpu":
+            return self
+        if device not in self.moved:
+            slots = Slots(
+                *(t.to(device, non_blocking=True) for t in vars(self.slot_mapping).values())
+            )
+            self.moved[device] = TritonMetadata(slots, tuple(p.to(device) for p in self.plans))
+        return self.moved[device]
 
 
 def build_triton_metadata(layout: BatchLayout) -> TritonMetadata:
@@ -93,9 +108,11 @@ class TritonAttention:
         return build_triton_metadata(layout)
 
     def forward(self, q, k, v, cache: GqaLayerKV, meta: TritonMetadata, scale: float):
-        cache.write(meta.slot_mapping, k, v)
-        out = torch.empty_like(q)
         layer = cache.layer
+        meta = meta.on(layer.data.device)
+        slots = meta.slot_mapping
+        write_kv(torch.stack((k, v), dim=-2), slots.page, slots.offset, layer.data, layer.exps)
+        out = torch.empty_like(q)
         for plan in meta.plans:
             paged_attention(q, layer.data, layer.exps, plan, 1, (q.shape[-1], 0), scale, out)
         return out
@@ -111,12 +128,14 @@ class TritonMlaAttention:
     def forward(
         self, q_nope, q_pe, entry, cache: MlaLayerKV, meta: TritonMetadata, w: MlaWeights
     ) -> torch.Tensor:
-        cache.write(meta.slot_mapping, entry)
+        layer = cache.layer
+        meta = meta.on(layer.data.device)
+        slots = meta.slot_mapping
+        write_kv(entry[:, None, None, :], slots.page, slots.offset, layer.data, layer.exps)
         rank, rope = w.kv_b.shape[1], q_pe.shape[-1]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)
         query = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, rank + rope]
         latent = query.new_empty(*query.shape[:2], rank)
-        layer = cache.layer
         for plan in meta.plans:
             paged_attention(query, layer.data, layer.exps, plan, 0, (rank, rope), w.scale, latent)
         return torch.bmm(latent.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)

@@ -52,9 +52,9 @@ class CudaPlatform:
         return torch.zeros(num_pages + 2, spec.page_bytes, dtype=torch.uint8, device=self.device)
 
     def kv_codec(self) -> tuple[Callable, Callable]:
-        from kvmesh.engine.pool import kv_fp8_triton
+        from kvmesh.engine.kernels.gpu import kv_fp8
 
-        return kv_fp8_triton.quantize, kv_fp8_triton.dequantize
+        return kv_fp8.quantize, kv_fp8.dequantize
 
     def int4_linear(self, weight: Any, dtype: torch.dtype) -> Any:
         from kvmesh.engine.quant.int4_cuda import CudaInt4Linear

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvmesh.engine.kernels.gpu.kv_fp8 import stored_as
+
 LOG2E = 1.4426950408889634
 NEG = -1.0e38  # a running max that is not -inf: a split or tile without keys adds exactly 0
 # the interpreter multiplies bf16 operands as raw words: fp32 dots there (module docstring)
@@ -169,7 +171,7 @@ def _paged_attention(
     if SPLITS == 1:
         out = acc / total[:, None]
         o_rows = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh
-        tl.store(o_rows + da, out.to(out_ptr.dtype.element_ty), mask=keep)
+        tl.store(o_rows + da, stored_as(out, out_ptr.dtype.element_ty), mask=keep)
     else:
         at = (rows * (GROUP * tl.num_programs(1)) + head) * SPLITS + split
         tl.store(part_ptr + at[:, None] * DA + da, acc, mask=keep)
@@ -198,7 +200,7 @@ def _merge_splits(
     parts = tl.load(part_ptr + at[:, None] * DA + da[None, :], mask=da[None, :] < DA, other=0.0)
     out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(total * weight, axis=0)
     o_row = out_ptr + row * stride_ot + head * stride_oh
-    tl.store(o_row + da, out.to(out_ptr.dtype.element_ty), mask=da < DA)
+    tl.store(o_row + da, stored_as(out, out_ptr.dtype.element_ty), mask=da < DA)
 
 
 def paged_attention(

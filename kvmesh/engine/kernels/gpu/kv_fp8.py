@@ -1,4 +1,4 @@
-"""FP8 KV codec as Triton kernels, for CUDA tensors (same format as kv_fp8.py, byte for byte).
+"""FP8 KV codec as Triton kernels, for CUDA tensors (same format as pool/kv_fp8.py, byte for byte).
 
 One program per (token, head) row of `head_dim` values: amax, power-of-two exponent, scale and
 cast in one pass, instead of the half-dozen elementwise kernels the torch codec launches. Tested
@@ -30,20 +30,42 @@ def _round_to_e4m3_grid(x):
 
 
 @triton.jit
+def stored_as(x, dtype: tl.constexpr):
+    """fp32 x cast to `dtype` as torch casts (to nearest, ties to even): the interpreter
+    truncates fp32 -> bf16, so bf16 is rounded in fp32 bits first (then the cast is exact)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536: 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
 def _quantize_rows(
     x_ptr, q_ptr, e_ptr, D: tl.constexpr, FMAX: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, D)
     x = tl.load(x_ptr + row * D + cols).to(tl.float32)
+    k = row_exponent(x, FMAX, EMIN, EMAX)
+    tl.store(q_ptr + row * D + cols, to_e4m3(x, k))
+    tl.store(e_ptr + row, k.to(tl.int8))
+
+
+@triton.jit
+def row_exponent(x, FMAX: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr):
+    """The power of two a row x is stored under: frexp's exponent of amax / FMAX (ratio =
+    m * 2**k, m in [0.5, 1); 0 for a zero row, as torch.frexp), clamped to [EMIN, EMAX]."""
     ratio = tl.max(tl.abs(x), axis=0) / FMAX
-    # frexp's exponent: ratio = m * 2**k with m in [0.5, 1); 0 for ratio == 0 (as torch.frexp)
     k = ((ratio.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126
     k = tl.where(ratio == 0.0, 0, k)
-    k = tl.minimum(tl.maximum(k, EMIN), EMAX)
-    scaled = x * tl.exp2((-k).to(tl.float32))
-    tl.store(q_ptr + row * D + cols, _round_to_e4m3_grid(scaled).to(tl.float8e4nv))
-    tl.store(e_ptr + row, k.to(tl.int8))
+    return tl.minimum(tl.maximum(k, EMIN), EMAX)
+
+
+@triton.jit
+def to_e4m3(x, k):
+    """x / 2**k as e4m3 values, rounded as torch's cast rounds."""
+    return _round_to_e4m3_grid(x * tl.exp2((-k).to(tl.float32))).to(tl.float8e4nv)
 
 
 @triton.jit
