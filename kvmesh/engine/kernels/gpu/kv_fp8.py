@@ -47,16 +47,16 @@ def _quantize_rows(
     row = tl.program_id(0)
     cols = tl.arange(0, D)
     x = tl.load(x_ptr + row * D + cols).to(tl.float32)
-    k = row_exponent(x, FMAX, EMIN, EMAX)
+    k = row_exponent(tl.max(tl.abs(x), axis=0), FMAX, EMIN, EMAX)
     tl.store(q_ptr + row * D + cols, to_e4m3(x, k))
     tl.store(e_ptr + row, k.to(tl.int8))
 
 
 @triton.jit
-def row_exponent(x, FMAX: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr):
-    """The power of two a row x is stored under: frexp's exponent of amax / FMAX (ratio =
-    m * 2**k, m in [0.5, 1); 0 for a zero row, as torch.frexp), clamped to [EMIN, EMAX]."""
-    ratio = tl.max(tl.abs(x), axis=0) / FMAX
+def row_exponent(amax, FMAX: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr):
+    """The power of two a row of largest magnitude `amax` is stored under: frexp's exponent of
+    amax / FMAX (m * 2**k, m in [0.5, 1); 0 for a zero row, as torch.frexp), in [EMIN, EMAX]."""
+    ratio = amax / FMAX
     k = ((ratio.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126
     k = tl.where(ratio == 0.0, 0, k)
     return tl.minimum(tl.maximum(k, EMIN), EMAX)

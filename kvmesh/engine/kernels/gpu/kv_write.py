@@ -1,6 +1,7 @@
 """The KV write as one Triton kernel: the new tokens' rows stored into their (page, offset)
 slots of a layer's pages in place, FP8 rows quantized on the way (kv_fp8.py's exponent and
-rounding: the same bytes as the torch codec). One program per (token, head, part) row."""
+rounding: the same bytes as the torch codec). A program takes BLOCK_T tokens of one (head,
+part)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import triton.language as tl
 
 from kvmesh.engine.kernels.gpu.kv_fp8 import row_exponent, stored_as, to_e4m3
 from kvmesh.engine.kv.layout import EXP_MAX, EXP_MIN, FP8_MAX
+
+BLOCK_T = 16
 
 
 @triton.jit
@@ -30,31 +33,34 @@ def _write_rows(
     e_head,
     e_slot,
     e_part,  # FP8: exponents [pages, heads, slots, parts]
+    T,
     PARTS: tl.constexpr,
     D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FP8: tl.constexpr,
     FMAX: tl.constexpr,
     EMIN: tl.constexpr,
     EMAX: tl.constexpr,
 ):
-    token, row = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    block, row = tl.program_id(0), tl.program_id(1)
     head, part = row // PARTS, row % PARTS
-    page = tl.load(page_ptr + token).to(tl.int64)
-    offset = tl.load(offset_ptr + token).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    ok = cols < D
-    x = tl.load(x_ptr + token * x_token + head * x_head + part * x_part + cols, mask=ok, other=0.0)
-    x = x.to(tl.float32)
-    at = page * d_page + head * d_head + offset * d_slot + part * d_part
+    token = (block * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    token_ok = token < T
+    page = tl.load(page_ptr + token, mask=token_ok, other=0).to(tl.int64)
+    offset = tl.load(offset_ptr + token, mask=token_ok, other=0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    ok = token_ok[:, None] & (cols < D)
+    src = x_ptr + token[:, None] * x_token + head * x_head + part * x_part + cols
+    x = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    at = (page * d_page + head * d_head + offset * d_slot + part * d_part)[:, None] + cols
     if FP8:
-        k = row_exponent(x, FMAX, EMIN, EMAX)
-        tl.store(data_ptr + at + cols, to_e4m3(x, k), mask=ok)
-        tl.store(
-            e_ptr + page * e_page + head * e_head + offset * e_slot + part * e_part, k.to(tl.int8)
-        )
+        k = row_exponent(tl.max(tl.abs(x), axis=1), FMAX, EMIN, EMAX)
+        tl.store(data_ptr + at, to_e4m3(x, k[:, None]), mask=ok)
+        exp_at = page * e_page + head * e_head + offset * e_slot + part * e_part
+        tl.store(e_ptr + exp_at, k.to(tl.int8), mask=token_ok)
     else:
-        tl.store(data_ptr + at + cols, stored_as(x, data_ptr.dtype.element_ty), mask=ok)
+        tl.store(data_ptr + at, stored_as(x, data_ptr.dtype.element_ty), mask=ok)
 
 
 def write_kv(
@@ -74,7 +80,7 @@ def write_kv(
     e = exps if fp8 else data  # never touched without FP8
     e_strides = exps.stride()[:4] if fp8 else (0, 0, 0, 0)
     heads, parts, dim = x.shape[1:]
-    _write_rows[(x.shape[0], heads * parts)](
+    _write_rows[(triton.cdiv(x.shape[0], BLOCK_T), heads * parts)](
         x,
         *x.stride()[:3],
         page,
@@ -83,8 +89,10 @@ def write_kv(
         *data.stride()[:4],
         e,
         *e_strides,
+        x.shape[0],
         PARTS=parts,
         D=dim,
+        BLOCK_T=BLOCK_T,
         BLOCK_D=triton.next_power_of_2(dim),
         FP8=fp8,
         FMAX=FP8_MAX,
