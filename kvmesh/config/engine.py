@@ -18,6 +18,7 @@ SPECULATIVE = ("none", "ngram", "eagle")
 SPEC_POLICIES = ("adaptive", "fixed")  # spec/policy.py
 DECODE_STEPS = ("fused", "eager", "compiled")  # fused_decode.py, compiled.py
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # attention/__init__.py
+MOE_BACKENDS = ("auto", "torch", "triton")  # layers/moe.py, layers/moe_grouped.py
 DEVICES = ("cpu", "cuda", "auto")  # engine/platform/
 
 
@@ -237,6 +238,12 @@ class DeviceConfig:
         "attention kernels (auto: on CPU the paged CPU kernels where they build, else torch; "
         "on CUDA triton; triton also runs on CPU tensors under TRITON_INTERPRET=1, slowly)",
         choices=ATTENTION_BACKENDS,
+    )
+    moe_backend: str = knob(
+        "auto",
+        "routed experts: torch runs each expert's rows in turn; triton one grouped GEMM per "
+        "projection (dense experts; auto: triton on CUDA, torch on CPU)",
+        choices=MOE_BACKENDS,
     )
     decode_step: str = knob(
         "fused",

@@ -1,6 +1,6 @@
-"""The real engine with `--attention-backend triton` (the CUDA platform's attention), run on CPU
-tensors under TRITON_INTERPRET=1: on tiny random Llama (GQA) and DeepSeek-V3 (MLA + MoE)
-checkpoints its greedy tokens equal the torch backend's, through `kvmesh generate` as a user
+"""The real engine with `--attention-backend triton` and `--moe-backend triton` (the CUDA
+platform's kernels), run on CPU tensors under TRITON_INTERPRET=1: on tiny random Llama (GQA) and
+DeepSeek-V3 (MLA + MoE) checkpoints its greedy tokens equal the torch backends', through `kvmesh generate` as a user
 runs it and through a batch with chunked prefill, prefix-cache hits, preemption and FP8 pages.
 Where the backend cannot run, and `--device cuda` without CUDA, a one-line error (exit 2)."""
 
@@ -37,7 +37,7 @@ BATCH = textwrap.dedent(
     def run(path, backend):
         # 7 pages of 16 tokens hold two of the contexts: the third preempts one
         llm = LLM(path, dtype="fp32", kv_dtype="fp8_e4m3", num_pages=7,
-                  max_num_batched_tokens=32, attention_backend=backend)
+                  max_num_batched_tokens=32, attention_backend=backend, moe_backend=backend)
         preempted, schedule = [], llm.engine.scheduler.schedule
         def spy():
             out = schedule()

@@ -14,7 +14,7 @@ from kvmesh import env
 from kvmesh.config import EngineConfig
 from kvmesh.engine.attention import get_backend
 from kvmesh.engine.core.admission import Admission
-from kvmesh.engine.core.engine_setup import TORCH_DTYPES, load_engine_model
+from kvmesh.engine.core.engine_setup import TORCH_DTYPES, engine_platform, load_engine_model
 from kvmesh.engine.core.faults import FaultInjector
 from kvmesh.engine.core.handover import HandOvers, HandOverState
 from kvmesh.engine.core.handover_ops import EngineHandOver
@@ -29,7 +29,6 @@ from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
 from kvmesh.engine.loader import load_weights
 from kvmesh.engine.parallel.ranks import LeaderRunner, start_ranks
 from kvmesh.engine.parallel.shard import TensorShard
-from kvmesh.engine.platform import resolve as resolve_platform
 from kvmesh.engine.pool.integrity import PageTags
 from kvmesh.engine.pool.kv_cache import PagedKVCache
 from kvmesh.engine.pool.kv_pages import KvPages
@@ -41,7 +40,7 @@ from kvmesh.engine.runner.sampler import Sampler
 from kvmesh.engine.serving.kv_event_fanout import KvEventFanOut
 from kvmesh.engine.spec.proposer import DraftSource
 from kvmesh.engine.spec.speculator import build_speculator
-from kvmesh.errors import CapacityError, InvalidRequestError
+from kvmesh.errors import CapacityError
 
 __all__ = ["Engine", "Reservation", "TokenOutput"]
 log = structlog.get_logger(__name__)
@@ -68,13 +67,10 @@ class Engine:
         torch.set_num_threads(env.load_threads() or serve_threads)  # see docs/benchmarks.md
         torch.manual_seed(config.load.seed)
         self.config = config
-        self.platform = resolve_platform(config.device.device)  # before a long load
-        if ranks > 1 and self.platform.name != "cpu":
-            raise InvalidRequestError("parallel ranks run on --device cpu only (NCCL: not yet)")
-        self.platform.attention_backend(config.device.attention_backend)  # can it run here
+        self.platform = engine_platform(config)  # checked before a long load
         # load_weights by name: a bench may substitute it (kv.py converts once per run)
         shard = TensorShard.of(config, 0) if ranks > 1 else None
-        loaded = load_engine_model(config, load_weights, shard)
+        loaded = load_engine_model(config, load_weights, shard, self.platform)
         # the other ranks load after rank 0 (a converted model is then in the cache for them)
         self.ranks = start_ranks(config, loaded, serve_threads) if ranks > 1 else None
         try:  # a failure from here on must not leave the other ranks running

@@ -19,7 +19,10 @@ from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.parallel.sharded_state import ShardedState
 from kvmesh.engine.parallel.shared_pages import require_hugepages
 from kvmesh.engine.parallel.stage_state import StageState
+from kvmesh.engine.platform import CPU, Platform
+from kvmesh.engine.platform import resolve as resolve_platform
 from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.errors import InvalidRequestError
 
 log = structlog.get_logger(__name__)
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -35,12 +38,28 @@ class LoadedEngineModel:
     context_note: str  # why the context is shorter than the model's, for error messages
 
 
+def engine_platform(config: EngineConfig) -> Platform:
+    """The platform `--device` names, checked against the other device knobs (before a long
+    load: a combination that cannot run is an InvalidRequestError naming the flag)."""
+    platform = resolve_platform(config.device.device)
+    if config.parallel.world_size > 1 and platform.name != "cpu":
+        raise InvalidRequestError("parallel ranks run on --device cpu only (NCCL: not yet)")
+    platform.attention_backend(config.device.attention_backend)
+    moe = platform.moe_backend(config.device.moe_backend)
+    if config.parallel.world_size > 1 and moe != "torch":
+        raise InvalidRequestError("--moe-backend triton runs on one rank (not yet on ranks)")
+    return platform
+
+
 def load_engine_model(
-    config: EngineConfig, load_weights: Any, shard: TensorShard | None = None
+    config: EngineConfig,
+    load_weights: Any,
+    shard: TensorShard | None = None,
+    platform: Platform = CPU,
 ) -> LoadedEngineModel:
     """`load_weights` is the weight-format registry (a bench may substitute it); `shard`: this
     rank's part of a tensor-parallel model (whose layers the caller joins to its ranks:
-    parallel/group.py all_reduced_layers)."""
+    parallel/group.py all_reduced_layers); `platform`: its kernels' (engine_platform)."""
     if config.cache.kv_hugepages:
         require_hugepages()  # none to give: say so before a long load
     source = resolve_model(config.load.model)
@@ -82,6 +101,10 @@ def load_engine_model(
         model = build_model(
             shard.local_config(model_config), weights, dtype, max_len, int4=config.int4
         )
+    if platform.moe_backend(config.device.moe_backend) == "triton":
+        from kvmesh.engine.layers.moe_grouped import group_experts
+
+        group_experts(model)
     log.info(
         "engine.model_built",
         seconds=round(time.perf_counter() - built, 3),

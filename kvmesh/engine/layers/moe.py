@@ -61,6 +61,7 @@ class MoE:
         self, router: Router, experts: list[GatedMLP | None], shared: GatedMLP | None
     ) -> None:
         self.router, self.experts, self.shared = router, experts, shared
+        self.grouped = None  # see `group`
 
     @classmethod
     def load(cls, config: MoeConfig, weights: Weights, prefix: str, method: LinearMethod) -> MoE:
@@ -78,6 +79,21 @@ class MoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.router(x)
+        if self.grouped is not None:
+            out = self.grouped(x, ids, weights)
+        else:
+            out = self._expert_loop(x, ids, weights)
+        out = out.to(x.dtype)
+        return out if self.shared is None else out + self.shared(x)
+
+    def group(self, make) -> None:
+        """Run the routed experts through `make(experts)` (one grouped GEMM per projection,
+        layers/moe_grouped.py) instead of the loop; their weights then live there only."""
+        self.grouped = make(self.experts)
+        self.experts = [None] * len(self.experts)
+
+    def _expert_loop(self, x, ids, weights) -> torch.Tensor:
+        """Pairs sorted by expert, each expert's rows in one call; fp32 sums in a fixed order."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat = ids.flatten()
         order = flat.argsort(stable=True)
@@ -91,12 +107,12 @@ class MoE:
                 y = mlp(x[rows]).float() * weights.flatten()[order[begin : begin + count], None]
                 out.index_add_(0, rows, y)
             begin += count
-        out = out.to(x.dtype)
-        return out if self.shared is None else out + self.shared(x)
+        return out
 
     @property
     def nbytes(self) -> int:
         held = self.router.weight.nbytes + sum(e.nbytes for e in self.experts if e is not None)
+        held += self.grouped.nbytes if self.grouped is not None else 0
         return held + (self.shared.nbytes if self.shared is not None else 0)
 
 

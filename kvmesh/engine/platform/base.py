@@ -29,6 +29,10 @@ class Platform(Protocol):
         """The backend `--attention-backend NAME` means here (`auto` resolved)."""
         ...
 
+    def moe_backend(self, name: str) -> str:
+        """The routed-experts kernel `--moe-backend NAME` means here (`auto` resolved)."""
+        ...
+
     def decode_step(self, name: str) -> str:
         """The decode-step strategy `--decode-step NAME` runs as here."""
         ...

@@ -23,14 +23,14 @@ class CpuPlatform:
         return cpu_ops()
 
     def attention_backend(self, name: str) -> str:
-        if name == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise InvalidRequestError(
-                "--attention-backend triton runs on --device cuda, or on the CPU only under "
-                "TRITON_INTERPRET=1 (slowly: for checks)"
-            )
+        _triton_interpreted("--attention-backend", name)
         if name != "auto":
             return name
         return "cpu" if cpu_ops() is not None else "torch"
+
+    def moe_backend(self, name: str) -> str:
+        _triton_interpreted("--moe-backend", name)
+        return "torch" if name == "auto" else name
 
     def decode_step(self, name: str) -> str:
         return name
@@ -51,3 +51,11 @@ class CpuPlatform:
         from kvmesh.engine.quant.int4 import Int4Linear
 
         return Int4Linear(weight, dtype)
+
+
+def _triton_interpreted(flag: str, name: str) -> None:
+    if name == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise InvalidRequestError(
+            f"{flag} triton runs on --device cuda, or on the CPU only under "
+            "TRITON_INTERPRET=1 (slowly: for checks)"
+        )

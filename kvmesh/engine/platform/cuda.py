@@ -41,6 +41,9 @@ class CudaPlatform:
             raise InvalidRequestError("--attention-backend cpu runs on --device cpu only")
         return "triton" if name == "auto" else name
 
+    def moe_backend(self, name: str) -> str:
+        return "triton" if name == "auto" else name
+
     def decode_step(self, name: str) -> str:
         if name == "compiled":
             raise InvalidRequestError("--decode-step compiled runs on --device cpu only")

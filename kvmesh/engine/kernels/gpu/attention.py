@@ -20,19 +20,16 @@ merged by `_merge_splits`. Maths in fp32 after every load (the interpreter keeps
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kvmesh.engine.kernels.gpu.kv_fp8 import stored_as
+from kvmesh.engine.kernels.gpu.common import INTERPRETED, stored_as
 
 LOG2E = 1.4426950408889634
 NEG = -1.0e38  # a running max that is not -inf: a split or tile without keys adds exactly 0
-# the interpreter multiplies bf16 operands as raw words: fp32 dots there (module docstring)
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass(frozen=True)

@@ -30,17 +30,6 @@ def _round_to_e4m3_grid(x):
 
 
 @triton.jit
-def stored_as(x, dtype: tl.constexpr):
-    """fp32 x cast to `dtype` as torch casts (to nearest, ties to even): the interpreter
-    truncates fp32 -> bf16, so bf16 is rounded in fp32 bits first (then the cast is exact)."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536: 0xFFFF0000
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
-
-
-@triton.jit
 def _quantize_rows(
     x_ptr, q_ptr, e_ptr, D: tl.constexpr, FMAX: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr
 ):

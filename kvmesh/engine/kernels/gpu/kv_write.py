@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmesh.engine.kernels.gpu.kv_fp8 import row_exponent, stored_as, to_e4m3
+from kvmesh.engine.kernels.gpu.common import stored_as
+from kvmesh.engine.kernels.gpu.kv_fp8 import row_exponent, to_e4m3
 from kvmesh.engine.kv.layout import EXP_MAX, EXP_MIN, FP8_MAX
 
 BLOCK_T = 16
