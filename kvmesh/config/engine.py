@@ -19,6 +19,7 @@ SPEC_POLICIES = ("adaptive", "fixed")  # spec/policy.py
 DECODE_STEPS = ("fused", "eager", "compiled")  # fused_decode.py, compiled.py
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # attention/__init__.py
 MOE_BACKENDS = ("auto", "torch", "triton")  # layers/moe.py, layers/moe_grouped.py
+KV_TRANSFERS = ("auto", "direct", "staged")  # pool/kv_pages.py
 DEVICES = ("cpu", "cuda", "auto")  # engine/platform/
 
 
@@ -244,6 +245,14 @@ class DeviceConfig:
         "routed experts: torch runs each expert's rows in turn; triton one grouped GEMM per "
         "projection (dense experts; auto: triton on CUDA, torch on CPU)",
         choices=MOE_BACKENDS,
+    )
+    kv_transfer: str = knob(
+        "auto",
+        "how other workers and the KV store reach the KV pages: direct (the pool registered "
+        "with the transfer engine) or staged (through a host mirror, pages copied at each "
+        "transfer: a GPU pool with the non-CUDA transfer engine); auto: direct on CPU, staged "
+        "on CUDA",
+        choices=KV_TRANSFERS,
     )
     decode_step: str = knob(
         "fused",

@@ -76,7 +76,9 @@ class StoreLink:
         if client is None or not block_hashes:
             return 0
         local = self.pages.side(page_ids)
-        return await client.fetch(block_hashes, local, self.page_bytes, self.layout_key)
+        fetched = await client.fetch(block_hashes, local, self.page_bytes, self.layout_key)
+        await asyncio.to_thread(self.pages.stage_in, page_ids[:fetched])
+        return fetched
 
     def enable_export(self) -> None:
         """Decode: every finished sequence's full pages are offered to the store."""
@@ -113,6 +115,7 @@ class StoreLink:
         local = self.pages.side(page_ids)
         self._offers.inc()
         try:
+            await asyncio.to_thread(self.pages.stage_out, page_ids)
             await client.offer(block_hashes, local, self.page_bytes, self.layout_key)
         finally:
             self._offers.dec()

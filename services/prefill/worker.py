@@ -169,13 +169,15 @@ class PrefillWorker:
         def read() -> bool:  # (the copy plan off the event loop too)
             ranges = copy_ranges(destination_side(dest, held), self.pages.side(local))
             self.transfer.read_pages(dest.te_session, *ranges)
-            if not dest.tags_address or len(expected) != len(held):
-                return True  # (a decode worker that does not tag its pages)
-            with self._tag_lock:  # read after the bytes: a page rewritten meanwhile shows
-                got = read_tags(
-                    self.transfer, dest.te_session, dest.tags_address, held, self._tag_staging
-                )
-            return got == as_int32(expected).tolist()
+            if dest.tags_address and len(expected) == len(held):  # (else: no tags there)
+                with self._tag_lock:  # read after the bytes: a page rewritten meanwhile shows
+                    got = read_tags(
+                        self.transfer, dest.te_session, dest.tags_address, held, self._tag_staging
+                    )
+                if got != as_int32(expected).tolist():
+                    return False
+            self.pages.stage_in(local)
+            return True
 
         try:
             intact = await asyncio.to_thread(read)
@@ -218,6 +220,7 @@ class PrefillWorker:
         tags = list(dest.page_tags)[dest.skip_pages : dest.skip_pages + len(dst_pages)]
         if self.faults is not None:  # tests only: lose part of the transfer, tags included
             src_pages, dst_pages, tags = self.faults.drop_transfer_pages(src_pages, dst_pages, tags)
+        self.pages.stage_out(src_pages)
         ranges = copy_ranges(self.pages.side(src_pages), destination_side(dest, dst_pages))
         written = self.transfer.write_pages(dest.te_session, *ranges)
         if dest.tags_address and tags:

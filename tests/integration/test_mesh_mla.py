@@ -1,7 +1,8 @@
 """The mesh on an MLA + MoE model (tiny DeepSeek-V3 in Kimi K2's shape, `kvmesh make-tiny-model`):
 etcd, gateway, 1 prefill + 1 decode + the KV store as real processes, FP8 latent pages moved by
 the transfer engine (gRPC carries only metadata), every 4th transfer losing its last page.
-Also with a prefill worker of two tensor-parallel ranks (experts partitioned) feeding a decode
+Also with both workers' pages reached through host mirrors (`--kv-transfer staged`), with a
+prefill worker of two tensor-parallel ranks (experts partitioned) feeding a decode
 worker of two pipeline stages, and a prefill worker of two stages feeding a decode worker of two
 tensor-parallel ranks. Through the openai client, streamed and not, each answer is exactly the single-process FP8
 engine's or a `kv_integrity` error; a repeated prompt is served from the prefix cache; every
@@ -46,7 +47,11 @@ def model(tmp_path_factory) -> str:
 # latents and FP8 scales (two spans a page); the MoE layers split inside each expert or, with
 # expert parallelism, hold whole experts per rank
 LAYOUTS = {
-    "one-rank-each": {},
+    # pages through host mirrors (the GPU pools' transfer mode), here on CPU pools
+    "one-rank-each-staged": {
+        "prefill": ("--kv-transfer", "staged"),
+        "decode": ("--kv-transfer", "staged"),
+    },
     "prefill-tp2-ep/decode-pp2": {
         "prefill": ("--tensor-parallel-size", "2", "--enable-expert-parallel"),
         "decode": ("--pipeline-parallel-size", "2"),

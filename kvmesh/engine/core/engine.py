@@ -31,7 +31,7 @@ from kvmesh.engine.parallel.ranks import LeaderRunner, start_ranks
 from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.pool.integrity import PageTags
 from kvmesh.engine.pool.kv_cache import PagedKVCache
-from kvmesh.engine.pool.kv_pages import KvPages
+from kvmesh.engine.pool.kv_pages import KvPages, StagedKvPages
 from kvmesh.engine.pool.page_io import PageIO
 from kvmesh.engine.runner.constraints import Constraints
 from kvmesh.engine.runner.runner import ModelRunner, RunnerOptions
@@ -107,7 +107,9 @@ class Engine:
             num_pages = config.cache.num_pages or spec.pages_for_budget(config.cache.kv_cache_bytes)
             pool = platform.new_pool(spec, num_pages, config.cache.kv_hugepages)
             self.kv_cache = PagedKVCache(spec, num_pages, dtype, pool=pool)
-            self.kv_pages = KvPages.whole(self.kv_cache)  # what transfers see of the pool
+            staged = platform.kv_transfer(config.device.kv_transfer) == "staged"
+            # what transfers see of the pool
+            self.kv_pages = (StagedKvPages if staged else KvPages.whole)(self.kv_cache)
         else:  # every rank's pages in memory rank 0 maps too
             self.kv_cache, self.kv_pages = self.ranks.kv_pool(loaded.config, config, dtype)
         num_pages = self.kv_cache.num_pages

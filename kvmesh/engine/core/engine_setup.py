@@ -48,6 +48,9 @@ def engine_platform(config: EngineConfig) -> Platform:
     moe = platform.moe_backend(config.device.moe_backend)
     if config.parallel.world_size > 1 and moe != "torch":
         raise InvalidRequestError("--moe-backend triton runs on one rank (not yet on ranks)")
+    staged = platform.kv_transfer(config.device.kv_transfer) == "staged"
+    if config.parallel.world_size > 1 and staged:
+        raise InvalidRequestError("--kv-transfer staged runs on one rank (not yet on ranks)")
     return platform
 
 

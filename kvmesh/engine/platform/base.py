@@ -33,6 +33,10 @@ class Platform(Protocol):
         """The routed-experts kernel `--moe-backend NAME` means here (`auto` resolved)."""
         ...
 
+    def kv_transfer(self, name: str) -> str:
+        """How transfers reach the pool here: "direct" or "staged" (pool/kv_pages.py)."""
+        ...
+
     def decode_step(self, name: str) -> str:
         """The decode-step strategy `--decode-step NAME` runs as here."""
         ...

@@ -32,6 +32,9 @@ class CpuPlatform:
         _triton_interpreted("--moe-backend", name)
         return "torch" if name == "auto" else name
 
+    def kv_transfer(self, name: str) -> str:
+        return "direct" if name == "auto" else name
+
     def decode_step(self, name: str) -> str:
         return name
 

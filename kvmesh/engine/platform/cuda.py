@@ -44,6 +44,9 @@ class CudaPlatform:
     def moe_backend(self, name: str) -> str:
         return "triton" if name == "auto" else name
 
+    def kv_transfer(self, name: str) -> str:
+        return "staged" if name == "auto" else name
+
     def decode_step(self, name: str) -> str:
         if name == "compiled":
             raise InvalidRequestError("--decode-step compiled runs on --device cpu only")
