@@ -265,9 +265,9 @@ def test_int4_small_batch_kernel_matches_torch_int4_kernel(dtype, n, k, group):
 
 
 def layer_q(layer, n: int, k: int) -> torch.Tensor:
-    from kvmesh.engine.quant.int4 import _read_nibbles
+    from kvmesh.engine.quant.int4 import read_nibbles
 
-    return _read_nibbles(layer.packed, layer.block, torch.arange(n), k).double()
+    return read_nibbles(layer.packed, layer.block, torch.arange(n), k).double()
 
 
 @pytest.mark.parametrize("dim", [576, 64, 100])

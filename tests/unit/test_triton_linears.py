@@ -1,6 +1,7 @@
 """The CUDA platform's Triton linears equal the reference layers, on CPU tensors under
 TRITON_INTERPRET=1 in a subprocess: the W4A16 GEMM over kvmesh's INT4 groups (the dequantized
-weight's product), and the grouped-GEMM MoE (the expert loop of layers/moe.py), fp32 and bf16,
+weight's product; a CPU INT4 linear moved onto the device gives its values), and the
+grouped-GEMM MoE (the expert loop of layers/moe.py), fp32 and bf16,
 ragged batches (one row, rows that fill no block, many). On a CUDA machine, also on the GPU."""
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ CHECK = textwrap.dedent(
     from kvmesh.engine.layers.moe import MoE
     from kvmesh.engine.layers.moe_grouped import GroupedExperts
     from kvmesh.engine.platform import for_device
-    from kvmesh.engine.quant.int4 import Int4Weight
+    from kvmesh.engine.quant.int4 import Int4Linear, Int4Weight
+    from kvmesh.engine.quant.int4_cuda import CudaInt4Linear
 
     device = torch.device("{device}")
     gen = torch.Generator().manual_seed(0)
@@ -33,12 +35,16 @@ CHECK = textwrap.dedent(
         err = ((got.float().cpu() - want).abs().max() / want.abs().max()).item()
         assert err < tol[case[-1]], (case, err)
 
-    for n, k, group, rows, dtype in ((96, 128, 32, 5, torch.float32), (80, 64, 64, 1,
+    for n, k, group, rows, dtype in ((96, 128, 32, 5, torch.float32), (64, 64, 64, 1,
             torch.float32), (64, 256, 128, 33, torch.bfloat16), (48, 128, 32, 70, torch.float32)):
         weight = Int4Weight.quantize(torch.randn(n, k, generator=gen), group, search=False)
         x = torch.randn(rows, k, generator=gen).to(dtype)
         layer = for_device(device).int4_linear(weight, dtype)
         close(layer(x.to(device)), x.float() @ weight.dequantize().t(), (n, k, group, rows, dtype))
+        cpu = Int4Linear(weight, dtype)  # moved onto the device: the same weights
+        if cpu.can_read_rows:
+            moved = CudaInt4Linear.from_cpu(cpu, device)
+            close(moved(x.to(device)), cpu(x).float(), ("moved", n, k, group, rows, dtype))
 
     E, H, I, top = 6, 32, 24, 2
     for tokens, dtype in ((1, torch.float32), (5, torch.float32), (40, torch.bfloat16)):

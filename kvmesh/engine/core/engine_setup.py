@@ -108,6 +108,7 @@ def load_engine_model(
         from kvmesh.engine.layers.moe_grouped import group_experts
 
         group_experts(model)
+    model = platform.place(model)
     log.info(
         "engine.model_built",
         seconds=round(time.perf_counter() - built, 3),

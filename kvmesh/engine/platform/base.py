@@ -49,6 +49,10 @@ class Platform(Protocol):
         """(quantize, dequantize) of FP8 pages on this device (pool/kv_fp8.py's format)."""
         ...
 
+    def place(self, model: Any) -> Any:
+        """A model built on the host, on this device (placement.py)."""
+        ...
+
     def int4_linear(self, weight: Any, dtype: torch.dtype) -> Any:
         """A linear over group-wise INT4 `weight` (quant/int4.py's Int4Weight), `dtype`
         activations, with this device's kernel."""

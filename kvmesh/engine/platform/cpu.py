@@ -50,6 +50,9 @@ class CpuPlatform:
 
         return kv_fp8.quantize, kv_fp8.dequantize
 
+    def place(self, model: Any) -> Any:
+        return model  # built where it runs
+
     def int4_linear(self, weight: Any, dtype: torch.dtype) -> Any:
         from kvmesh.engine.quant.int4 import Int4Linear
 

@@ -62,6 +62,12 @@ class CudaPlatform:
 
         return kv_fp8.quantize, kv_fp8.dequantize
 
+    def place(self, model: Any) -> Any:
+        from kvmesh.engine.platform.placement import place
+        from kvmesh.engine.quant.int4_cuda import CudaInt4Linear
+
+        return place(model, self.device, lambda layer: CudaInt4Linear.from_cpu(layer, self.device))
+
     def int4_linear(self, weight: Any, dtype: torch.dtype) -> Any:
         from kvmesh.engine.quant.int4_cuda import CudaInt4Linear
 

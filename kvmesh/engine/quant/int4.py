@@ -193,7 +193,7 @@ class Int4Linear:
         j < b/2 in the low nibbles and row j + b/2 in the high ones."""
         if not self.can_read_rows:
             raise ValueError("rows() needs the CPU packed layout of a known block size")
-        q = _read_nibbles(self.packed, self.block, ids, self.in_features)
+        q = read_nibbles(self.packed, self.block, ids, self.in_features)
         return self._dequantize(q, self.scales_zeros[:, ids])
 
     def dense(self) -> torch.Tensor:
@@ -263,7 +263,7 @@ def _fit(
     return q, scale.squeeze(-1), offset.squeeze(-1)
 
 
-def _read_nibbles(packed: torch.Tensor, block: int, ids: torch.Tensor, k: int) -> torch.Tensor:
+def read_nibbles(packed: torch.Tensor, block: int, ids: torch.Tensor, k: int) -> torch.Tensor:
     """Values [T, K] (0..15) of rows `ids` from the CPU layout [N / block, K, block / 2] bytes."""
     half = block // 2
     blocks = packed.view(-1, k, half)
@@ -276,7 +276,7 @@ def _read_nibbles(packed: torch.Tensor, block: int, ids: torch.Tensor, k: int) -
 @functools.cache
 def _cpu_row_block(rows: int) -> int:
     """Rows per block of `_convert_weight_to_int4pack_for_cpu`'s layout (it depends on the CPU's
-    vector ISA): the block size whose reading (`_read_nibbles`) gives back random values packed
+    vector ISA): the block size whose reading (`read_nibbles`) gives back random values packed
     by torch; 0 if none does or `rows` is not a whole number of blocks."""
     for block in (64, 32, 16):
         if rows % block:
@@ -288,7 +288,7 @@ def _cpu_row_block(rows: int) -> int:
         except RuntimeError:
             continue
         if packed.numel() * 2 == n * k and torch.equal(
-            _read_nibbles(packed, block, torch.arange(n), k).long(), values
+            read_nibbles(packed, block, torch.arange(n), k).long(), values
         ):
             return block
     return 0

@@ -237,7 +237,13 @@ class ModelRunner:
             width,
         )
         meta = self.attention.build_metadata(layout)
-        args = (int_tensor(ids), positions, meta, self.kv.layers, self.attention, self.capture)
+        ids, device = int_tensor(ids), self.kv.pool.device
+        if device.type != "cpu":  # a GPU's rows: the step's one copy of them (the tables: meta)
+            ids, positions = (
+                ids.to(device, non_blocking=True),
+                positions.to(device, non_blocking=True),
+            )
+        args = (ids, positions, meta, self.kv.layers, self.attention, self.capture)
         out = None
         if bucket is not None:
             out = self.compiled.try_forward(*args)

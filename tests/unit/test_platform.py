@@ -1,0 +1,79 @@
+"""The platform seam: `--device` resolved once (cuda without CUDA: an error naming the flag),
+kernels chosen by the tensor's platform, Triton on the CPU only under the interpreter, a model
+moved whole onto a device (checked on the meta device: nothing left on the host), and the
+staged transfer mode's host mirror (pages copied out and in by runs of page ids)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh import LLM
+from kvmesh.engine.kernels import cpu_ops
+from kvmesh.engine.kv.layout import KVCacheSpec
+from kvmesh.engine.platform import CPU, kernels_for, resolve
+from kvmesh.engine.platform.placement import held_devices, place
+from kvmesh.engine.pool.kv_cache import PagedKVCache
+from kvmesh.engine.pool.kv_pages import StagedKvPages, _runs
+from kvmesh.errors import InvalidRequestError
+from kvmesh_apps.tools.tiny_configs import TinySpec
+from kvmesh_apps.tools.tiny_models import make_tiny_model
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")
+
+
+@NO_CUDA
+def test_device_resolves_once_and_cuda_without_cuda_names_the_flag():
+    assert resolve("cpu") is CPU and resolve("auto") is CPU
+    with pytest.raises(InvalidRequestError, match="--device cuda: torch sees no CUDA device"):
+        resolve("cuda")
+
+
+def test_kernels_follow_the_tensors_platform():
+    assert kernels_for(torch.zeros(2)) is cpu_ops()
+    assert kernels_for(torch.zeros(2, device="meta")) is None  # no platform owns meta
+
+
+def test_triton_on_the_cpu_only_under_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for flag, pick in (
+        ("--attention-backend", CPU.attention_backend),
+        ("--moe-backend", CPU.moe_backend),
+    ):
+        with pytest.raises(InvalidRequestError, match=f"{flag} triton .* TRITON_INTERPRET=1"):
+            pick("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert CPU.attention_backend("triton") == CPU.moe_backend("triton") == "triton"
+    assert CPU.moe_backend("auto") == "torch" and CPU.kv_transfer("auto") == "direct"
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_a_placed_model_holds_no_host_tensor(tmp_path, arch):
+    path = make_tiny_model(TinySpec(arch), tmp_path / arch).path
+    model = LLM(str(path), dtype="fp32", num_pages=8).engine.runner.model
+    assert held_devices(model) == {"cpu"}
+    place(model, torch.device("meta"), None)
+    assert held_devices(model) == {"meta"}  # rotary tables, norms, routers, experts, heads
+
+
+def test_a_model_with_cpu_int4_linears_needs_a_converter(tmp_path):
+    path = make_tiny_model(TinySpec("llama"), tmp_path / "m").path
+    model = LLM(str(path), weights="int4", num_pages=8).engine.runner.model
+    with pytest.raises(ValueError, match="no INT4 linear for meta"):
+        place(model, torch.device("meta"), None)
+
+
+def test_staged_pages_go_through_the_mirror_by_runs_of_page_ids():
+    assert _runs([3, 4, 5, 9, 1, 2]) == [(3, 6), (9, 10), (1, 3)]
+    cache = PagedKVCache(KVCacheSpec.gqa(2, 2, 8, 4, "bf16"), 12, torch.bfloat16)
+    pages = StagedKvPages(cache)
+    assert pages.region.data_ptr() != cache.pool.data_ptr()  # transfers see the mirror
+    assert pages.layout.shards[0].address == pages.region.data_ptr()
+    cache.pool[:] = torch.randint(0, 255, cache.pool.shape, dtype=torch.uint8)
+    pages.stage_out([2, 3, 7])
+    assert torch.equal(pages.region[[2, 3, 7]], cache.pool[[2, 3, 7]])
+    assert not pages.region[[0, 1, 4, 5, 6]].any()
+    assert torch.equal(pages.gather([7, 2]), cache.pool[[7, 2]])
+    pages.region[5] = 17  # a transfer landed in page 5
+    pages.stage_in([5])
+    assert (cache.pool[5] == 17).all()
