@@ -16,7 +16,7 @@ KV_DTYPES = ("fp32", "bf16", "fp8_e4m3")
 INT4_GROUPS = (0, 32, 64, 128)
 SPECULATIVE = ("none", "ngram", "eagle")
 SPEC_POLICIES = ("adaptive", "fixed")  # spec/policy.py
-DECODE_STEPS = ("fused", "eager", "compiled")  # fused_decode.py, compiled.py
+DECODE_STEPS = ("fused", "eager", "compiled", "graphs")  # runner/: fused_decode, compiled, graphs
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # attention/__init__.py
 MOE_BACKENDS = ("auto", "torch", "triton")  # layers/moe.py, layers/moe_grouped.py
 KV_TRANSFERS = ("auto", "direct", "staged")  # pool/kv_pages.py
@@ -256,9 +256,10 @@ class DeviceConfig:
     )
     decode_step: str = knob(
         "fused",
-        "fused: decode-only steps of dense GQA models as one C++ op "
+        "fused: on CPU, decode-only steps of dense GQA models as one C++ op "
         "(the eager bits; other models run eager); compiled: torch.compile "
-        "them (opt-in; see docs/benchmarks.md)",
+        "them (opt-in; see docs/benchmarks.md); graphs: CUDA graphs of decode-only steps "
+        "(CUDA's default for fused)",
         choices=DECODE_STEPS,
     )
 

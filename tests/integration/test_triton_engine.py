@@ -103,6 +103,45 @@ def test_a_batch_with_prefix_hits_preemption_and_fp8_pages_gives_the_torch_token
         assert result["equal"], (arch, result)
 
 
+GRAPHS = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from kvmesh import LLM, SamplingParams
+
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (37, 21)]
+    out = {}
+    for step in ("eager", "graphs"):
+        llm = LLM(sys.argv[1], dtype="fp32", kv_dtype="bf16", num_pages=16, max_num_seqs=2,
+                  attention_backend="triton", decode_step=step)
+        out[step] = [o.token_ids for o in llm.generate_ids(prompts, greedy)]
+        graphs = llm.engine.runner.compiled
+    print(json.dumps({"equal": out["eager"] == out["graphs"], "ready": sorted(graphs.ready),
+                      "replays": graphs.replays}))
+    """
+)
+
+
+def test_decode_steps_replayed_from_graphs_give_the_eager_tokens(checkpoints):
+    """The graph step's buffers, metadata copies and bucket padding, with the CUDA graph
+    recorder swapped for a re-run of the captured function (`eager_record`): on a GPU the
+    same step replays CUDA graphs (scripts/device_check.py)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", GRAPHS, checkpoints["llama"]],
+        capture_output=True,
+        text=True,
+        env=INTERPRET,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"equal"')]
+    result = json.loads(lines[-1])
+    assert result["ready"] == [1, 2] and result["replays"] > 0, result
+    assert result["equal"], result
+
+
 def _one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr

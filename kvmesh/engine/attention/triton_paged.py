@@ -34,6 +34,20 @@ class TritonMetadata:
     plans: tuple[AttentionPlan, ...]  # the decode rows' launch, then the chunks'
     moved: dict = field(default_factory=dict, compare=False)
 
+    def static_copy(self, device: torch.device) -> TritonMetadata:
+        """A copy of its own on `device`: a graph's metadata buffers (runner/graphs.py)."""
+        slots = Slots(*(t.to(device, copy=True) for t in vars(self.slot_mapping).values()))
+        return TritonMetadata(slots, tuple(p.to(device, clone=True) for p in self.plans))
+
+    def copy_from(self, other: TritonMetadata) -> None:
+        """Another step's metadata of the same shapes into this one's tensors."""
+        if len(self.plans) != len(other.plans):
+            raise ValueError("metadata of another launch shape")
+        self.slot_mapping.page.copy_(other.slot_mapping.page, non_blocking=True)
+        self.slot_mapping.offset.copy_(other.slot_mapping.offset, non_blocking=True)
+        for mine, theirs in zip(self.plans, other.plans, strict=True):
+            mine.copy_from(theirs)
+
     def on(self, device: torch.device) -> TritonMetadata:
         if device.type == "cpu":
             return self
@@ -103,6 +117,7 @@ def _plan(tables, starts, widths, begin: int, block_q: int, splits: int) -> Atte
 class TritonAttention:
     kind = "gqa"
     compilable = False
+    graphable = True  # fixed metadata shapes per bucket, no host waits (runner/graphs.py)
 
     def build_metadata(self, layout: BatchLayout) -> TritonMetadata:
         return build_triton_metadata(layout)
@@ -121,6 +136,7 @@ class TritonAttention:
 class TritonMlaAttention:
     kind = "mla"
     compilable = False
+    graphable = True
 
     def build_metadata(self, layout: BatchLayout) -> TritonMetadata:
         return build_triton_metadata(layout)

@@ -151,6 +151,7 @@ class Engine:
             self.max_model_len,
             config.parallel.micro_batches,
             self.speculator.capture if self.speculator else (),
+            platform.graph_recorder(),
         )
         backend = get_backend(config.device.attention_backend, spec.layers[0].kind, platform)
         self.runner = (

@@ -41,6 +41,10 @@ class Platform(Protocol):
         """The decode-step strategy `--decode-step NAME` runs as here."""
         ...
 
+    def graph_recorder(self) -> Any:
+        """How `--decode-step graphs` records a step (runner/graphs.py)."""
+        ...
+
     def new_pool(self, spec: KVCacheSpec, num_pages: int, hugepages: bool) -> torch.Tensor:
         """A zeroed pool of `num_pages` pages plus the null and scratch pages, [rows, bytes]."""
         ...

@@ -36,7 +36,13 @@ class CpuPlatform:
         return "direct" if name == "auto" else name
 
     def decode_step(self, name: str) -> str:
+        _triton_interpreted("--decode-step", name, "graphs")
         return name
+
+    def graph_recorder(self) -> Any:
+        from kvmesh.engine.runner.graphs import eager_record
+
+        return eager_record  # a graph's contract, re-run: checks of the graph step's buffers
 
     def new_pool(self, spec: KVCacheSpec, num_pages: int, hugepages: bool) -> torch.Tensor:
         if hugepages:
@@ -59,9 +65,9 @@ class CpuPlatform:
         return Int4Linear(weight, dtype)
 
 
-def _triton_interpreted(flag: str, name: str) -> None:
-    if name == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+def _triton_interpreted(flag: str, name: str, gpu_only: str = "triton") -> None:
+    if name == gpu_only and os.environ.get("TRITON_INTERPRET") != "1":
         raise InvalidRequestError(
-            f"{flag} triton runs on --device cuda, or on the CPU only under "
+            f"{flag} {name} runs on --device cuda, or on the CPU only under "
             "TRITON_INTERPRET=1 (slowly: for checks)"
         )

@@ -50,7 +50,12 @@ class CudaPlatform:
     def decode_step(self, name: str) -> str:
         if name == "compiled":
             raise InvalidRequestError("--decode-step compiled runs on --device cpu only")
-        return "eager"  # fused is the CPU kernels' step
+        return "eager" if name == "eager" else "graphs"  # fused: the CPU kernels' step
+
+    def graph_recorder(self) -> Any:
+        from kvmesh.engine.runner.graphs import cuda_record
+
+        return cuda_record(torch.cuda.graph_pool_handle())
 
     def new_pool(self, spec: KVCacheSpec, num_pages: int, hugepages: bool) -> torch.Tensor:
         if hugepages:

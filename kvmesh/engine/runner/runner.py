@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,8 +18,7 @@ from kvmesh.engine.core.step import ChunkPlan, StepPlan
 from kvmesh.engine.models import CausalLM
 from kvmesh.engine.pool.block_tables import BlockTables
 from kvmesh.engine.pool.kv_cache import PagedKVCache
-from kvmesh.engine.runner.compiled import CompiledDecode, compiled_decode
-from kvmesh.engine.runner.fused_decode import FusedDecode, fused_decode
+from kvmesh.engine.runner.decode_steps import decode_steps
 from kvmesh.engine.runner.host_tensors import int_tensor
 
 
@@ -40,11 +40,12 @@ class StepResult:
 class RunnerOptions:
     """How the runner runs its passes, fixed when it is built."""
 
-    decode_step: str = "eager"  # --decode-step: eager | fused | compiled (config/engine.py)
+    decode_step: str = "eager"  # --decode-step: eager | fused | compiled | graphs (config/)
     max_rows: int = 1  # compiled: the largest decode batch graphed (--max-num-seqs)
     max_model_len: int = 0  # compiled: the widest block table
     micro_batches: int = 1  # pipeline stages: a step's rows in this many groups (overlap)
     capture: tuple[int, ...] = ()  # layers whose outputs each step keeps (EAGLE's features)
+    record: Any = None  # graphs: how a step is recorded (the platform's graph_recorder)
 
 
 class ModelRunner:
@@ -67,16 +68,9 @@ class ModelRunner:
         self.micro_batches = options.micro_batches
         # decode (and verify) steps as one op (fused_decode.py), or decode-only steps' graphs
         # (compiled.py), each where the model fits it
-        self.fused: FusedDecode | None = None
-        self.compiled: CompiledDecode | None = None
-        if options.decode_step == "fused":
-            self.fused = fused_decode(model, kv.layers, attention)
-        elif options.decode_step == "compiled":
-            self.compiled = compiled_decode(
-                model, attention, self.page_size, options.max_rows, options.max_model_len
-            )
-            if self.compiled is not None:
-                self.compiled.start(self.run_padding)
+        self.fused, self.compiled = decode_steps(options, model, kv, attention)
+        if self.compiled is not None:
+            self.compiled.start(self.run_padding)
 
     @contextlib.contextmanager
     def using(

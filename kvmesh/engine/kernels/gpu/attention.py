@@ -49,14 +49,29 @@ class AttentionPlan:
     block_q: int
     splits: int  # programs per block over shares of its pages (a power of two)
 
-    def to(self, device: torch.device) -> AttentionPlan:
-        if self.tables.device == device:
+    def to(self, device: torch.device, clone: bool = False) -> AttentionPlan:
+        """This plan with its tensors on `device` (`clone`: always new ones)."""
+        if self.tables.device == device and not clone:
             return self
         move = {
-            name: getattr(self, name).to(device, non_blocking=True)
-            for name in ("tables", "q_start", "seq_lens", "block_chunk", "block_q0")
+            name: getattr(self, name).to(device, non_blocking=True, copy=clone) for name in _TENSORS
         }
         return AttentionPlan(self.begin, self.end, block_q=self.block_q, splits=self.splits, **move)
+
+    def copy_from(self, other: AttentionPlan) -> None:
+        """Another step's plan into this one's tensors (a graph's buffers): the same launch."""
+        if (self.begin, self.end, self.block_q, self.splits) != (
+            other.begin,
+            other.end,
+            other.block_q,
+            other.splits,
+        ):
+            raise ValueError("a plan of another launch shape")
+        for name in _TENSORS:
+            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+
+
+_TENSORS = ("tables", "q_start", "seq_lens", "block_chunk", "block_q0")
 
 
 @triton.jit

@@ -76,7 +76,8 @@ def align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tens
     T, k and the expert count only."""
     flat = ids.flatten()
     pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # (bincount would wait for the host)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
