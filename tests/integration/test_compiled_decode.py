@@ -114,4 +114,4 @@ def test_an_unknown_decode_step_is_a_clear_error(llama):
     from kvmesh.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="decode_step must be one of"):
-        LLM(llama, decode_step="graphs")
+        LLM(llama, decode_step="cuda-graphs")
