@@ -17,7 +17,7 @@ INT4_GROUPS = (0, 32, 64, 128)
 SPECULATIVE = ("none", "ngram", "eagle")
 SPEC_POLICIES = ("adaptive", "fixed")  # spec/policy.py
 DECODE_STEPS = ("fused", "eager", "compiled", "graphs")  # runner/: fused_decode, compiled, graphs
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # attention/__init__.py
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flashinfer")  # attention/__init__.py
 MOE_BACKENDS = ("auto", "torch", "triton")  # layers/moe.py, layers/moe_grouped.py
 KV_TRANSFERS = ("auto", "direct", "staged")  # pool/kv_pages.py
 DEVICES = ("cpu", "cuda", "auto")  # engine/platform/
@@ -237,7 +237,8 @@ class DeviceConfig:
     attention_backend: str = knob(
         "auto",
         "attention kernels (auto: on CPU the paged CPU kernels where they build, else torch; "
-        "on CUDA triton; triton also runs on CPU tensors under TRITON_INTERPRET=1, slowly)",
+        "on CUDA triton; triton also runs on CPU tensors under TRITON_INTERPRET=1, slowly; "
+        "flashinfer: CUDA with flashinfer-python, bf16/fp32 GQA pages)",
         choices=ATTENTION_BACKENDS,
     )
     moe_backend: str = knob(

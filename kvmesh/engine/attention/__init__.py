@@ -29,6 +29,7 @@ _BACKENDS = {
     ("cpu", "mla"): "kvmesh.engine.attention.paged:PagedMlaAttention",
     ("triton", "gqa"): "kvmesh.engine.attention.triton_paged:TritonAttention",
     ("triton", "mla"): "kvmesh.engine.attention.triton_paged:TritonMlaAttention",
+    ("flashinfer", "gqa"): "kvmesh.engine.attention.flashinfer_backend:FlashInferAttention",
 }
 
 

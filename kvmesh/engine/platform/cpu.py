@@ -23,6 +23,8 @@ class CpuPlatform:
         return cpu_ops()
 
     def attention_backend(self, name: str) -> str:
+        if name == "flashinfer":
+            raise InvalidRequestError("--attention-backend flashinfer runs on --device cuda only")
         _triton_interpreted("--attention-backend", name)
         if name != "auto":
             return name
