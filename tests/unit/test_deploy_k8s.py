@@ -86,10 +86,10 @@ def test_production_pools_are_spread_with_gpus_budgets_and_autoscaling():
         pod = deployment["spec"]["template"]["spec"]
         (container,) = pod["containers"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
-        assert "hugepages-2Mi" in container["resources"]["limits"]
+        assert "hugepages-2Mi" not in container["resources"]["limits"]  # the pool is on the GPU
         assert pod["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
         assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "kvmesh-models"
-        assert container["args"][-4:] == ["--kv-hugepages", "on", "--protocol", "rdma"]
+        assert container["args"][-4:] == ["--device", "cuda", "--protocol", "rdma"]
         assert container["readinessProbe"]["grpc"]["port"] == 50051
         assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
         assert ("PodDisruptionBudget", pool) in docs and ("HorizontalPodAutoscaler", pool) in docs
