@@ -122,7 +122,10 @@ def shards_to_pb(layout: PoolLayout) -> list[prefill_pb2.KvShard]:
     """A sharded pool's shards as KvDestination.shards (byte spans of the whole page)."""
     return [
         prefill_pb2.KvShard(
-            address=s.address, starts=[r.start for r in s.spans], stops=[r.stop for r in s.spans]
+            address=s.address,
+            starts=[r.start for r in s.spans],
+            stops=[r.stop for r in s.spans],
+            te_session=s.session,
         )
         for s in layout.shards
     ]
@@ -143,6 +146,13 @@ def destination_side(dest: prefill_pb2.KvDestination, pages: list[int]) -> PageS
             tuple(s.address + p * n for p in pages) for s, n in zip(dest.shards, sizes, strict=True)
         ),
     )
+
+
+def shard_sessions(dest: prefill_pb2.KvDestination) -> list[str]:
+    """The transfer session that reaches each shard of the destination (one for whole pages)."""
+    if not dest.shards:
+        return [dest.te_session]
+    return [s.te_session or dest.te_session for s in dest.shards]
 
 
 def shard_spans_of(shard: prefill_pb2.KvShard) -> tuple[range, ...]:

@@ -13,14 +13,14 @@ import torch
 
 from kvmesh.engine.core.engine import TokenOutput
 from kvmesh.engine.core.sampling_params import SamplingParams
-from kvmesh.engine.kv.pool_layout import copy_ranges
 from kvmesh.engine.pool.integrity import as_int32
 from kvmesh.engine.pool.page_io import ImportPlan
 from kvmesh.engine.serving.async_engine import AsyncEngine
 from kvmesh.errors import DeadlineExceededError, InvalidRequestError, RequestAbortedError
 from kvmesh.mesh import metrics, tracing
 from kvmesh.mesh.aborted_ids import AbortedIds
-from kvmesh.mesh.convert import check_shards, destination_side
+from kvmesh.mesh.convert import check_shards
+from kvmesh.mesh.page_copies import read_from, write_to
 from kvmesh.mesh.store_link import StoreLink
 from kvmesh.mesh.transfer import KvTransferEngine, TransferError
 from kvmesh.proto.v1 import prefill_pb2
@@ -167,8 +167,7 @@ class PrefillWorker:
         held, expected = list(dest.page_ids[span]), list(dest.page_tags[span])
 
         def read() -> bool:  # (the copy plan off the event loop too)
-            ranges = copy_ranges(destination_side(dest, held), self.pages.side(local))
-            self.transfer.read_pages(dest.te_session, *ranges)
+            read_from(self.transfer, dest, held, self.pages.side(local))
             if dest.tags_address and len(expected) == len(held):  # (else: no tags there)
                 with self._tag_lock:  # read after the bytes: a page rewritten meanwhile shows
                     got = read_tags(
@@ -221,8 +220,7 @@ class PrefillWorker:
         if self.faults is not None:  # tests only: lose part of the transfer, tags included
             src_pages, dst_pages, tags = self.faults.drop_transfer_pages(src_pages, dst_pages, tags)
         self.pages.stage_out(src_pages)
-        ranges = copy_ranges(self.pages.side(src_pages), destination_side(dest, dst_pages))
-        written = self.transfer.write_pages(dest.te_session, *ranges)
+        written = write_to(self.transfer, self.pages.side(src_pages), dest, dst_pages)
         if dest.tags_address and tags:
             with self._tag_lock:
                 self._tag_staging[: len(tags)] = as_int32(tags)

@@ -186,3 +186,38 @@ def test_read_tags_sees_a_page_rewritten_after_its_reservation(pair: Pair) -> No
     finally:
         pair.decode.unregister(decode_tags.data_ptr())
         pair.prefill.unregister(staging.data_ptr())
+
+
+def test_each_shard_of_a_destination_is_reached_through_its_own_session(fresh: Pair) -> None:
+    """A destination whose two shards (each half of every page) registered their pools with
+    two transfer engines: written and read back through one call per shard's session."""
+    from kvmesh.engine.kv.pool_layout import PageSide
+    from kvmesh.mesh.page_copies import read_from, write_to
+    from kvmesh.proto.v1 import prefill_pb2
+
+    page, half = fresh.page_bytes, fresh.page_bytes // 2
+    other = torch.zeros(NUM_PAGES, half, dtype=torch.uint8)
+    with KvTransferEngine() as rank1:
+        rank1.register(other.data_ptr(), other.numel())
+        dest = prefill_pb2.KvDestination(
+            te_session=fresh.decode.session,
+            page_bytes=page,
+            shards=[
+                prefill_pb2.KvShard(address=fresh.dst_pool.data_ptr(), starts=[0], stops=[half]),
+                prefill_pb2.KvShard(
+                    address=other.data_ptr(), starts=[half], stops=[page], te_session=rank1.session
+                ),
+            ],
+        )
+        src = fresh.src_pool.view(NUM_PAGES, -1).view(torch.uint8)
+        assert (
+            write_to(fresh.prefill, PageSide.whole(fresh.src_pages([1, 2]), page), dest, [3, 5])
+            == 2 * page
+        )
+        shard0 = fresh.dst_pool.view(-1).view(torch.uint8)[: NUM_PAGES * half].view(NUM_PAGES, half)
+        for src_page, dst_page in ((1, 3), (2, 5)):
+            assert torch.equal(shard0[dst_page], src[src_page, :half])
+            assert torch.equal(other[dst_page], src[src_page, half:])
+        local = PageSide.whole(fresh.src_pages([7, 8]), page)
+        assert read_from(fresh.prefill, dest, [3, 5], local) == 2 * page
+        assert torch.equal(src[7], src[1]) and torch.equal(src[8], src[2])

@@ -12,6 +12,7 @@ from kvmesh.engine.kv.pool_layout import (
     PoolLayout,
     PoolShard,
     copy_ranges,
+    copy_ranges_by_shard,
     shard_spans,
 )
 from kvmesh.engine.pool.kv_pages import KvPages
@@ -112,6 +113,28 @@ def test_whole_pages_and_a_sharded_pool() -> None:
     memory.copy(*copy_ranges(store, sharded))
     assert [memory.page(sharded, i) for i in range(2)] == pages
     assert len(sharded.pieces(0)) == 2 and sharded.page_bytes == HEADS * HEAD
+
+
+def test_ranges_grouped_by_the_remote_shard_make_the_same_copy() -> None:
+    """One transfer call per remote shard (each its own session): the groups of a copy are its
+    ranges, each group's addresses inside that shard's pages."""
+    memory = Memory()
+    sharded = memory.pool(SPLITS["tp2"], 4).side([2, 3])
+    store = PageSide.whole([30000, 30000 + HEADS * HEAD], HEADS * HEAD)
+    for src, dst, side, remote in (
+        (store, sharded, "dst", sharded),
+        (sharded, store, "src", sharded),
+    ):
+        groups = copy_ranges_by_shard(src, dst, side)
+        assert sorted(groups) == [0, 1]
+        flat = tuple(sorted(zip(*copy_ranges(src, dst), strict=True)))
+        merged = sorted(t for g in groups.values() for t in zip(*g, strict=True))
+        assert tuple(merged) == flat
+        for shard, (sources, destinations, _) in groups.items():
+            addresses = destinations if side == "dst" else sources
+            size = sum(len(span) for span in remote.spans[shard])
+            first, last = remote.starts[shard][0], remote.starts[shard][-1] + size
+            assert all(first <= a < last for a in addresses)
 
 
 def test_mismatches_are_refused() -> None:

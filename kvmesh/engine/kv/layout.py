@@ -37,8 +37,8 @@ EXP_MIN, EXP_MAX = -110, 110  # 2**(e + 8) must stay a normal fp32
 KV_KINDS = ("gqa", "mla")
 # bump when the byte order of a page, or how a worker says where its pages are, changes (pairs
 # P/D workers and stores); 3: sharded destinations (KvDestination.shards), which a worker of 2
-# would not read
-LAYOUT_VERSION = 3
+# would not read; 4: a transfer session per shard (KvShard.te_session), which 3 would not use
+LAYOUT_VERSION = 4
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8_e4m3": 1}
 
 

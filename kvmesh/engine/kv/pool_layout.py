@@ -20,16 +20,24 @@ from dataclasses import dataclass
 
 from kvmesh.engine.kv.layout import KVCacheSpec
 
-__all__ = ["PageSide", "PoolLayout", "PoolShard", "copy_ranges", "shard_spans"]
+__all__ = [
+    "PageSide",
+    "PoolLayout",
+    "PoolShard",
+    "copy_ranges",
+    "copy_ranges_by_shard",
+    "shard_spans",
+]
 
 
 @dataclass(frozen=True)
 class PoolShard:
     """One rank's pool: page p of it (its spans' bytes end to end) starts at address + p *
-    page_bytes."""
+    page_bytes; `session`: the transfer session that reaches it ("": the worker's own)."""
 
     address: int
     spans: tuple[range, ...]
+    session: str = ""
 
     @property
     def page_bytes(self) -> int:
@@ -125,23 +133,37 @@ class PageSide:
         return [(self.starts[s][index] + offset, n) for s, offset, n in self.runs()]
 
 
-def copy_ranges(src: PageSide, dst: PageSide) -> tuple[list[int], list[int], list[int]]:
+Ranges = tuple[list[int], list[int], list[int]]
+
+
+def copy_ranges(src: PageSide, dst: PageSide) -> Ranges:
     """Source addresses, destination addresses and lengths that copy page i of `src` into page
     i of `dst` for every i (the same logical pages, possibly split differently)."""
+    out: Ranges = ([], [], [])
+    for part in copy_ranges_by_shard(src, dst, "dst").values():
+        for mine, theirs in zip(out, part, strict=True):
+            mine.extend(theirs)
+    return out
+
+
+def copy_ranges_by_shard(src: PageSide, dst: PageSide, side: str) -> dict[int, Ranges]:
+    """`copy_ranges`, grouped by the shard of the `side` ("src" or "dst") each range is in:
+    what one transfer call per remote shard (each its own transfer session) moves."""
     if len(src) != len(dst):
         raise ValueError(f"{len(src)} source pages but {len(dst)} destination pages")
     held = _held(src.spans)
-    out_src, out_dst, lengths = [], [], []
+    out: dict[int, Ranges] = {}
     for d, spans in enumerate(dst.spans):
         local = 0
         for span in spans:
             for s, s_off, n, at in _runs(held, span, d):
                 d_off = local + at - span.start
-                out_src.extend(start + s_off for start in src.starts[s])
-                out_dst.extend(start + d_off for start in dst.starts[d])
-                lengths.extend([n] * len(src))
+                part = out.setdefault(s if side == "src" else d, ([], [], []))
+                part[0].extend(start + s_off for start in src.starts[s])
+                part[1].extend(start + d_off for start in dst.starts[d])
+                part[2].extend([n] * len(src))
             local += len(span)
-    return out_src, out_dst, lengths
+    return out
 
 
 def _held(spans: tuple[tuple[range, ...], ...]) -> list[tuple[int, range, int]]:

@@ -27,7 +27,7 @@ from kvmesh.proto.v1 import decode_pb2 as kvmesh_dot_v1_dot_decode__pb2
 from kvmesh.proto.v1 import draft_pb2 as kvmesh_dot_v1_dot_draft__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/prefill.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\x1a\x16kvmesh/v1/decode.proto\x1a\x15kvmesh/v1/draft.proto\"\xe5\x01\n\rKvDestination\x12\x12\n\nte_session\x18\x01 \x01(\t\x12\x14\n\x0cpool_address\x18\x02 \x01(\x04\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\x10\n\x08page_ids\x18\x04 \x03(\r\x12\x12\n\nskip_pages\x18\x05 \x01(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x10\n\x08kv_dtype\x18\x07 \x01(\t\x12\x14\n\x0ctags_address\x18\x08 \x01(\x04\x12\x11\n\tpage_tags\x18\t \x03(\r\x12\"\n\x06shards\x18\n \x03(\x0b\x32\x12.kvmesh.v1.KvShard\"9\n\x07KvShard\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06starts\x18\x02 \x03(\x04\x12\r\n\x05stops\x18\x03 \x03(\x04\"\xc8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12-\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x18.kvmesh.v1.KvDestination\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x18\n\x10resume_token_ids\x18\x06 \x03(\r\"\xe8\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12.\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x62ytes_transferred\x18\x05 \x01(\x04\x12\x19\n\x11pages_transferred\x18\x06 \x01(\r\x12,\n\x0c\x64raft_window\x18\x07 \x01(\x0b\x32\x16.kvmesh.v1.FeatureRows2\xa1\x02\n\x07Prefill\x12@\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12\x43\n\x08GetLoads\x12\x1a.kvmesh.v1.GetLoadsRequest\x1a\x1b.kvmesh.v1.GetLoadsResponse\x12S\n\x11SubscribeKvEvents\x12#.kvmesh.v1.SubscribeKvEventsRequest\x1a\x17.kvmesh.v1.KvEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/prefill.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\x1a\x16kvmesh/v1/decode.proto\x1a\x15kvmesh/v1/draft.proto\"\xe5\x01\n\rKvDestination\x12\x12\n\nte_session\x18\x01 \x01(\t\x12\x14\n\x0cpool_address\x18\x02 \x01(\x04\x12\x12\n\npage_bytes\x18\x03 \x01(\x04\x12\x10\n\x08page_ids\x18\x04 \x03(\r\x12\x12\n\nskip_pages\x18\x05 \x01(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x10\n\x08kv_dtype\x18\x07 \x01(\t\x12\x14\n\x0ctags_address\x18\x08 \x01(\x04\x12\x11\n\tpage_tags\x18\t \x03(\r\x12\"\n\x06shards\x18\n \x03(\x0b\x32\x12.kvmesh.v1.KvShard\"M\n\x07KvShard\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06starts\x18\x02 \x03(\x04\x12\r\n\x05stops\x18\x03 \x03(\x04\x12\x12\n\nte_session\x18\x04 \x01(\t\"\xc8\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12-\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x18.kvmesh.v1.KvDestination\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x18\n\x10resume_token_ids\x18\x06 \x03(\r\"\xe8\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12.\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x62ytes_transferred\x18\x05 \x01(\x04\x12\x19\n\x11pages_transferred\x18\x06 \x01(\r\x12,\n\x0c\x64raft_window\x18\x07 \x01(\x0b\x32\x16.kvmesh.v1.FeatureRows2\xa1\x02\n\x07Prefill\x12@\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12\x43\n\x08GetLoads\x12\x1a.kvmesh.v1.GetLoadsRequest\x1a\x1b.kvmesh.v1.GetLoadsResponse\x12S\n\x11SubscribeKvEvents\x12#.kvmesh.v1.SubscribeKvEventsRequest\x1a\x17.kvmesh.v1.KvEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,11 +37,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVDESTINATION']._serialized_start=110
   _globals['_KVDESTINATION']._serialized_end=339
   _globals['_KVSHARD']._serialized_start=341
-  _globals['_KVSHARD']._serialized_end=398
-  _globals['_PREFILLREQUEST']._serialized_start=401
-  _globals['_PREFILLREQUEST']._serialized_end=601
-  _globals['_PREFILLRESPONSE']._serialized_start=604
-  _globals['_PREFILLRESPONSE']._serialized_end=836
-  _globals['_PREFILL']._serialized_start=839
-  _globals['_PREFILL']._serialized_end=1128
+  _globals['_KVSHARD']._serialized_end=418
+  _globals['_PREFILLREQUEST']._serialized_start=421
+  _globals['_PREFILLREQUEST']._serialized_end=621
+  _globals['_PREFILLRESPONSE']._serialized_start=624
+  _globals['_PREFILLRESPONSE']._serialized_end=856
+  _globals['_PREFILL']._serialized_start=859
+  _globals['_PREFILL']._serialized_end=1148
 # @@protoc_insertion_point(module_scope)

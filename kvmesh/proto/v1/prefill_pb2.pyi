@@ -34,14 +34,16 @@ class KvDestination(_message.Message):
     def __init__(self, te_session: _Optional[str] = ..., pool_address: _Optional[int] = ..., page_bytes: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., skip_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., tags_address: _Optional[int] = ..., page_tags: _Optional[_Iterable[int]] = ..., shards: _Optional[_Iterable[_Union[KvShard, _Mapping]]] = ...) -> None: ...
 
 class KvShard(_message.Message):
-    __slots__ = ("address", "starts", "stops")
+    __slots__ = ("address", "starts", "stops", "te_session")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STARTS_FIELD_NUMBER: _ClassVar[int]
     STOPS_FIELD_NUMBER: _ClassVar[int]
+    TE_SESSION_FIELD_NUMBER: _ClassVar[int]
     address: int
     starts: _containers.RepeatedScalarFieldContainer[int]
     stops: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, address: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., stops: _Optional[_Iterable[int]] = ...) -> None: ...
+    te_session: str
+    def __init__(self, address: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., stops: _Optional[_Iterable[int]] = ..., te_session: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "destination", "cache_salt", "resume_token_ids")
