@@ -7,15 +7,13 @@ zero, and the new tokens' KV lands in the same bytes. On a CUDA machine, also on
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
-import torch
 
 pytest.importorskip("triton")
+
+from tests.unit.triton_checks import DEVICES, run_check  # noqa: E402
 
 CHECK = textwrap.dedent(
     """
@@ -93,23 +91,6 @@ CHECK = textwrap.dedent(
 )
 
 
-def _run(device: str, interpret: bool) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0"}
-    return subprocess.run(
-        [sys.executable, "-c", CHECK.format(device=device)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def test_triton_attention_equals_the_torch_backends_under_the_interpreter():
-    result = _run("cpu", interpret=True)
-    assert result.returncode == 0 and result.stdout.endswith("ok\n"), result.stderr[-3000:]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_triton_attention_equals_the_torch_backends_on_cuda():
-    result = _run("cuda", interpret=False)
-    assert result.returncode == 0 and result.stdout.endswith("ok\n"), result.stderr[-3000:]
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_attention_equals_the_torch_backends(device):
+    run_check(CHECK, device)

@@ -37,6 +37,22 @@ def buckets_for(max_rows: int) -> tuple[int, ...]:
     return tuple(b for b in BUCKETS if b < max_rows) + (max_rows,)
 
 
+class Bucketed:
+    """Graphs per bucket of decode rows (this module's, runner/graphs.py's): which one a step
+    of some rows runs, once it is ready."""
+
+    buckets: tuple[int, ...]
+    ready: set[int]
+    failed: str | None
+
+    def bucket(self, rows: int) -> int | None:
+        """The bucket of a decode-only step of `rows` rows, if its graph is ready."""
+        if self.failed is not None:
+            return None
+        bucket = next((b for b in self.buckets if b >= rows), None)
+        return bucket if bucket in self.ready else None
+
+
 def configure_inductor() -> None:
     """Inductor's on-disk caches under KVMESH_HOME, compiles in this process (no worker pool
     that could outlive it), eager's bf16 roundings."""
@@ -50,7 +66,7 @@ def configure_inductor() -> None:
     dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 2 * len(BUCKETS))
 
 
-class CompiledDecode:
+class CompiledDecode(Bucketed):
     """Compiled forwards of one model, one graph per bucket of decode rows."""
 
     def __init__(self, model, max_rows: int, max_pages: int) -> None:
@@ -64,13 +80,6 @@ class CompiledDecode:
         raw = type(model).forward.__wrapped__  # the forward without its inference_mode
         self._compiled = torch.compile(raw, fullgraph=True, dynamic=False)
         self._lock = threading.Lock()  # one graph runs or compiles at a time
-
-    def bucket(self, rows: int) -> int | None:
-        """The bucket of a decode-only step of `rows` rows, if its graph is ready."""
-        if self.failed is not None:
-            return None
-        bucket = next((b for b in self.buckets if b >= rows), None)
-        return bucket if bucket in self.ready else None
 
     def try_forward(self, input_ids, positions, meta, kv_caches, attention, capture):
         """The compiled forward, or None while the warm-up thread is compiling (dynamo's caches

@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 import torch
 
-from kvmesh.engine.runner.compiled import buckets_for
+from kvmesh.engine.runner.compiled import Bucketed, buckets_for
 
 log = structlog.get_logger(__name__)
 Recorder = Callable[[Callable[[], Any]], tuple[Callable[[], None], Any]]
@@ -67,7 +67,7 @@ class _Graph:
     out: Any
 
 
-class GraphDecode:
+class GraphDecode(Bucketed):
     """Graphs of one model's decode step, one per bucket (the runner's `compiled` role)."""
 
     def __init__(self, model, max_rows: int, max_pages: int, record: Recorder) -> None:
@@ -78,12 +78,6 @@ class GraphDecode:
         self.failed: str | None = None
         self.replays = 0
         self._graphs: dict[int, _Graph] = {}
-
-    def bucket(self, rows: int) -> int | None:
-        if self.failed is not None:
-            return None
-        bucket = next((b for b in self.buckets if b >= rows), None)
-        return bucket if bucket in self.ready else None
 
     def try_forward(self, input_ids, positions, meta, kv_caches, attention, capture):
         """The graph's outputs for this step (None: no graph for it; the caller runs eager)."""
