@@ -77,3 +77,14 @@ def test_staged_pages_go_through_the_mirror_by_runs_of_page_ids():
     pages.region[5] = 17  # a transfer landed in page 5
     pages.stage_in([5])
     assert (cache.pool[5] == 17).all()
+
+
+def test_a_gpu_pool_takes_its_budget_within_the_free_memory(monkeypatch):
+    from kvmesh.engine.platform.cuda import CudaPlatform
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * gib, 80 * gib))
+    cuda = CudaPlatform(0)  # (no GPU needed to ask it)
+    assert cuda.kv_budget(4 * gib) == 4 * gib
+    assert cuda.kv_budget(64 * gib) == 30 * gib - 8 * gib - gib  # a tenth of the card, 1 GiB
+    assert CPU.kv_budget(64 * gib) == 64 * gib

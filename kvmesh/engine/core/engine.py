@@ -104,7 +104,8 @@ class Engine:
         self.kv_spec = spec
         platform = self.platform
         if self.ranks is None:
-            num_pages = config.cache.num_pages or spec.pages_for_budget(config.cache.kv_cache_bytes)
+            budget = platform.kv_budget(config.cache.kv_cache_bytes)
+            num_pages = config.cache.num_pages or spec.pages_for_budget(budget)
             pool = platform.new_pool(spec, num_pages, config.cache.kv_hugepages)
             self.kv_cache = PagedKVCache(spec, num_pages, dtype, pool=pool)
             staged = platform.kv_transfer(config.device.kv_transfer) == "staged"

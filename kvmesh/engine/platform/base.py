@@ -45,6 +45,10 @@ class Platform(Protocol):
         """How `--decode-step graphs` records a step (runner/graphs.py)."""
         ...
 
+    def kv_budget(self, budget: int) -> int:
+        """Bytes the KV pool may take of `--kv-cache-memory` here, now (after the weights)."""
+        ...
+
     def new_pool(self, spec: KVCacheSpec, num_pages: int, hugepages: bool) -> torch.Tensor:
         """A zeroed pool of `num_pages` pages plus the null and scratch pages, [rows, bytes]."""
         ...

@@ -46,6 +46,9 @@ class CpuPlatform:
 
         return eager_record  # a graph's contract, re-run: checks of the graph step's buffers
 
+    def kv_budget(self, budget: int) -> int:
+        return budget  # host memory: the flag's word
+
     def new_pool(self, spec: KVCacheSpec, num_pages: int, hugepages: bool) -> torch.Tensor:
         if hugepages:
             from kvmesh.engine.parallel.shared_pages import new_pool

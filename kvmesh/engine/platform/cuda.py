@@ -57,6 +57,12 @@ class CudaPlatform:
 
         return cuda_record(torch.cuda.graph_pool_handle())
 
+    def kv_budget(self, budget: int) -> int:
+        """The flag's budget, within what the GPU has free after the weights less a reserve for
+        activations, graphs and the allocator (a tenth of the card and 1 GiB)."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        return max(0, min(budget, free - total // 10 - (1 << 30)))
+
     def new_pool(self, spec: KVCacheSpec, num_pages: int, hugepages: bool) -> torch.Tensor:
         if hugepages:
             raise InvalidRequestError("--kv-hugepages is for host memory (--device cpu)")
