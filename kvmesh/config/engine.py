@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.config.device import DeviceConfig
 from kvmesh.config.knobs import Alias, build, check, knob, section
 from kvmesh.errors import InvalidRequestError
 
@@ -16,11 +17,6 @@ KV_DTYPES = ("fp32", "bf16", "fp8_e4m3")
 INT4_GROUPS = (0, 32, 64, 128)
 SPECULATIVE = ("none", "ngram", "eagle")
 SPEC_POLICIES = ("adaptive", "fixed")  # spec/policy.py
-DECODE_STEPS = ("fused", "eager", "compiled", "graphs")  # runner/: fused_decode, compiled, graphs
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flashinfer")  # attention/__init__.py
-MOE_BACKENDS = ("auto", "torch", "triton")  # layers/moe.py, layers/moe_grouped.py
-KV_TRANSFERS = ("auto", "direct", "staged")  # pool/kv_pages.py
-DEVICES = ("cpu", "cuda", "auto")  # engine/platform/
 
 
 def parse_size(text: str) -> int:
@@ -227,45 +223,6 @@ class ParallelConfig:
         if self.pipeline_parallel_size == 1:
             return 1
         return self.pipeline_micro_batches or self.pipeline_parallel_size
-
-
-@dataclass(frozen=True)
-class DeviceConfig:
-    device: str = knob(
-        "cpu", "where the engine runs (auto: CUDA where torch sees a GPU)", choices=DEVICES
-    )
-    attention_backend: str = knob(
-        "auto",
-        "attention kernels (auto: on CPU the paged CPU kernels where they build, else torch; "
-        "on CUDA triton; triton also runs on CPU tensors under TRITON_INTERPRET=1, slowly; "
-        "flashinfer: CUDA with flashinfer-python, bf16/fp32 GQA pages)",
-        choices=ATTENTION_BACKENDS,
-    )
-    moe_backend: str = knob(
-        "auto",
-        "routed experts: torch runs each expert's rows in turn; triton one grouped GEMM per "
-        "projection (dense experts; auto: triton on CUDA, torch on CPU)",
-        choices=MOE_BACKENDS,
-    )
-    kv_transfer: str = knob(
-        "auto",
-        "how other workers and the KV store reach the KV pages: direct (the pool registered "
-        "with the transfer engine) or staged (through a host mirror, pages copied at each "
-        "transfer: a GPU pool with the non-CUDA transfer engine); auto: direct on CPU, staged "
-        "on CUDA",
-        choices=KV_TRANSFERS,
-    )
-    decode_step: str = knob(
-        "fused",
-        "fused: on CPU, decode-only steps of dense GQA models as one C++ op "
-        "(the eager bits; other models run eager); compiled: torch.compile "
-        "them (opt-in; see docs/benchmarks.md); graphs: CUDA graphs of decode-only steps "
-        "(CUDA's default for fused)",
-        choices=DECODE_STEPS,
-    )
-
-    def __post_init__(self) -> None:
-        check(self)
 
 
 @dataclass(frozen=True)
