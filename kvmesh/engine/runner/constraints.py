@@ -150,12 +150,12 @@ class Constraints:
 def apply_masks(rows: torch.Tensor, masks: torch.Tensor) -> None:
     """-inf on every logit of rows [n, V] whose bit in masks [n, words] is clear."""
     bits = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")
-    allowed = torch.from_numpy(bits[:, : rows.shape[1]]).bool()
+    allowed = torch.from_numpy(bits[:, : rows.shape[1]]).bool().to(rows.device)
     rows.masked_fill_(~allowed, float("-inf"))
 
 
 def apply_bias(rows: torch.Tensor, bias: Seq[tuple[int, float]]) -> None:
     """OpenAI logit_bias: each value added to its token's logit in every row."""
-    ids = torch.tensor([token for token, _ in bias], dtype=torch.long)
-    values = torch.tensor([value for _, value in bias], dtype=rows.dtype)
+    ids = torch.tensor([token for token, _ in bias], dtype=torch.long, device=rows.device)
+    values = torch.tensor([value for _, value in bias], dtype=rows.dtype, device=rows.device)
     rows[:, ids] += values
