@@ -88,3 +88,14 @@ def test_a_gpu_pool_takes_its_budget_within_the_free_memory(monkeypatch):
     assert cuda.kv_budget(4 * gib) == 4 * gib
     assert cuda.kv_budget(64 * gib) == 30 * gib - 8 * gib - gib  # a tenth of the card, 1 GiB
     assert CPU.kv_budget(64 * gib) == 64 * gib
+
+
+def test_a_tensor_held_twice_is_moved_once():
+    class Held:  # (a kvmesh class: placement walks only the engine's own objects)
+        __module__ = "kvmesh.engine.test_double"
+
+        def __init__(self, t):
+            self.embed, self.lm_head, self.rows = t, t, [t]
+
+    model = place(Held(torch.zeros(3)), torch.device("meta"), None)
+    assert model.embed is model.lm_head is model.rows[0] and model.embed.is_meta

@@ -22,10 +22,13 @@ def place(model: Any, device: torch.device, int4: Callable[[Int4Linear], Any] | 
     if device.type == "cpu":
         return model
     seen: set[int] = set()
+    moved: dict[int, torch.Tensor] = {}  # a tensor held twice (tied embeddings) moves once
 
     def visit(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return value.to(device)
+            if id(value) not in moved:
+                moved[id(value)] = value.to(device)
+            return moved[id(value)]
         if isinstance(value, Int4Linear):
             if int4 is None:
                 raise ValueError(f"no INT4 linear for {device.type} tensors")
