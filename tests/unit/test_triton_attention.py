@@ -1,6 +1,8 @@
 """The Triton paged attention (the CUDA platform's backend) equals the torch reference backends
 on random pages, run on CPU tensors under TRITON_INTERPRET=1 in a subprocess (the variable must
-be set before triton is imported): GQA and MLA, fp32 / bf16 / FP8 pages, one ragged step of
+be set before triton is imported): GQA (8 query heads per KV head of 128) and MLA (latent 512 +
+rope 64), in the shapes whose prefill programs take a share of a KV head's query heads each,
+fp32 / bf16 / FP8 pages, one ragged step of
 decode rows (split over their pages), a fresh prefill chunk and a chunk over a cached prefix,
 pages of 16 tokens; NaN bytes in slots a row does not own are never read, the null page stays
 zero, and the new tokens' KV lands in the same bytes. On a CUDA machine, also on the GPU."""
@@ -39,9 +41,9 @@ CHECK = textwrap.dedent(
 
     def filled(kind, kv_dtype, dtype):
         if kind == "gqa":
-            spec = KVCacheSpec.gqa(1, 2, 32, PAGE, kv_dtype)
+            spec = KVCacheSpec.gqa(1, 2, 128, PAGE, kv_dtype)
         else:
-            spec = KVCacheSpec((LayerKVSpec("mla", 1, 48),), PAGE, kv_dtype)
+            spec = KVCacheSpec((LayerKVSpec("mla", 1, 512 + 64),), PAGE, kv_dtype)
         pool = for_device(DEVICE).new_pool(spec, PAGES, False)
         kv = PagedKVCache(spec, PAGES, dtype, pool=pool)
         layer, head = kv.layers[0].layer, spec.layers[0]
@@ -59,8 +61,8 @@ CHECK = textwrap.dedent(
         g = torch.Generator().manual_seed(1)
         rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
         if kind == "gqa":
-            return (rand(T, 8, 32), rand(T, 2, 32), rand(T, 2, 32)), torch.tensor(0.2)
-        return (rand(T, 4, 16), rand(T, 4, 16), rand(T, 48)), rand(4 * 32, 32)
+            return (rand(T, 16, 128), rand(T, 2, 128), rand(T, 2, 128)), torch.tensor(0.1)
+        return (rand(T, 4, 16), rand(T, 4, 64), rand(T, 576)), rand(4 * 32, 512) / 8
 
     def attend(name, kv, lay, args, extra):
         backend = get_backend(name, kv.spec.layers[0].kind, for_device(DEVICE))

@@ -3,7 +3,8 @@ run on CPU tensors under TRITON_INTERPRET=1 in the tests).
 
 One kernel for decode rows, prefill chunks and chunks over a cached prefix (vLLM's unified
 attention is the model): a program takes a block of BLOCK_Q query positions of one chunk times
-the GROUP query heads of one KV head, and walks the chunk's pages through its block table, one
+BLOCK_H of the GROUP query heads of one KV head (all of them unless its accumulator would
+outgrow a GPU's registers: MLA's 128 heads), and walks the chunk's pages through its block table, one
 page per iteration, with an online softmax. Pages are read through four explicit strides (page,
 head, slot, part; the dim stride is 1), so a layer's view of the pool is read where it lies.
 
@@ -29,6 +30,7 @@ import triton.language as tl
 from kvmesh.engine.kernels.gpu.common import INTERPRETED, stored_as
 
 LOG2E = 1.4426950408889634
+ACC_ELEMENTS = 16 * 512  # a program's fp32 accumulator at most (registers on a GPU)
 NEG = -1.0e38  # a running max that is not -inf: a split or tile without keys adds exactly 0
 
 
@@ -103,6 +105,9 @@ def _paged_attention(
     scale_log2,
     V_PART: tl.constexpr,
     GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
+    HQ: tl.constexpr,
     PAGE: tl.constexpr,
     DA: tl.constexpr,
     DB: tl.constexpr,
@@ -114,7 +119,8 @@ def _paged_attention(
     FP8: tl.constexpr,
     DOT_BF16: tl.constexpr,
 ):
-    block, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    block, split = tl.program_id(0), tl.program_id(2)
+    kv_head, head_block = tl.program_id(1) // HEAD_BLOCKS, tl.program_id(1) % HEAD_BLOCKS
     chunk = tl.load(block_chunk_ptr + block).to(tl.int64)
     q0 = tl.load(block_q0_ptr + block)
     q_begin = tl.load(q_start_ptr + chunk)
@@ -123,9 +129,10 @@ def _paged_attention(
     context = seq_len - q_len  # tokens cached before the chunk
 
     m = tl.arange(0, BLOCK_M)
-    qi = q0 + m // GROUP  # the row's query within the chunk
-    row_ok = (m < BLOCK_Q * GROUP) & (qi < q_len)
-    head = kv_head * GROUP + m % GROUP
+    qi = q0 + m // BLOCK_H  # the row's query within the chunk
+    in_group = head_block * BLOCK_H + m % BLOCK_H  # its head among the KV head's GROUP
+    row_ok = (m < BLOCK_Q * BLOCK_H) & (qi < q_len) & (in_group < GROUP)
+    head = kv_head * GROUP + in_group
     rows = (q_begin + qi).to(tl.int64)
     q_rows = q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh
     da = tl.arange(0, BLOCK_DA)[None, :]
@@ -185,7 +192,7 @@ def _paged_attention(
         o_rows = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh
         tl.store(o_rows + da, stored_as(out, out_ptr.dtype.element_ty), mask=keep)
     else:
-        at = (rows * (GROUP * tl.num_programs(1)) + head) * SPLITS + split
+        at = (rows * HQ + head) * SPLITS + split
         tl.store(part_ptr + at[:, None] * DA + da, acc, mask=keep)
         tl.store(lse_ptr + at * 2, best, mask=row_ok)
         tl.store(lse_ptr + at * 2 + 1, total, mask=row_ok)
@@ -235,7 +242,9 @@ def paged_attention(
         data = data.view(torch.float8_e4m3fn)
     e = exps if exps is not None else data  # never read without FP8
     e_strides = exps.stride()[:4] if exps is not None else (0, 0, 0, 0)
-    block_m = max(16, triton.next_power_of_2(plan.block_q * group))
+    block_h = _heads_per_program(group, plan.block_q, da)
+    block_m = max(16, triton.next_power_of_2(plan.block_q * block_h))
+    head_blocks = triton.cdiv(group, block_h)
     splits = plan.splits
     parts = lse = out
     if splits > 1:
@@ -243,7 +252,7 @@ def paged_attention(
             q.shape[0], q.shape[1], splits, da, dtype=torch.float32, device=q.device
         )
         lse = torch.empty(q.shape[0], q.shape[1], splits, 2, dtype=torch.float32, device=q.device)
-    _paged_attention[(len(plan.block_chunk), heads, splits)](
+    _paged_attention[(len(plan.block_chunk), heads * head_blocks, splits)](
         q,
         q.stride(0),
         q.stride(1),
@@ -265,6 +274,9 @@ def paged_attention(
         scale * LOG2E,
         V_PART=v_part,
         GROUP=group,
+        BLOCK_H=block_h,
+        HEAD_BLOCKS=head_blocks,
+        HQ=q.shape[1],
         PAGE=data.shape[2],
         DA=da,
         DB=db,
@@ -288,3 +300,13 @@ def paged_attention(
             DA=da,
             BLOCK_DA=triton.next_power_of_2(da),
         )
+
+
+def _heads_per_program(group: int, block_q: int, dim: int) -> int:
+    """Query heads of one KV head a program takes: all of them while its accumulator
+    (queries x heads x dim fp32) stays within ACC_ELEMENTS, else the largest power of two that
+    fits (MLA's 128 heads of 512: 16 for decode rows, 1 for prefill chunks of 16 queries)."""
+    fit = max(1, ACC_ELEMENTS // (block_q * triton.next_power_of_2(dim)))
+    if group <= fit:
+        return group
+    return 1 << (fit.bit_length() - 1)
