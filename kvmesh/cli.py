@@ -100,7 +100,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvmesh serve {args.service}: error: {exc}", file=sys.stderr)
         return 2
     _log_imports_done()
-    return event_loop.run(serve(options)) or 0
+    code = event_loop.run(serve(options)) or 0
+    transfer = sys.modules.get("kvmesh.mesh.transfer")
+    if transfer is not None and transfer.abandoned():
+        from kvmesh.processes import exit_now
+
+        exit_now(code)
+    return code
 
 
 def _service(args: argparse.Namespace) -> tuple[Callable[[Any], Any], Any]:

@@ -77,7 +77,8 @@ class StoreLink:
             return 0
         local = self.pages.side(page_ids)
         fetched = await client.fetch(block_hashes, local, self.page_bytes, self.layout_key)
-        await asyncio.to_thread(self.pages.stage_in, page_ids[:fetched])
+        if self.pages.staged:
+            await asyncio.to_thread(self.pages.stage_in, page_ids[:fetched])
         return fetched
 
     def enable_export(self) -> None:
@@ -115,7 +116,8 @@ class StoreLink:
         local = self.pages.side(page_ids)
         self._offers.inc()
         try:
-            await asyncio.to_thread(self.pages.stage_out, page_ids)
+            if self.pages.staged:
+                await asyncio.to_thread(self.pages.stage_out, page_ids)
             await client.offer(block_hashes, local, self.page_bytes, self.layout_key)
         finally:
             self._offers.dec()

@@ -14,7 +14,8 @@ Measured behaviour of mooncake-transfer-engine 0.3.13 (TCP, loopback) that shape
 - A remote range outside the peer's registered memory, or a peer that is not listening, gives
   rc -1 within milliseconds and leaves the pair usable.
 - A write that timed out (hung peer) can still land later: treat the destination pages as dirty.
-- Destroying an engine takes ~1 s; `close()` does it once.
+- Destroying an engine takes ~1 s; `close()` does it once. A service about to exit skips it
+  (`abandon`, then `processes.exit_now`): the process's end closes what the engine held.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ log = structlog.get_logger(__name__)
 
 MAX_BATCH_ENTRIES = 256  # entries per TE batch call (the TCP per-peer queue holds ~2048)
 MAX_INFLIGHT_BATCHES = 4  # batches in flight per engine, over all threads and peers
+_ABANDONED: list[Any] = []  # engines `abandon` left undestroyed: the process exits next
+
+
+def abandoned() -> bool:
+    """Whether an engine was left for the process's exit to end (see `abandon`)."""
+    return bool(_ABANDONED)
 
 
 @dataclass(frozen=True)
@@ -231,6 +238,20 @@ class KvTransferEngine:
             session = f"{self.config.hostname}:{engine.get_rpc_port()}"
             del engine
             log.info("transfer_engine_closed", session=session)
+
+    def abandon(self) -> None:
+        """`close`, without the engine's ~1 s destructor: for a process that ends next through
+        `processes.exit_now` (its sockets and threads go with it). P2P mode only: with a
+        metadata server the destructor also removes this engine's records there."""
+        if self.config.metadata_server != "P2PHANDSHAKE":
+            self.close()
+            return
+        with self._lock:
+            engine, self._engine = self._engine, None
+            self._registered.clear()
+        if engine is not None:
+            _ABANDONED.append(engine)
+            log.info("transfer_engine_abandoned", session=self.config.hostname)
 
     def __enter__(self) -> KvTransferEngine:
         return self

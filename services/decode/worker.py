@@ -140,15 +140,12 @@ class DecodeWorker:
             reservation = await self._reserve(job, aborted)
             if reservation is None:
                 return None
-            pages = self.engine.kv_pages  # the prefill worker reads our cached prefix pages
-            await asyncio.to_thread(
-                pages.stage_out, reservation.page_ids[: reservation.cached_pages]
-            )
+            pages, cached = self.engine.kv_pages, reservation.cached_pages
+            if pages.staged:  # the prefill worker reads our cached prefix pages
+                await asyncio.to_thread(pages.stage_out, reservation.page_ids[:cached])
             response = await self._remote_prefill(job, reservation, aborted)
-            if response is not None:  # what it wrote, from the mirror into the pool
-                await asyncio.to_thread(
-                    pages.stage_in, reservation.page_ids[reservation.cached_pages :]
-                )
+            if response is not None and pages.staged:  # what it wrote: mirror -> pool
+                await asyncio.to_thread(pages.stage_in, reservation.page_ids[cached:])
             if response is not None and aborted.is_set():  # while the prefill call returned
                 await self.engine.cancel_reservation(job.request_id)
                 return None

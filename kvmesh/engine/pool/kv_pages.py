@@ -45,6 +45,8 @@ class KvPages:
     def side(self, pages: Sequence[int]) -> PageSide:
         return self.layout.side(pages)
 
+    staged = False  # transfers reach the pool itself
+
     def stage_out(self, pages: Sequence[int]) -> None:
         """Make `pages` readable by transfers (nothing to do: they read the pool itself)."""
 
@@ -62,6 +64,8 @@ class KvPages:
 
 class StagedKvPages(KvPages):
     """One pool (single rank) reached by transfers through a host mirror of it."""
+
+    staged = True
 
     def __init__(self, cache: PagedKVCache) -> None:
         self.pool = cache.pool
