@@ -99,3 +99,13 @@ def test_a_tensor_held_twice_is_moved_once():
 
     model = place(Held(torch.zeros(3)), torch.device("meta"), None)
     assert model.embed is model.lm_head is model.rows[0] and model.embed.is_meta
+
+
+def test_a_gpu_engine_refuses_pages_smaller_than_its_kernels_tiles():
+    from kvmesh.config import EngineConfig
+    from kvmesh.engine.platform.cuda import CudaPlatform
+
+    with pytest.raises(InvalidRequestError, match="--page-size 8: --device cuda needs at least 16"):
+        CudaPlatform(0).check(EngineConfig.of(model="m", page_size=8))
+    CudaPlatform(0).check(EngineConfig.of(model="m", page_size=16))
+    CPU.check(EngineConfig.of(model="m", page_size=8))  # the CPU's kernels take any

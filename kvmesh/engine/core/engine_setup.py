@@ -44,7 +44,7 @@ def engine_platform(config: EngineConfig) -> Platform:
     platform = resolve_platform(config.device.device)
     if config.parallel.world_size > 1 and platform.name != "cpu":
         raise InvalidRequestError("parallel ranks run on --device cpu only (NCCL: not yet)")
-    platform.attention_backend(config.device.attention_backend)
+    platform.check(config)
     moe = platform.moe_backend(config.device.moe_backend)
     if config.parallel.world_size > 1 and moe != "torch":
         raise InvalidRequestError("--moe-backend triton runs on one rank (not yet on ranks)")

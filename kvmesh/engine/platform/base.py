@@ -21,6 +21,10 @@ class Platform(Protocol):
     name: str  # "cpu" | "cuda": what `--device` names
     device: torch.device  # where weights, activations and the KV pool live
 
+    def check(self, config: Any) -> None:
+        """InvalidRequestError naming the flag where the EngineConfig cannot run here."""
+        ...
+
     def kernels(self) -> Any | None:
         """The op table for tensors on this device (kernels/__init__.py's names), or None."""
         ...

@@ -19,6 +19,11 @@ class CpuPlatform:
     name = "cpu"
     device = torch.device("cpu")
 
+    def check(self, config: Any) -> None:
+        self.attention_backend(config.device.attention_backend)
+        self.moe_backend(config.device.moe_backend)
+        self.decode_step(config.device.decode_step)
+
     def kernels(self) -> Any | None:
         return cpu_ops()
 

@@ -14,6 +14,8 @@ import torch
 from kvmesh.engine.kv.layout import KVCacheSpec
 from kvmesh.errors import InvalidRequestError
 
+MIN_PAGE_SIZE = 16
+
 
 def unavailable_reason() -> str | None:
     """Why `--device cuda` cannot run in this process; None when it can."""
@@ -32,6 +34,15 @@ class CudaPlatform:
 
     def __init__(self, index: int = 0) -> None:
         self.device = torch.device("cuda", index)
+
+    def check(self, config: Any) -> None:
+        if config.cache.page_size < MIN_PAGE_SIZE:  # tl.dot's K of the P.V product
+            raise InvalidRequestError(
+                f"--page-size {config.cache.page_size}: --device cuda needs at least "
+                f"{MIN_PAGE_SIZE} tokens a page (the Triton kernels' tiles)"
+            )
+        self.attention_backend(config.device.attention_backend)
+        self.decode_step(config.device.decode_step)
 
     def kernels(self) -> Any | None:
         return None
