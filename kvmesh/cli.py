@@ -100,9 +100,11 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvmesh serve {args.service}: error: {exc}", file=sys.stderr)
         return 2
     _log_imports_done()
+    from kvmesh.mesh import transfer
+
+    transfer.end_with_process()  # the process exits after serving: no ~1 s TE destructor
     code = event_loop.run(serve(options)) or 0
-    transfer = sys.modules.get("kvmesh.mesh.transfer")
-    if transfer is not None and transfer.abandoned():
+    if transfer.parked():
         from kvmesh.processes import exit_now
 
         exit_now(code)

@@ -14,8 +14,9 @@ Measured behaviour of mooncake-transfer-engine 0.3.13 (TCP, loopback) that shape
 - A remote range outside the peer's registered memory, or a peer that is not listening, gives
   rc -1 within milliseconds and leaves the pair usable.
 - A write that timed out (hung peer) can still land later: treat the destination pages as dirty.
-- Destroying an engine takes ~1 s; `close()` does it once. A service about to exit skips it
-  (`abandon`, then `processes.exit_now`): the process's end closes what the engine held.
+- Destroying an engine takes ~1 s; `close()` does it once. In a process whose CLI said it
+  ends after serving (`end_with_process`), `close()` skips that and the CLI exits through
+  `processes.exit_now`: the process's end closes what the engine held.
 """
 
 from __future__ import annotations
@@ -36,12 +37,19 @@ log = structlog.get_logger(__name__)
 
 MAX_BATCH_ENTRIES = 256  # entries per TE batch call (the TCP per-peer queue holds ~2048)
 MAX_INFLIGHT_BATCHES = 4  # batches in flight per engine, over all threads and peers
-_ABANDONED: list[Any] = []  # engines `abandon` left undestroyed: the process exits next
+_PARKED: list[Any] = []  # engines `close` left undestroyed: the process exits next
+_ENDS_WITH_PROCESS = [False]  # set by the CLI (`end_with_process`), never by a library caller
 
 
-def abandoned() -> bool:
-    """Whether an engine was left for the process's exit to end (see `abandon`)."""
-    return bool(_ABANDONED)
+def end_with_process() -> None:
+    """This process exits right after its service stops (`kvmesh serve`): from now on `close`
+    leaves a P2P engine for the process's end to close instead of its ~1 s destructor."""
+    _ENDS_WITH_PROCESS[0] = True
+
+
+def parked() -> bool:
+    """Whether `close` left an engine for the process's exit to end (see `end_with_process`)."""
+    return bool(_PARKED)
 
 
 @dataclass(frozen=True)
@@ -230,28 +238,21 @@ class KvTransferEngine:
         return self._transfer("read", session, coalesce(src, dst, length))
 
     def close(self) -> None:
-        """Destroy the engine (takes ~1 s). Idempotent; later calls raise TransferError."""
+        """Destroy the engine (takes ~1 s), or park it when the process ends next
+        (`end_with_process`; P2P mode only: with a metadata server the destructor also removes
+        this engine's records there). Idempotent; later calls raise TransferError."""
         with self._lock:
             engine, self._engine = self._engine, None
             self._registered.clear()
-        if engine is not None:
-            session = f"{self.config.hostname}:{engine.get_rpc_port()}"
-            del engine
-            log.info("transfer_engine_closed", session=session)
-
-    def abandon(self) -> None:
-        """`close`, without the engine's ~1 s destructor: for a process that ends next through
-        `processes.exit_now` (its sockets and threads go with it). P2P mode only: with a
-        metadata server the destructor also removes this engine's records there."""
-        if self.config.metadata_server != "P2PHANDSHAKE":
-            self.close()
+        if engine is None:
             return
-        with self._lock:
-            engine, self._engine = self._engine, None
-            self._registered.clear()
-        if engine is not None:
-            _ABANDONED.append(engine)
-            log.info("transfer_engine_abandoned", session=self.config.hostname)
+        session = f"{self.config.hostname}:{engine.get_rpc_port()}"
+        if _ENDS_WITH_PROCESS[0] and self.config.metadata_server == "P2PHANDSHAKE":
+            _PARKED.append(engine)
+            log.info("transfer_engine_parked", session=session)
+            return
+        del engine
+        log.info("transfer_engine_closed", session=session)
 
     def __enter__(self) -> KvTransferEngine:
         return self

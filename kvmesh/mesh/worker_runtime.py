@@ -134,7 +134,7 @@ async def serve_worker(
             delivery.close()
         async_engine.stop()
         engine.close()  # a tensor-parallel engine's other ranks
-        transfer.abandon()  # the process ends next (cli.py): no ~1 s destructor
+        transfer.close()
     if lost:
         log.error("worker.engine_lost", reason="a tensor-parallel rank of this worker is gone")
     return 1 if lost else 0

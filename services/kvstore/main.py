@@ -101,7 +101,7 @@ async def serve_kvstore(config: KVStoreConfig, stop: asyncio.Event | None = None
         with contextlib.suppress(asyncio.CancelledError):
             await sweeper
         store.close()
-        transfer.abandon()  # the process ends next (cli.py): no ~1 s destructor
+        transfer.close()
 
 
 async def _adopt_layout(config: KVStoreConfig, stop: asyncio.Event) -> KVStoreConfig | None:

@@ -221,3 +221,24 @@ def test_each_shard_of_a_destination_is_reached_through_its_own_session(fresh: P
         local = PageSide.whole(fresh.src_pages([7, 8]), page)
         assert read_from(fresh.prefill, dest, [3, 5], local) == 2 * page
         assert torch.equal(src[7], src[1]) and torch.equal(src[8], src[2])
+
+
+def test_close_parks_the_engine_only_in_a_process_that_ends_next() -> None:
+    """A library caller's `close` destroys its engine; after the CLI's `end_with_process`
+    (`kvmesh serve`) `close` parks it instead, for the process's exit to end."""
+    import subprocess
+    import sys
+
+    script = (
+        "from kvmesh.mesh import transfer\n"
+        "e = transfer.KvTransferEngine(); e.close(); assert not transfer.parked()\n"
+        "transfer.end_with_process()\n"
+        "e = transfer.KvTransferEngine(); e.close(); assert transfer.parked()\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "ok" and "transfer_engine_parked" in done.stdout
