@@ -148,10 +148,10 @@ class PagedMlaAttention:
         self, q_nope, q_pe, entry, cache: MlaLayerKV, meta: PagedMetadata, w: MlaWeights
     ) -> torch.Tensor:
         d, rank = meta.num_decode, w.kv_b.shape[1]
-        q_latent = torch.bmm(q_nope[:d].transpose(0, 1), w.w_uk).transpose(0, 1)
+        q_latent = w.absorb(q_nope[:d])
         query = torch.cat((q_latent, q_pe[:d]), dim=-1)  # [B, H, rank + rope]
         latent = _write_decode(query, entry[:, None, None, :], cache.layer, meta, 0, rank, w.scale)
-        decoded = torch.bmm(latent.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)
+        decoded = w.expand(latent)
         if not meta.prefills:
             return decoded
         out = q_nope.new_empty(q_nope.shape[0], w.num_heads, w.v_dim)

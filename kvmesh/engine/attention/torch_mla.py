@@ -46,14 +46,14 @@ class TorchMlaAttention:
     @staticmethod
     def _decode(q_nope, q_pe, cache: MlaLayerKV, meta: AttentionMetadata, w: MlaWeights):
         rank = w.kv_b.shape[1]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)  # [B, H, rank]
+        q_latent = w.absorb(q_nope)  # [B, H, rank]
         query = torch.cat((q_latent, q_pe), dim=-1)
         context = cache.read(meta.decode_gather)  # [B, L, rank + rope]
         scores = torch.bmm(query, context.transpose(1, 2)).float() * w.scale  # [B, H, L]
         mask = meta.decode_mask.view(scores.shape[0], 1, -1)
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(query.dtype)
         latent = torch.bmm(probs, context[..., :rank])  # [B, H, rank]
-        return torch.bmm(latent.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)
+        return w.expand(latent)
 
     @staticmethod
     def _prefill(q_nope, q_pe, entry, cache: MlaLayerKV, span: PrefillSpan, w: MlaWeights):

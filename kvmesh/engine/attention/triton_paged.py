@@ -149,9 +149,9 @@ class TritonMlaAttention:
         slots = meta.slot_mapping
         write_kv(entry[:, None, None, :], slots.page, slots.offset, layer.data, layer.exps)
         rank, rope = w.kv_b.shape[1], q_pe.shape[-1]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)
+        q_latent = w.absorb(q_nope)
         query = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, rank + rope]
         latent = query.new_empty(*query.shape[:2], rank)
         for plan in meta.plans:
             paged_attention(query, layer.data, layer.exps, plan, 0, (rank, rope), w.scale, latent)
-        return torch.bmm(latent.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)
+        return w.expand(latent)

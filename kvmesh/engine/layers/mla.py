@@ -48,6 +48,14 @@ class MlaWeights:
     def w_uv(self) -> torch.Tensor:
         return self.per_head[:, self.nope_dim :]
 
+    def absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """[T, H, nope] -> [T, H, rank]: W_UK folded into the query (attention over latents)."""
+        return torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+
+    def expand(self, latent: torch.Tensor) -> torch.Tensor:
+        """[T, H, rank] -> [T, H, v]: an absorbed attention's output through W_UV."""
+        return torch.bmm(latent.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)
+
 
 def softmax_scale(config: ModelConfig) -> float:
     mla, rope = config.mla, config.rope_scaling
