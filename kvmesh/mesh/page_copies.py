@@ -17,11 +17,7 @@ def write_to(
     pages: list[int],
 ) -> int:
     """`local` pages written into the destination's `pages`; bytes moved."""
-    sessions, written = shard_sessions(dest), 0
-    remote = destination_side(dest, pages)
-    for shard, ranges in copy_ranges_by_shard(local, remote, "dst").items():
-        written += transfer.write_pages(sessions[shard], *ranges)
-    return written
+    return _copy(transfer, local, dest, pages, write=True)
 
 
 def read_from(
@@ -31,8 +27,20 @@ def read_from(
     local: PageSide,
 ) -> int:
     """The destination's `pages` read into `local` pages; bytes moved."""
-    sessions, read = shard_sessions(dest), 0
+    return _copy(transfer, local, dest, pages, write=False)
+
+
+def _copy(
+    transfer: KvTransferEngine,
+    local: PageSide,
+    dest: prefill_pb2.KvDestination,
+    pages: list[int],
+    write: bool,
+) -> int:
+    sessions, moved = shard_sessions(dest), 0
     remote = destination_side(dest, pages)
-    for shard, ranges in copy_ranges_by_shard(remote, local, "src").items():
-        read += transfer.read_pages(sessions[shard], *ranges)
-    return read
+    src, dst = (local, remote) if write else (remote, local)
+    call = transfer.write_pages if write else transfer.read_pages
+    for shard, ranges in copy_ranges_by_shard(src, dst, "dst" if write else "src").items():
+        moved += call(sessions[shard], *ranges)
+    return moved
