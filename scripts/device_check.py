@@ -11,7 +11,8 @@ safetensors, xxhash, grpcio, protobuf, numpy): structlog. Sections, each reporte
   write, W4A16, grouped MoE) on CUDA tensors against the torch references on the CPU;
 - engine: tiny random Llama and DeepSeek-V3 checkpoints on `--device cuda`: eager steps vs CUDA
   graph replays token-equal (replays under torch.cuda.set_sync_debug_mode("error")), FP8 pages,
-  and the CPU engine's fp32 tokens for comparison;
+  the CPU engine's fp32 tokens for comparison, and the FlashInfer backends' bf16 tokens where
+  flashinfer-python is installed;
 - attention: decode attention timings (batch 1/8/64, contexts 1k/4k; GQA 32/8 x 128 bf16 and
   FP8, MLA 128 heads x 512+64) with the KV bytes read per second;
 - probe: the card's bf16 GEMM rate, device copy bandwidth, W4A16 vs bf16 GEMV, and the staged
@@ -136,6 +137,7 @@ def engine_checks(device, dry_run: bool) -> dict:
                 step = llm.engine.runner.compiled
                 runs[label + "_replays"] = getattr(step, "replays", 0)
                 del llm
+            runs |= _flashinfer_run(path, prompts, greedy)
             results[arch] = {
                 "graphs_equal_eager": runs["cuda_fp32_graphs"] == runs["cuda_fp32_eager"],
                 "cuda_fp32_equal_cpu_fp32": runs["cuda_fp32_eager"] == runs["cpu_fp32"],
@@ -145,6 +147,22 @@ def engine_checks(device, dry_run: bool) -> dict:
     if not all(r["graphs_equal_eager"] and r["replays"] for r in results.values()):
         results["error"] = "graph replays differ from eager steps, or none ran"
     return results
+
+
+def _flashinfer_run(path: str, prompts, greedy) -> dict:
+    """bf16 tokens with `--attention-backend flashinfer` (GQA or MLA wrapper), where
+    flashinfer-python is installed; a failure is reported, not raised (an optional backend)."""
+    from kvmesh import LLM
+
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return {"cuda_bf16_flashinfer": "flashinfer-python not installed"}
+    try:
+        llm = LLM(path, device="cuda", dtype="bf16", num_pages=64, attention_backend="flashinfer")
+        return {"cuda_bf16_flashinfer": [o.token_ids for o in llm.generate_ids(prompts, greedy)]}
+    except Exception:
+        return {"cuda_bf16_flashinfer": traceback.format_exc()[-1500:]}
 
 
 def _strict_replays(graphs, torch) -> None:

@@ -23,7 +23,7 @@ class DeviceConfig:
         "auto",
         "attention kernels (auto: on CPU the paged CPU kernels where they build, else torch; "
         "on CUDA triton; triton also runs on CPU tensors under TRITON_INTERPRET=1, slowly; "
-        "flashinfer: CUDA with flashinfer-python, bf16/fp32 GQA pages)",
+        "flashinfer: CUDA with flashinfer-python, bf16/fp32 pages, GQA and MLA)",
         choices=ATTENTION_BACKENDS,
     )
     moe_backend: str = knob(

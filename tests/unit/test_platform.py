@@ -109,3 +109,8 @@ def test_a_gpu_engine_refuses_pages_smaller_than_its_kernels_tiles():
         CudaPlatform(0).check(EngineConfig.of(model="m", page_size=8))
     CudaPlatform(0).check(EngineConfig.of(model="m", page_size=16))
     CPU.check(EngineConfig.of(model="m", page_size=8))  # the CPU's kernels take any
+    fp8_flashinfer = EngineConfig.of(
+        model="m", page_size=16, kv_dtype="fp8_e4m3", attention_backend="flashinfer"
+    )
+    with pytest.raises(InvalidRequestError, match="flashinfer reads bf16/fp32 pages"):
+        CudaPlatform(0).check(fp8_flashinfer)

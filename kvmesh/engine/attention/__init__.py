@@ -30,6 +30,7 @@ _BACKENDS = {
     ("triton", "gqa"): "kvmesh.engine.attention.triton_paged:TritonAttention",
     ("triton", "mla"): "kvmesh.engine.attention.triton_paged:TritonMlaAttention",
     ("flashinfer", "gqa"): "kvmesh.engine.attention.flashinfer_backend:FlashInferAttention",
+    ("flashinfer", "mla"): "kvmesh.engine.attention.flashinfer_mla:FlashInferMlaAttention",
 }
 
 

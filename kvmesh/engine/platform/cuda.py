@@ -41,7 +41,12 @@ class CudaPlatform:
                 f"--page-size {config.cache.page_size}: --device cuda needs at least "
                 f"{MIN_PAGE_SIZE} tokens a page (the Triton kernels' tiles)"
             )
-        self.attention_backend(config.device.attention_backend)
+        backend = self.attention_backend(config.device.attention_backend)
+        if backend == "flashinfer" and config.resolved_kv_dtype.startswith("fp8"):
+            raise InvalidRequestError(
+                "--attention-backend flashinfer reads bf16/fp32 pages; FP8 pages (their "
+                "per-token exponents): --attention-backend triton"
+            )
         self.decode_step(config.device.decode_step)
 
     def kernels(self) -> Any | None:
