@@ -11,8 +11,9 @@ safetensors, xxhash, grpcio, protobuf, numpy): structlog. Sections, each reporte
   write, W4A16, grouped MoE) on CUDA tensors against the torch references on the CPU;
 - engine: tiny random Llama and DeepSeek-V3 checkpoints on `--device cuda`: eager steps vs CUDA
   graph replays token-equal (replays under torch.cuda.set_sync_debug_mode("error")), FP8 pages,
-  the CPU engine's fp32 tokens for comparison, and the FlashInfer backends' bf16 tokens where
-  flashinfer-python is installed;
+  the CPU engine's fp32 tokens for comparison, two tensor-parallel ranks on the one GPU (their
+  own GPU pools, staged through the shared host block; gloo, as NCCL wants a GPU per rank), and
+  the FlashInfer backends' bf16 tokens where flashinfer-python is installed;
 - attention: decode attention timings (batch 1/8/64, contexts 1k/4k; GQA 32/8 x 128 bf16 and
   FP8, MLA 128 heads x 512+64) with the KV bytes read per second;
 - probe: the card's bf16 GEMM rate, device copy bandwidth, W4A16 vs bf16 GEMV, and the staged
@@ -138,9 +139,15 @@ def engine_checks(device, dry_run: bool) -> dict:
                 runs[label + "_replays"] = getattr(step, "replays", 0)
                 del llm
             runs |= _flashinfer_run(path, prompts, greedy)
+            two = LLM(path, device="cuda", dtype="fp32", num_pages=64, tensor_parallel_size=2)
+            with two:  # both ranks on this GPU (gloo: NCCL needs a GPU each), pools staged
+                runs["cuda_fp32_tp2_staged"] = [
+                    o.token_ids for o in two.generate_ids(prompts, greedy)
+                ]
             results[arch] = {
                 "graphs_equal_eager": runs["cuda_fp32_graphs"] == runs["cuda_fp32_eager"],
                 "cuda_fp32_equal_cpu_fp32": runs["cuda_fp32_eager"] == runs["cpu_fp32"],
+                "tp2_equal_one_rank": runs["cuda_fp32_tp2_staged"] == runs["cuda_fp32_eager"],
                 "replays": runs["cuda_fp32_graphs_replays"],
                 "tokens": runs,
             }

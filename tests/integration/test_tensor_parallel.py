@@ -35,6 +35,25 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(split, llm):
     assert torch.allclose(one.float(), two.float(), atol=2e-4, rtol=0), (one - two).abs().max()
 
 
+def test_staged_ranks_copy_their_own_pools_through_the_shared_block():
+    """`--kv-transfer staged` on two ranks (a GPU engine's mode; here pools in host memory):
+    each rank's pool is its own and the shared block mirrors them; staging out gives the bytes
+    a direct engine's pools hold after the same prompts, staging in brings the block back."""
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    options = dict(dtype="fp32", tensor_parallel_size=2, max_num_seqs=8, num_pages=64)
+    with LLM(**options) as direct, LLM(kv_transfer="staged", **options) as staged:
+        want = [o.token_ids for o in direct.generate(PROMPTS, params)]
+        assert [o.token_ids for o in staged.generate(PROMPTS, params)] == want
+        pages, used = staged.engine.kv_pages, list(range(12))
+        assert pages.staged and pages.sharded and not pages.region.any()
+        pages.stage_out(used)
+        assert torch.equal(pages.gather(used), direct.engine.kv_pages.gather(used))
+        pages.region.zero_()
+        pages.stage_in(used)  # zeros into every rank's pool
+        pages.stage_out(used)
+        assert not pages.gather(used).any()
+
+
 def test_two_pipeline_stages_give_one_ranks_tokens_and_logits_exactly(llm):
     """SmolLM2 in 2 stages of 15 layers (FP8 pages): no sum changes order, so the same bits."""
     params = SamplingParams(max_tokens=24, temperature=0.0)

@@ -66,7 +66,7 @@ def test_a_model_with_cpu_int4_linears_needs_a_converter(tmp_path):
 def test_staged_pages_go_through_the_mirror_by_runs_of_page_ids():
     assert _runs([3, 4, 5, 9, 1, 2]) == [(3, 6), (9, 10), (1, 3)]
     cache = PagedKVCache(KVCacheSpec.gqa(2, 2, 8, 4, "bf16"), 12, torch.bfloat16)
-    pages = StagedKvPages(cache)
+    pages = StagedKvPages.single(cache)
     assert pages.region.data_ptr() != cache.pool.data_ptr()  # transfers see the mirror
     assert pages.layout.shards[0].address == pages.region.data_ptr()
     cache.pool[:] = torch.randint(0, 255, cache.pool.shape, dtype=torch.uint8)
@@ -114,3 +114,15 @@ def test_a_gpu_engine_refuses_pages_smaller_than_its_kernels_tiles():
     )
     with pytest.raises(InvalidRequestError, match="flashinfer reads bf16/fp32 pages"):
         CudaPlatform(0).check(fp8_flashinfer)
+
+
+def test_direct_transfers_of_gpu_pools_need_mooncakes_cuda_build_and_one_rank():
+    from kvmesh.config import EngineConfig
+    from kvmesh.engine.platform.cuda import CudaPlatform
+
+    gpu = CudaPlatform(0)
+    gpu.check(EngineConfig.of(model="m", tensor_parallel_size=2))  # staged: the default
+    with pytest.raises(InvalidRequestError, match="direct with parallel ranks on GPUs"):
+        gpu.check(EngineConfig.of(model="m", tensor_parallel_size=2, kv_transfer="direct"))
+    with pytest.raises(InvalidRequestError, match="needs Mooncake's CUDA build"):
+        gpu.check(EngineConfig.of(model="m", kv_transfer="direct"))  # the -non-cuda one here

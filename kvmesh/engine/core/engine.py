@@ -27,7 +27,8 @@ from kvmesh.engine.core.sequence import FinishReason, Sequence
 from kvmesh.engine.core.step import ChunkPlan, StepPlan
 from kvmesh.engine.kv import BlockHasher, BlockManager, BlockManagerConfig
 from kvmesh.engine.loader import load_weights
-from kvmesh.engine.parallel.ranks import LeaderRunner, start_ranks
+from kvmesh.engine.parallel.leader import LeaderRunner
+from kvmesh.engine.parallel.ranks import start_ranks
 from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.pool.integrity import PageTags
 from kvmesh.engine.pool.kv_cache import PagedKVCache
@@ -72,7 +73,9 @@ class Engine:
         shard = TensorShard.of(config, 0) if ranks > 1 else None
         loaded = load_engine_model(config, load_weights, shard, self.platform)
         # the other ranks load after rank 0 (a converted model is then in the cache for them)
-        self.ranks = start_ranks(config, loaded, serve_threads) if ranks > 1 else None
+        self.ranks = (
+            start_ranks(config, loaded, serve_threads, self.platform) if ranks > 1 else None
+        )
         try:  # a failure from here on must not leave the other ranks running
             self._build(config, loaded, serve_threads, draft)
         except BaseException:
@@ -110,7 +113,7 @@ class Engine:
             self.kv_cache = PagedKVCache(spec, num_pages, dtype, pool=pool)
             staged = platform.kv_transfer(config.device.kv_transfer) == "staged"
             # what transfers see of the pool
-            self.kv_pages = (StagedKvPages if staged else KvPages.whole)(self.kv_cache)
+            self.kv_pages = (StagedKvPages.single if staged else KvPages.whole)(self.kv_cache)
         else:  # every rank's pages in memory rank 0 maps too
             self.kv_cache, self.kv_pages = self.ranks.kv_pool(loaded.config, config, dtype)
         num_pages = self.kv_cache.num_pages

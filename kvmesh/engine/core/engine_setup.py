@@ -42,15 +42,10 @@ def engine_platform(config: EngineConfig) -> Platform:
     """The platform `--device` names, checked against the other device knobs (before a long
     load: a combination that cannot run is an InvalidRequestError naming the flag)."""
     platform = resolve_platform(config.device.device)
-    if config.parallel.world_size > 1 and platform.name != "cpu":
-        raise InvalidRequestError("parallel ranks run on --device cpu only (NCCL: not yet)")
     platform.check(config)
-    moe = platform.moe_backend(config.device.moe_backend)
-    if config.parallel.world_size > 1 and moe != "torch":
+    platform.moe_backend(config.device.moe_backend)
+    if config.parallel.world_size > 1 and config.device.moe_backend == "triton":
         raise InvalidRequestError("--moe-backend triton runs on one rank (not yet on ranks)")
-    staged = platform.kv_transfer(config.device.kv_transfer) == "staged"
-    if config.parallel.world_size > 1 and staged:
-        raise InvalidRequestError("--kv-transfer staged runs on one rank (not yet on ranks)")
     return platform
 
 
@@ -104,7 +99,7 @@ def load_engine_model(
         model = build_model(
             shard.local_config(model_config), weights, dtype, max_len, int4=config.int4
         )
-    if platform.moe_backend(config.device.moe_backend) == "triton":
+    if shard is None and platform.moe_backend(config.device.moe_backend) == "triton":
         from kvmesh.engine.layers.moe_grouped import group_experts
 
         group_experts(model)

@@ -1,5 +1,6 @@
 """The ranks of one tensor-parallel worker as a torch.distributed group (gloo on CPU, on
-loopback), and the all-reduce that joins a split layer's partial outputs."""
+loopback; NCCL on GPUs: the platform's `join_group`), and the all-reduce that joins a split
+layer's partial outputs."""
 
 from __future__ import annotations
 
@@ -115,7 +116,8 @@ class VocabParallel:
             return self.inner.logits(hidden)
         normed = rms_norm(hidden, self.model.norm, self.model.config.rms_norm_eps)
         part = dense_matmul(normed, self.model.lm_head)
-        total = torch.zeros(part.shape[0], self.model.config.vocab_size, dtype=torch.float32)
+        vocab = self.model.config.vocab_size
+        total = torch.zeros(part.shape[0], vocab, dtype=torch.float32, device=part.device)
         total[:, self.vocab.start : self.vocab.stop] = part
         self.reduce(total)
         return total.to(part.dtype)

@@ -55,7 +55,8 @@ class Pipeline:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.previous is None:
             return self.inner.embed(ids)
-        return self._receive((ids.shape[0], self.hidden), self.previous, _ROWS).to(self.dtype)
+        rows = self._receive((ids.shape[0], self.hidden), self.previous, _ROWS, ids.device)
+        return rows.to(self.dtype)
 
     def hand_on(self, hidden: torch.Tensor) -> None:
         self.inner.hand_on(hidden)
@@ -76,7 +77,7 @@ class Pipeline:
     def _logits_from_last(self, hidden: torch.Tensor) -> torch.Tensor:
         last = (self.shard.stages - 1) * self.shard.world
         shape = (hidden.shape[0], self.model.config.vocab_size)
-        return self._receive(shape, last, _LOGITS).to(self.dtype)
+        return self._receive(shape, last, _LOGITS, hidden.device).to(self.dtype)
 
     def _wait(self, work: Any) -> None:
         """Wait for a receive on a thread of its own, asking `alive` every half second (gloo's
@@ -99,8 +100,10 @@ class Pipeline:
         except RuntimeError as exc:
             raise EngineFailure(f"pipeline rank {rank} of this engine is gone: {exc}") from exc
 
-    def _receive(self, shape: tuple[int, int], rank: int, tag: int) -> torch.Tensor:
-        out = torch.empty(shape, dtype=torch.float32)
+    def _receive(
+        self, shape: tuple[int, int], rank: int, tag: int, device: torch.device
+    ) -> torch.Tensor:
+        out = torch.empty(shape, dtype=torch.float32, device=device)
         try:
             self._wait(self.group.recv([out], rank, tag))
         except RuntimeError as exc:

@@ -1,12 +1,14 @@
-"""Rank 0's side of a tensor-parallel engine: the other ranks' processes, a socket to each,
-and the runner that sends them every forward pass.
+"""Rank 0's side of a parallel engine: the other ranks' processes, a socket to each, their
+page pools, and the runner that sends them every forward pass.
 
 Rank 0 runs the scheduler, the KV block manager and the sampler as a single engine does. Its
-runner (`LeaderRunner`) sends each forward pass to the other ranks as plain data (the step
-plans applied since the last pass, then the chunks to run) before running its own shard; the
-ranks meet in the all-reduces inside the layers (gloo). A rank exits when its socket to rank 0
-closes, which is also how it dies with rank 0 (whatever kills it); rank 0 stops them on
-`close()` and at exit.
+runner (`LeaderRunner`, leader.py) sends each forward pass to the other ranks as plain data
+(the step plans applied since the last pass, then the chunks to run) before running its own
+shard; the ranks meet in the all-reduces inside the layers (the platform's group: gloo, NCCL on
+GPUs). Every rank's pool is its part of one shared host block, or, with staged transfers (GPU
+pools), its own, mirrored by that part and copied when rank 0 asks (`stage`). A rank exits when
+its socket to rank 0 closes, which is also how it dies with rank 0 (whatever kills it); rank 0
+stops them on `close()` and at exit.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from kvmesh.engine.parallel.pipeline import Pipeline
 from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.parallel.shared_pages import new_region, pool_of, pool_offsets, send_region
 from kvmesh.engine.parallel.shm_reduce import ShmAllReduce
+from kvmesh.engine.platform import Platform
 from kvmesh.engine.pool.kv_cache import PagedKVCache
-from kvmesh.engine.pool.kv_pages import KvPages
-from kvmesh.engine.runner.runner import ModelRunner, RunnerOptions
+from kvmesh.engine.pool.kv_pages import KvPages, StagedKvPages
 from kvmesh.errors import EngineFailure
 from kvmesh.processes import die_with_parent, stop_groups
 
@@ -42,11 +44,15 @@ class Ranks:
     """Ranks 1..world-1 of a parallel engine (tensor x pipeline), started by rank 0 (this
     process)."""
 
-    def __init__(self, config: EngineConfig, threads: int, capacity: int) -> None:
-        """capacity: floats of a shared-memory all-reduce's slots."""
+    def __init__(
+        self, config: EngineConfig, threads: int, capacity: int, platform: Platform
+    ) -> None:
+        """capacity: floats of a shared-memory all-reduce's slots; platform: rank 0's."""
         tp, stages = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
-        self.world, self._stopped = config.parallel.world_size, False
+        self.world, self._stopped, self.platform = config.parallel.world_size, False, platform
         self._closing = threading.Lock()  # close() may come from two threads (a lost engine)
+        self._sending = threading.Lock()  # passes (engine thread) and staging (service threads)
+        self._staging = threading.Lock()  # one staging at a time: its answers read in order
         self.sums: list[ShmAllReduce] = []
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
@@ -54,7 +60,7 @@ class Ranks:
         try:
             store = group.master_store(self.world)
             # one shared-memory all-reduce per stage's tensor-parallel ranks, all made by rank 0
-            for _ in range(stages if tp > 1 else 0):
+            for _ in range(stages if tp > 1 and platform.sums_in_shared_memory else 0):
                 self.sums.append(ShmAllReduce(tp, 0, capacity, alive=self._all_running))
             for rank in range(1, self.world):
                 ours, theirs = socket.socketpair()
@@ -73,10 +79,9 @@ class Ranks:
                 self._conns[-1].send(
                     ("init", config, rank, store.port, [s.name for s in self.sums])
                 )
-            self.group = group.join(0, self.world, store)  # pipeline links; TP's without stages
-            self.tp_group = (
-                self.group if stages == 1 or tp == 1 else group.join(0, tp, store, "stage0")
-            )
+            join = platform.join_group
+            self.group = join(0, self.world, store)  # pipeline links; TP's without stages
+            self.tp_group = self.group if stages == 1 or tp == 1 else join(0, tp, store, "stage0")
         except BaseException:
             self.close()
             raise
@@ -109,20 +114,21 @@ class Ranks:
             self._send_to(rank, message)
 
     def share_pages(
-        self, specs: list[KVCacheSpec], num_pages: int, hugepages: bool = False
+        self, specs: list[KVCacheSpec], num_pages: int, hugepages: bool, staged: bool
     ) -> tuple[torch.Tensor, list]:
-        """Every rank's page pool (specs[r]: its heads) in one block of shared memory, which
-        each rank maps: the block and each rank's pool in it (shared_pages.py; on hugepages
-        with `hugepages`)."""
+        """One block of shared memory that each rank maps, holding every rank's pool (specs[r]:
+        its heads) or, `staged`, a host mirror of each rank's own (GPU) pool: the block and
+        each rank's part (shared_pages.py; on hugepages with `hugepages`)."""
         offsets, nbytes = pool_offsets(specs, num_pages)
         fd, region = new_region(nbytes, hugepages)
         try:
             for rank in range(1, self.world):  # each its own offset: one message per rank
-                self._send_to(rank, ("pages", num_pages, region.numel(), offsets[rank]), fd)
+                message = ("pages", num_pages, region.numel(), offsets[rank], staged)
+                self._send_to(rank, message, fd)
         finally:
             os.close(fd)
-        pools = [pool_of(region, o, s, num_pages) for o, s in zip(offsets, specs, strict=True)]
-        return region, pools
+        parts = [pool_of(region, o, s, num_pages) for o, s in zip(offsets, specs, strict=True)]
+        return region, parts
 
     def kv_pool(
         self, model: ModelConfig, config: EngineConfig, dtype: torch.dtype
@@ -134,15 +140,34 @@ class Ranks:
         specs = [
             spec_for_model(s.local_config(model), config.cache.page_size, kv_dtype) for s in shards
         ]
-        num_pages = config.cache.num_pages or min(
-            s.pages_for_budget(config.cache.kv_cache_bytes) for s in specs
-        )
-        region, pools = self.share_pages(specs, num_pages, config.cache.kv_hugepages)
+        budget = self.platform.kv_budget(config.cache.kv_cache_bytes)  # each GPU's like rank 0's
+        num_pages = config.cache.num_pages or min(s.pages_for_budget(budget) for s in specs)
+        staged = self.platform.kv_transfer(config.device.kv_transfer) == "staged"
+        region, parts = self.share_pages(specs, num_pages, config.cache.kv_hugepages, staged)
         self._await_ready()
-        cache = PagedKVCache(specs[0], num_pages, dtype, pool=pools[0])
         whole = spec_for_model(model, config.cache.page_size, kv_dtype)
         spans = [shard_spans(whole, s.kv_heads(model), s.layers(model)) for s in shards]
-        return cache, KvPages(whole, pools, spans, region)
+        if not staged:
+            cache = PagedKVCache(specs[0], num_pages, dtype, pool=parts[0])
+            return cache, KvPages(whole, parts, spans, region)
+        pool = self.platform.new_pool(specs[0], num_pages, False)
+        cache = PagedKVCache(specs[0], num_pages, dtype, pool=pool)
+        return cache, StagedKvPages(whole, pool, parts, spans, region, self.stage)
+
+    def stage(self, direction: str, pages: list[int]) -> None:
+        """Ranks 1.. copy `pages` between their own pools and their parts of the shared block
+        ("out": pool -> block, "in": block -> pool), each after the passes sent before; back
+        when all have."""
+        with self._staging:
+            for rank in range(1, self.world):
+                self._send_to(rank, ("stage", direction, pages))
+            for rank in range(1, self.world):
+                try:
+                    answer = self._conns[rank - 1].recv()
+                except (EOFError, OSError) as exc:
+                    raise EngineFailure(f"parallel rank {rank} is gone: {exc}") from exc
+                if answer[0] != "staged":
+                    raise EngineFailure(f"parallel rank {rank} could not stage pages: {answer}")
 
     def _await_ready(self) -> None:
         """Each rank's word that its shard is built; a rank that failed sends its exception,
@@ -166,9 +191,10 @@ class Ranks:
     def _send_to(self, rank: int, message: tuple[Any, ...], fd: int | None = None) -> None:
         """To one rank (with the descriptor `fd`, where given)."""
         try:
-            self._conns[rank - 1].send(message)
-            if fd is not None:
-                send_region(self._conns[rank - 1], fd)
+            with self._sending:
+                self._conns[rank - 1].send(message)
+                if fd is not None:
+                    send_region(self._conns[rank - 1], fd)
         except OSError as exc:  # the ranks before it got the pass: none may run it alone
             if message[0] == "pages":  # it failed before it took its pages: say why
                 self._raise_failure(rank, exc)
@@ -209,14 +235,14 @@ def join_shard(
         Pipeline(model, shard, world, alive).install()
 
 
-def start_ranks(config: EngineConfig, loaded: Any, threads: int) -> Ranks:
-    """The other ranks of a tensor-parallel engine whose rank 0 (this process) has `loaded`
-    its shard, joined to rank 0's layers."""
+def start_ranks(config: EngineConfig, loaded: Any, threads: int, platform: Platform) -> Ranks:
+    """The other ranks of a tensor-parallel engine whose rank 0 (this process, on `platform`)
+    has `loaded` its shard, joined to rank 0's layers."""
     shard = TensorShard.of(config, 0)
     capacity = group.reduce_capacity(
         loaded.config, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs
     )
-    ranks = Ranks(config, threads, capacity)
+    ranks = Ranks(config, threads, capacity, platform)
     try:
         join_shard(
             loaded.model,
@@ -231,68 +257,3 @@ def start_ranks(config: EngineConfig, loaded: Any, threads: int) -> Ranks:
         ranks.close()  # (later failures: the ranks stop at exit, as registered)
         raise
     return ranks
-
-
-class LeaderRunner(ModelRunner):
-    """Rank 0's runner: what it applies is queued for the other ranks, and each forward pass
-    is sent to them before its own shard runs (the same passes, in the same order)."""
-
-    def __init__(
-        self, model: Any, kv: Any, attention: Any, options: RunnerOptions, ranks: Ranks
-    ) -> None:
-        super().__init__(model, kv, attention, options)
-        self.ranks = ranks
-        self._ops: list[tuple[str, Any]] = []
-        self._every_row = False  # the pass's LM head: every row (a score) or the sampled ones
-        self._sent = False  # this step's pass went out whole (its micro-batches run after)
-
-    def apply(self, plan: Any) -> None:
-        self._ops.append(("apply", plan))
-        super().apply(plan)
-
-    def execute(self, chunks: Any) -> Any:
-        return self._guarded(self._execute_sent, chunks)
-
-    def _execute_sent(self, chunks: Any) -> Any:
-        """The whole step to the other ranks first: each splits it into the same micro-batches."""
-        self._send(chunks)
-        self._sent = True
-        try:
-            return super().execute(chunks)
-        finally:
-            self._sent = False
-
-    def score_rows(self, plan: Any) -> Any:
-        self._every_row = True
-        try:
-            return self._guarded(super().score_rows, plan)
-        finally:
-            self._every_row = False
-
-    def _guarded(self, run: Any, arg: Any) -> Any:
-        """A whole pass (its layers' and its LM head's sums): if it fails here, the other ranks
-        may wait in a sum this rank will never reach, and matched calls cannot be restored, so
-        the ranks stop and every later pass fails."""
-        try:
-            return run(arg)
-        except EngineFailure:
-            self.ranks.close()
-            raise
-        except BaseException as exc:
-            self.ranks.close()
-            raise EngineFailure(f"a tensor-parallel pass failed on rank 0: {exc}") from exc
-
-    def score(self, plan: Any) -> Any:
-        try:
-            return super().score(plan)
-        finally:
-            self._ops.extend(("forget", chunk.req_id) for chunk in plan.chunks)
-
-    def _forward(self, chunks: Any):
-        if not self._sent:  # a score: sent here, after the plan it applies
-            self._send(chunks)
-        return super()._forward(chunks)
-
-    def _send(self, chunks: Any) -> None:
-        ops, self._ops = self._ops, []
-        self.ranks.send(("forward", ops, chunks, self._every_row))

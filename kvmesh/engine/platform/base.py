@@ -20,6 +20,7 @@ from kvmesh.engine.kv.layout import KVCacheSpec
 class Platform(Protocol):
     name: str  # "cpu" | "cuda": what `--device` names
     device: torch.device  # where weights, activations and the KV pool live
+    sums_in_shared_memory: bool  # a parallel engine's small all-reduces (parallel/shm_reduce.py)
 
     def check(self, config: Any) -> None:
         """InvalidRequestError naming the flag where the EngineConfig cannot run here."""
@@ -63,6 +64,15 @@ class Platform(Protocol):
 
     def place(self, model: Any) -> Any:
         """A model built on the host, on this device (placement.py)."""
+        ...
+
+    def for_rank(self, rank: int) -> Platform:
+        """The platform of a parallel engine's rank `rank` (its own GPU on CUDA)."""
+        ...
+
+    def join_group(self, rank: int, world: int, store: Any, prefix: str = "") -> Any:
+        """The ranks' process group over rank 0's store (parallel/group.py): gloo on loopback
+        for host tensors, NCCL for GPU ones; `prefix`: a subgroup's own names."""
         ...
 
     def int4_linear(self, weight: Any, dtype: torch.dtype) -> Any:

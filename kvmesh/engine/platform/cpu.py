@@ -18,6 +18,7 @@ from kvmesh.errors import InvalidRequestError
 class CpuPlatform:
     name = "cpu"
     device = torch.device("cpu")
+    sums_in_shared_memory = True
 
     def check(self, config: Any) -> None:
         self.attention_backend(config.device.attention_backend)
@@ -68,6 +69,14 @@ class CpuPlatform:
 
     def place(self, model: Any) -> Any:
         return model  # built where it runs
+
+    def for_rank(self, rank: int) -> CpuPlatform:
+        return self
+
+    def join_group(self, rank: int, world: int, store: Any, prefix: str = "") -> Any:
+        from kvmesh.engine.parallel.group import join
+
+        return join(rank, world, store, prefix)
 
     def int4_linear(self, weight: Any, dtype: torch.dtype) -> Any:
         from kvmesh.engine.quant.int4 import Int4Linear

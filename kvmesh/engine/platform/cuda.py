@@ -31,6 +31,7 @@ def unavailable_reason() -> str | None:
 
 class CudaPlatform:
     name = "cuda"
+    sums_in_shared_memory = False  # NCCL sums the GPU tensors
 
     def __init__(self, index: int = 0) -> None:
         self.device = torch.device("cuda", index)
@@ -48,6 +49,8 @@ class CudaPlatform:
                 "per-token exponents): --attention-backend triton"
             )
         self.decode_step(config.device.decode_step)
+        if self.kv_transfer(config.device.kv_transfer) == "direct":
+            _check_direct(config.parallel.world_size)
 
     def kernels(self) -> Any | None:
         return None
@@ -95,6 +98,27 @@ class CudaPlatform:
 
         return place(model, self.device, lambda layer: CudaInt4Linear.from_cpu(layer, self.device))
 
+    def for_rank(self, rank: int) -> CudaPlatform:
+        """Rank r on GPU r (of the GPUs this process sees, CUDA_VISIBLE_DEVICES)."""
+        return CudaPlatform(rank % torch.cuda.device_count())
+
+    def join_group(self, rank: int, world: int, store: Any, prefix: str = "") -> Any:
+        """NCCL; gloo (its sums copy through the host) where ranks share a GPU, which NCCL
+        refuses: more ranks than GPUs, as on a one-GPU check (scripts/device_check.py)."""
+        import torch.distributed as dist
+
+        from kvmesh.engine.parallel.group import TIMEOUT, join
+
+        torch.cuda.set_device(self.device)  # NCCL's communicator binds the current GPU
+        if world > torch.cuda.device_count():
+            return join(rank, world, store, prefix)
+        if prefix:
+            store = dist.PrefixStore(prefix, store)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = TIMEOUT
+        options.group_name = f"kvmesh-{prefix or 'world'}"  # one process may hold two groups
+        return dist.ProcessGroupNCCL(store, rank, world, options)
+
     def int4_linear(self, weight: Any, dtype: torch.dtype) -> Any:
         from kvmesh.engine.quant.int4_cuda import CudaInt4Linear
 
@@ -105,3 +129,23 @@ def check() -> None:
     reason = unavailable_reason()
     if reason is not None:
         raise InvalidRequestError(f"--device cuda: {reason}; use --device cpu or auto")
+
+
+def _check_direct(world: int) -> None:
+    """`--kv-transfer direct` registers the GPU pool with the transfer engine: only Mooncake's
+    CUDA build can, and only one rank's pool (each rank's GPU pool would need its own engine)."""
+    from importlib import metadata
+
+    if world > 1:
+        raise InvalidRequestError(
+            "--kv-transfer direct with parallel ranks on GPUs: not yet (their pools are staged "
+            "through the ranks' shared host block); use --kv-transfer staged"
+        )
+    try:
+        metadata.version("mooncake-transfer-engine")  # the CUDA build's distribution
+    except metadata.PackageNotFoundError:
+        raise InvalidRequestError(
+            "--kv-transfer direct on --device cuda needs Mooncake's CUDA build "
+            "(pip install mooncake-transfer-engine, in place of the -non-cuda one) to register "
+            "GPU memory; use --kv-transfer staged (the default)"
+        ) from None

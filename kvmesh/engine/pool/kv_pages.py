@@ -10,7 +10,7 @@ one copy per run of consecutive page ids. With direct transfers both are no-ops.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -63,27 +63,61 @@ class KvPages:
 
 
 class StagedKvPages(KvPages):
-    """One pool (single rank) reached by transfers through a host mirror of it."""
+    """Pools reached by transfers through host mirrors of them: this process's pool (a single
+    rank's, or rank 0's) and, for a parallel engine, each other rank's, which that rank copies
+    in its own process (`others`: parallel/ranks.py `Ranks.stage`, between its GPU pool and its
+    part of the shared host block)."""
 
     staged = True
 
-    def __init__(self, cache: PagedKVCache) -> None:
-        self.pool = cache.pool
-        pinned = cache.pool.is_cuda  # page-locked: the copies run at the bus's speed
-        mirror = torch.zeros(cache.pool.shape, dtype=torch.uint8, pin_memory=pinned)
-        super().__init__(cache.spec, [mirror], [(range(cache.spec.page_bytes),)], mirror)
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        pool: torch.Tensor,
+        mirrors: Sequence[torch.Tensor],
+        spans: Sequence[tuple[range, ...]],
+        region: torch.Tensor,
+        others: Callable[[str, list[int]], None] | None = None,
+    ) -> None:
+        """pool: this process's pool, mirrored by mirrors[0]; others(direction, pages): the
+        other ranks' copies ("out": pool -> mirror, "in": mirror -> pool), awaited."""
+        super().__init__(spec, mirrors, spans, region)
+        self.pool, self.others = pool, others
+
+    @classmethod
+    def single(cls, cache: PagedKVCache) -> StagedKvPages:
+        """One rank's pool and a mirror of its own (page-locked on a GPU: copies at bus speed)."""
+        pool = cache.pool
+        mirror = torch.zeros(pool.shape, dtype=torch.uint8, pin_memory=pool.is_cuda)
+        return cls(cache.spec, pool, [mirror], [(range(cache.spec.page_bytes),)], mirror)
 
     def stage_out(self, pages: Sequence[int]) -> None:
-        for first, stop in _runs(pages):
-            self.region[first:stop].copy_(self.pool[first:stop])
+        self._stage("out", pages)
 
     def stage_in(self, pages: Sequence[int]) -> None:
-        for first, stop in _runs(pages):
-            self.pool[first:stop].copy_(self.region[first:stop])
+        self._stage("in", pages)
+
+    def _stage(self, direction: str, pages: Sequence[int]) -> None:
+        if self.others is not None:
+            self.others(direction, list(pages))
+        copy_runs(direction, self.pool, self.pools[0], pages)
 
     def gather(self, pages: Sequence[int]) -> torch.Tensor:
+        if self.sharded:  # every rank's bytes: through the mirrors
+            self.stage_out(pages)
+            return super().gather(pages)
         index = torch.tensor(list(pages), dtype=torch.long, device=self.pool.device)
         return self.pool[index].cpu()
+
+
+def copy_runs(direction: str, pool: torch.Tensor, mirror: torch.Tensor, pages: Sequence[int]):
+    """`pages` of a pool copied to its host mirror ("out") or back ("in"), one copy per run of
+    consecutive page ids."""
+    for first, stop in _runs(pages):
+        if direction == "out":
+            mirror[first:stop].copy_(pool[first:stop])
+        else:
+            pool[first:stop].copy_(mirror[first:stop])
 
 
 def _runs(pages: Sequence[int]) -> list[tuple[int, int]]:
