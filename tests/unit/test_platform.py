@@ -89,6 +89,36 @@ def test_a_gpu_pool_takes_its_budget_within_the_free_memory(monkeypatch):
     assert cuda.kv_budget(64 * gib) == 30 * gib - 8 * gib - gib  # a tenth of the card, 1 GiB
     assert CPU.kv_budget(64 * gib) == 64 * gib
 
+    allocated = [5 * gib]  # the weights; a pass's peak: measured above them
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: allocated[0])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: allocated[0])
+
+    def warm_up():  # the largest step's activations: 3 GiB at their peak
+        allocated[0] += 3 * gib
+
+    assert cuda.kv_budget(64 * gib, warm_up) == 30 * gib - 3 * gib - 8 * gib
+    assert CPU.kv_budget(64 * gib, warm_up) == 64 * gib and allocated[0] == 8 * gib  # not run
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_the_warm_up_pass_runs_a_full_steps_rows_into_the_scratch_page(tmp_path, arch):
+    """The pass whose peak a GPU's budget leaves room for, here on CPU tensors: the model's
+    forward over the largest step's rows, every row's KV in one scratch page."""
+    from kvmesh.engine.attention import get_backend
+    from kvmesh.engine.runner.warm_up import padding_pass
+
+    path = make_tiny_model(TinySpec(arch), tmp_path / "m").path
+    model = LLM(str(path), dtype="fp32", num_pages=8).engine.runner.model
+    spec = model.kv_spec(16, "fp32")
+    seen = []
+    forward = model.forward
+    model.forward = lambda ids, *rest: seen.append(forward(ids, *rest)[0].shape)
+    backend = get_backend("torch", spec.layers[0].kind)
+    padding_pass(model, spec, backend, 48, torch.float32, CPU)()
+    assert seen == [(48, model.config.hidden_size)]
+
 
 def test_a_tensor_held_twice_is_moved_once():
     class Held:  # (a kvmesh class: placement walks only the engine's own objects)

@@ -38,6 +38,7 @@ from kvmesh.engine.runner.constraints import Constraints
 from kvmesh.engine.runner.runner import ModelRunner, RunnerOptions
 from kvmesh.engine.runner.sample_step import sample_step
 from kvmesh.engine.runner.sampler import Sampler
+from kvmesh.engine.runner.warm_up import padding_pass
 from kvmesh.engine.serving.kv_event_fanout import KvEventFanOut
 from kvmesh.engine.spec.proposer import DraftSource
 from kvmesh.engine.spec.speculator import build_speculator
@@ -106,8 +107,11 @@ class Engine:
         spec = model.kv_spec(config.cache.page_size, self.kv_dtype)
         self.kv_spec = spec
         platform = self.platform
+        backend = get_backend(config.device.attention_backend, spec.layers[0].kind, platform)
         if self.ranks is None:
-            budget = platform.kv_budget(config.cache.kv_cache_bytes)
+            rows = config.scheduler.max_num_batched_tokens  # the largest step's
+            warm_up = padding_pass(model, spec, backend, rows, dtype, platform)
+            budget = platform.kv_budget(config.cache.kv_cache_bytes, warm_up)  # (a GPU runs it)
             num_pages = config.cache.num_pages or spec.pages_for_budget(budget)
             pool = platform.new_pool(spec, num_pages, config.cache.kv_hugepages)
             self.kv_cache = PagedKVCache(spec, num_pages, dtype, pool=pool)
@@ -157,7 +161,6 @@ class Engine:
             self.speculator.capture if self.speculator else (),
             platform.graph_recorder(),
         )
-        backend = get_backend(config.device.attention_backend, spec.layers[0].kind, platform)
         self.runner = (
             LeaderRunner(model, self.kv_cache, backend, options, self.ranks)
             if self.ranks

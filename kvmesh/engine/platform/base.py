@@ -50,8 +50,10 @@ class Platform(Protocol):
         """How `--decode-step graphs` records a step (runner/graphs.py)."""
         ...
 
-    def kv_budget(self, budget: int) -> int:
-        """Bytes the KV pool may take of `--kv-cache-memory` here, now (after the weights)."""
+    def kv_budget(self, budget: int, warm_up: Callable[[], None] | None = None) -> int:
+        """Bytes the KV pool may take of `--kv-cache-memory` here, now (after the weights);
+        `warm_up`: a pass of the largest step, whose activations a GPU must leave room for
+        (runner/warm_up.py)."""
         ...
 
     def new_pool(self, spec: KVCacheSpec, num_pages: int, hugepages: bool) -> torch.Tensor:

@@ -52,8 +52,8 @@ class CpuPlatform:
 
         return eager_record  # a graph's contract, re-run: checks of the graph step's buffers
 
-    def kv_budget(self, budget: int) -> int:
-        return budget  # host memory: the flag's word
+    def kv_budget(self, budget: int, warm_up: Callable[[], None] | None = None) -> int:
+        return budget  # host memory: the flag's word (no pass measured)
 
     def new_pool(self, spec: KVCacheSpec, num_pages: int, hugepages: bool) -> torch.Tensor:
         if hugepages:

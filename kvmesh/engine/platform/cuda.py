@@ -76,11 +76,22 @@ class CudaPlatform:
 
         return cuda_record(torch.cuda.graph_pool_handle())
 
-    def kv_budget(self, budget: int) -> int:
-        """The flag's budget, within what the GPU has free after the weights less a reserve for
-        activations, graphs and the allocator (a tenth of the card and 1 GiB)."""
+    def kv_budget(self, budget: int, warm_up: Callable[[], None] | None = None) -> int:
+        """The flag's budget, within what the GPU has free after the weights, less the largest
+        step's activations (`warm_up`'s peak, measured; where none can run alone, parallel
+        ranks, 1 GiB) and a tenth of the card (graphs, the allocator's slack, NCCL)."""
+        peak = 1 << 30
+        if warm_up is not None:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            warm_up()
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - base
+            torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        return max(0, min(budget, free - total // 10 - (1 << 30)))
+        return max(0, min(budget, free - peak - total // 10))
 
     def new_pool(self, spec: KVCacheSpec, num_pages: int, hugepages: bool) -> torch.Tensor:
         if hugepages:
