@@ -22,6 +22,7 @@ from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.parallel.shared_pages import pool_of, receive_region
 from kvmesh.engine.parallel.shm_reduce import ShmAllReduce
 from kvmesh.engine.platform import resolve
+from kvmesh.engine.platform.groups import client_store
 from kvmesh.engine.pool.kv_cache import PagedKVCache
 from kvmesh.engine.pool.kv_pages import copy_runs
 from kvmesh.engine.runner.runner import ModelRunner, RunnerOptions
@@ -97,7 +98,7 @@ def main(fd: int) -> int:
     parent = os.getppid()  # before anything slow: rank 0 may die meanwhile
     _, config, rank, port, shm_names = conn.recv()
     torch.set_num_threads(env.serve_threads())
-    shard, store = TensorShard.of(config, rank), group.client_store(port)
+    shard, store = TensorShard.of(config, rank), client_store(port)
     platform = resolve(config.device.device).for_rank(rank)  # (rank 0 checked the config)
     world = platform.join_group(rank, config.parallel.world_size, store)  # rank 0's order
     tp = world

@@ -34,6 +34,7 @@ from kvmesh.engine.parallel.shard import TensorShard
 from kvmesh.engine.parallel.shared_pages import new_region, pool_of, pool_offsets, send_region
 from kvmesh.engine.parallel.shm_reduce import ShmAllReduce
 from kvmesh.engine.platform import Platform
+from kvmesh.engine.platform.groups import master_store
 from kvmesh.engine.pool.kv_cache import PagedKVCache
 from kvmesh.engine.pool.kv_pages import KvPages, StagedKvPages
 from kvmesh.errors import EngineFailure
@@ -58,7 +59,7 @@ class Ranks:
         self._conns: list[Connection] = []
         env = {**os.environ, "KVMESH_NUM_THREADS": str(threads)}
         try:
-            store = group.master_store(self.world)
+            store = master_store(self.world)
             # one shared-memory all-reduce per stage's tensor-parallel ranks, all made by rank 0
             for _ in range(stages if tp > 1 and platform.sums_in_shared_memory else 0):
                 self.sums.append(ShmAllReduce(tp, 0, capacity, alive=self._all_running))

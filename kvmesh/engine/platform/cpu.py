@@ -74,7 +74,7 @@ class CpuPlatform:
         return self
 
     def join_group(self, rank: int, world: int, store: Any, prefix: str = "") -> Any:
-        from kvmesh.engine.parallel.group import join
+        from kvmesh.engine.platform.groups import join
 
         return join(rank, world, store, prefix)
 

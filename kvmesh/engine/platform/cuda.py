@@ -116,19 +116,12 @@ class CudaPlatform:
     def join_group(self, rank: int, world: int, store: Any, prefix: str = "") -> Any:
         """NCCL; gloo (its sums copy through the host) where ranks share a GPU, which NCCL
         refuses: more ranks than GPUs, as on a one-GPU check (scripts/device_check.py)."""
-        import torch.distributed as dist
-
-        from kvmesh.engine.parallel.group import TIMEOUT, join
+        from kvmesh.engine.platform.groups import join, nccl_group
 
         torch.cuda.set_device(self.device)  # NCCL's communicator binds the current GPU
         if world > torch.cuda.device_count():
             return join(rank, world, store, prefix)
-        if prefix:
-            store = dist.PrefixStore(prefix, store)
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = TIMEOUT
-        options.group_name = f"kvmesh-{prefix or 'world'}"  # one process may hold two groups
-        return dist.ProcessGroupNCCL(store, rank, world, options)
+        return nccl_group(rank, world, store, prefix)
 
     def int4_linear(self, weight: Any, dtype: torch.dtype) -> Any:
         from kvmesh.engine.quant.int4_cuda import CudaInt4Linear
