@@ -1,9 +1,7 @@
 """The mesh on an MLA + MoE model (tiny DeepSeek-V3 in Kimi K2's shape, `kvmesh make-tiny-model`):
 etcd, gateway, 1 prefill + 1 decode + the KV store as real processes, FP8 latent pages moved by
 the transfer engine (gRPC carries only metadata), every 4th transfer losing its last page.
-Also with both workers' pages reached through host mirrors (`--kv-transfer staged`: a prefill
-worker of two ranks, each staging its own pool, and a decode worker of one), with a
-prefill worker of two tensor-parallel ranks (experts partitioned) feeding a decode
+Also with a prefill worker of two tensor-parallel ranks (experts partitioned) feeding a decode
 worker of two pipeline stages, and a prefill worker of two stages feeding a decode worker of two
 tensor-parallel ranks. Through the openai client, streamed and not, each answer is exactly the single-process FP8
 engine's or a `kv_integrity` error; a repeated prompt is served from the prefix cache; every
@@ -48,12 +46,6 @@ def model(tmp_path_factory) -> str:
 # latents and FP8 scales (two spans a page); the MoE layers split inside each expert or, with
 # expert parallelism, hold whole experts per rank
 LAYOUTS = {
-    # pages through host mirrors (the GPU pools' transfer mode), here on CPU pools: each
-    # prefill rank copies its own pool to and from its part of the shared block
-    "staged-prefill-tp2/decode-one-rank": {
-        "prefill": ("--tensor-parallel-size", "2", "--kv-transfer", "staged"),
-        "decode": ("--kv-transfer", "staged"),
-    },
     "prefill-tp2-ep/decode-pp2": {
         "prefill": ("--tensor-parallel-size", "2", "--enable-expert-parallel"),
         "decode": ("--pipeline-parallel-size", "2"),

@@ -1,5 +1,6 @@
 """Tensor-parallel workers in the mesh (real processes, openai client): a prefill worker of two
-ranks feeding a decode worker of one, and the reverse (two decode workers of two ranks each).
+ranks feeding a decode worker of one, both staging their pages through host mirrors (each rank
+its own pool), and the reverse (two decode workers of two ranks each).
 KV pages cross between the layouts in the transfer engine's writes (heads re-sharded), and
 pages a decode worker holds are read back by the prefill worker the same way. Greedy text
 equals the single-process engine; injected faults (a lost transfer page, a stale writer) are
@@ -26,7 +27,9 @@ from tests.integration.mesh_probes import mesh_with_faults, metric_sum, samples,
 
 pytestmark = pytest.mark.timeout(900)
 # (prefill ranks, decode ranks, decode workers)
-SETUPS = {"prefill-tp2/decode-tp1": (2, 1, 1), "prefill-tp1/decode-tp2": (1, 2, 2)}
+# the first with both workers' pages reached through host mirrors (`--kv-transfer staged`, the
+# GPU pools' mode, here on CPU pools): each prefill rank stages its own heads' pool
+SETUPS = {"prefill-tp2/decode-tp1-staged": (2, 1, 1), "prefill-tp1/decode-tp2": (1, 2, 2)}
 FAULTS = "drop_transfer@5,overwrite@90"
 WORKER_ARGS = (
     "--kv-cache-memory",
@@ -44,9 +47,11 @@ MAX_TOKENS = 20
 @pytest.fixture(scope="module", params=sorted(SETUPS))
 def mesh(request):
     prefill_tp, decode_tp, decode = SETUPS[request.param]
+    transfer = ("--kv-transfer", "staged" if request.param.endswith("staged") else "direct")
     options = UpOptions(
         workers=worker_configs(
             *WORKER_ARGS,
+            *transfer,
             prefill=("--tensor-parallel-size", str(prefill_tp)),
             decode=("--tensor-parallel-size", str(decode_tp)),
         ),
