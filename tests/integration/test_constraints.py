@@ -80,8 +80,9 @@ def test_speculation_keeps_the_constrained_output(llm):
 
 def test_schema_suite_in_the_engine_with_and_without_eagle(llm):
     """tests/data/agent_schemas.json in the engine: every answer finishes valid for its schema
-    or tools; asking for logprobs (every row masked before the draw, not checked after it) and
-    the engine with a local EAGLE head always drafting answer exactly the same."""
+    or tools; asking for logprobs (every row masked before the draw, not checked after it; on a
+    third of the cases) and the engine with a local EAGLE head always drafting answer exactly
+    the same."""
     from tests.integration import agent_schemas
 
     cases = agent_schemas.cases()
@@ -91,10 +92,11 @@ def test_schema_suite_in_the_engine_with_and_without_eagle(llm):
         assert answer.finish in ("stop", "tool_calls"), (case["name"], answer)
         agent_schemas.check(case, answer)
     names = [case["name"] for case in cases]
+    some = slice(None, None, 3)  # a third of the suite, schemas and tools
     masked = agent_schemas.engine_answers(
-        llm, [{**agent_schemas.body(case), "logprobs": True} for case in cases]
+        llm, [{**agent_schemas.body(case), "logprobs": True} for case in cases[some]]
     )
-    assert list(zip(names, masked, strict=True)) == list(zip(names, want, strict=True))
+    assert list(zip(names[some], masked, strict=True)) == list(zip(names, want, strict=True))[some]
     eagle = LLM(dtype="fp32", max_num_seqs=32, speculative="eagle", speculative_policy="fixed")
     got = agent_schemas.engine_answers(eagle, [agent_schemas.body(case) for case in cases])
     assert list(zip(names, got, strict=True)) == list(zip(names, want, strict=True))

@@ -94,14 +94,16 @@ def _drafts(running) -> tuple[float, float]:
 
 
 def test_schema_suite_with_speculation_equals_the_engine(mesh, llm):
-    """The structured-output suite with drafts (n-gram; EAGLE on the draft service): drafts cut
-    at the grammar's first rejection, answers equal to the engine's without speculation; drafts
-    were made and accepted during the suite (under its grammars)."""
+    """The structured-output suite with drafts (n-gram; EAGLE on the draft service), each
+    drafting method half of its cases in turn (every case under drafts once): drafts cut at the
+    grammar's first rejection, answers equal to the engine's without speculation; drafts were
+    made and accepted during the suite (under its grammars)."""
     from tests.integration import agent_schemas
 
     name, running = mesh
-    cases = agent_schemas.cases()
-    want = agent_schemas.suite_reference(llm)
+    half = sorted(SETUPS).index(name)
+    cases = agent_schemas.cases()[half::2]
+    want = agent_schemas.suite_reference(llm)[half::2]
     before = _drafts(running)
     got = agent_schemas.mesh_answers(
         client_for(running), [agent_schemas.body(case) for case in cases], IN_FLIGHT
