@@ -53,18 +53,21 @@ def machine() -> str:
 
 def run_check(setup: MeshSetup, timed: bool = True) -> dict:
     """Timing on 1 prefill + 1 decode (calibrated there), hit ratio also on 1 + 2 (routing).
-    Not `timed` (only what does not depend on time is read: a test): a quick calibration and
-    the sessions' users thinking a third as long."""
+    Not `timed` (only what does not depend on time is read: a test): a quick calibration, the
+    sessions' users thinking a sixth (routing: half) as long and arriving in half the time."""
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with mesh_for(setup) as mesh:
         source = f"kvmesh sim check, {started}, {machine()}"
         preset = asyncio.run(calibrate_on(mesh, setup, source, timed))
         vocab = asyncio.run(model_info(f"127.0.0.1:{mesh.grpc_port}")).vocab_size
-        think = CHECK_WORKLOAD.think_s if timed else CHECK_WORKLOAD.think_s / 3
-        timing = replace(CHECK_WORKLOAD, vocab=vocab, think_s=think)
+        timing = replace(CHECK_WORKLOAD, vocab=vocab)
+        if not timed:  # the users think and arrive a sixth / half as long
+            timing = replace(timing, think_s=timing.think_s / 6, start_s=timing.start_s / 2)
         mesh_timing = asyncio.run(run_sessions(f"127.0.0.1:{mesh.grpc_port}", timing.build()))
     with mesh_for(setup, decode=2) as mesh:
         routing = replace(ROUTING_WORKLOAD, vocab=vocab)
+        if not timed:
+            routing = replace(routing, think_s=routing.think_s / 2, start_s=routing.start_s / 2)
         mesh_routing = asyncio.run(run_sessions(f"127.0.0.1:{mesh.grpc_port}", routing.build()))
     sim_timing = simulate(Fleet(1, 1, setup.routing), preset, timing.build()).records
     sim_routing = simulate(Fleet(1, 2, setup.routing), preset, routing.build()).records

@@ -5,7 +5,7 @@ Asserted: what does not depend on time (hit ratios within 5 points, no errors, t
 requests, the router's choices). The timing bound (TTFT and TPOT means within 30 %) compares two
 runs minutes apart on a shared machine: it is `kvmesh sim check`'s result (exit 1 past it) and
 docs/benchmarks.md's figure, not a test's (so this runs the check's untimed form: one probe
-of each kind on fewer lengths and batches, no tuning run, users thinking a third as long)."""
+of each kind on fewer lengths and batches, no tuning run, users thinking and arriving faster)."""
 
 from __future__ import annotations
 
