@@ -1,7 +1,7 @@
 """One mesh for the modules of this package (a package-scoped fixture: started once, stopped
 when the last of them is done): etcd + gateway + 2 prefill + 2 decode workers on loopback.
-The modules run in name order: test_api, test_cache_routing, then test_failures (they kill
-workers)."""
+The modules run in name order: test_agent_sdks, test_api, test_cache_routing, then
+test_failures (they kill workers)."""
 
 from __future__ import annotations
 

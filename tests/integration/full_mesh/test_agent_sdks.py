@@ -1,5 +1,5 @@
-"""The Anthropic Messages and OpenAI Responses APIs through a real mesh (etcd, gateway, 1
-prefill + 1 decode) with the official anthropic and openai clients: greedy text equal to the
+"""The Anthropic Messages and OpenAI Responses APIs through the package's mesh (etcd, gateway, 2
+prefill + 2 decode) with the official anthropic and openai clients: greedy text equal to the
 single-process engine, forced tool calls valid for their schema, whole and streamed alike,
 every stream event in its place, count_tokens and the prompt cache in usage, a tool result
 sent back and answered; a strict tool under tool_choice auto called through REST and gRPC alike
@@ -14,11 +14,9 @@ import jsonschema
 import pytest
 
 from kvmesh import SamplingParams
-from kvmesh.mesh.launcher import UpOptions
 from kvmesh.proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.integration import agent_schemas
 from tests.integration.chat_client import client_for
-from tests.integration.mesh_probes import running_mesh
 
 pytestmark = pytest.mark.timeout(600)
 MODEL = "smollm2-135m"
@@ -30,12 +28,6 @@ CITY = {
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = {"temperature": 0}  # the anthropic client no longer types it: sent as an extra field
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    with running_mesh(UpOptions(prefill=1, decode=1, kvstore="none")) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")
