@@ -109,10 +109,13 @@ class Engine:
         platform = self.platform
         backend = get_backend(config.device.attention_backend, spec.layers[0].kind, platform)
         if self.ranks is None:
-            rows = config.scheduler.max_num_batched_tokens  # the largest step's
-            warm_up = padding_pass(model, spec, backend, rows, dtype, platform)
-            budget = platform.kv_budget(config.cache.kv_cache_bytes, warm_up)  # (a GPU runs it)
-            num_pages = config.cache.num_pages or spec.pages_for_budget(budget)
+            num_pages = config.cache.num_pages
+            if not num_pages:  # sized from the budget (a GPU's: after a warm-up pass)
+                rows = config.scheduler.max_num_batched_tokens  # the largest step's
+                warm_up = padding_pass(model, spec, backend, rows, dtype, platform)
+                num_pages = spec.pages_for_budget(
+                    platform.kv_budget(config.cache.kv_cache_bytes, warm_up)
+                )
             pool = platform.new_pool(spec, num_pages, config.cache.kv_hugepages)
             self.kv_cache = PagedKVCache(spec, num_pages, dtype, pool=pool)
             staged = platform.kv_transfer(config.device.kv_transfer) == "staged"

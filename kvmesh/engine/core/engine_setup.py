@@ -43,7 +43,6 @@ def engine_platform(config: EngineConfig) -> Platform:
     load: a combination that cannot run is an InvalidRequestError naming the flag)."""
     platform = resolve_platform(config.device.device)
     platform.check(config)
-    platform.moe_backend(config.device.moe_backend)
     if config.parallel.world_size > 1 and config.device.moe_backend == "triton":
         raise InvalidRequestError("--moe-backend triton runs on one rank (not yet on ranks)")
     return platform

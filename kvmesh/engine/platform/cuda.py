@@ -48,6 +48,7 @@ class CudaPlatform:
                 "--attention-backend flashinfer reads bf16/fp32 pages; FP8 pages (their "
                 "per-token exponents): --attention-backend triton"
             )
+        self.moe_backend(config.device.moe_backend)
         self.decode_step(config.device.decode_step)
         if self.kv_transfer(config.device.kv_transfer) == "direct":
             _check_direct(config.parallel.world_size)

@@ -20,6 +20,7 @@ from kvmesh.engine.pool.block_tables import BlockTables
 from kvmesh.engine.pool.kv_cache import PagedKVCache
 from kvmesh.engine.runner.decode_steps import decode_steps
 from kvmesh.engine.runner.host_tensors import int_tensor
+from kvmesh.engine.runner.warm_up import padding_layout
 
 
 @dataclass(frozen=True)
@@ -251,16 +252,7 @@ class ModelRunner:
     def run_padding(self, bucket: int, forward) -> None:
         """One step of `bucket` padding rows only (their KV into the scratch page) through
         `forward`: how the compiled step is warmed up without touching any request's pages."""
-        scratch = self.kv.scratch_page
-        layout = BatchLayout(
-            bucket,
-            ((scratch,),) * bucket,
-            (0,) * bucket,
-            (1,) * bucket,
-            self.page_size,
-            self.kv.null_page,
-            self.compiled.max_pages,
-        )
+        layout = padding_layout(self.kv, bucket, self.compiled.max_pages)
         meta = self.attention.build_metadata(layout)
         ids, positions = (
             torch.zeros(bucket, dtype=torch.long),

@@ -16,6 +16,16 @@ from kvmesh.engine.kv.layout import KVCacheSpec
 from kvmesh.engine.pool.kv_cache import PagedKVCache
 
 
+def padding_layout(kv: PagedKVCache, rows: int, table_width: int = 0) -> BatchLayout:
+    """`rows` decode rows of one new token each, every one in `kv`'s scratch page (nothing a
+    request holds is touched): a warm-up or capture step of that many rows."""
+    scratch = ((kv.scratch_page,),) * rows
+    page_size = kv.spec.page_size
+    return BatchLayout(
+        rows, scratch, (0,) * rows, (1,) * rows, page_size, kv.null_page, table_width
+    )
+
+
 def padding_pass(
     model: Any, spec: KVCacheSpec, attention: Any, rows: int, dtype: torch.dtype, platform: Any
 ) -> Callable[[], None]:
@@ -23,10 +33,8 @@ def padding_pass(
 
     def run() -> None:
         kv = PagedKVCache(spec, 1, dtype, pool=platform.new_pool(spec, 1, False))
-        scratch = ((kv.scratch_page,),) * rows
-        layout = BatchLayout(rows, scratch, (0,) * rows, (1,) * rows, spec.page_size, kv.null_page)
         ids = torch.zeros(rows, dtype=torch.long, device=platform.device)
-        meta = attention.build_metadata(layout)
+        meta = attention.build_metadata(padding_layout(kv, rows))
         with torch.inference_mode():
             model.forward(ids, ids, meta, kv.layers, attention)
 
